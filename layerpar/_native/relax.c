@@ -1,0 +1,209 @@
+/* relax.c -- F- and C-relaxation sweeps and the sequential coarsest-level solve.
+ *
+ * F-sweep: u_i = Phi(u_{i-1}) + f_i at every F-point, interval by interval.
+ * All F-points at the same offset k of their intervals are independent, so a
+ * sweep is cf-1 batched step calls.  A rank whose first point is an F-point
+ * needs its left neighbour's last point; that interval is done last so the
+ * message overlaps the local work.
+ * C-sweep: u_c = w (Phi(u_{c-1}) + f_c) + (1 - w) u_c at every C-point c >= 1.
+ */
+#include "lpm_internal.h"
+
+#define U(L, j) ((L)->u[(j) - (L)->lo])
+#define F(L, j) ((L)->f ? (L)->f[(j) - (L)->lo] : NULL)
+
+int _lpm_step(lpm_core *c, int level, lpm_state u, lpm_state f, int j, int final, lpm_state *out) {
+    const _lpm_level *L = &c->levels[level];
+    int is = (j - 1) * L->stride, ie = j * L->stride;
+    double t = _lpm_now();
+    *out = NULL;
+    int e = c->cb.step(c->app, u, f, lpm_time(c, is), lpm_time(c, ie), is, ie, level, final, out);
+    c->timings[LPM_T_STEP] += _lpm_now() - t;
+    c->step_count[level] += 1;
+    c->batch_count[level] += 1;
+    return e ? LPM_ECALLBACK : LPM_OK;
+}
+
+/* Steps into the level points c->w_idx[0..n-1] from inputs c->w_u with
+ * right-hand sides c->w_f (entries may be NULL); results in c->w_out. */
+int _lpm_step_batch(lpm_core *c, int level, int n, int final) {
+    const _lpm_level *L = &c->levels[level];
+    int any_f = 0;
+    for (int k = 0; k < n; k++) {
+        c->w_is[k] = (c->w_idx[k] - 1) * L->stride;
+        c->w_ie[k] = c->w_idx[k] * L->stride;
+        c->w_ts[k] = lpm_time(c, c->w_is[k]);
+        c->w_te[k] = lpm_time(c, c->w_ie[k]);
+        c->w_out[k] = NULL;
+        if (c->w_f[k]) any_f = 1;
+    }
+    if (n == 1 || !c->cb.step_batch) {
+        for (int k = 0; k < n; k++) {
+            int e = _lpm_step(c, level, c->w_u[k], c->w_f[k], c->w_idx[k], final, &c->w_out[k]);
+            if (e) {
+                for (int m = 0; m < k; m++) _lpm_clear(c, &c->w_out[m]);
+                return e;
+            }
+        }
+        return LPM_OK;
+    }
+    double t = _lpm_now();
+    int e = c->cb.step_batch(c->app, n, c->w_u, any_f ? c->w_f : NULL, c->w_ts, c->w_te, c->w_is,
+                             c->w_ie, level, final, c->w_out);
+    c->timings[LPM_T_STEP] += _lpm_now() - t;
+    c->step_count[level] += n;
+    c->batch_count[level] += 1;
+    if (e) {
+        for (int k = 0; k < n; k++) _lpm_clear(c, &c->w_out[k]);
+        return LPM_ECALLBACK;
+    }
+    return LPM_OK;
+}
+
+int _lpm_fsweep(lpm_core *c, int level, int final) {
+    _lpm_level *L = &c->levels[level];
+    if (L->hi < L->lo) return LPM_OK;
+    const int cf = L->cf, lo = L->lo, hi = L->hi;
+    const int need_left = lo > 0 && lo % cf != 0;
+    const int send_right = L->right >= 0 && (hi + 1) % cf != 0;
+    const int c0 = ((lo + cf - 1) / cf) * cf; /* first local C-point */
+    const int clast = (hi / cf) * cf;         /* last C-point at or before hi */
+    int rreq = -1, sreq = -1;
+
+    if (need_left) _LPM_TRY(_lpm_irecv(c, L->left, _LPM_TAG(_LPM_TAG_F, level), &rreq));
+    if (send_right && hi % cf == 0)
+        _LPM_TRY(_lpm_isend(c, L->right, _LPM_TAG(_LPM_TAG_F, level), U(L, hi), &sreq));
+
+    /* intervals whose C-point is local: offset by offset, batched */
+    for (int k = 1; k < cf; k++) {
+        int m = 0;
+        for (int cc = c0; cc + k <= hi; cc += cf) {
+            int j = cc + k;
+            c->w_idx[m] = j;
+            c->w_u[m] = U(L, j - 1);
+            c->w_f[m] = F(L, j);
+            m++;
+        }
+        if (m == 0) break;
+        _LPM_TRY(_lpm_step_batch(c, level, m, final));
+        for (int t = 0; t < m; t++) _lpm_set(c, &U(L, c->w_idx[t]), c->w_out[t]);
+        if (send_right && hi % cf != 0 && clast >= lo && hi - clast == k)
+            _LPM_TRY(_lpm_isend(c, L->right, _LPM_TAG(_LPM_TAG_F, level), U(L, hi), &sreq));
+    }
+
+    /* the interval that started on the left neighbour */
+    if (need_left) {
+        lpm_state prev = NULL, out = NULL;
+        _LPM_TRY(_lpm_wait(c, rreq, &prev));
+        lpm_state ghost = prev;
+        for (int j = lo; j <= hi && j % cf != 0; j++) {
+            int e = _lpm_step(c, level, prev, F(L, j), j, final, &out);
+            if (e) {
+                c->cb.free(c->app, ghost);
+                return e;
+            }
+            _lpm_set(c, &U(L, j), out);
+            prev = out;
+        }
+        c->cb.free(c->app, ghost);
+        if (send_right && hi < c0)
+            _LPM_TRY(_lpm_isend(c, L->right, _LPM_TAG(_LPM_TAG_F, level), U(L, hi), &sreq));
+    }
+    if (sreq >= 0) _LPM_TRY(_lpm_wait(c, sreq, NULL));
+    return LPM_OK;
+}
+
+/* weighted C-update: new = w*a + (1-w)*u_c; consumes a */
+static int cupdate(lpm_core *c, _lpm_level *L, int j, lpm_state a) {
+    if (L->cweight == 1.0) {
+        _lpm_set(c, &U(L, j), a);
+        return LPM_OK;
+    }
+    lpm_state out = NULL;
+    int e = c->cb.sum(c->app, L->cweight, a, 1.0 - L->cweight, U(L, j), &out);
+    c->cb.free(c->app, a);
+    if (e) return LPM_ECALLBACK;
+    _lpm_set(c, &U(L, j), out);
+    return LPM_OK;
+}
+
+int _lpm_csweep(lpm_core *c, int level, int final) {
+    _lpm_level *L = &c->levels[level];
+    if (L->hi < L->lo) return LPM_OK;
+    const int cf = L->cf, lo = L->lo, hi = L->hi;
+    const int need_left = lo > 0 && lo % cf == 0;
+    const int send_right = L->right >= 0 && (hi + 1) % cf == 0;
+    int rreq = -1, sreq = -1;
+
+    if (need_left) _LPM_TRY(_lpm_irecv(c, L->left, _LPM_TAG(_LPM_TAG_C, level), &rreq));
+    if (send_right)
+        _LPM_TRY(_lpm_isend(c, L->right, _LPM_TAG(_LPM_TAG_C, level), U(L, hi), &sreq));
+
+    int first = ((lo + cf - 1) / cf) * cf;
+    if (first == 0 || need_left) first += cf;
+    int m = 0;
+    for (int j = first; j <= hi; j += cf) {
+        c->w_idx[m] = j;
+        c->w_u[m] = U(L, j - 1);
+        c->w_f[m] = F(L, j);
+        m++;
+    }
+    if (m > 0) {
+        _LPM_TRY(_lpm_step_batch(c, level, m, final));
+        for (int t = 0; t < m; t++) {
+            int e = cupdate(c, L, c->w_idx[t], c->w_out[t]);
+            if (e) {
+                for (int r = t + 1; r < m; r++) _lpm_clear(c, &c->w_out[r]);
+                return e;
+            }
+        }
+    }
+    if (need_left) {
+        lpm_state ghost = NULL, a = NULL;
+        _LPM_TRY(_lpm_wait(c, rreq, &ghost));
+        int e = _lpm_step(c, level, ghost, F(L, lo), lo, final, &a);
+        c->cb.free(c->app, ghost);
+        if (e) return e;
+        _LPM_TRY(cupdate(c, L, lo, a));
+    }
+    if (sreq >= 0) _LPM_TRY(_lpm_wait(c, sreq, NULL));
+    return LPM_OK;
+}
+
+/* nrelax sweeps of (F then C), then the F-sweep that precedes the residual */
+int _lpm_relax(lpm_core *c, int level) {
+    for (int s = 0; s < c->levels[level].nrelax; s++) {
+        _LPM_TRY(_lpm_fsweep(c, level, 0));
+        _LPM_TRY(_lpm_csweep(c, level, 0));
+    }
+    return _lpm_fsweep(c, level, 0);
+}
+
+/* exact solve on the coarsest level: u_j = Phi(u_{j-1}) + f_j in order */
+int _lpm_coarse_solve(lpm_core *c, int level, int final) {
+    _lpm_level *L = &c->levels[level];
+    if (L->hi < L->lo) return LPM_OK;
+    lpm_state ghost = NULL, out = NULL;
+    int sreq = -1;
+    if (L->lo > 0) {
+        int rreq;
+        _LPM_TRY(_lpm_irecv(c, L->left, _LPM_TAG(_LPM_TAG_COARSE, level), &rreq));
+        _LPM_TRY(_lpm_wait(c, rreq, &ghost));
+    }
+    int start = L->lo > 0 ? L->lo : 1;
+    for (int j = start; j <= L->hi; j++) {
+        lpm_state in = (j == L->lo) ? ghost : U(L, j - 1);
+        int e = _lpm_step(c, level, in, F(L, j), j, final, &out);
+        if (e) {
+            if (ghost) c->cb.free(c->app, ghost);
+            return e;
+        }
+        _lpm_set(c, &U(L, j), out);
+    }
+    if (ghost) c->cb.free(c->app, ghost);
+    if (L->right >= 0) {
+        _LPM_TRY(_lpm_isend(c, L->right, _LPM_TAG(_LPM_TAG_COARSE, level), U(L, L->hi), &sreq));
+        _LPM_TRY(_lpm_wait(c, sreq, NULL));
+    }
+    return LPM_OK;
+}

@@ -1,0 +1,17 @@
+"""The torch side of MGRIT: options, grid and partition, transport, `solve()`."""
+from .errors import (
+    ConvergenceError,
+    DivergenceError,
+    MGRITError,
+    RankMismatchError,
+    RemoteError,
+)
+from .grid import Partition, block_bounds, build_levels, grid_time, reversed_bounds
+from .options import MGRITOptions
+from .solve import MGRITResult, solve
+
+__all__ = [
+    "ConvergenceError", "DivergenceError", "MGRITError", "MGRITOptions", "MGRITResult",
+    "Partition", "RankMismatchError", "RemoteError", "block_bounds", "build_levels",
+    "grid_time", "reversed_bounds", "solve",
+]

@@ -1,0 +1,31 @@
+"""Errors raised by the MGRIT layer.  All derive from `MGRITError`."""
+from __future__ import annotations
+
+
+class MGRITError(RuntimeError):
+    """Base class of layerpar's MGRIT errors."""
+
+
+class RemoteError(MGRITError):
+    """Another rank failed; raised on every rank that learns of it instead of hanging.
+
+    `rank` is the failing rank (in the communicator passed by the user) and the message
+    carries that rank's exception type and text.
+    """
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"rank {rank} failed: {message}")
+        self.rank = rank
+        self.remote_message = message
+
+
+class RankMismatchError(MGRITError, ValueError):
+    """Options, shapes or dtypes differ between ranks (would otherwise hang or be wrong)."""
+
+
+class ConvergenceError(MGRITError):
+    """MGRIT did not reach its tolerance in `max_iter` iterations (only with `strict`)."""
+
+
+class DivergenceError(MGRITError, ArithmeticError):
+    """The residual norm became NaN or infinite: the solve produced non-finite values."""

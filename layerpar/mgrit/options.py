@@ -1,0 +1,123 @@
+"""`MGRITOptions`: validated, immutable MGRIT settings (identical on every rank)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Sequence, Union
+
+IntOrSeq = Union[int, Sequence[int]]
+
+MAX_LEVELS = 30  # the engine's LPM_MAX_LEVELS
+
+
+def _int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"`{name}` must be {rng}, got {value}")
+    return value
+
+
+def _per_level(name: str, value: Any, lo: int) -> tuple[int, ...]:
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"`{name}` must not be empty")
+        if len(value) > MAX_LEVELS:
+            raise ValueError(f"`{name}` has more than {MAX_LEVELS} entries")
+        return tuple(_int(f"{name}[{k}]", v, lo) for k, v in enumerate(value))
+    return (_int(name, value, lo),)
+
+
+def _float(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"`{name}` must be a float, got {type(value).__name__} {value!r}")
+    v = float(value)
+    ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
+    if not ok:
+        left = "(" if lo_open else "["
+        raise ValueError(f"`{name}` must be in {left}{lo}, {hi}], got {value!r}")
+    return v
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class MGRITOptions:
+    """Settings of one MGRIT solve, with the names and semantics of DESIGN.md.
+
+    max_levels: number of grid levels at most (1 = plain sequential stepping, exact).
+    cfactor: coarsening factor, int or per-level sequence (the last value repeats).
+    nrelax: FC sweeps before the final F-sweep, per level like cfactor (0 = F, 1 = FCF).
+    tol / rtol: halt when r_k < tol, or r_k < rtol * r_first.
+    max_iter: halt after this many iterations (converged or not).
+    skip: iteration 0 does no fine-level work (coarse solve of the injected guess).
+    min_coarse: a level is added only if it keeps at least this many intervals.
+    fmg: F-cycles instead of V-cycles.
+    cweight: C-relaxation weight (1 = plain C-relaxation).
+    final_fc_relax: one more F- then C-sweep on the fine grid after the last iteration.
+    strict: raise `ConvergenceError` when not converged (default: report it).
+    """
+
+    max_levels: int = MAX_LEVELS
+    cfactor: IntOrSeq = 2
+    nrelax: IntOrSeq = 1
+    tol: float = 1e-9
+    rtol: float = 0.0
+    max_iter: int = 100
+    skip: bool = True
+    min_coarse: int = 2
+    fmg: bool = False
+    cweight: float = 1.0
+    final_fc_relax: bool = False
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        s = object.__setattr__
+        _int("max_levels", self.max_levels, 1, MAX_LEVELS)
+        s(self, "cfactor", _per_level("cfactor", self.cfactor, 2))
+        s(self, "nrelax", _per_level("nrelax", self.nrelax, 0))
+        s(self, "tol", _float("tol", self.tol, 0.0, 1e300))
+        s(self, "rtol", _float("rtol", self.rtol, 0.0, 1.0))
+        _int("max_iter", self.max_iter, 1)
+        _bool("skip", self.skip)
+        _int("min_coarse", self.min_coarse, 1)
+        _bool("fmg", self.fmg)
+        s(self, "cweight", _float("cweight", self.cweight, 0.0, 2.0, lo_open=True))
+        _bool("final_fc_relax", self.final_fc_relax)
+        _bool("strict", self.strict)
+
+    def cfactor_at(self, level: int) -> int:
+        """Coarsening factor from `level` to `level + 1`."""
+        cf = self.cfactor  # normalised to a tuple
+        return cf[min(level, len(cf) - 1)]  # type: ignore[index]
+
+    def nrelax_at(self, level: int) -> int:
+        nr = self.nrelax
+        return nr[min(level, len(nr) - 1)]  # type: ignore[index]
+
+    def replace(self, **changes: Any) -> MGRITOptions:
+        """A copy with some fields changed (validated again)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        unknown = set(changes) - set(values)
+        if unknown:
+            raise TypeError(f"unknown MGRITOptions field(s): {sorted(unknown)}")
+        values.update(changes)
+        return MGRITOptions(**values)
+
+    def key(self) -> tuple:
+        """A hashable value equal on two ranks iff their options are equal."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `Core.set_options`."""
+        return dict(
+            max_levels=self.max_levels, cfactor=list(self.cfactor),  # type: ignore[arg-type]
+            nrelax=list(self.nrelax), min_coarse=self.min_coarse,  # type: ignore[arg-type]
+            tol=self.tol, rtol=self.rtol, max_iter=self.max_iter, skip=self.skip,
+            fmg=self.fmg, cweight=self.cweight, final_fc_relax=self.final_fc_relax,
+        )

@@ -1,0 +1,205 @@
+"""`solve()`: MGRIT for any propagator on torch tensors, and its result object."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .._native._core import NAN_ERROR, Core
+from .errors import ConvergenceError, DivergenceError
+from .grid import block_bounds
+from .options import MGRITOptions
+from .transport import MPITransport, SerialTransport, make_transport
+
+StepFn = Callable[[torch.Tensor, float, float, int], torch.Tensor]
+BatchStepFn = Callable[[list, list, list, int], Sequence[torch.Tensor]]
+
+
+@dataclass
+class MGRITResult:
+    """What one MGRIT solve reached; identical on every rank except `states`.
+
+    `converged` says whether a tolerance was met; not converging is reported here,
+    not raised (unless the options are `strict`).  `residual_history` holds r_1, r_2,
+    ... with `skip` on (r_0 does not exist then), r_0, r_1, ... otherwise.
+    """
+
+    final_state: torch.Tensor
+    converged: bool
+    iterations: int
+    residual_history: list[float]
+    n_levels: int
+    timings: dict[str, float] = field(default_factory=dict)
+    step_counts: list[int] = field(default_factory=list)
+    batch_counts: list[int] = field(default_factory=list)
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def success(self) -> bool:
+        return self.converged
+
+    @property
+    def message(self) -> str:
+        last = f"{self.residual_history[-1]:.3e}" if self.residual_history else "n/a"
+        if self.converged:
+            return f"converged in {self.iterations} iterations (residual {last})"
+        return f"not converged after {self.iterations} iterations (residual {last})"
+
+
+def _check_state(out: Any, like: torch.Tensor, who: str) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"`{who}` must return a torch.Tensor, got {type(out).__name__}")
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(
+            f"`{who}` returned a state of shape {tuple(out.shape)}, {out.dtype} on {out.device}; "
+            f"expected {tuple(like.shape)}, {like.dtype} on {like.device} (like `u0`)")
+    return out
+
+
+def vec_sum(alpha: float, x: torch.Tensor, beta: float, y: torch.Tensor) -> torch.Tensor:
+    """alpha*x + beta*y as a new tensor (the engine's `sum`)."""
+    if beta == 1.0:
+        return torch.add(y, x, alpha=alpha)
+    if alpha == 1.0:
+        return torch.add(x, y, alpha=beta)
+    return torch.add(x * alpha, y, alpha=beta)
+
+
+def vec_norm_sq(states: list[torch.Tensor]) -> float:
+    """Sum of squared 2-norms, accumulated in float64 and read back once."""
+    if len(states) == 1:
+        return float(torch.linalg.vector_norm(states[0], dtype=torch.float64) ** 2)
+    norms = torch.stack([torch.linalg.vector_norm(s, dtype=torch.float64) for s in states])
+    return float(torch.dot(norms, norms))
+
+
+class _SolveApp:
+    """Adapts the user's `step(u, t_start, t_stop, level)` to the engine's callbacks."""
+
+    def __init__(self, step: StepFn, step_batch: Optional[BatchStepFn], u0: torch.Tensor,
+                 init: Optional[Callable[[float], torch.Tensor]]) -> None:
+        self._user_step = step
+        self._user_batch = step_batch
+        self.u0 = u0
+        self._init = init
+        self._zero = torch.zeros_like(u0)
+        if step_batch is None:
+            self.step_batch = None  # the engine then calls step() per state
+
+    def step(self, u: torch.Tensor, f: Optional[torch.Tensor], ts: float, te: float, is_: int,
+             ie: int, level: int, final: int) -> torch.Tensor:
+        out = _check_state(self._user_step(u, ts, te, level), self.u0, "step")
+        return out if f is None else torch.add(out, f)
+
+    def step_batch(self, us: list, fs: Optional[list], ts: list, te: list, is_: list, ie: list,
+                   level: int, final: int) -> list:
+        outs = list(self._user_batch(us, ts, te, level))  # type: ignore[misc]
+        if len(outs) != len(us):
+            raise ValueError(f"`step_batch` returned {len(outs)} states for {len(us)} inputs")
+        for k, o in enumerate(outs):
+            _check_state(o, self.u0, "step_batch")
+            if fs is not None and fs[k] is not None:
+                outs[k] = torch.add(o, fs[k])
+        return outs
+
+    def init(self, t: float, i: int) -> torch.Tensor:
+        if i == 0:
+            return self.u0
+        if self._init is None:
+            return self._zero
+        return _check_state(self._init(t), self.u0, "init")
+
+    sum = staticmethod(vec_sum)
+    norm_sq = staticmethod(vec_norm_sq)
+
+
+def _validate(step: Any, u0: Any, n_steps: Any, t_start: Any, t_final: Any, options: Any,
+              init: Any, step_batch: Any, size: int) -> None:
+    if not callable(step):
+        raise TypeError(f"`step` must be callable, got {type(step).__name__}")
+    if step_batch is not None and not callable(step_batch):
+        raise TypeError("`step_batch` must be callable or None")
+    if init is not None and not callable(init):
+        raise TypeError("`init` must be callable or None")
+    if not isinstance(u0, torch.Tensor):
+        raise TypeError(f"`u0` must be a torch.Tensor, got {type(u0).__name__}")
+    if isinstance(n_steps, bool) or not isinstance(n_steps, int):
+        raise TypeError(f"`n_steps` must be an int, got {type(n_steps).__name__}")
+    if n_steps < 1:
+        raise ValueError(f"`n_steps` must be >= 1, got {n_steps}")
+    if n_steps < size:
+        raise ValueError(f"`n_steps` ({n_steps}) must be >= the number of ranks ({size})")
+    for name, v in (("t_start", t_start), ("t_final", t_final)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise TypeError(f"`{name}` must be a finite float, got {v!r}")
+    if not t_final > t_start:
+        raise ValueError(f"`t_final` ({t_final}) must be > `t_start` ({t_start})")
+    if not isinstance(options, MGRITOptions):
+        raise TypeError(f"`options` must be an MGRITOptions, got {type(options).__name__}")
+
+
+def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
+          options: Optional[MGRITOptions] = None, comm: Any = None,
+          init: Optional[Callable[[float], torch.Tensor]] = None, *, t_start: float = 0.0,
+          step_batch: Optional[BatchStepFn] = None) -> MGRITResult:
+    """Solve u_{i+1} = step(u_i, t_i, t_{i+1}, level) for i = 0..n_steps-1 with MGRIT.
+
+    step: the propagator; called on coarse levels with longer intervals and their level.
+        It must return a new tensor shaped like `u0` and must not modify its input.
+    u0: the initial condition (needed on rank 0; other ranks use its shape and dtype).
+    n_steps, t_final, t_start: the fine grid t_i = t_start + (i/n_steps)(t_final - t_start).
+    options: `MGRITOptions` (the same on every rank; checked).
+    comm: an mpi4py communicator, or None for a serial solve.
+    init: initial guess init(t) at fine C-points (default: zeros shaped like `u0`).
+    step_batch: optional batched propagator step_batch(us, t_starts, t_stops, level)
+        returning the list of advanced states (independent intervals at once).
+
+    Returns an `MGRITResult` whose `final_state` (u at t_final) is broadcast to every rank.
+    """
+    options = MGRITOptions() if options is None else options
+    transport: SerialTransport | MPITransport = make_transport(comm)
+    try:
+        err: BaseException | None = None
+        try:
+            _validate(step, u0, n_steps, t_start, t_final, options, init, step_batch,
+                      transport.size)
+            key: Any = (options.key(), n_steps, float(t_start), float(t_final),
+                        tuple(u0.shape), str(u0.dtype), init is None, step_batch is None)
+        except (TypeError, ValueError) as exc:
+            err, key = exc, None
+        transport.agree(key, err, "solve() arguments (options, n_steps, times, u0 shape/dtype)")
+
+        def run() -> MGRITResult:
+            bounds = block_bounds(n_steps, transport.size)
+            app = _SolveApp(step, step_batch, u0, init)
+            core = Core(n_steps, float(t_start), float(t_final), transport.rank, transport.size,
+                        bounds, app, transport)
+            core.set_options(**options.engine_kwargs())
+            transport.set_template(u0)
+            code = core.drive()
+            hist = core.residual_history
+            if code == NAN_ERROR:
+                raise DivergenceError(
+                    f"MGRIT residual became {hist[-1]} in iteration {core.iterations}: the "
+                    f"propagator produced non-finite values (history {hist})")
+            last = transport.size - 1
+            final = transport.bcast_state(core.get_state(n_steps) if transport.rank == last
+                                          else None, root=last)
+            states = {i: core.get_state(i) for i in range(bounds[transport.rank],
+                                                           bounds[transport.rank + 1])}
+            return MGRITResult(final_state=final, converged=core.converged,
+                               iterations=core.iterations, residual_history=hist,
+                               n_levels=core.n_levels, timings=core.timings,
+                               step_counts=core.step_counts(), batch_counts=core.batch_counts(),
+                               states={i: s for i, s in states.items() if s is not None})
+
+        from .transport import guarded
+
+        result = guarded(transport, run)
+    finally:
+        transport.close()
+    if options.strict and not result.converged:
+        raise ConvergenceError(result.message)
+    return result

@@ -1,0 +1,258 @@
+"""ODE networks: residual segments and the serial oracle.
+
+A ``Segment`` is N residual steps u ← scheme(u, dt, F_n) on [t_start, t_final];
+an ``ODENet`` chains segments with ordinary (possibly shape-changing) layers.
+``ODENet.forward`` runs everything layer after layer with plain autograd: it is
+the *serial oracle* every layer-parallel result is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Callable
+
+from torch import Tensor, nn
+
+from .blocks import _positive_int
+from .coarsening import coarse_block
+from .rng import draw_seed, layer_rng, needs_rng
+from .schemes import Scheme, get_scheme
+
+__all__ = ["Segment", "ODENet", "sequential_segment"]
+
+
+def _real(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"`{name}` must be finite, got {value}")
+    return value
+
+
+class Segment(nn.Module):
+    """N residual steps u <- scheme(u, dt, F_n) on [t_start, t_final].
+
+    ``block(n)`` builds the residual branch F_n (it computes F(u), not u + F(u))
+    for n = 0..N-1; the blocks are stored in ``self.blocks``.  The fine time grid
+    is t_i = t_start + (i / N)(t_final - t_start), computed exactly as the MGRIT
+    engine computes it, so step sizes agree bit for bit.
+    """
+
+    def __init__(
+        self,
+        block: Callable[[int], nn.Module],
+        n_steps: int,
+        t_final: float = 1.0,
+        *,
+        t_start: float = 0.0,
+        scheme: str | Scheme = "euler",
+    ) -> None:
+        super().__init__()
+        if not callable(block) or isinstance(block, nn.Module):
+            raise TypeError(
+                f"`block` must be a callable n -> nn.Module (a factory, not a module; "
+                f"wrap existing modules with sequential_segment), got {type(block).__name__}"
+            )
+        self.n_steps = _positive_int(n_steps, "n_steps")
+        self.t_start = _real(t_start, "t_start")
+        self.t_final = _real(t_final, "t_final")
+        if not self.t_final > self.t_start:
+            raise ValueError(
+                f"`t_final` must be greater than `t_start`, got t_final={self.t_final}, "
+                f"t_start={self.t_start}"
+            )
+        self.scheme = get_scheme(scheme)
+        blocks = []
+        for n in range(self.n_steps):
+            b = block(n)
+            if not isinstance(b, nn.Module):
+                raise TypeError(
+                    f"`block` (`steps` in ODENet) must return an nn.Module, but block({n}) "
+                    f"returned {type(b).__name__}"
+                )
+            blocks.append(b)
+        self.blocks = nn.ModuleList(blocks)
+
+    def time(self, i: int) -> float:
+        """Time of fine point ``i`` (0..N): t_start + (i / N) * (t_final - t_start)."""
+        if not 0 <= i <= self.n_steps:
+            raise IndexError(f"fine index must be in [0, {self.n_steps}], got {i}")
+        return self.t_start + (i / self.n_steps) * (self.t_final - self.t_start)
+
+    def step(
+        self,
+        u: Tensor,
+        istart: int,
+        istop: int,
+        *,
+        coarsening: str = "injection",
+        seed: int | None = None,
+        segment_index: int = 0,
+    ) -> Tensor:
+        """One (possibly coarse) step from fine point ``istart`` to ``istop``.
+
+        dt = time(istop) - time(istart), F = coarse_block(self.blocks, istart,
+        istop, coarsening); returns scheme.step(F, u, dt).  If ``seed`` is not
+        None and ``needs_rng(blocks[istart])``, every evaluation of F runs inside
+        ``layer_rng(seed, segment_index, istart)``, so all evaluations of layer
+        ``istart`` for one batch draw the same dropout mask.
+        """
+        f = coarse_block(self.blocks, istart, istop, coarsening)
+        dt = self.time(istop) - self.time(istart)
+        rng = seed is not None and needs_rng(self.blocks[istart])
+
+        def branch(v: Tensor) -> Tensor:
+            if rng:
+                with layer_rng(seed, segment_index, istart):
+                    out = f(v)
+            else:
+                out = f(v)
+            if out.shape != v.shape:
+                raise ValueError(
+                    f"layer {istart} of the segment changed the state's shape from "
+                    f"{tuple(v.shape)} to {tuple(out.shape)}; a residual block must keep it"
+                )
+            return out
+
+        return self.scheme.step(branch, u, dt)
+
+    def forward(self, u: Tensor, *, seed: int | None = None, segment_index: int = 0) -> Tensor:
+        """Serial oracle: all N fine steps in order, with plain autograd."""
+        for n in range(self.n_steps):
+            u = self.step(u, n, n + 1, seed=seed, segment_index=segment_index)
+        return u
+
+    def extra_repr(self) -> str:
+        return (
+            f"n_steps={self.n_steps}, t=[{self.t_start:g}, {self.t_final:g}], "
+            f"scheme={self.scheme.name!r}"
+        )
+
+
+def sequential_segment(
+    seq: nn.Sequential | Sequence[nn.Module],
+    t_final: float | None = None,
+    *,
+    scheme: str | Scheme = "euler",
+) -> Segment:
+    """Wrap equal-shape residual-branch modules as a Segment (sharing the same objects).
+
+    Each module must compute only the residual branch F(u), not u + F(u).  The
+    default ``t_final = len(seq)`` gives step size h = 1 (up to round-off), so
+    forward Euler reproduces a classic ResNet u ← u + F(u).
+    """
+    modules = list(seq)
+    if not modules:
+        raise ValueError("`seq` must contain at least one module")
+    for k, m in enumerate(modules):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"`seq` must hold nn.Modules, but item {k} is {type(m).__name__}")
+    t_final = float(len(modules)) if t_final is None else t_final
+    return Segment(modules.__getitem__, len(modules), t_final, scheme=scheme)
+
+
+class ODENet(nn.Module):
+    """Opening layer(s) → ODE segment(s) → closing layer(s); ``forward`` is the serial oracle.
+
+    Simple form: ``ODENet(open, steps, n_steps, t_final, close, scheme=...)`` gives
+    ``layers = [open, Segment(steps, n_steps, t_final, scheme=scheme), close]``
+    (a None ``open``/``close`` is left out).  General form: ``ODENet(layers=[...])``
+    with any mix of ``Segment``s and plain modules, at least one Segment; there
+    each Segment carries its own ``t_final`` and ``scheme``.  Parameters are named
+    ``layers.<k>.…``, e.g. ``layers.1.blocks.5.linear.weight``.
+
+    Dropout: in training mode, if any layer needs randomness (``needs_rng``),
+    ``forward`` first draws one seed with ``draw_seed()`` (before any layer
+    runs) and passes it to every Segment with ``segment_index`` = the Segment's
+    position in ``segments`` (0, 1, …).  Each fine layer's mask then depends only
+    on (seed, segment_index, layer), so a layer-parallel run that draws its seed
+    the same way (``forward_seed``) reproduces serial dropout exactly given the
+    same global torch seed.  Plain layers are called once, normally.
+    """
+
+    def __init__(
+        self,
+        open: nn.Module | None = None,
+        steps: Callable[[int], nn.Module] | None = None,
+        n_steps: int | None = None,
+        t_final: float = 1.0,
+        close: nn.Module | None = None,
+        *,
+        layers: Sequence[nn.Module] | None = None,
+        scheme: str | Scheme = "euler",
+    ) -> None:
+        super().__init__()
+        if layers is not None:
+            simple = {"open": open, "steps": steps, "n_steps": n_steps, "close": close}
+            given = [f"`{k}`" for k, v in simple.items() if v is not None]
+            if t_final != 1.0:
+                given.append("`t_final`")
+            if not (isinstance(scheme, str) and scheme == "euler"):
+                given.append("`scheme`")
+            if given:
+                raise ValueError(
+                    f"give either `layers` or the simple form, not both: {', '.join(given)} "
+                    "given with `layers` (set t_final/scheme on each Segment)"
+                )
+            layers = list(layers)
+            for k, m in enumerate(layers):
+                if not isinstance(m, nn.Module):
+                    raise TypeError(
+                        f"`layers` must hold nn.Modules, but item {k} is {type(m).__name__}"
+                    )
+            if not any(isinstance(m, Segment) for m in layers):
+                raise ValueError("`layers` must contain at least one Segment")
+        else:
+            if steps is None or n_steps is None:
+                raise ValueError("give `steps` and `n_steps` (simple form) or `layers`")
+            if not callable(steps) or isinstance(steps, nn.Module):
+                raise TypeError(
+                    f"`steps` must be a callable n -> nn.Module, got {type(steps).__name__}"
+                )
+            for name, m in (("open", open), ("close", close)):
+                if m is not None and not isinstance(m, nn.Module):
+                    raise TypeError(f"`{name}` must be an nn.Module or None")
+            segment = Segment(steps, n_steps, t_final, scheme=scheme)
+            layers = [m for m in (open, segment, close) if m is not None]
+        self.layers = nn.ModuleList(layers)
+
+    @property
+    def segments(self) -> list[tuple[int, Segment]]:
+        """(layer index, Segment) for every Segment in ``layers``, in order."""
+        return [(k, m) for k, m in enumerate(self.layers) if isinstance(m, Segment)]
+
+    @property
+    def n_steps_total(self) -> int:
+        """Number of residual steps over all segments."""
+        return sum(seg.n_steps for _, seg in self.segments)
+
+    def forward_seed(self) -> int | None:
+        """The dropout seed ``forward`` uses: one ``draw_seed()`` if needed, else None.
+
+        Draws (and so advances the global generator) only in training mode when
+        some layer needs randomness; otherwise returns None without drawing.
+        """
+        if self.training and any(needs_rng(m) for m in self.layers):
+            return draw_seed()
+        return None
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Serial oracle: every layer in order, plain autograd."""
+        seed = self.forward_seed()
+        segment_index = 0
+        for layer in self.layers:
+            if isinstance(layer, Segment):
+                x = layer(x, seed=seed, segment_index=segment_index)
+                segment_index += 1
+            else:
+                x = layer(x)
+        return x
+
+    def extra_repr(self) -> str:
+        segs = ", ".join(
+            f"{seg.n_steps}@[{seg.t_start:g}, {seg.t_final:g}]" for _, seg in self.segments
+        )
+        return f"segments={len(self.segments)} ({segs}), n_steps_total={self.n_steps_total}"

@@ -1,0 +1,87 @@
+"""Per-layer random-number control, so dropout is consistent under MGRIT.
+
+MGRIT evaluates a layer's step several times per batch (relaxation, residual,
+coarse levels, recomputation in the adjoint).  For the parallel result to equal
+the serial one, every evaluation of layer n must draw the *same* dropout mask.
+``layer_rng(seed, *key)`` seeds the global generator from (seed, key) for the
+duration of one evaluation and then puts the previous state back, so the mask
+depends only on the per-batch seed and the layer's key, never on how often or in
+which order layers were evaluated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["DROPOUT_TYPES", "needs_rng", "layer_rng", "draw_seed", "mix_seed"]
+
+#: Module types whose forward draws from the global generator.
+DROPOUT_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+
+_MASK64 = (1 << 64) - 1
+
+
+def needs_rng(module: nn.Module) -> bool:
+    """True if ``module`` contains a dropout submodule that is in training mode now.
+
+    Only the module types in ``DROPOUT_TYPES`` are detected; randomness drawn in a
+    custom ``forward`` (e.g. ``F.dropout``) is not.
+    """
+    return any(isinstance(m, DROPOUT_TYPES) and m.training for m in module.modules())
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def mix_seed(seed: int, *key: int) -> int:
+    """A deterministic 63-bit seed from ``seed`` and ``key`` (SplitMix64; no ``hash()``)."""
+    h = _splitmix64(operator.index(seed) & _MASK64)
+    for k in key:
+        h = _splitmix64(h ^ (operator.index(k) & _MASK64))
+    return h >> 1
+
+
+@contextlib.contextmanager
+def layer_rng(seed: int, *key: int) -> Iterator[None]:
+    """Seed the global torch generator from (seed, *key) inside the block; restore it after.
+
+    Covers the CPU generator and, if CUDA is initialised, the current CUDA
+    device's generator.  The previous states are restored on exit, also when the
+    block raises, so code outside sees an untouched random stream.
+    """
+    s = mix_seed(seed, *key)
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cpu_state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state() if cuda else None
+    # default_generator, not torch.manual_seed: the latter also queues a lazy
+    # seeding of every CUDA device, which would leak past the restore.
+    torch.default_generator.manual_seed(s)
+    if cuda:
+        torch.cuda.manual_seed(s)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state)
+
+
+def draw_seed() -> int:
+    """Draw one int in [0, 2**62) from the global CPU generator (once per forward pass)."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
