@@ -1,0 +1,663 @@
+"""`LayerParallel`: an `ODENet` distributed over the ranks of a communicator.
+
+Each Segment's N steps are split into contiguous blocks of layers, one block per
+rank (`block_bounds`).  Forward propagation through a segment is an MGRIT solve;
+backpropagation is the adjoint equation solved by MGRIT in reverse time, and
+each rank computes the parameter gradients of its own layers only.  Plain layers
+(anything that is not a residual step) run once per batch on one rank: those
+before the first segment on rank 0, all others on the last rank, which holds the
+segment outputs.  The output is broadcast, so the loss is available on every rank.
+
+Coarse steps use the block at the start of their interval (injection) or the
+parameter average over the interval.  The first coarse interval of a rank may
+start at a layer its left neighbour owns: such blocks are kept as read-only
+"ghost" copies and refreshed from their owners at every forward pass.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable, Iterator, Optional, Union
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ._native._core import NAN_ERROR, Core
+from .mgrit.errors import DivergenceError, RankMismatchError, RemoteError
+from .mgrit.grid import block_bounds, build_levels, reversed_bounds
+from .mgrit.options import MGRITOptions
+from .mgrit.solve import vec_norm_sq, vec_sum
+from .mgrit.transport import MPITransport, SerialTransport, pack, unpack
+from .ode.coarsening import COARSENINGS, coarse_block
+from .ode.net import ODENet, Segment
+from .ode.rng import DROPOUT_TYPES as _DROPOUT
+from .ode.rng import draw_seed, layer_rng, needs_rng
+
+_GHOST_TAG = 31001
+_LINK_TAG = 31002
+
+_BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+@contextlib.contextmanager
+def _frozen_running_stats(modules: list[nn.Module]) -> Iterator[None]:
+    """Batch norm in training mode without updating running statistics (MGRIT
+    evaluates a layer several times per batch; the statistics move once, in the
+    final sweep)."""
+    saved = []
+    for m in modules:
+        saved.append((m, m.momentum, None if m.num_batches_tracked is None
+                      else m.num_batches_tracked.clone()))
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, mom, nbt in saved:
+            m.momentum = mom
+            if nbt is not None:
+                m.num_batches_tracked.copy_(nbt)
+
+
+class _Remote(nn.Module):
+    """Placeholder for a layer that lives on another rank (holds no parameters)."""
+
+    def __init__(self, owner: int) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def extra_repr(self) -> str:
+        return f"on rank {self.owner}"
+
+
+class _SegmentShard(nn.Module):
+    """This rank's blocks of a Segment, registered under their global indices so that
+    parameter names match the serial net (``layers.<k>.blocks.<n>.…``)."""
+
+    def __init__(self, seg: Segment, owned: range) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({str(n): seg.blocks[n] for n in owned})
+
+    def extra_repr(self) -> str:
+        keys = list(self.blocks.keys())
+        return f"layers {keys[0]}..{keys[-1]}" if keys else "no layers"
+
+
+def _state_vector(module: nn.Module) -> Tensor:
+    vals = [t.detach().reshape(-1).to(torch.float64) for t in module.state_dict().values()]
+    return torch.cat(vals) if vals else torch.zeros(0, dtype=torch.float64)
+
+
+def _load_state_vector(module: nn.Module, vec: Tensor) -> None:
+    off = 0
+    with torch.no_grad():
+        for t in module.state_dict(keep_vars=True).values():
+            n = t.numel()
+            t.copy_(vec[off:off + n].view(t.shape).to(t.dtype))
+            off += n
+
+
+def _needed_layers(n: int, size: int, rank: int, fwd: MGRITOptions, bwd: MGRITOptions,
+                   coarsening: str) -> set[int]:
+    """Layers whose blocks this rank's coarse steps use (owned or not)."""
+    bounds = block_bounds(n, size)
+    need: set[int] = set()
+    for lv in build_levels(n, fwd)[1:]:
+        lo = -(-bounds[rank] // lv.stride)
+        hi = min((bounds[rank + 1] - 1) // lv.stride, lv.n_intervals)
+        for j in range(max(lo, 1), hi + 1):
+            a, b = (j - 1) * lv.stride, j * lv.stride
+            need.update([a] if coarsening == "injection" else range(a, b))
+    rb = reversed_bounds(bounds)
+    rrank = size - 1 - rank
+    for lv in build_levels(n, bwd)[1:]:
+        lo = -(-rb[rrank] // lv.stride)
+        hi = min((rb[rrank + 1] - 1) // lv.stride, lv.n_intervals)
+        for m in range(max(lo, 1), hi + 1):
+            a, b = n - m * lv.stride, n - (m - 1) * lv.stride
+            need.update([a] if coarsening == "injection" else range(a, b))
+    return need
+
+
+class _ForwardApp:
+    """Engine callbacks of a segment's forward solve on this rank."""
+
+    def __init__(self, runner: _SegmentRunner) -> None:
+        self.r = runner
+        self.step_batch = None  # per-layer weights: the engine loops over step()
+
+    def step(self, u: Tensor, f: Optional[Tensor], ts: float, te: float, a: int, b: int,
+             level: int, final: int) -> Tensor:
+        r = self.r
+        if final and r.recording:
+            with torch.enable_grad():
+                u_in = u.detach().requires_grad_()
+                out = r.phi(u_in, a, b, update_stats=True)
+            r.records[a] = (u_in, out)
+            out = out.detach()
+        elif final:
+            out = r.phi(u, a, b, update_stats=True)
+        else:
+            out = r.phi(u, a, b, update_stats=False)
+        return out if f is None else torch.add(out, f)
+
+    def init(self, t: float, i: int) -> Tensor:
+        return self.r.u0 if i == 0 else self.r.zero
+
+    sum = staticmethod(vec_sum)
+    norm_sq = staticmethod(vec_norm_sq)
+
+
+class _AdjointApp:
+    """Engine callbacks of a segment's adjoint solve (reverse time).
+
+    Reverse point m holds lambda_{N-m}.  The reverse step from m_a to m_b applies the
+    transposed Jacobian of the forward step from N-m_b to N-m_a (one layer on the fine
+    grid, a coarse step on coarse levels), linearised at the forward state u_{N-m_b}.
+    """
+
+    def __init__(self, runner: _SegmentRunner) -> None:
+        self.r = runner
+        self.step_batch = None
+
+    def step(self, lam: Tensor, f: Optional[Tensor], ts: float, te: float, ma: int, mb: int,
+             level: int, final: int) -> Tensor:
+        r = self.r
+        n = r.n
+        a, b = n - mb, n - ma
+        if level == 0:
+            u_in, out = r.records[a]
+            if final:
+                params = r.layer_params[a]
+                grads = torch.autograd.grad(out, [u_in, *params], lam, allow_unused=True)
+                r.param_grads[a] = grads[1:]
+                res = grads[0]
+            else:
+                (res,) = torch.autograd.grad(out, u_in, lam, retain_graph=True)
+        else:
+            key = (a, b)
+            rec = r.coarse_graphs.get(key)
+            if rec is None:
+                with torch.enable_grad():
+                    u_a = r.records[a][0].detach().requires_grad_()
+                    rec = (u_a, r.phi(u_a, a, b, update_stats=False))
+                r.coarse_graphs[key] = rec
+            (res,) = torch.autograd.grad(rec[1], rec[0], lam, retain_graph=True)
+        return res if f is None else torch.add(res, f)
+
+    def init(self, t: float, i: int) -> Tensor:
+        return self.r.lam_n if i == 0 else self.r.lam_zero
+
+    sum = staticmethod(vec_sum)
+    norm_sq = staticmethod(vec_norm_sq)
+
+
+class _SegmentRunner:
+    """One Segment on one rank: ownership, ghosts, and the forward/adjoint engines."""
+
+    def __init__(self, seg: Segment, seg_index: int, transport: Any, fwd: MGRITOptions,
+                 bwd: MGRITOptions, coarsening: str) -> None:
+        self.seg = seg
+        self.seg_index = seg_index
+        self.n = n = seg.n_steps
+        self.coarsening = coarsening
+        size, rank = transport.size, transport.rank
+        self.bounds = block_bounds(n, size)
+        self.owned = range(max(self.bounds[rank], 1) - 1, self.bounds[rank + 1] - 1)
+        self.times = [seg.time(i) for i in range(n + 1)]
+        self.scheme = seg.scheme
+        # blocks this rank evaluates: its own, plus ghosts of its neighbours' layers
+        need = _needed_layers(n, size, rank, fwd, bwd, coarsening) - set(self.owned)
+        self.blocks: dict[int, nn.Module] = {k: seg.blocks[k] for k in self.owned}
+        for k in sorted(need):
+            ghost = copy.deepcopy(seg.blocks[k])
+            for p in ghost.parameters():
+                p.requires_grad_(False)
+            self.blocks[k] = ghost
+        # ghost traffic: (layer, owner, needer) for every rank, computed identically
+        owner_of = [q for q in range(size) for _ in range(self.bounds[q + 1] - self.bounds[q])]
+        self.ghost_plan = []
+        for q in range(size):
+            lo_q = max(self.bounds[q], 1) - 1
+            hi_q = self.bounds[q + 1] - 1
+            for k in sorted(_needed_layers(n, size, q, fwd, bwd, coarsening)):
+                if not lo_q <= k < hi_q:
+                    self.ghost_plan.append((k, owner_of[k + 1], q))
+        self.layer_params = {k: [p for p in seg.blocks[k].parameters() if p.requires_grad]
+                             for k in self.owned}
+        self.bn = {k: [m for m in blk.modules() if isinstance(m, _BN_TYPES)
+                       and m.training and m.track_running_stats]
+                   for k, blk in self.blocks.items()}
+        self.fapp = _ForwardApp(self)
+        self.bapp = _AdjointApp(self)
+        self.transport = transport
+        self.fcore = Core(n, seg.t_start, seg.t_final, rank, size, self.bounds, self.fapp,
+                          transport)
+        fo = fwd.replace(final_fc_relax=True)
+        self.fcore.set_options(**fo.engine_kwargs())
+        self.rtransport = transport.reversed()
+        self.bcore = Core(n, seg.t_start, seg.t_final, self.rtransport.rank, size,
+                          reversed_bounds(self.bounds), self.bapp, self.rtransport)
+        self.bcore.set_options(**bwd.replace(final_fc_relax=True).engine_kwargs())
+        # per-batch state
+        self.seed: Optional[int] = None
+        self.rng_layers: set[int] = set()
+        self.recording = False
+        self.records: dict[int, tuple[Tensor, Tensor]] = {}
+        self.coarse_graphs: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        self.param_grads: dict[int, tuple] = {}
+
+    # -- the propagator -------------------------------------------------------------------
+    def phi(self, u: Tensor, a: int, b: int, *, update_stats: bool) -> Tensor:
+        """Step from fine point a to b with the block of layer a (or the average)."""
+        if b == a + 1 or self.coarsening == "injection":
+            f: Callable[[Tensor], Tensor] = self.blocks[a]
+        else:
+            f = coarse_block([self.blocks[k] for k in range(a, b)], 0, b - a, self.coarsening)
+        dt = self.times[b] - self.times[a]
+        bn = self.bn.get(a)
+        if a in self.rng_layers or (bn and not update_stats):
+            inner = f
+
+            def f(v: Tensor) -> Tensor:
+                with contextlib.ExitStack() as stack:
+                    if a in self.rng_layers:
+                        stack.enter_context(layer_rng(self.seed, self.seg_index, a))
+                    if bn and not update_stats:
+                        stack.enter_context(_frozen_running_stats(bn))
+                    return inner(v)
+        return self.scheme.step(f, u, dt)
+
+    # -- per batch ----------------------------------------------------------------------------
+    def sync_ghosts(self) -> None:
+        """Send owned blocks' current parameters to ranks that keep ghosts of them."""
+        if not self.ghost_plan:
+            return
+        tr = self.transport
+        me = tr.comm.Get_rank()
+        reqs, recvs = [], []
+        for k, owner, needer in self.ghost_plan:
+            if owner == me:
+                buf = _state_vector(self.seg.blocks[k]).numpy()
+                reqs.append((tr.comm.Isend(buf, dest=needer, tag=_GHOST_TAG), buf))
+            elif needer == me:
+                buf = np.empty(_state_vector(self.blocks[k]).numel(), dtype=np.float64)
+                recvs.append((k, tr.comm.Irecv(buf, source=owner, tag=_GHOST_TAG), buf))
+        for k, req, buf in recvs:
+            tr._wait_request(req)
+            _load_state_vector(self.blocks[k], torch.from_numpy(buf))
+        for req, _ in reqs:
+            tr._wait_request(req)
+
+    def forward(self, u0: Optional[Tensor], like: Tensor, seed: Optional[int],
+                record: bool) -> tuple[Optional[Tensor], dict]:
+        """MGRIT forward solve; returns (u_N on the last rank else None, stats)."""
+        self.seed = seed
+        self.rng_layers = {k for k, blk in self.blocks.items() if seed is not None
+                           and needs_rng(blk)}
+        self.recording = record
+        self.records = {}
+        self.coarse_graphs = {}
+        self.param_grads = {}
+        self.u0 = u0 if u0 is not None else like
+        self.zero = torch.zeros_like(like)
+        self.transport.set_template(like)
+        code = self.fcore.drive()
+        self._check(code, self.fcore, "forward")
+        last = self.transport.size - 1
+        out = self.fcore.get_state(self.n) if self.transport.rank == last else None
+        return out, self._stats(self.fcore)
+
+    def backward(self, lam_n: Optional[Tensor], like: Tensor) -> tuple[Optional[Tensor], dict]:
+        """Adjoint MGRIT solve; returns (lambda_0 on rank 0 else None, stats)."""
+        self.lam_n = lam_n if lam_n is not None else like
+        self.lam_zero = torch.zeros_like(like)
+        self.rtransport.set_template(like)
+        code = self.bcore.drive()
+        self._check(code, self.bcore, "backward")
+        out = self.bcore.get_state(self.n) if self.transport.rank == 0 else None
+        self.records = {}
+        self.coarse_graphs = {}
+        return out, self._stats(self.bcore)
+
+    def _check(self, code: int, core: Core, what: str) -> None:
+        if code == NAN_ERROR:
+            raise DivergenceError(
+                f"{what} MGRIT residual became {core.residual_history[-1]} in iteration "
+                f"{core.iterations} of segment {self.seg_index}: non-finite values")
+
+    @staticmethod
+    def _stats(core: Core) -> dict:
+        return {"iterations": core.iterations, "converged": core.converged,
+                "residual_history": core.residual_history, "n_levels": core.n_levels,
+                "timings": core.timings}
+
+
+class _PlainRecord:
+    """A plain layer evaluated once with its graph kept for the backward pass."""
+
+    def __init__(self, layer: nn.Module, x: Tensor, record: bool) -> None:
+        if record:
+            with torch.enable_grad():
+                self.x = x.detach().requires_grad_()
+                self.y = layer(self.x)
+        else:
+            self.x, self.y = x, layer(x)
+        self.params = [p for p in layer.parameters() if p.requires_grad]
+
+
+class _Context:
+    """What one forward pass leaves for its backward pass."""
+
+    def __init__(self) -> None:
+        self.plain: dict[int, _PlainRecord] = {}
+        self.shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
+        self.x_requires_grad = False
+
+
+class LayerParallel(nn.Module):
+    """Run an `ODENet` layer-parallel over the ranks of `comm` with MGRIT.
+
+    net: an `ODENet`, or a zero-argument factory returning one (called on every rank,
+        so seed the global generator first to get the same network everywhere).
+    comm: an mpi4py communicator (never COMM_WORLD implicitly), or None for one rank.
+    options / backward_options: `MGRITOptions` of the forward and adjoint solves
+        (`final_fc_relax` is always on: the final sweep records states and gradients).
+    coarsening: parameter coarsening on coarse levels, "injection" or "average".
+    state_dict: optional whole-network state dict to load before distributing.
+
+    Same forward signature as the serial net: pass the input on every rank; the output
+    (and so the loss) is returned on every rank.  `named_parameters()` yields only this
+    rank's parameters, under the names they have in the serial net.  After each pass
+    `last_forward` / `last_backward` report MGRIT iterations and residuals per segment.
+    """
+
+    def __init__(self, net: Union[ODENet, Callable[[], ODENet]], comm: Any = None,
+                 options: Optional[MGRITOptions] = None,
+                 backward_options: Optional[MGRITOptions] = None, *,
+                 coarsening: str = "injection",
+                 state_dict: Optional[dict[str, Tensor]] = None) -> None:
+        super().__init__()
+        self.transport: Union[SerialTransport, MPITransport] = (
+            MPITransport(comm) if comm is not None else _SerialLP())
+        options = MGRITOptions(max_levels=1) if options is None else options
+        backward_options = options if backward_options is None else backward_options
+        err: Optional[BaseException] = None
+        key: Any = None
+        try:
+            if not isinstance(net, ODENet):
+                if not callable(net):
+                    raise TypeError(f"`net` must be an ODENet or a factory returning one, got "
+                                    f"{type(net).__name__}")
+                net = net()
+                if not isinstance(net, ODENet):
+                    raise TypeError(f"the `net` factory returned {type(net).__name__}, "
+                                    "not an ODENet")
+            for name, o in (("options", options), ("backward_options", backward_options)):
+                if not isinstance(o, MGRITOptions):
+                    raise TypeError(f"`{name}` must be an MGRITOptions, got {type(o).__name__}")
+            if coarsening not in COARSENINGS:
+                raise ValueError(f"`coarsening` must be one of {COARSENINGS}, got "
+                                 f"{coarsening!r}")
+            if state_dict is not None:
+                net.load_state_dict(state_dict)
+            for _, seg in net.segments:
+                if seg.n_steps < self.transport.size:
+                    raise ValueError(
+                        f"a segment has {seg.n_steps} layers but the communicator has "
+                        f"{self.transport.size} ranks: each rank needs at least one layer")
+            key = (options.key(), backward_options.key(), coarsening,
+                   [(type(m).__name__, getattr(m, "n_steps", None)) for m in net.layers])
+        except Exception as exc:  # noqa: BLE001 - re-raised identically on every rank
+            err = exc
+        self.transport.agree(key, err, "LayerParallel settings (options, coarsening, layers)")
+        assert isinstance(net, ODENet)
+        self.options = options
+        self.backward_options = backward_options
+        self.coarsening = coarsening
+        size, rank = self.transport.size, self.transport.rank
+        self._layers_meta: list[tuple[str, Any]] = []
+        shards: list[nn.Module] = []
+        self._runners: dict[int, _SegmentRunner] = {}
+        first_seg = min(k for k, _ in net.segments)
+        seg_index = 0
+        for k, layer in enumerate(net.layers):
+            if isinstance(layer, Segment):
+                runner = _SegmentRunner(layer, seg_index, self.transport, options,
+                                        backward_options, coarsening)
+                self._runners[k] = runner
+                shards.append(_SegmentShard(layer, runner.owned))
+                self._layers_meta.append(("segment", seg_index))
+                seg_index += 1
+            else:
+                owner = 0 if k < first_seg else size - 1
+                shards.append(layer if owner == rank else _Remote(owner))
+                self._layers_meta.append(("plain", owner))
+        self.layers = nn.ModuleList(shards)
+        self._net_repr = repr(net)
+        self._has_dropout = \
+            any(isinstance(m, _DROPOUT) for m in net.modules())
+        self.last_forward: list[dict] = []
+        self.last_backward: list[dict] = []
+
+    # -- helpers ------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+    @property
+    def size(self) -> int:
+        return self.transport.size
+
+    def _send(self, t: Tensor, dest: int) -> None:
+        tr = self.transport
+        tr._wait_request(tr.comm.Isend([pack(t), tr._MPI.BYTE], dest=dest, tag=_LINK_TAG))
+
+    def _recv(self, src: int, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+        tr = self.transport
+        raw = torch.empty(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),
+                          dtype=torch.uint8)
+        tr._wait_request(tr.comm.Irecv([raw.numpy(), tr._MPI.BYTE], source=src, tag=_LINK_TAG))
+        return unpack(raw, shape, dtype, device)
+
+    def _meta(self, t: Optional[Tensor], root: int) -> tuple[tuple[int, ...], torch.dtype]:
+        if self.size == 1:
+            assert t is not None
+            return tuple(t.shape), t.dtype
+        return self.transport.bcast_object(None if t is None else (tuple(t.shape), t.dtype),
+                                           root=root)
+
+    def _bcast(self, t: Optional[Tensor], root: int, shape: tuple, dtype: torch.dtype,
+               device: torch.device) -> Tensor:
+        if self.size == 1:
+            assert t is not None
+            return t
+        tr = self.transport
+        if tr.rank == root:
+            assert t is not None
+            buf = pack(t)
+        else:
+            buf = torch.empty(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),
+                              dtype=torch.uint8).numpy()
+        tr._wait_request(tr.comm.Ibcast([buf, tr._MPI.BYTE], root=root))
+        return t if tr.rank == root else unpack(buf, shape, dtype, device)  # type: ignore
+
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except RemoteError:
+            raise
+        except BaseException as exc:
+            self.transport.broadcast_error(exc)
+            raise
+
+    # -- passes ----------------------------------------------------------------------------------
+    def _forward_impl(self, ctx: _Context, x: Tensor, record: bool) -> Tensor:
+        size, rank = self.size, self.rank
+        last = size - 1
+        # one collective: same input shape/dtype/mode on every rank, and rank 0's seed
+        seed = draw_seed() if (self.training and self._has_dropout and rank == 0) else None
+        key = (tuple(x.shape), str(x.dtype), self.training, record)
+        if size > 1:
+            got = self.transport.allgather_object((key, seed))
+            keys = [g[0] for g in got]
+            if any(k != keys[0] for k in keys):
+                raise RankMismatchError(f"the input differs between ranks (shape, dtype, "
+                                        f"training, grad mode): {keys}")
+            seed = got[0][1]
+        h: Optional[Tensor] = x if rank == 0 else None
+        holder = 0  # rank holding the current activation
+        self.last_forward = []
+        for k, (kind, info) in enumerate(self._layers_meta):
+            if kind == "plain":
+                owner = info
+                if owner != holder:
+                    shape, dtype = ctx.shapes[-1] if ctx.shapes else self._meta(h, holder)
+                    if rank == holder:
+                        self._send(h, owner)  # type: ignore[arg-type]
+                    elif rank == owner:
+                        h = self._recv(holder, shape, dtype, x.device)
+                    holder = owner
+                if rank == owner:
+                    rec = _PlainRecord(self.layers[k], h, record)  # type: ignore[arg-type]
+                    ctx.plain[k] = rec
+                    h = rec.y.detach()
+            else:
+                runner = self._runners[k]
+                if holder != 0:
+                    shape, dtype = self._meta(h, holder)
+                    if rank == holder:
+                        self._send(h, 0)  # type: ignore[arg-type]
+                    elif rank == 0:
+                        h = self._recv(holder, shape, dtype, x.device)
+                    holder = 0
+                shape, dtype = self._meta(h, 0)
+                ctx.shapes.append((shape, dtype))
+                like = torch.empty(shape, dtype=dtype, device=x.device)
+                runner.sync_ghosts() if size > 1 else None
+                h, stats = runner.forward(h if rank == 0 else None, like, seed, record)
+                self.last_forward.append(stats)
+                holder = last
+        shape, dtype = self._meta(h, holder)
+        ctx.out_holder = holder
+        y = self._bcast(h, holder, shape, dtype, x.device)
+        if not bool(torch.isfinite(y).all()):
+            raise DivergenceError("the layer-parallel forward pass produced non-finite "
+                                  "outputs (NaN or inf)")
+        return y
+
+    def _backward_impl(self, ctx: _Context, gy: Tensor) -> tuple[Optional[Tensor], dict]:
+        if not bool(torch.isfinite(gy).all()):
+            raise DivergenceError("the loss gradient is not finite (NaN or inf loss?)")
+        size, rank = self.size, self.rank
+        grads: dict[nn.Parameter, Tensor] = {}
+        g: Optional[Tensor] = gy if rank == ctx.out_holder else None
+        holder = ctx.out_holder
+        seg_shapes = list(ctx.shapes)
+        g_meta = (tuple(gy.shape), gy.dtype)  # shape of g wherever it travels
+        self.last_backward = []
+        for k in reversed(range(len(self._layers_meta))):
+            kind, info = self._layers_meta[k]
+            if kind == "plain":
+                owner = info
+                if owner != holder:
+                    shape, dtype = g_meta
+                    if rank == holder:
+                        self._send(g, owner)  # type: ignore[arg-type]
+                    elif rank == owner:
+                        g = self._recv(holder, shape, dtype, gy.device)
+                    holder = owner
+                if rank == owner:
+                    rec = ctx.plain[k]
+                    outs = torch.autograd.grad(rec.y, [rec.x, *rec.params], g,
+                                               allow_unused=True)
+                    g = outs[0]
+                    for p, gp in zip(rec.params, outs[1:]):
+                        if gp is not None:
+                            grads[p] = gp
+            else:
+                runner = self._runners[k]
+                shape, dtype = seg_shapes.pop()
+                like = torch.empty(shape, dtype=dtype, device=gy.device)
+                if holder != size - 1:
+                    if rank == holder:
+                        self._send(g, size - 1)  # type: ignore[arg-type]
+                    elif rank == size - 1:
+                        g = self._recv(holder, shape, dtype, gy.device)
+                    holder = size - 1
+                g, stats = runner.backward(g if rank == size - 1 else None, like)
+                self.last_backward.append(stats)
+                for n, pg in runner.param_grads.items():
+                    for p, gp in zip(runner.layer_params[n], pg):
+                        if gp is not None:
+                            grads[p] = gp
+                runner.param_grads = {}
+                holder = 0
+                g_meta = (shape, dtype)
+        self.last_backward.reverse()
+        gx = None
+        if ctx.x_requires_grad:
+            gx = self._bcast(g, holder, ctx.x_shape, ctx.x_dtype, gy.device)
+        return gx, grads
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Layer-parallel forward pass; pass the same `x` on every rank."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"`x` must be a torch.Tensor, got {type(x).__name__}")
+        params = [p for p in self.parameters() if p.requires_grad]
+        record = torch.is_grad_enabled() and (x.requires_grad or bool(params))
+        if not record:
+            ctx = _Context()
+            return self._guard(lambda: self._forward_impl(ctx, x, False))
+        return _LayerParallelFunction.apply(self, x, *params)
+
+    # -- portability ------------------------------------------------------------------------------
+    def gather_state_dict(self) -> dict[str, Tensor]:
+        """The whole network's state dict (loads into the serial `ODENet`), on every rank."""
+        local = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        if self.size == 1:
+            return local
+        merged: dict[str, Tensor] = {}
+        for part in self._guard(lambda: self.transport.allgather_object(local)):
+            merged.update(part)
+        return dict(sorted(merged.items(), key=lambda kv: _name_order(kv[0])))
+
+    def extra_repr(self) -> str:
+        return (f"rank {self.rank} of {self.size}, coarsening={self.coarsening!r}, "
+                f"options={self.options}, backward_options={self.backward_options}")
+
+
+def _name_order(name: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else -1 for p in name.split("."))
+
+
+class _SerialLP(SerialTransport):
+    """Serial transport with the extras LayerParallel uses."""
+
+    comm = None
+
+    def reversed(self) -> _SerialLP:
+        return self
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+class _LayerParallelFunction(torch.autograd.Function):
+    """Forward MGRIT / adjoint MGRIT as one autograd node over this rank's parameters."""
+
+    @staticmethod
+    def forward(ctx: Any, model: LayerParallel, x: Tensor, *params: Tensor) -> Tensor:
+        c = _Context()
+        c.x_requires_grad = x.requires_grad
+        c.x_shape, c.x_dtype = tuple(x.shape), x.dtype
+        y = model._guard(lambda: model._forward_impl(c, x.detach(), True))
+        ctx.model, ctx.c, ctx.params = model, c, params
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: Tensor) -> tuple:
+        model: LayerParallel = ctx.model
+        gx, grads = model._guard(lambda: model._backward_impl(ctx.c, gy.contiguous()))
+        ctx.c = None
+        return (None, gx, *[grads.get(p) for p in ctx.params])
