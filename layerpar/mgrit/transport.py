@@ -13,6 +13,7 @@ staged through host memory.
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 from typing import Any, Callable, Sequence
 
@@ -40,6 +41,16 @@ def unpack(buf: np.ndarray | torch.Tensor, shape: Sequence[int], dtype: torch.dt
     raw = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
     t = raw.view(dtype).view(tuple(shape))
     return t.to(device) if torch.device(device).type != "cpu" else t
+
+
+def _cancel_request(req: Any) -> None:
+    """Cancel and complete a pending receive (no-op if already complete or freed)."""
+    try:
+        if req and not req.Test():
+            req.Cancel()
+            req.Wait()
+    except Exception:  # noqa: BLE001 - best effort at interpreter exit
+        pass
 
 
 def _describe(exc: BaseException) -> str:
@@ -105,6 +116,8 @@ class MPITransport:
             self._err_req = self.comm.Irecv([self._err_buf, MPI.BYTE], source=MPI.ANY_SOURCE,
                                             tag=_ERROR_TAG)
             self._state = {"broken": None, "owner": True}
+            # cancel the error receive before mpi4py finalizes MPI (atexit is LIFO)
+            atexit.register(_cancel_request, self._err_req)
         else:
             self.comm = _shared.comm
             self._err_buf = _shared._err_buf

@@ -1,0 +1,46 @@
+# Usual tasks.  Everything runs in a local virtual environment (.venv) that
+# `make setup` creates from the project's own files: nothing to install by hand.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# a CPU build of torch; set TORCH=torch (or a CUDA wheel) on GPU machines
+TORCH  ?= torch==2.13.0
+NP     ?= 4
+
+NATIVE := $(wildcard layerpar/_native/*.c layerpar/_native/*.h layerpar/_native/*.pyx layerpar/_native/*.pxd)
+
+.PHONY: setup build test test-fast bench train lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)" "setuptools>=68" "Cython>=3" wheel
+	$(BIN)/python -m pip install -q --no-build-isolation -e ".[mpich,test,examples,studies]"
+	touch $@ $(VENV)/.built
+
+# rebuild the native engine when its sources change
+build: $(VENV)/.built
+$(VENV)/.built: $(VENV)/.installed $(NATIVE)
+	$(BIN)/python -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+test: build
+	$(BIN)/python -m pytest -q
+
+test-fast: build
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: build
+	$(BIN)/python -m layerpar.bench
+	$(BIN)/mpiexec -n 2 $(BIN)/python -m mpi4py -m layerpar.bench
+
+train: build
+	$(BIN)/layerpar train peaks --np $(NP)
+
+lint: setup
+	$(BIN)/ruff check layerpar tests examples
+
+clean:
+	rm -rf build *.egg-info layerpar/_native/_core.c layerpar/_native/*.so

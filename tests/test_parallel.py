@@ -1,0 +1,230 @@
+"""LayerParallel on one process (comm=None) against the serial ODENet oracle.
+
+Multi-rank checks of the same properties are in test_parallel_mpi.py.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import layerpar
+from layerpar.mgrit import DivergenceError, MGRITOptions
+from layerpar.ode import Segment, blocks
+
+F64_TOL = 1e-10
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / max(float(b.norm()), 1e-300))
+
+
+def dense_net(n: int = 12, width: int = 4, dropout: float = 0.0) -> layerpar.ODENet:
+    def block(k: int) -> torch.nn.Module:
+        d = blocks.Dense(width, activation="tanh")
+        return torch.nn.Sequential(d, torch.nn.Dropout(dropout)) if dropout else d
+
+    return layerpar.ODENet(open=torch.nn.Linear(3, width), steps=block, n_steps=n, t_final=2.0,
+                           close=torch.nn.Linear(width, 5))
+
+
+def bn_net(n: int = 8) -> layerpar.ODENet:
+    return layerpar.ODENet(layers=[
+        torch.nn.Conv2d(1, 3, 3, padding=1),
+        Segment(lambda k: blocks.Conv(3, activation="relu", batch_norm=True), n, 1.0),
+        torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 5)])
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+EXACT = MGRITOptions(max_levels=3, cfactor=2, tol=1e-13, max_iter=50)
+
+
+@pytest.mark.parametrize("opts", [MGRITOptions(max_levels=1), EXACT,
+                                  MGRITOptions(max_levels=2, cfactor=4, tol=1e-13, max_iter=50,
+                                               fmg=True)])
+def test_matches_serial_oracle(opts: MGRITOptions) -> None:
+    torch.manual_seed(0)
+    net = dense_net().double()
+    ref = copy.deepcopy(net)
+    x = torch.randn(7, 3, dtype=torch.float64)
+    y = torch.randint(0, 5, (7,))
+    xr, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.nn.functional.cross_entropy(ref(xr), y).backward()
+    model = layerpar.LayerParallel(net, None, opts, opts)
+    out = model(xp)
+    torch.nn.functional.cross_entropy(out, y).backward()
+    assert rel(out.detach(), ref(x).detach()) <= F64_TOL
+    assert rel(xp.grad, xr.grad) <= F64_TOL
+    refg = grads(ref)
+    for name, g in grads(model).items():
+        assert rel(g, refg[name]) <= F64_TOL, name
+    assert set(grads(model)) == set(refg)
+    if opts.max_levels == 1:  # sequential: bit for bit
+        assert torch.equal(out.detach(), ref(x).detach())
+        assert model.last_forward[0]["iterations"] == 1
+
+
+def test_inexact_is_reported_and_bounded() -> None:
+    torch.manual_seed(0)
+    net = dense_net(32, 8).double()
+    ref = copy.deepcopy(net)
+    x = torch.randn(16, 3, dtype=torch.float64)
+    fwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=2, tol=0.0)
+    bwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=1, tol=0.0)
+    model = layerpar.LayerParallel(net, None, fwd, bwd)
+    out = model(x)
+    out.sum().backward()
+    ref(x).sum().backward()
+    err = rel(out.detach(), ref(x).detach())
+    assert 0 < err < 0.1  # inexact, but close
+    stats = model.last_forward[0]
+    assert stats["iterations"] == 2 and not stats["converged"]
+    assert len(stats["residual_history"]) == 1  # skip: r_1 only
+    assert model.last_backward[0]["iterations"] == 1
+
+
+def test_float32_end_to_end() -> None:
+    torch.manual_seed(0)
+    net = dense_net()
+    ref = copy.deepcopy(net)
+    x = torch.randn(5, 3)
+    opts = MGRITOptions(max_levels=3, cfactor=2, tol=1e-6, max_iter=30)
+    model = layerpar.LayerParallel(net, None, opts, opts)
+    out = model(x)
+    assert out.dtype == torch.float32
+    out.square().sum().backward()
+    ref(x).square().sum().backward()
+    refg = grads(ref)
+    for name, g in grads(model).items():
+        assert g.dtype == torch.float32
+        assert rel(g, refg[name]) <= 1e-5, name
+
+
+def test_batch_size_may_change_and_no_grad_forward() -> None:
+    torch.manual_seed(0)
+    net = dense_net().double()
+    model = layerpar.LayerParallel(copy.deepcopy(net), None, EXACT, EXACT)
+    for bs in (8, 3, 8):
+        x = torch.randn(bs, 3, dtype=torch.float64)
+        out = model(x)
+        assert out.shape == (bs, 5)
+        out.sum().backward()
+        with torch.no_grad():
+            assert rel(model(x), net(x)) <= F64_TOL
+
+
+def test_state_dict_roundtrip_and_names() -> None:
+    torch.manual_seed(3)
+    net = dense_net()
+    model = layerpar.LayerParallel(copy.deepcopy(net), None)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in net.named_parameters()]
+    sd = model.gather_state_dict()
+    fresh = dense_net()
+    fresh.load_state_dict(sd)
+    x = torch.randn(4, 3)
+    assert torch.equal(fresh(x), net(x))
+    model2 = layerpar.LayerParallel(dense_net, None, state_dict=sd)
+    with torch.no_grad():
+        assert torch.equal(model2(x), net(x))
+
+
+def test_checkpoint_resume_gives_same_losses() -> None:
+    def run(steps: int, state: dict | None = None) -> tuple[list[float], dict]:
+        torch.manual_seed(0)
+        model = layerpar.LayerParallel(dense_net, None, EXACT, EXACT,
+                                       state_dict=None if state is None else state["model"])
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        if state is not None:
+            opt.load_state_dict(state["opt"])
+        gen = torch.Generator().manual_seed(5 + (0 if state is None else 100))
+        losses = []
+        for _ in range(steps):
+            x = torch.randn(8, 3, generator=gen)
+            y = torch.randint(0, 5, (8,), generator=gen)
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, {"model": model.gather_state_dict(), "opt": copy.deepcopy(opt.state_dict())}
+
+    first, ckpt = run(3)
+    resumed, _ = run(2, ckpt)
+    # uninterrupted: same first 3 steps, then the resumed data stream
+    torch.manual_seed(0)
+    model = layerpar.LayerParallel(dense_net, None, EXACT, EXACT)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for gen_seed, steps in ((5, 3), (105, 2)):
+        gen = torch.Generator().manual_seed(gen_seed)
+        for _ in range(steps):
+            x = torch.randn(8, 3, generator=gen)
+            y = torch.randint(0, 5, (8,), generator=gen)
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    assert losses == first + resumed
+
+
+def test_dropout_matches_serial_with_same_seed() -> None:
+    torch.manual_seed(0)
+    net = dense_net(10, 6, dropout=0.3).double()
+    ref = copy.deepcopy(net)
+    x = torch.randn(9, 3, dtype=torch.float64)
+    model = layerpar.LayerParallel(net, None, EXACT, EXACT)
+    torch.manual_seed(42)
+    out = model(x)
+    torch.manual_seed(42)
+    out_ref = ref(x)
+    assert rel(out.detach(), out_ref.detach()) <= F64_TOL
+    out.sum().backward()
+    out_ref.sum().backward()
+    refg = grads(ref)
+    for name, g in grads(model).items():
+        assert rel(g, refg[name]) <= F64_TOL, name
+    torch.manual_seed(43)
+    assert rel(model(x).detach(), out_ref.detach()) > 1e-3  # a new batch, new masks
+
+
+def test_batch_norm_running_stats_updated_once_per_batch() -> None:
+    torch.manual_seed(0)
+    net = bn_net().double()
+    ref = copy.deepcopy(net)
+    x = torch.randn(6, 1, 8, 8, dtype=torch.float64)
+    model = layerpar.LayerParallel(net, None, EXACT, EXACT)
+    out = model(x)
+    out_ref = ref(x)
+    assert rel(out.detach(), out_ref.detach()) <= F64_TOL
+    for (name, b), (_, rb) in zip(model.named_buffers(), ref.named_buffers()):
+        assert torch.allclose(b, rb, rtol=1e-10, atol=1e-12), name
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert rel(model(x), ref(x)) <= F64_TOL
+
+
+def test_nan_loss_raises() -> None:
+    torch.manual_seed(0)
+    model = layerpar.LayerParallel(dense_net, None, EXACT, EXACT)
+    out = model(torch.randn(4, 3))
+    with pytest.raises(DivergenceError, match="not finite"):
+        (out.sum() * float("nan")).backward()
+    with pytest.raises(DivergenceError, match="non-finite"):
+        model(torch.full((4, 3), float("nan")))
+
+
+def test_bad_arguments_name_the_argument() -> None:
+    with pytest.raises(TypeError, match="`net`"):
+        layerpar.LayerParallel(42, None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`options`"):
+        layerpar.LayerParallel(dense_net(), None, options={"max_levels": 2})  # type: ignore
+    with pytest.raises(ValueError, match="`coarsening`"):
+        layerpar.LayerParallel(dense_net(), None, coarsening="median")
+    with pytest.raises(TypeError, match="`x`"):
+        layerpar.LayerParallel(dense_net(), None)([1.0, 2.0])  # type: ignore[arg-type]

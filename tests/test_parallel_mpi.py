@@ -1,0 +1,59 @@
+"""LayerParallel at 1, 2, 3 and 4 ranks against the serial oracle, and its bad-input
+cases, each in an mpiexec job under a timeout that kills the process group."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from mpi_util import run_mpi
+
+WORKERS = Path(__file__).parent / "workers"
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_exact_mode_matches_serial_oracle(nprocs: int, tmp_path: Path) -> None:
+    out = tmp_path / "lp.json"
+    proc = run_mpi(WORKERS / "lp_exact.py", nprocs, str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert len(results) == 13
+    for name, r in results.items():
+        tol = 1e-5 if "f32" in name else 1e-10
+        assert r["worst"] <= tol, (name, r)
+        assert r["names_ok"] and r["gather_ok"], name
+        if " L1 " in name:  # sequential: exact, one iteration
+            assert r["worst"] == 0.0 and r["fwd_iters"] == [1] and r["bwd_iters"] == [1]
+    # the iteration counts do not depend on the number of ranks (pinned at 1 rank)
+    assert results["dense n13 L3 cf2"]["fwd_iters"] == [5]
+    assert results["dense n13 L3 cf2"]["bwd_iters"] == [5]
+    assert results["conv 2seg"]["fwd_iters"] == [4, 3]
+
+
+LINE = re.compile(r"RANK (\d+) (\w+)(?::)?")
+
+CASES = {
+    "layers_lt_ranks": ("ValueError", "RemoteError", "each rank needs at least one layer"),
+    "options_differ": ("RankMismatchError", "RankMismatchError", "differ between ranks"),
+    "factory_fails_on_one_rank": ("RuntimeError", "RemoteError", "factory exploded"),
+    "shape_mismatch_between_segments": ("RuntimeError", "RemoteError", "shapes cannot be"),
+    "input_differs": ("RankMismatchError", "RankMismatchError", "input differs"),
+    "nan_loss": ("DivergenceError", "DivergenceError", "not finite"),
+    "step_fails_on_one_rank": ("RuntimeError", "RemoteError", "layer 5 failed"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_raises_on_every_rank(case: str) -> None:
+    nprocs = 3
+    proc = run_mpi(WORKERS / "lp_errors.py", nprocs, case, timeout=90)
+    text = proc.stdout
+    seen = {int(m.group(1)): m.group(2) for m in LINE.finditer(text)}
+    assert sorted(seen) == list(range(nprocs)), text
+    local, remote, msg = CASES[case]
+    assert set(seen.values()) <= {local, remote}, text
+    assert local in seen.values(), text
+    assert text.count(msg) >= nprocs, text

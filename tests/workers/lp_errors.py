@@ -1,0 +1,96 @@
+"""MPI worker: LayerParallel bad-input cases.  Every rank prints one line
+`RANK <r> <ExceptionType>: <message>` (or `RANK <r> OK`) and exits normally.
+
+Run: mpiexec -n P python -m mpi4py tests/workers/lp_errors.py CASE
+"""
+import sys
+
+import torch
+from mpi4py import MPI
+
+import layerpar
+from layerpar.ode import Segment, blocks
+
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+OPTS = layerpar.MGRITOptions(max_levels=2, cfactor=2, max_iter=3)
+
+
+def net(n=8, width=4):
+    torch.manual_seed(0)
+    return layerpar.ODENet(open=torch.nn.Linear(3, width),
+                           steps=lambda k: blocks.Dense(width), n_steps=n, t_final=1.0,
+                           close=torch.nn.Linear(width, 5))
+
+
+def case_layers_lt_ranks():
+    layerpar.LayerParallel(net(n=comm.size - 1), comm, OPTS)
+
+
+def case_options_differ():
+    opts = OPTS if rank == 0 else OPTS.replace(max_iter=4)
+    layerpar.LayerParallel(net(), comm, opts)
+
+
+def case_factory_fails_on_one_rank():
+    def factory():
+        if rank == comm.size - 1:
+            raise RuntimeError("factory exploded")
+        return net()
+    layerpar.LayerParallel(factory, comm, OPTS)
+
+
+def case_shape_mismatch_between_segments():
+    def bad():
+        torch.manual_seed(0)
+        return layerpar.ODENet(layers=[
+            torch.nn.Linear(3, 4), Segment(lambda k: blocks.Dense(4), 8, 1.0),
+            torch.nn.Linear(4, 6), Segment(lambda k: blocks.Dense(5), 8, 1.0),
+            torch.nn.Linear(5, 2)])
+    model = layerpar.LayerParallel(bad, comm, OPTS)
+    model(torch.randn(2, 3)).sum().backward()
+
+
+def case_input_differs():
+    model = layerpar.LayerParallel(net(), comm, OPTS)
+    model(torch.randn(2 + (rank == 1), 3))
+
+
+def case_nan_loss():
+    model = layerpar.LayerParallel(net(), comm, OPTS)
+    out = model(torch.randn(2, 3))
+    (out.sum() * float("nan")).backward()
+
+
+def case_step_fails_on_one_rank():
+    class Boom(torch.nn.Module):
+        def __init__(self, k):
+            super().__init__()
+            self.k = k
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, u):
+            if self.k == 5 and not torch.is_grad_enabled():
+                raise RuntimeError("layer 5 failed")
+            return torch.tanh(self.lin(u))
+
+    def factory():
+        torch.manual_seed(0)
+        return layerpar.ODENet(open=torch.nn.Linear(3, 4), steps=Boom, n_steps=8,
+                               close=torch.nn.Linear(4, 5))
+    model = layerpar.LayerParallel(factory, comm, OPTS)
+    model(torch.randn(2, 3))
+
+
+def main():
+    case = sys.argv[1]
+    try:
+        globals()["case_" + case]()
+        print(f"RANK {rank} OK", flush=True)
+    except Exception as exc:  # noqa: BLE001 - report what each rank saw
+        msg = str(exc).replace("\n", " ")
+        print(f"RANK {rank} {type(exc).__name__}: {msg}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
