@@ -130,11 +130,18 @@ class _ForwardApp:
              level: int, final: int) -> Tensor:
         r = self.r
         if final and r.recording:
+            prev = r.records.get(a - 1)
             with torch.enable_grad():
-                u_in = u.detach().requires_grad_()
+                if prev is not None and u is prev[2]:
+                    u_in = prev[1]  # continue the previous step's graph (a chain)
+                    r.chain_head[a] = r.chain_head[a - 1]
+                else:
+                    u_in = u.detach().requires_grad_()
+                    r.chain_head[a] = a
                 out = r.phi(u_in, a, b, update_stats=True)
-            r.records[a] = (u_in, out)
-            out = out.detach()
+            det = out.detach()
+            r.records[a] = (u_in, out, det)
+            return det if f is None else torch.add(det, f)
         elif final:
             out = r.phi(u, a, b, update_stats=True)
         else:
@@ -166,8 +173,10 @@ class _AdjointApp:
         n = r.n
         a, b = n - mb, n - ma
         if level == 0:
-            u_in, out = r.records[a]
-            if final:
+            u_in, out, _ = r.records[a]
+            if final and r.sequential_adjoint:
+                res = r.chain_vjp(a, lam)
+            elif final:
                 params = r.layer_params[a]
                 grads = torch.autograd.grad(out, [u_in, *params], lam, allow_unused=True)
                 r.param_grads[a] = grads[1:]
@@ -243,7 +252,13 @@ class _SegmentRunner:
         self.seed: Optional[int] = None
         self.rng_layers: set[int] = set()
         self.recording = False
-        self.records: dict[int, tuple[Tensor, Tensor]] = {}
+        # final forward sweep: layer -> (input, output with graph, detached output);
+        # consecutive layers form chains sharing one graph, chain_head[k] = first layer
+        self.records: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        self.chain_head: dict[int, int] = {}
+        self.chain_cache: dict[int, Tensor] = {}
+        self.last_lam: Optional[Tensor] = None
+        self.sequential_adjoint = len(build_levels(n, bwd)) == 1
         self.coarse_graphs: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         self.param_grads: dict[int, tuple] = {}
 
@@ -267,6 +282,33 @@ class _SegmentRunner:
                         stack.enter_context(_frozen_running_stats(bn))
                     return inner(v)
         return self.scheme.step(f, u, dt)
+
+    def chain_vjp(self, a: int, lam: Tensor) -> Tensor:
+        """Final adjoint step of layer a when the adjoint is solved sequentially.
+
+        The engine then visits this rank's layers from the last to the first, each
+        step's input being the previous step's output.  The first visit of a chain
+        (its last layer) back-propagates the whole chain in one autograd call, as
+        plain PyTorch would; the other visits return the cached results.
+        """
+        if a in self.chain_cache and lam is self.last_lam:
+            res = self.chain_cache.pop(a)
+        else:
+            head = self.chain_head[a]
+            layers = range(head, a + 1)
+            ins = [self.records[k][0] for k in layers]
+            params = [p for k in layers for p in self.layer_params[k]]
+            grads = torch.autograd.grad(self.records[a][1], [*ins, *params], lam,
+                                        allow_unused=True)
+            self.chain_cache = dict(zip(layers, grads[:len(ins)]))
+            off = len(ins)
+            for k in layers:
+                n_p = len(self.layer_params[k])
+                self.param_grads[k] = grads[off:off + n_p]
+                off += n_p
+            res = self.chain_cache.pop(a)
+        self.last_lam = res
+        return res
 
     # -- per batch ----------------------------------------------------------------------------
     def sync_ghosts(self) -> None:
@@ -297,6 +339,7 @@ class _SegmentRunner:
                            and needs_rng(blk)}
         self.recording = record
         self.records = {}
+        self.chain_head = {}
         self.coarse_graphs = {}
         self.param_grads = {}
         self.u0 = u0 if u0 is not None else like
@@ -317,6 +360,9 @@ class _SegmentRunner:
         self._check(code, self.bcore, "backward")
         out = self.bcore.get_state(self.n) if self.transport.rank == 0 else None
         self.records = {}
+        self.chain_head = {}
+        self.chain_cache = {}
+        self.last_lam = None
         self.coarse_graphs = {}
         return out, self._stats(self.bcore)
 
