@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Iterator, Optional, Union
+from collections.abc import Iterator
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -29,10 +30,12 @@ from .mgrit.grid import block_bounds, build_levels, reversed_bounds
 from .mgrit.options import MGRITOptions
 from .mgrit.solve import vec_norm_sq, vec_sum
 from .mgrit.transport import MPITransport, SerialTransport, pack, unpack
+from .ode import blocks as blocks_mod
 from .ode.coarsening import COARSENINGS, coarse_block
 from .ode.net import ODENet, Segment
 from .ode.rng import DROPOUT_TYPES as _DROPOUT
 from .ode.rng import draw_seed, layer_rng, needs_rng
+from .ode.schemes import ForwardEuler
 
 _GHOST_TAG = 31001
 _LINK_TAG = 31002
@@ -124,7 +127,28 @@ class _ForwardApp:
 
     def __init__(self, runner: _SegmentRunner) -> None:
         self.r = runner
-        self.step_batch = None  # per-layer weights: the engine loops over step()
+        if not runner.dense_batch:
+            self.step_batch = None  # the engine then calls step() per state
+
+    def step_batch(self, us: list, fs: Optional[list], ts: list, te: list, as_: list,
+                   bs: list, level: int, final: int) -> list:
+        """All intervals' step k at once for forward-Euler `Dense` blocks: one batched
+        GEMM over the stacked per-layer weights (injection).  Final steps, which record
+        graphs for the adjoint, go one by one."""
+        r = self.r
+        if final or us[0].dim() != 2:
+            return [self.step(u, None if fs is None else fs[k], ts[k], te[k], as_[k], bs[k],
+                              level, final) for k, u in enumerate(us)]
+        wt, bias = r.stacked_weights(tuple(as_))
+        u = torch.stack(us)
+        z = torch.baddbmm(bias, u, wt) if bias is not None else torch.bmm(u, wt)
+        dt = torch.tensor([r.times[b] - r.times[a] for a, b in zip(as_, bs)],
+                          dtype=u.dtype, device=u.device).view(-1, 1, 1)
+        out = torch.addcmul(u, dt, r.dense_act(z))
+        outs = list(out.unbind(0))
+        if fs is not None:
+            outs = [o if g is None else torch.add(o, g) for o, g in zip(outs, fs)]
+        return outs
 
     def step(self, u: Tensor, f: Optional[Tensor], ts: float, te: float, a: int, b: int,
              level: int, final: int) -> Tensor:
@@ -165,7 +189,6 @@ class _AdjointApp:
 
     def __init__(self, runner: _SegmentRunner) -> None:
         self.r = runner
-        self.step_batch = None
 
     def step(self, lam: Tensor, f: Optional[Tensor], ts: float, te: float, ma: int, mb: int,
              level: int, final: int) -> Tensor:
@@ -184,15 +207,43 @@ class _AdjointApp:
             else:
                 (res,) = torch.autograd.grad(out, u_in, lam, retain_graph=True)
         else:
-            key = (a, b)
-            rec = r.coarse_graphs.get(key)
-            if rec is None:
-                with torch.enable_grad():
-                    u_a = r.records[a][0].detach().requires_grad_()
-                    rec = (u_a, r.phi(u_a, a, b, update_stats=False))
-                r.coarse_graphs[key] = rec
+            rec = r.coarse_graph(a, b)
             (res,) = torch.autograd.grad(rec[1], rec[0], lam, retain_graph=True)
         return res if f is None else torch.add(res, f)
+
+    def step_batch(self, lams: list, fs: Optional[list], ts: list, te: list, mas: list,
+                   mbs: list, level: int, final: int) -> list:
+        """Independent adjoint steps in one autograd call (many outputs, many inputs).
+
+        Layers of one forward chain are not independent in the recorded graph (a
+        gradient requested at an earlier layer's input would also collect the later
+        layer's contribution), so such batches, and the sequential final sweep, go
+        one by one."""
+        r = self.r
+        n = r.n
+        pairs = [(n - mb, n - ma) for ma, mb in zip(mas, mbs)]
+        one_by_one = final and r.sequential_adjoint
+        if level == 0 and not one_by_one:
+            heads = {r.chain_head[a] for a, _ in pairs}
+            one_by_one = len(heads) < len(pairs)
+        if one_by_one:
+            return [self.step(lam, None if fs is None else fs[k], ts[k], te[k], mas[k], mbs[k],
+                              level, final) for k, lam in enumerate(lams)]
+        recs = [r.records[a][:2] if level == 0 else r.coarse_graph(a, b) for a, b in pairs]
+        with_params = bool(final) and level == 0
+        params = [p for a, _ in pairs for p in r.layer_params[a]] if with_params else []
+        grads = torch.autograd.grad([o for _, o in recs], [u for u, _ in recs] + params, lams,
+                                    retain_graph=not with_params, allow_unused=True)
+        outs = list(grads[:len(recs)])
+        if with_params:
+            off = len(recs)
+            for a, _ in pairs:
+                k = len(r.layer_params[a])
+                r.param_grads[a] = grads[off:off + k]
+                off += k
+        if fs is not None:
+            outs = [o if g is None else torch.add(o, g) for o, g in zip(outs, fs)]
+        return outs
 
     def init(self, t: float, i: int) -> Tensor:
         return self.r.lam_n if i == 0 else self.r.lam_zero
@@ -237,6 +288,15 @@ class _SegmentRunner:
         self.bn = {k: [m for m in blk.modules() if isinstance(m, _BN_TYPES)
                        and m.training and m.track_running_stats]
                    for k, blk in self.blocks.items()}
+        # batched F-sweeps for the standard dense block under forward Euler
+        dense = [b for b in self.blocks.values()]
+        self.dense_batch = (
+            coarsening == "injection" and isinstance(self.scheme, ForwardEuler)
+            and all(type(b) is blocks_mod.Dense for b in dense)
+            and len({b.activation for b in dense}) == 1)
+        self.dense_act = blocks_mod.get_activation(dense[0].activation) if self.dense_batch \
+            else None
+        self._stacked: dict[tuple, tuple[Tensor, Optional[Tensor]]] = {}
         self.fapp = _ForwardApp(self)
         self.bapp = _AdjointApp(self)
         self.transport = transport
@@ -282,6 +342,29 @@ class _SegmentRunner:
                         stack.enter_context(_frozen_running_stats(bn))
                     return inner(v)
         return self.scheme.step(f, u, dt)
+
+    def coarse_graph(self, a: int, b: int) -> tuple[Tensor, Tensor]:
+        """(u_a as a leaf, forward coarse step a -> b with its graph), built once per
+        backward pass and reused by every adjoint iteration."""
+        rec = self.coarse_graphs.get((a, b))
+        if rec is None:
+            with torch.enable_grad():
+                u_a = self.records[a][0].detach().requires_grad_()
+                rec = (u_a, self.phi(u_a, a, b, update_stats=False))
+            self.coarse_graphs[(a, b)] = rec
+        return rec
+
+    def stacked_weights(self, layers: tuple) -> tuple[Tensor, Optional[Tensor]]:
+        """(W_a^T stacked, biases stacked as [n, 1, width]) for these layers, cached for
+        the current forward solve (the weights do not change during it)."""
+        got = self._stacked.get(layers)
+        if got is None:
+            lins = [self.blocks[a].linear for a in layers]
+            wt = torch.stack([lin.weight.detach().t() for lin in lins])
+            bias = (torch.stack([lin.bias.detach() for lin in lins]).unsqueeze(1)
+                    if lins[0].bias is not None else None)
+            got = self._stacked[layers] = (wt, bias)
+        return got
 
     def chain_vjp(self, a: int, lam: Tensor) -> Tensor:
         """Final adjoint step of layer a when the adjoint is solved sequentially.
@@ -340,6 +423,7 @@ class _SegmentRunner:
         self.recording = record
         self.records = {}
         self.chain_head = {}
+        self._stacked = {}
         self.coarse_graphs = {}
         self.param_grads = {}
         self.u0 = u0 if u0 is not None else like

@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from mpi_util import run_mpi
 
 WORKERS = Path(__file__).parent / "workers"

@@ -83,7 +83,7 @@ def main():
     for n in (8, 13):
         for ml, cf in ((1, 2), (2, 2), (3, 2), (2, 4), (3, 4)):
             o = layerpar.MGRITOptions(max_levels=ml, cfactor=cf, **tight)
-            results.append(check(f"dense n{n} L{ml} cf{cf}", lambda: dense_net(n), x, y, f64, o,
+            results.append(check(f"dense n{n} L{ml} cf{cf}", lambda n=n: dense_net(n), x, y, f64, o,
                                  o))
     o = layerpar.MGRITOptions(max_levels=3, cfactor=2, **tight)
     results.append(check("dense avg", lambda: dense_net(12), x, y, f64, o, o, "average"))

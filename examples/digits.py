@@ -1,0 +1,52 @@
+"""Train a small convolutional ODE-net on scikit-learn's 8×8 digits with MGRIT.
+
+The images (bundled with scikit-learn, no download) go through Conv2d(1, 8, 3) →
+8 residual layers u ← u + h·relu(conv3x3(u)) on [0, 2] → 2×2 average pooling →
+Linear(128, 10); about 97% validation accuracy after 8 epochs.
+
+Run it:
+
+    python examples/digits.py --serial         # the serial oracle: plain autograd
+    python examples/digits.py                  # LayerParallel on one process (no MPI)
+    mpiexec -n 2 python -m mpi4py examples/digits.py --levels 2 --cfactor 4 \\
+        --fwd-iters 2 --bwd-iters 1            # 2 ranks, 4 layers each, inexact MGRIT
+
+(`python -m mpi4py` makes an error on one rank abort the job instead of hanging it.)
+rank 0 prints one line: validation accuracy, time per batch, and the MGRIT iterations
+and residual norms reached.  Needs scikit-learn (`pip install "layerpar[examples]"`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from mpi4py import MPI
+
+from layerpar.train import (
+    add_arguments,
+    dtype_from_arguments,
+    options_from_arguments,
+    threads_per_rank,
+    train,
+)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = add_arguments(argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    args = parser.parse_args(argv)
+    try:
+        fwd, bwd = options_from_arguments(args)  # MGRITOptions of both solves
+    except ValueError as exc:
+        parser.error(str(exc))
+    world = MPI.COMM_WORLD
+    comm = world if world.Get_size() > 1 else None  # one process: no MPI traffic at all
+    torch.set_num_threads(threads_per_rank(world))  # ranks on one node share its cores
+    return train("digits", serial=args.serial, epochs=args.epochs, batch_size=args.batch_size,
+                 lr=args.lr, seed=args.seed, fwd=fwd, bwd=bwd, comm=comm,
+                 progress=not args.no_progress, dtype=dtype_from_arguments(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""The ``layerpar`` command.
+
+    layerpar train {peaks,digits} [--np N] [--levels L --cfactor C --fwd-iters F ...]
+    layerpar info
+
+``train`` runs `layerpar.train.train`.  With ``--np N`` (N > 1) and not already inside
+an MPI job, it launches itself on N ranks: ``mpiexec -n N python -m mpi4py -m
+layerpar.cli train ...`` with the mpiexec installed beside the running Python (a venv
+with ``layerpar[mpich]``), else the one on PATH, and exits with that job's status.
+Running under ``python -m mpi4py`` makes an exception on any rank abort the whole job
+instead of leaving the other ranks waiting.  ``--np 1`` and ``--serial`` run in this
+process.  Started by mpiexec or srun directly (``mpiexec -n 4 layerpar train peaks``),
+it trains on all ranks of that job and ignores ``--np``.
+
+``info`` prints the versions of layerpar and its dependencies, the MPI library, the
+mpiexec that ``--np`` would use, and whether the native MGRIT engine imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from . import __version__
+
+# set on the ranks of a job that `layerpar train --np N` launched (so they do not
+# launch again); mpiexec / srun themselves are recognised by the PMI variables below
+LAUNCHED_ENV = "LAYERPAR_LAUNCHED"
+_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``layerpar`` command (all subcommands)."""
+    from .train import MODELS, add_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="layerpar", description="Layer-parallel training of ResNets with MGRIT.")
+    parser.add_argument("--version", action="version", version=f"layerpar {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    train = sub.add_parser(
+        "train", help="train the Peaks or digits network",
+        description="Train a bundled problem serially or layer-parallel and print one "
+                    "summary line (accuracy, time per batch, MGRIT iterations and "
+                    "residuals).")
+    train.add_argument("model", choices=MODELS, help="which problem")
+    train.add_argument("--np", type=int, default=1, metavar="N",
+                       help="number of MPI ranks to launch (default 1: this process)")
+    add_arguments(train)
+
+    sub.add_parser("info", help="versions, MPI library, native engine",
+                   description="Print versions, the MPI library and whether the native "
+                               "MGRIT engine imports.")
+
+    # ---- future subcommand: `layerpar scale` -------------------------------------------
+    # Scaling studies (strong/weak over ranks, levels, cfactor, depth; CSV + plots +
+    # performance model; see DESIGN.md "Studies", code in layerpar/studies).  Register it
+    # here as sub.add_parser("scale", ...) and dispatch it in `main`.  Not implemented.
+    # -------------------------------------------------------------------------------------
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse and check the command line; ValueError names the option of a bad value."""
+    args = build_parser().parse_args(argv)
+    if args.command == "train":
+        from .train import check_arguments
+
+        if args.np < 1:
+            raise ValueError(f"`--np` must be >= 1, got {args.np}")
+        check_arguments(args)
+    return args
+
+
+def mpiexec_path() -> Optional[str]:
+    """The mpiexec beside sys.executable (a venv's mpich wheel), else the one on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("mpiexec")
+
+
+def under_mpi() -> bool:
+    """True when this process is a rank of an MPI job (ours, or started by mpiexec/srun)."""
+    return os.environ.get(LAUNCHED_ENV) == "1" or any(v in os.environ for v in _MPI_ENV)
+
+
+def launch(nprocs: int, argv: Sequence[str]) -> int:
+    """Run ``layerpar <argv>`` on ``nprocs`` ranks under mpiexec; return its exit status.
+
+    Raises FileNotFoundError when no mpiexec can be found.
+    """
+    mpiexec = mpiexec_path()
+    if mpiexec is None:
+        raise FileNotFoundError(
+            f"no mpiexec found beside {sys.executable} or on PATH; install one with "
+            f"`pip install \"layerpar[mpich]\"` (or use your cluster's MPI), or run with "
+            f"--np 1")
+    cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", "-m",
+           "layerpar.cli", *argv]
+    env = dict(os.environ)
+    env[LAUNCHED_ENV] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
+    code = subprocess.call(cmd, env=env)
+    return 128 - code if code < 0 else code  # killed by signal s: 128 + s, as shells do
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from .train import dtype_from_arguments, options_from_arguments, threads_per_rank, train
+
+    comm: Any = None
+    if under_mpi():
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        if world.Get_size() > 1:
+            comm = world
+            if world.Get_rank() == 0 and args.np not in (1, world.Get_size()):
+                print(f"layerpar: running on the {world.Get_size()} ranks of this MPI job; "
+                      f"--np {args.np} ignored", file=sys.stderr)
+            torch.set_num_threads(threads_per_rank(comm))
+    fwd, bwd = options_from_arguments(args)
+    train(args.model, serial=args.serial, epochs=args.epochs, batch_size=args.batch_size,
+          lr=args.lr, seed=args.seed, fwd=fwd, bwd=bwd, comm=comm,
+          progress=not args.no_progress, dtype=dtype_from_arguments(args))
+    return 0
+
+
+def info() -> str:
+    """The text `layerpar info` prints: versions, MPI library, mpiexec, native engine."""
+    import numpy
+    import torch
+
+    lines = [f"layerpar {__version__} ({Path(__file__).resolve().parent})",
+             f"python {platform.python_version()} ({sys.executable})",
+             f"torch {torch.__version__} (CUDA {'available' if torch.cuda.is_available() else 'not available'})",  # noqa: E501
+             f"numpy {numpy.__version__}"]
+    try:
+        import mpi4py
+
+        if "mpi4py.MPI" not in sys.modules:
+            mpi4py.rc.initialize = False  # library queries only: do not start MPI
+        from mpi4py import MPI
+
+        name, version = MPI.get_vendor()
+        library = MPI.Get_library_version().strip().splitlines()[0]
+        lines.append(f"mpi4py {mpi4py.__version__}")
+        lines.append(f"MPI {name} {'.'.join(map(str, version))} ({library.strip()})")
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        lines.append(f"mpi4py/MPI: not usable ({type(exc).__name__}: {exc})")
+    mpiexec = mpiexec_path()
+    lines.append(f"mpiexec {mpiexec}" if mpiexec else
+                 "mpiexec: not found (pip install \"layerpar[mpich]\")")
+    try:
+        from ._native import _core  # noqa: F401
+
+        lines.append(f"native engine: ok ({Path(_core.__file__).name})")
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        lines.append(f"native engine: does not import ({type(exc).__name__}: {exc})")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``layerpar`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_args(argv)
+    except ValueError as exc:
+        print(f"layerpar: error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "info":
+        print(info())
+        return 0
+    if args.command == "train":
+        if args.np > 1 and not args.serial and not under_mpi():
+            try:
+                return launch(args.np, argv)
+            except FileNotFoundError as exc:
+                print(f"layerpar: error: {exc}", file=sys.stderr)
+                return 1
+        return _train(args)
+    raise AssertionError(f"unhandled command {args.command!r}")  # argparse restricts it
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,446 @@
+"""A small, reusable training loop for the bundled problems (Peaks, digits).
+
+The examples (``examples/peaks.py``, ``examples/digits.py``) and the command line
+(``layerpar train``) are thin front ends to `train`, so all of them train the same
+networks the same way and print the same summary line.  `train` runs either the plain
+`ODENet` with ordinary autograd (``serial=True``: the serial oracle) or a
+`LayerParallel` over ``comm`` (``comm=None``: one process, no MPI), which makes
+serial and layer-parallel runs directly comparable: same seed, same network, same data
+order, same optimiser and schedule.
+
+Every rank runs this loop in lockstep: it builds the same network (the global torch
+generator is seeded before building), iterates the same batches (the data loader has
+its own seeded generator), computes the same loss (the output is broadcast), and
+evaluates validation accuracy itself.  Only rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, TextIO
+
+import torch
+from torch import Tensor, nn
+
+from . import data
+from .mgrit.options import MAX_LEVELS, MGRITOptions
+from .ode import blocks
+from .ode.net import ODENet, Segment
+from .parallel import LayerParallel
+
+__all__ = [
+    "MODELS",
+    "Recipe",
+    "RECIPES",
+    "add_arguments",
+    "build_net",
+    "check_arguments",
+    "dtype_from_arguments",
+    "format_summary",
+    "load_data",
+    "options_from_arguments",
+    "parse_summary",
+    "threads_per_rank",
+    "train",
+]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Defaults of one problem: network size and a training budget that works.
+
+    Both problems use Adam with cosine decay of the learning rate to zero over the
+    run: the decay makes the final accuracy settle instead of jumping from epoch to
+    epoch, so serial and layer-parallel runs can be compared at the end.
+    """
+
+    epochs: int
+    batch_size: int
+    lr: float
+    n_layers: int
+    width: int
+    t_final: float
+
+
+RECIPES: dict[str, Recipe] = {
+    # DESIGN.md: width 8, 32 layers u <- u + h tanh(K u + b), T = 5
+    "peaks": Recipe(epochs=20, batch_size=100, lr=0.02, n_layers=32, width=8, t_final=5.0),
+    # a small convolutional ODE-net on 1x8x8 images; width = channels
+    "digits": Recipe(epochs=8, batch_size=50, lr=0.01, n_layers=8, width=8, t_final=2.0),
+}
+MODELS = tuple(RECIPES)
+
+_PEAKS_TRAIN, _PEAKS_VAL = 5000, 200
+_DIGITS_VAL = 297
+
+
+def _model_name(model_name: Any) -> str:
+    if model_name not in RECIPES:
+        raise ValueError(f"`model_name` must be one of {list(MODELS)}, got {model_name!r}")
+    return model_name
+
+
+def _positive(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value}")
+    return value
+
+
+def build_net(model_name: str, n_layers: Optional[int] = None,
+              width: Optional[int] = None) -> ODENet:
+    """The `ODENet` of a problem, with fresh parameters from the global torch generator.
+
+    peaks: Linear(2, w) -> n residual layers u <- u + h tanh(K u + b) on [0, 5] ->
+    Linear(w, 5) (DESIGN.md: w = 8, n = 32).
+    digits: Conv2d(1, c, 3) -> n residual layers u <- u + h relu(conv3x3(u)) on [0, 2]
+    -> 2x2 average pooling -> Linear(16 c, 10) (c = 8, n = 8).
+    Seed the global generator first (``torch.manual_seed``) to build the same network
+    on every rank.
+    """
+    recipe = RECIPES[_model_name(model_name)]
+    n = recipe.n_layers if n_layers is None else _positive(n_layers, "n_layers")
+    w = recipe.width if width is None else _positive(width, "width")
+    if model_name == "peaks":
+        return ODENet(open=nn.Linear(2, w),
+                      steps=lambda k: blocks.Dense(w, activation="tanh"),
+                      n_steps=n, t_final=recipe.t_final,
+                      close=nn.Linear(w, data.PEAKS_CLASSES))
+    return ODENet(layers=[
+        nn.Conv2d(1, w, 3, padding=1),
+        Segment(lambda k: blocks.Conv(w, activation="relu"), n, recipe.t_final),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(w * 4 * 4, 10),
+    ])
+
+
+def load_data(model_name: str, seed: int = 0,
+              dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(x_train, y_train, x_val, y_val) of a problem, deterministic given ``seed``.
+
+    peaks: 5000 training and 200 validation points; digits: 1500 training and 297
+    validation images.
+    """
+    if _model_name(model_name) == "peaks":
+        return data.peaks(_PEAKS_TRAIN, _PEAKS_VAL, seed=seed, dtype=dtype)
+    return data.digits(_DIGITS_VAL, seed=seed, dtype=dtype)
+
+
+def threads_per_rank(comm: Any = None) -> int:
+    """Torch threads per rank so that the ranks on one node share its cores.
+
+    The cores this process may use, divided by the number of ranks of ``comm`` on the
+    same node (all of them if ``comm`` is None); at least 1.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    local = 1
+    if comm is not None and comm.Get_size() > 1:
+        from mpi4py import MPI
+
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        local = node.Get_size()
+        node.Free()
+    return max(1, cores // local)
+
+
+class _Progress:
+    """A dependency-free progress bar on stderr (only when stderr is a terminal)."""
+
+    def __init__(self, enabled: bool, total: int, label: str,
+                 stream: Optional[TextIO] = None) -> None:
+        stream = sys.stderr if stream is None else stream  # the current one, not import-time
+        self.enabled = enabled and stream.isatty()
+        self.total, self.label, self.stream = total, label, stream
+        self._last = 0.0
+
+    def update(self, done: int, note: str) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (done < self.total and now - self._last < 0.1):
+            return
+        self._last = now
+        width = 24
+        fill = width * done // max(self.total, 1)
+        self.stream.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] "
+                          f"{done}/{self.total} {note}\x1b[K")
+        self.stream.flush()
+
+    def close(self, note: str) -> None:
+        if self.enabled:
+            self.stream.write(f"\r{self.label} {note}\x1b[K\n")
+            self.stream.flush()
+
+
+def _solve_stats(stats: list[dict]) -> tuple[int, Optional[float]]:
+    """Iterations (max over segments) and final residual (root-sum-square over segments;
+    None where no residual was measured, e.g. one iteration with `skip`)."""
+    iters = max((s["iterations"] for s in stats), default=0)
+    res = [s["residual_history"][-1] for s in stats if s["residual_history"]]
+    return iters, (math.sqrt(sum(r * r for r in res)) if res else None)
+
+
+def _mean(values: list[float]) -> Optional[float]:
+    return sum(values) / len(values) if values else None
+
+
+def train(
+    model_name: str,
+    *,
+    serial: bool = False,
+    epochs: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    lr: Optional[float] = None,
+    seed: int = 0,
+    fwd: Optional[MGRITOptions] = None,
+    bwd: Optional[MGRITOptions] = None,
+    comm: Any = None,
+    progress: bool = True,
+    dtype: torch.dtype = torch.float32,
+    n_layers: Optional[int] = None,
+    width: Optional[int] = None,
+) -> dict[str, Any]:
+    """Train the Peaks or digits network and return what happened.
+
+    model_name: "peaks" or "digits" (see `build_net`, `load_data`).
+    serial: train the plain `ODENet` with ordinary autograd (the serial oracle);
+        ``comm`` then only decides which rank prints.  Otherwise the net is wrapped
+        in `LayerParallel` over ``comm`` (None: one process without MPI).
+    epochs, batch_size, lr: None takes the problem's `Recipe`.
+    seed: fixes the data split, the initial parameters (``torch.manual_seed`` before
+        building the net, on every rank) and the batch order.
+    fwd, bwd: MGRIT options of the forward and adjoint solves (default: 3 levels,
+        coarsening factor 4, 2 forward and 1 backward iteration: inexact training).
+    progress: a progress bar on rank 0's stderr, when that is a terminal.
+    dtype: parameter and data dtype (torch.float32 or torch.float64).
+    n_layers, width: override the number of residual layers / the width (channels).
+
+    Returns a dict: ``val_acc``, ``val_loss``, ``train_loss`` and ``train_acc`` (last
+    epoch), ``ms_per_batch`` (one optimisation step: forward, backward, update,
+    averaged over all steps), ``fwd_iters``/``fwd_res`` and ``bwd_iters``/``bwd_res``
+    (MGRIT iterations and final residual norm, averaged over the last epoch's batches;
+    None when serial or not measured), ``ranks``, ``history`` (one dict per epoch),
+    ``batch_losses`` (every step's loss), ``summary`` (the line rank 0 prints) and
+    ``module`` (the trained ODENet or LayerParallel), plus the settings used.
+    """
+    model_name = _model_name(model_name)
+    recipe = RECIPES[model_name]
+    if not isinstance(serial, bool):
+        raise TypeError(f"`serial` must be a bool, got {type(serial).__name__}")
+    epochs = recipe.epochs if epochs is None else _positive(epochs, "epochs")
+    batch_size = recipe.batch_size if batch_size is None else _positive(batch_size,
+                                                                         "batch_size")
+    lr = recipe.lr if lr is None else lr
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (
+            math.isfinite(lr) and lr > 0):
+        raise ValueError(f"`lr` must be a positive finite number, got {lr!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"`seed` must be a non-negative int, got {seed!r}")
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"`dtype` must be torch.float32 or torch.float64, got {dtype!r}")
+    fwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=2) if fwd is None else fwd
+    bwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=1) if bwd is None else bwd
+    for name, o in (("fwd", fwd), ("bwd", bwd)):
+        if not isinstance(o, MGRITOptions):
+            raise TypeError(f"`{name}` must be an MGRITOptions, got {type(o).__name__}")
+    rank = comm.Get_rank() if comm is not None else 0
+    ranks = 1 if serial or comm is None else comm.Get_size()
+
+    x_train, y_train, x_val, y_val = load_data(model_name, seed, dtype)
+    torch.manual_seed(seed)  # same initial parameters on every rank
+    net = build_net(model_name, n_layers, width).to(dtype)
+    model: nn.Module = net if serial else LayerParallel(net, comm, fwd, bwd)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x_train, y_train), batch_size=batch_size,
+        shuffle=True, generator=torch.Generator().manual_seed(seed))
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)  # this rank's parameters
+    total_steps = epochs * len(loader)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+
+    history: list[dict[str, Any]] = []
+    batch_losses: list[float] = []
+    step_time = 0.0
+    for epoch in range(1, epochs + 1):
+        bar = _Progress(progress and rank == 0, len(loader),
+                        f"{model_name} epoch {epoch}/{epochs}")
+        model.train()
+        losses, correct, seen = [], 0, 0
+        fwd_it, fwd_res, bwd_it, bwd_res = [], [], [], []
+        t_epoch = time.perf_counter()
+        for b, (x, y) in enumerate(loader, 1):
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            out = model(x)
+            loss = nn.functional.cross_entropy(out, y)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            step_time += time.perf_counter() - t0
+            losses.append(loss.item())
+            correct += int((out.detach().argmax(1) == y).sum())
+            seen += len(y)
+            if isinstance(model, LayerParallel):
+                it, res = _solve_stats(model.last_forward)
+                fwd_it.append(it)
+                fwd_res += [] if res is None else [res]
+                it, res = _solve_stats(model.last_backward)
+                bwd_it.append(it)
+                bwd_res += [] if res is None else [res]
+            bar.update(b, f"loss {losses[-1]:.3f}")
+        batch_losses += losses
+        val_loss, val_acc = _evaluate(model, x_val, y_val)
+        record = {
+            "epoch": epoch, "train_loss": sum(losses) / len(losses),
+            "train_acc": correct / seen, "val_loss": val_loss, "val_acc": val_acc,
+            "seconds": time.perf_counter() - t_epoch,
+            "fwd_iters": _mean(fwd_it), "fwd_res": _mean(fwd_res),
+            "bwd_iters": _mean(bwd_it), "bwd_res": _mean(bwd_res),
+        }
+        history.append(record)
+        bar.close(f"train_loss {record['train_loss']:.3f} | val_acc {val_acc:.3f}")
+
+    last = history[-1]
+    result: dict[str, Any] = {
+        "model": model_name, "serial": serial, "ranks": ranks, "epochs": epochs,
+        "batch_size": batch_size, "lr": lr, "seed": seed, "dtype": str(dtype),
+        "fwd": None if serial else fwd, "bwd": None if serial else bwd,
+        "val_acc": last["val_acc"], "val_loss": last["val_loss"],
+        "train_loss": last["train_loss"], "train_acc": last["train_acc"],
+        "ms_per_batch": 1000.0 * step_time / total_steps,
+        "fwd_iters": last["fwd_iters"], "fwd_res": last["fwd_res"],
+        "bwd_iters": last["bwd_iters"], "bwd_res": last["bwd_res"],
+        "history": history, "batch_losses": batch_losses, "module": model,
+    }
+    result["summary"] = format_summary(result)
+    if rank == 0:
+        print(result["summary"], flush=True)
+    return result
+
+
+def _evaluate(model: nn.Module, x: Tensor, y: Tensor) -> tuple[float, float]:
+    """(loss, accuracy) on a validation set: eval mode, no graph, on every rank."""
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    model.train()
+    loss = nn.functional.cross_entropy(out, y).item()
+    return loss, float((out.argmax(1) == y).double().mean())
+
+
+def _fmt_res(res: Optional[float]) -> str:
+    return "n/a" if res is None else f"{res:.1e}"
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    """The one-line summary of a `train` result, e.g.
+
+    ``peaks: val_acc 0.873 | train_loss 0.321 | 12.3 ms/batch | fwd iters 2 (res 3.1e-02)
+    | bwd iters 1 (res n/a) | ranks 4`` (one line; "serial" instead of the MGRIT part
+    for the serial oracle).  `parse_summary` reads it back.
+    """
+    parts = [f"{result['model']}: val_acc {result['val_acc']:.3f}",
+             f"train_loss {result['train_loss']:.3f}",
+             f"{result['ms_per_batch']:.1f} ms/batch"]
+    if result["serial"]:
+        parts.append("serial")
+    else:
+        parts.append(f"fwd iters {result['fwd_iters']:g} (res {_fmt_res(result['fwd_res'])})")
+        parts.append(f"bwd iters {result['bwd_iters']:g} (res {_fmt_res(result['bwd_res'])})")
+    parts.append(f"ranks {result['ranks']}")
+    return " | ".join(parts)
+
+
+_SUMMARY = re.compile(
+    r"^(?P<model>\w+): val_acc (?P<val_acc>[\d.]+) \| train_loss (?P<train_loss>[\d.naif]+)"
+    r" \| (?P<ms_per_batch>[\d.]+) ms/batch \| (?:(?P<serial>serial)|fwd iters "
+    r"(?P<fwd_iters>[\d.]+) \(res (?P<fwd_res>\S+)\) \| bwd iters (?P<bwd_iters>[\d.]+) "
+    r"\(res (?P<bwd_res>\S+)\)) \| ranks (?P<ranks>\d+)$")
+
+
+def parse_summary(text: str) -> dict[str, Any]:
+    """The fields of the last summary line in ``text`` (as `format_summary` writes it).
+
+    Raises ValueError if ``text`` holds no such line.
+    """
+    for line in reversed(text.strip().splitlines()):
+        m = _SUMMARY.match(line.strip())
+        if m:
+            g = m.groupdict()
+            num = {k: None if g[k] in (None, "n/a") else float(g[k])
+                   for k in ("fwd_iters", "fwd_res", "bwd_iters", "bwd_res")}
+            return {"model": g["model"], "val_acc": float(g["val_acc"]),
+                    "train_loss": float(g["train_loss"]),
+                    "ms_per_batch": float(g["ms_per_batch"]), "serial": bool(g["serial"]),
+                    **num, "ranks": int(g["ranks"])}
+    raise ValueError(f"`text` holds no training summary line: {text[-500:]!r}")
+
+
+# -- command-line options shared by the examples and `layerpar train` -----------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the training and MGRIT options (--levels, --cfactor, ... --float64) to ``parser``.
+
+    Values are checked by `check_arguments`, not by argparse, so that a bad value is a
+    ValueError naming its option.
+    """
+    g = parser.add_argument_group("MGRIT (forward and adjoint solves)")
+    g.add_argument("--levels", type=int, default=3, help="MGRIT levels at most (1: exact)")
+    g.add_argument("--cfactor", type=int, default=4, help="coarsening factor")
+    g.add_argument("--fwd-iters", type=int, default=2, help="forward MGRIT iterations")
+    g.add_argument("--bwd-iters", type=int, default=1, help="adjoint MGRIT iterations")
+    g.add_argument("--tol", type=float, default=1e-9,
+                   help="absolute residual tolerance (halts earlier if reached)")
+    g.add_argument("--nrelax", type=int, default=1, help="relaxation sweeps (0: F, 1: FCF)")
+    t = parser.add_argument_group("training")
+    t.add_argument("--epochs", type=int, default=None, help="epochs (default: per problem)")
+    t.add_argument("--batch-size", type=int, default=None,
+                   help="batch size (default: per problem)")
+    t.add_argument("--lr", type=float, default=None,
+                   help="peak Adam learning rate (default: per problem)")
+    t.add_argument("--seed", type=int, default=0, help="data, initialisation and order")
+    t.add_argument("--serial", action="store_true",
+                   help="train the plain ODENet with autograd (the serial oracle)")
+    t.add_argument("--float64", action="store_true", help="train in double precision")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the option (e.g. ``--cfactor``) for a value out of range."""
+    checks = [("--levels", args.levels, 1), ("--cfactor", args.cfactor, 2),
+              ("--fwd-iters", args.fwd_iters, 1), ("--bwd-iters", args.bwd_iters, 1),
+              ("--nrelax", args.nrelax, 0), ("--epochs", args.epochs, 1),
+              ("--batch-size", args.batch_size, 1), ("--seed", args.seed, 0)]
+    for flag, value, lo in checks:
+        if value is not None and value < lo:
+            raise ValueError(f"`{flag}` must be >= {lo}, got {value}")
+    if args.levels > MAX_LEVELS:
+        raise ValueError(f"`--levels` must be <= {MAX_LEVELS}, got {args.levels}")
+    if not (math.isfinite(args.tol) and args.tol >= 0):
+        raise ValueError(f"`--tol` must be a finite number >= 0, got {args.tol}")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"`--lr` must be a positive number, got {args.lr}")
+
+
+def options_from_arguments(args: argparse.Namespace) -> tuple[MGRITOptions, MGRITOptions]:
+    """(forward, adjoint) `MGRITOptions` from parsed `add_arguments` options."""
+    check_arguments(args)
+    common = dict(max_levels=args.levels, cfactor=args.cfactor, nrelax=args.nrelax,
+                  tol=args.tol)
+    return (MGRITOptions(max_iter=args.fwd_iters, **common),
+            MGRITOptions(max_iter=args.bwd_iters, **common))
+
+
+def dtype_from_arguments(args: argparse.Namespace) -> torch.dtype:
+    """torch.float64 with ``--float64``, else torch.float32."""
+    return torch.float64 if args.float64 else torch.float32
+

@@ -1,0 +1,214 @@
+"""Training end to end: `layerpar.train`, the examples and the ``layerpar`` command.
+
+- exact mode (one MGRIT level) trains exactly like the serial oracle, step for step;
+- the examples and ``layerpar train --np 2`` run under MPI and print a summary line;
+- inexact MGRIT training (3 levels, cfactor 4, 2 forward / 1 adjoint iteration) on 2
+  ranks reaches the serial oracle's Peaks validation accuracy within 1 point;
+- the digits ODE-net reaches 90 % validation accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from mpi_util import describe, mpi_available, run_mpi
+
+from layerpar import MGRITOptions, cli
+from layerpar.train import add_arguments, check_arguments, format_summary, parse_summary, train
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+EXACT = MGRITOptions(max_levels=1)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """In-process training on one thread: these nets are tiny, and the MPI ranks and
+    other jobs share the cores (two spinning threads per process only thrash)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _summary(proc: subprocess.CompletedProcess) -> dict:
+    """The single summary line of a finished job (only rank 0 prints one)."""
+    assert proc.returncode == 0, describe(proc)
+    lines = [ln for ln in proc.stdout.splitlines() if ":" in ln and "val_acc" in ln]
+    assert len(lines) == 1, describe(proc)
+    return parse_summary(lines[0])
+
+
+# -- (a) exact mode = serial oracle ----------------------------------------------------------
+
+def test_exact_layer_parallel_trains_like_serial_oracle() -> None:
+    kw = dict(epochs=1, batch_size=500, seed=3, progress=False, dtype=torch.float64)
+    ref = train("peaks", serial=True, **kw)
+    got = train("peaks", serial=False, comm=None, fwd=EXACT, bwd=EXACT, **kw)
+    assert len(got["batch_losses"]) == len(ref["batch_losses"]) == 10
+    assert got["batch_losses"] == pytest.approx(ref["batch_losses"], rel=1e-12, abs=0)
+    assert got["val_acc"] == ref["val_acc"]
+    params = got["module"].gather_state_dict()
+    for name, p in ref["module"].state_dict().items():
+        torch.testing.assert_close(params[name], p, rtol=1e-10, atol=0)
+    assert got["fwd_iters"] == got["bwd_iters"] == 1
+
+
+# -- fast checks of the front doors ----------------------------------------------------------
+
+def test_summary_line_round_trip() -> None:
+    res = {"model": "peaks", "serial": False, "val_acc": 0.873, "train_loss": 0.321,
+           "ms_per_batch": 12.34, "fwd_iters": 2.0, "fwd_res": 0.031, "bwd_iters": 1.0,
+           "bwd_res": None, "ranks": 4}
+    line = format_summary(res)
+    assert line == ("peaks: val_acc 0.873 | train_loss 0.321 | 12.3 ms/batch | fwd iters 2 "
+                    "(res 3.1e-02) | bwd iters 1 (res n/a) | ranks 4")
+    back = parse_summary("noise\n" + line + "\n")
+    assert back["fwd_res"] == pytest.approx(0.031) and back["bwd_res"] is None
+    assert back["ranks"] == 4 and not back["serial"]
+    serial = format_summary({**res, "serial": True, "ranks": 1})
+    assert parse_summary(serial)["serial"]
+    with pytest.raises(ValueError, match="`text`"):
+        parse_summary("no summary here")
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--levels", "0"), ("--levels", "31"), ("--cfactor", "1"), ("--fwd-iters", "0"),
+    ("--bwd-iters", "0"), ("--nrelax", "-1"), ("--epochs", "0"), ("--batch-size", "0"),
+    ("--seed", "-1"), ("--tol", "-1"), ("--lr", "0"), ("--np", "0")])
+def test_bad_cli_values_name_their_option(flag: str, value: str,
+                                          capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(ValueError, match=f"`{flag}`"):
+        cli.parse_args(["train", "peaks", flag, value])
+    assert cli.main(["train", "peaks", flag, value]) == 2
+    assert f"`{flag}`" in capsys.readouterr().err
+
+
+def test_example_options_checked_like_cli() -> None:
+    args = add_arguments(argparse.ArgumentParser()).parse_args(["--cfactor", "1"])
+    with pytest.raises(ValueError, match="`--cfactor`"):
+        check_arguments(args)
+
+
+def test_train_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="`model_name`"):
+        train("mnist", serial=True)
+    with pytest.raises(ValueError, match="`epochs`"):
+        train("peaks", serial=True, epochs=0)
+    with pytest.raises(ValueError, match="`lr`"):
+        train("peaks", serial=True, lr=-1.0)
+
+
+def test_missing_mpiexec_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(cli, "mpiexec_path", lambda: None)
+    monkeypatch.delenv(cli.LAUNCHED_ENV, raising=False)
+    for var in cli._MPI_ENV:
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(FileNotFoundError, match=r"layerpar\[mpich\]"):
+        cli.launch(2, ["train", "peaks"])
+    assert cli.main(["train", "peaks", "--np", "2"]) == 1
+    assert "layerpar[mpich]" in capsys.readouterr().err
+
+
+def test_info_reports_versions_and_engine() -> None:
+    text = cli.info()
+    assert f"torch {torch.__version__}" in text
+    assert "native engine: ok" in text
+    assert "MPI " in text or "mpi4py/MPI: not usable" in text
+
+
+# -- (b) the example under MPI ------------------------------------------------------------------
+
+@pytest.mark.mpi
+def test_peaks_example_two_ranks() -> None:
+    proc = run_mpi(EXAMPLES / "peaks.py", 2, "--epochs", "2", "--no-progress", timeout=120)
+    s = _summary(proc)
+    assert s["model"] == "peaks" and s["ranks"] == 2 and not s["serial"]
+    assert s["fwd_iters"] == 2 and s["bwd_iters"] == 1
+    assert s["fwd_res"] is not None and s["fwd_res"] > 0  # inexact: a residual is left
+    assert 0.6 <= s["val_acc"] <= 1.0 and 0 < s["train_loss"] < 1.6
+
+
+# -- (c) inexact training reaches the serial accuracy ------------------------------------------
+
+@pytest.mark.mpi
+@pytest.mark.slow  # about 25 s on 2 idle cores, 40 s on busy ones
+def test_inexact_mgrit_training_matches_serial_accuracy() -> None:
+    """Peaks, 20 epochs (the recipe), seed 0: 2-rank inexact MGRIT vs the serial oracle."""
+    ref = train("peaks", serial=True, seed=0, progress=False)
+    proc = run_mpi(EXAMPLES / "peaks.py", 2, "--levels", "3", "--cfactor", "4",
+                   "--fwd-iters", "2", "--bwd-iters", "1", "--seed", "0", "--no-progress",
+                   timeout=240)  # ~15 s idle; far more when other jobs share the cores
+    s = _summary(proc)
+    assert s["fwd_iters"] == 2 and s["bwd_iters"] == 1
+    n_val = 200  # accuracies are multiples of 1/200: compare counts, not floats
+    diff = abs(round(s["val_acc"] * n_val) - round(ref["val_acc"] * n_val))
+    assert diff <= n_val // 100, f"serial {ref['val_acc']:.3f} vs inexact {s['val_acc']:.3f}"
+
+
+# -- (d) digits ---------------------------------------------------------------------------------
+
+def test_digits_serial_reaches_90_percent() -> None:
+    r = train("digits", serial=True, progress=False)
+    assert r["val_acc"] >= 0.90, r["summary"]
+
+
+@pytest.mark.mpi
+def test_digits_two_ranks_inexact_reaches_90_percent() -> None:
+    proc = run_mpi(EXAMPLES / "digits.py", 2, "--levels", "3", "--cfactor", "4",
+                   "--fwd-iters", "2", "--bwd-iters", "1", "--no-progress", timeout=120)
+    s = _summary(proc)
+    assert s["ranks"] == 2 and s["val_acc"] >= 0.90, proc.stdout
+
+
+# -- (e) the command line relaunches itself under mpiexec --------------------------------------
+
+def _run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the ``layerpar`` console script (else ``python -m layerpar.cli``) in its own
+    session; on a timeout kill the whole process group (mpiexec and its ranks)."""
+    script = Path(sys.executable).parent / "layerpar"
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "layerpar.cli"]
+    cmd += list(args)
+    env = {k: v for k, v in os.environ.items()
+           if k not in (cli.LAUNCHED_ENV, *cli._MPI_ENV)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout:g} s: {cmd}\n{out}\n{err}", pytrace=False)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.mark.mpi
+def test_cli_train_np2_relaunches_under_mpiexec() -> None:
+    if not mpi_available():
+        pytest.skip("no MPI (mpi4py and mpiexec) available")
+    s = _summary(_run_cli("train", "peaks", "--np", "2", "--epochs", "1", "--no-progress"))
+    assert s["model"] == "peaks" and s["ranks"] == 2 and s["fwd_iters"] == 2
+
+
+@pytest.mark.mpi
+def test_cli_propagates_the_jobs_exit_status() -> None:
+    if not mpi_available():
+        pytest.skip("no MPI (mpi4py and mpiexec) available")
+    # the ranks' own parser rejects the model: every rank exits 2, and so must launch()
+    assert cli.launch(2, ["train", "no-such-model"]) == 2
+
+
+def test_cli_serial_runs_in_process(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["train", "digits", "--serial", "--np", "2", "--epochs", "1",
+                     "--no-progress"]) == 0
+    s = parse_summary(capsys.readouterr().out)
+    assert s["serial"] and s["ranks"] == 1
