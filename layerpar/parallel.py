@@ -752,6 +752,46 @@ class LayerParallel(nn.Module):
             merged.update(part)
         return dict(sorted(merged.items(), key=lambda kv: _name_order(kv[0])))
 
+    def gather_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer state of the whole network, keyed by parameter name, on every
+        rank (collective).  `load_optimizer_state` restores it on any number of ranks."""
+        names = {id(p): n for n, p in self.named_parameters()}
+        sd = optimizer.state_dict()
+        order = [p for g in optimizer.param_groups for p in g["params"]]
+        state = {names[id(order[i])]: {k: (v.detach().cpu() if isinstance(v, Tensor) else v)
+                                       for k, v in st.items()}
+                 for i, st in sd["state"].items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+        group_of = {names[id(p)]: gi for gi, g in enumerate(optimizer.param_groups)
+                    for p in g["params"]}
+        parts = [(state, groups, group_of)] if self.size == 1 else self._guard(
+            lambda: self.transport.allgather_object((state, groups, group_of)))
+        merged: dict[str, Any] = {"state": {}, "param_groups": parts[0][1], "group_of": {}}
+        for st, _, go in parts:
+            merged["state"].update(st)
+            merged["group_of"].update(go)
+        return merged
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer,
+                             state: dict[str, Any]) -> None:
+        """Load a state from `gather_optimizer_state` into this rank's optimizer."""
+        names = {id(p): n for n, p in self.named_parameters()}
+        order = [p for g in optimizer.param_groups for p in g["params"]]
+        local = optimizer.state_dict()
+        if len(local["param_groups"]) != len(state["param_groups"]):
+            raise ValueError("`state` has a different number of parameter groups than "
+                             "`optimizer`")
+        new_state = {}
+        for i, p in enumerate(order):
+            st = state["state"].get(names[id(p)])
+            if st is not None:
+                new_state[i] = {k: (v.to(p.device) if isinstance(v, Tensor) and v.dim() > 0
+                                    else v) for k, v in st.items()}
+        groups = []
+        for g_local, g_saved in zip(local["param_groups"], state["param_groups"]):
+            groups.append({**g_saved, "params": g_local["params"]})
+        optimizer.load_state_dict({"state": new_state, "param_groups": groups})
+
     def extra_repr(self) -> str:
         return (f"rank {self.rank} of {self.size}, coarsening={self.coarsening!r}, "
                 f"options={self.options}, backward_options={self.backward_options}")

@@ -56,3 +56,20 @@ def test_bad_input_raises_on_every_rank(case: str) -> None:
     assert set(seen.values()) <= {local, remote}, text
     assert local in seen.values(), text
     assert text.count(msg) >= nprocs, text
+
+
+def _losses(proc: object) -> dict:
+    text = proc.stdout  # type: ignore[attr-defined]
+    line = [ln for ln in text.splitlines() if ln.startswith("RANK 0 LOSSES ")]
+    assert line, text + proc.stderr  # type: ignore[attr-defined]
+    return json.loads(line[0][len("RANK 0 LOSSES "):])
+
+
+def test_checkpoint_resume_on_another_number_of_ranks(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt.pt"
+    saved = _losses(run_mpi(WORKERS / "lp_checkpoint.py", 3, "save", ckpt, timeout=120))
+    resumed = _losses(run_mpi(WORKERS / "lp_checkpoint.py", 2, "resume", ckpt, timeout=120))
+    # exact mode: the interrupted run continues with the uninterrupted run's losses
+    got = saved["first"] + resumed["second"]
+    assert all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(got, saved["full"])), (got, saved)
+    assert len(got) == 5
