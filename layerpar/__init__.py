@@ -1,8 +1,34 @@
-"""layerpar: layer-parallel training of deep residual networks with MGRIT."""
-from . import ode
-from .mgrit import MGRITOptions, MGRITResult, solve
-from .ode import ODENet
-from .parallel import LayerParallel
+"""layerpar: layer-parallel training of deep residual networks with MGRIT.
+
+The public names are imported lazily, so ``import layerpar.ode`` (the serial
+oracle) never loads the native engine or MPI.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["LayerParallel", "MGRITOptions", "MGRITResult", "ODENet", "ode", "solve"]
 __version__ = "0.1.0"
+
+_WHERE = {
+    "LayerParallel": "layerpar.parallel",
+    "MGRITOptions": "layerpar.mgrit.options",
+    "MGRITResult": "layerpar.mgrit.solve",
+    "solve": "layerpar.mgrit.solve",
+    "ODENet": "layerpar.ode.net",
+    "ode": "layerpar.ode",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        mod = importlib.import_module(_WHERE[name])
+        value = mod if name == "ode" else getattr(mod, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'layerpar' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -536,8 +536,11 @@ class LayerParallel(nn.Module):
                     raise ValueError(
                         f"a segment has {seg.n_steps} layers but the communicator has "
                         f"{self.transport.size} ranks: each rank needs at least one layer")
-            key = (options.key(), backward_options.key(), coarsening,
-                   [(type(m).__name__, getattr(m, "n_steps", None)) for m in net.layers])
+            key = {**{f"options.{k}": v for k, v in options.key().items()},
+                   **{f"backward_options.{k}": v for k, v in backward_options.key().items()},
+                   "coarsening": coarsening,
+                   "layers": [(type(m).__name__, getattr(m, "n_steps", None))
+                              for m in net.layers]}
         except Exception as exc:  # noqa: BLE001 - re-raised identically on every rank
             err = exc
         self.transport.agree(key, err, "LayerParallel settings (options, coarsening, layers)")
@@ -613,9 +616,12 @@ class LayerParallel(nn.Module):
         return t if tr.rank == root else unpack(buf, shape, dtype, device)  # type: ignore
 
     def _guard(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn`; an exception raised on this rank alone is sent to the others.
+        Errors every rank raises by itself (same data, same check) are not sent: the
+        notice could overtake the other ranks' own, clearer error."""
         try:
             return fn()
-        except RemoteError:
+        except (RemoteError, RankMismatchError, DivergenceError):
             raise
         except BaseException as exc:
             self.transport.broadcast_error(exc)

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Sequence, Union
+from typing import Any, Union
 
 IntOrSeq = Union[int, Sequence[int]]
 
@@ -109,9 +110,10 @@ class MGRITOptions:
         values.update(changes)
         return MGRITOptions(**values)
 
-    def key(self) -> tuple:
-        """A hashable value equal on two ranks iff their options are equal."""
-        return tuple(getattr(self, f.name) for f in fields(self))
+    def key(self) -> dict[str, Any]:
+        """Field name -> value; equal on two ranks iff their options are equal (the
+        cross-rank check names the fields that differ)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `Core.set_options`."""

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -165,13 +166,16 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
         try:
             _validate(step, u0, n_steps, t_start, t_final, options, init, step_batch,
                       transport.size)
-            key: Any = (options.key(), n_steps, float(t_start), float(t_final),
-                        tuple(u0.shape), str(u0.dtype), init is None, step_batch is None)
+            key: Any = {**{f"options.{k}": v for k, v in options.key().items()},
+                        "n_steps": n_steps, "t_start": float(t_start),
+                        "t_final": float(t_final), "u0.shape": tuple(u0.shape),
+                        "u0.dtype": str(u0.dtype), "init": init is not None,
+                        "step_batch": step_batch is not None}
         except (TypeError, ValueError) as exc:
             err, key = exc, None
         transport.agree(key, err, "solve() arguments (options, n_steps, times, u0 shape/dtype)")
 
-        def run() -> MGRITResult:
+        def run() -> MGRITResult | DivergenceError:
             bounds = block_bounds(n_steps, transport.size)
             app = _SolveApp(step, step_batch, u0, init)
             core = Core(n_steps, float(t_start), float(t_final), transport.rank, transport.size,
@@ -181,7 +185,9 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
             code = core.drive()
             hist = core.residual_history
             if code == NAN_ERROR:
-                raise DivergenceError(
+                # every rank sees the same allreduced NaN norm and raises this itself;
+                # broadcasting it (guarded) would race and turn it into RemoteError elsewhere
+                return DivergenceError(
                     f"MGRIT residual became {hist[-1]} in iteration {core.iterations}: the "
                     f"propagator produced non-finite values (history {hist})")
             last = transport.size - 1
@@ -200,6 +206,8 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
         result = guarded(transport, run)
     finally:
         transport.close()
+    if isinstance(result, DivergenceError):
+        raise result
     if options.strict and not result.converged:
         raise ConvergenceError(result.message)
     return result

@@ -14,8 +14,10 @@ staged through host memory.
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -31,14 +33,18 @@ def pack(state: torch.Tensor) -> np.ndarray:
     t = state.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:  # "contiguous" whatever its stride
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy()
 
 
 def unpack(buf: np.ndarray | torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
            device: torch.device | str = "cpu") -> torch.Tensor:
     """The tensor of `shape`/`dtype` whose bytes are `buf` (no copy on the CPU)."""
     raw = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
+    if raw.numel() == 0:  # an empty buffer may have stride 0: view(dtype) would fail
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
     t = raw.view(dtype).view(tuple(shape))
     return t.to(device) if torch.device(device).type != "cpu" else t
 
@@ -117,7 +123,8 @@ class MPITransport:
                                             tag=_ERROR_TAG)
             self._state = {"broken": None, "owner": True}
             # cancel the error receive before mpi4py finalizes MPI (atexit is LIFO)
-            atexit.register(_cancel_request, self._err_req)
+            self._atexit = functools.partial(_cancel_request, self._err_req)
+            atexit.register(self._atexit)
         else:
             self.comm = _shared.comm
             self._err_buf = _shared._err_buf
@@ -266,15 +273,20 @@ class MPITransport:
         rank raises `RankMismatchError` saying which ranks disagree about `what`.
         """
         gathered = self.allgather_object((None if error is None else _describe(error), key))
-        me = self.comm.Get_rank()
+        if error is not None:  # this rank's own argument is bad: say so, not "rank q failed"
+            raise error
         for q, (err, _) in enumerate(gathered):
             if err is not None:
-                if q == me and error is not None:
-                    raise error
                 raise RemoteError(q, err)
         keys = [k for _, k in gathered]
         if any(k != keys[0] for k in keys):
             bad = [q for q, k in enumerate(keys) if k != keys[0]]
+            if all(isinstance(k, dict) for k in keys):
+                names = [n for n in keys[0] if any(k.get(n) != keys[0][n] for k in keys)]
+                detail = "; ".join(
+                    f"`{n}`: " + ", ".join(f"rank {q} has {k.get(n)!r}" for q, k in
+                                           enumerate(keys)) for n in names)
+                raise RankMismatchError(f"{what} differ between ranks: {detail}")
             raise RankMismatchError(
                 f"{what} differ between ranks: rank 0 has {keys[0]!r}, ranks {bad} have "
                 f"{[keys[q] for q in bad]!r}")
@@ -284,6 +296,7 @@ class MPITransport:
         if not self._state.get("owner") or self._state.get("closed"):
             return
         self._state["closed"] = True
+        atexit.unregister(self._atexit)
         self.cancel_all()
         try:
             if not self._err_req.Test():

@@ -1,0 +1,238 @@
+"""A small benchmark of the MGRIT engine: what one step costs beyond the user's work.
+
+    python -m layerpar.bench [--quick] [--csv PATH]
+    mpiexec -n 2 python -m mpi4py -m layerpar.bench        # the same at 2 ranks
+
+It reports numbers and asserts nothing.  Rows:
+
+- engine overhead: a trivial step (``lambda u, ts, te, lvl: u`` on a 1-element tensor),
+  so everything measured is the engine and its Python callbacks: the fixed cost of a
+  tiny solve, a one-level solve (sequential stepping through the engine) and a 3-level
+  FCF solve, as wall time divided by the number of step calls (all ranks), next to a
+  plain Python loop calling the same step;
+- sequential vs MGRIT max_levels=1: a small tanh layer on a [32, 32] tensor stepped by
+  a plain Python loop and by a one-level solve, and their ratio.
+
+Under mpiexec the solves run on ``MPI.COMM_WORLD`` (timings are the slowest rank's);
+alone, with ``comm=None``.  Every figure is the min (and median) over repeats.
+
+To add rows (e.g. LayerParallel), write ``def my_rows(ctx: BenchContext) -> list[Row]``
+and append it to `BENCHMARKS` (or decorate it with `@benchmark`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from .mgrit import MGRITOptions, grid_time, solve
+
+__all__ = ["BENCHMARKS", "BenchContext", "Row", "benchmark", "main", "run"]
+
+
+@dataclass
+class Row:
+    """One line of the table: a timed case."""
+
+    benchmark: str
+    case: str
+    ranks: int
+    steps: int  # step calls timed (all ranks together); 0 where not meaningful
+    min_s: float
+    median_s: float
+    note: str = ""
+
+    @property
+    def us_per_step(self) -> float:
+        """Minimum wall time per step call, in microseconds (NaN without steps)."""
+        return 1e6 * self.min_s / self.steps if self.steps else float("nan")
+
+
+@dataclass
+class BenchContext:
+    """What a benchmark function gets: size (quick or not), repeats, the communicator."""
+
+    quick: bool = False
+    repeats: int = 5
+    comm: Any = None  # an mpi4py communicator when run under mpiexec with > 1 rank
+    info: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return 1 if self.comm is None else self.comm.Get_size()
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.comm is None else self.comm.Get_rank()
+
+    def sum(self, value: float) -> float:
+        return value if self.comm is None else self.comm.allreduce(value)
+
+    def time(self, fn: Callable[[], Any]) -> tuple[list[float], Any]:
+        """Wall times of `repeats` calls of fn (the slowest rank's), and fn's last value.
+
+        One untimed call first (lazy initialisation, caches, allocator)."""
+        out = fn()
+        times = []
+        for _ in range(self.repeats):
+            if self.comm is not None:
+                self.comm.Barrier()
+            t0 = time.perf_counter()
+            out = fn()
+            dt = time.perf_counter() - t0
+            if self.comm is not None:
+                from mpi4py import MPI
+
+                dt = self.comm.allreduce(dt, op=MPI.MAX)
+            times.append(dt)
+        return times, out
+
+
+BenchFn = Callable[[BenchContext], "list[Row]"]
+BENCHMARKS: list[BenchFn] = []
+
+
+def benchmark(fn: BenchFn) -> BenchFn:
+    """Register a benchmark function (it is run in order of registration)."""
+    BENCHMARKS.append(fn)
+    return fn
+
+
+def _row(ctx: BenchContext, bench: str, case: str, steps: int, times: list[float],
+         note: str = "") -> Row:
+    return Row(bench, case, ctx.size, steps, min(times), statistics.median(times), note)
+
+
+def _loop(step: Callable, u0: torch.Tensor, n: int, t_final: float) -> torch.Tensor:
+    u = u0
+    for i in range(n):
+        u = step(u, grid_time(i, n, 0.0, t_final), grid_time(i + 1, n, 0.0, t_final), 0)
+    return u
+
+
+@benchmark
+def engine_overhead(ctx: BenchContext) -> list[Row]:
+    """A step that does nothing: the cost of the engine per step call."""
+    n = 2000 if ctx.quick else 20000
+
+    def step(u: torch.Tensor, ts: float, te: float, level: int) -> torch.Tensor:
+        return u
+
+    u0 = torch.ones(1, dtype=torch.float64)
+    rows = []
+    times, _ = ctx.time(lambda: _loop(step, u0, n, 1.0))
+    rows.append(_row(ctx, "engine overhead", "python loop, trivial step (rank 0)", n, times,
+                     "the call itself"))
+    one = MGRITOptions(max_levels=1)
+    tiny = 2 * ctx.size
+    times, _ = ctx.time(lambda: solve(step, u0, tiny, 1.0, one, comm=ctx.comm))
+    rows.append(_row(ctx, "engine overhead", f"solve max_levels=1, N={tiny}", 0, times,
+                     "fixed cost of one solve (checks, transport, setup)"))
+    times, res = ctx.time(lambda: solve(step, u0, n, 1.0, one, comm=ctx.comm))
+    rows.append(_row(ctx, "engine overhead", "solve max_levels=1", n, times))
+    fcf = MGRITOptions(max_levels=3, cfactor=2, nrelax=1, tol=0.0, max_iter=3)
+    times, res = ctx.time(lambda: solve(step, u0, n, 1.0, fcf, comm=ctx.comm))
+    total = int(ctx.sum(sum(res.step_counts)))
+    rows.append(_row(ctx, "engine overhead", "solve 3-level FCF, cf 2", total, times,
+                     f"{res.iterations} iterations, steps per level (rank 0) "
+                     f"{res.step_counts}"))
+    return rows
+
+
+@benchmark
+def sequential_vs_one_level(ctx: BenchContext) -> list[Row]:
+    """A small tanh layer: a plain loop against the same steps through the engine."""
+    n = 500 if ctx.quick else 2000
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 32, generator=g) / 32**0.5
+    b = torch.randn(32, generator=g) * 0.1
+    u0 = torch.randn(32, 32, generator=g)
+
+    def step(u: torch.Tensor, ts: float, te: float, level: int) -> torch.Tensor:
+        return u + (te - ts) * torch.tanh(torch.addmm(b, u, w.t()))
+
+    loop_times, u_loop = ctx.time(lambda: _loop(step, u0, n, 1.0))
+    times, res = ctx.time(lambda: solve(step, u0, n, 1.0, MGRITOptions(max_levels=1),
+                                        comm=ctx.comm))
+    same = bool(torch.equal(res.final_state, u_loop))
+    ratio = min(times) / min(loop_times)
+    return [
+        _row(ctx, "tanh [32,32]", "python loop (rank 0)", n, loop_times),
+        _row(ctx, "tanh [32,32]", "solve max_levels=1", n, times,
+             f"{ratio:.2f}x the loop; same result: {same}"),
+    ]
+
+
+def run(ctx: BenchContext, only: Optional[list[str]] = None) -> list[Row]:
+    """Run the registered benchmarks (or those named in `only`) and return their rows."""
+    rows: list[Row] = []
+    for fn in BENCHMARKS:
+        if only and fn.__name__ not in only:
+            continue
+        rows.extend(fn(ctx))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    """The rows as an aligned text table."""
+    head = ["benchmark", "case", "ranks", "steps", "min ms", "median ms", "us/step", "note"]
+    body = [[r.benchmark, r.case, str(r.ranks), str(r.steps), f"{1e3 * r.min_s:.2f}",
+             f"{1e3 * r.median_s:.2f}", f"{r.us_per_step:.2f}" if r.steps else "-", r.note]
+            for r in rows]
+    widths = [max(len(x[k]) for x in [head] + body) for k in range(len(head))]
+    lines = ["  ".join(c.ljust(wd) for c, wd in zip(line, widths)).rstrip()
+             for line in [head] + body]
+    lines.insert(1, "  ".join("-" * wd for wd in widths))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Command line: run the benchmarks, print the table on rank 0, optionally write CSV."""
+    p = argparse.ArgumentParser(prog="python -m layerpar.bench", description=__doc__.split(
+        "\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller sizes, 3 repeats")
+    p.add_argument("--repeats", type=int, default=None, help="repeats per case (default 5)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per rank (default 1: the cases are tiny)")
+    p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
+    p.add_argument("--only", nargs="*", metavar="NAME",
+                   help=f"run only these: {', '.join(f.__name__ for f in BENCHMARKS)}")
+    args = p.parse_args(argv)
+
+    comm = None
+    try:
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_size() > 1:
+            comm = MPI.COMM_WORLD
+    except ImportError:
+        pass
+    size = 1 if comm is None else comm.Get_size()
+    torch.set_num_threads(max(1, args.threads))
+    ctx = BenchContext(quick=args.quick, repeats=args.repeats or (3 if args.quick else 5),
+                       comm=comm)
+    rows = run(ctx, args.only)
+    if ctx.rank == 0:
+        print(f"layerpar.bench: {size} rank(s), torch {torch.__version__}, "
+              f"{torch.get_num_threads()} thread(s) per rank, {ctx.repeats} repeats, "
+              f"python {sys.version.split()[0]}")
+        print(format_table(rows))
+        if args.csv:
+            with open(args.csv, "w", newline="") as fh:
+                fields = list(asdict(rows[0])) + ["us_per_step"] if rows else []
+                writer = csv.DictWriter(fh, fieldnames=fields)
+                writer.writeheader()
+                for r in rows:
+                    writer.writerow({**asdict(r), "us_per_step": r.us_per_step})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Launching MPI worker scripts from pytest, with a hard timeout.
+
+`run_mpi(script, nprocs, *args)` starts ``mpiexec -n nprocs python -m mpi4py script
+args...`` with the mpiexec installed beside the running Python (else the one on PATH;
+the test is skipped when there is none).  The job runs in its own session; on a timeout
+mpiexec, its process group and every process below it (hydra puts the ranks in sessions
+of their own) are killed and the test fails with the output captured so far: a hanging
+job never hangs the test suite.
+
+Worker scripts report per rank with lines ``RANK <r> <text>``; `rank_lines` collects
+them.  Running workers under ``python -m mpi4py`` makes an uncaught exception on any
+rank abort the whole job instead of leaving the others waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Union
+
+import pytest
+
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def mpiexec_path() -> str | None:
+    """The mpiexec beside sys.executable (a venv's mpich wheel), else the one on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("mpiexec")
+
+
+def mpi_available() -> bool:
+    """True when mpi4py imports and an mpiexec can be found."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return mpiexec_path() is not None
+
+
+def run_mpi(script: Union[Path, str], nprocs: int, *args: object,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `script` on `nprocs` ranks and return the finished process (stdout, stderr).
+
+    Skips the calling test when MPI is not available; fails it (with the output so far)
+    when the job exceeds `timeout` seconds, after killing the whole job (`kill_job`).
+    A nonzero exit status is returned, not raised: check `returncode` yourself.
+    """
+    mpiexec = mpiexec_path()
+    if mpiexec is None or not mpi_available():
+        pytest.skip("no MPI (mpi4py and mpiexec) available")
+    cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", str(script),
+           *map(str, args)]
+    env = dict(os.environ)
+    # tests usually run more ranks than cores: one thread per rank, and MPICH's busy
+    # polling backs off (usleep) when idle, leaving the cores to the ranks doing work
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_job(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # something still holds the pipes
+            out, err = "(output lost)", ""
+        pytest.fail(f"MPI job timed out after {timeout:g} s: {' '.join(cmd)}\n"
+                    f"--- stdout ---\n{out}\n--- stderr ---\n{err}", pytrace=False)
+    except BaseException:  # e.g. Ctrl-C: do not leave the job running
+        kill_job(proc.pid)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _descendants(root: int) -> list[int]:
+    """Process ids below `root` in the process tree (read from Linux /proc; [] elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_job(pid: int) -> None:
+    """SIGKILL mpiexec `pid`, its process group and every process below it.
+
+    The process group alone is not enough: MPICH's hydra starts its proxy and every
+    rank in sessions of their own (they would die a moment later, once the proxy
+    notices, but a busy-polling rank burns a core until then).
+    """
+    tree = _descendants(pid)
+    for kill, target in [(os.killpg, pid)] + [(os.kill, p) for p in tree]:
+        try:
+            kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def rank_lines(output: str, prefix: str = "RANK") -> dict[int, list[str]]:
+    """Reports ``<prefix> <r> <text>`` in `output`, as {r: [text, ...]} in output order.
+
+    A report may start in the middle of a physical line: mpiexec interleaves the ranks'
+    output, and a ``print`` under PYTHONUNBUFFERED writes its text and its newline
+    separately (workers should write each report with one ``sys.stdout.write``).
+    """
+    found: dict[int, list[str]] = {}
+    pattern = re.compile(rf"{re.escape(prefix)} (\d+)(?: |$)")
+    for line in output.splitlines():
+        starts = list(pattern.finditer(line))
+        for k, m in enumerate(starts):
+            end = starts[k + 1].start() if k + 1 < len(starts) else len(line)
+            found.setdefault(int(m.group(1)), []).append(line[m.end():end].rstrip())
+    return found
+
+
+def describe(proc: subprocess.CompletedProcess) -> str:
+    """The command, exit status and output of a finished job, for assertion messages."""
+    cmd = " ".join(map(str, proc.args))
+    return (f"{cmd}\nexit status {proc.returncode}\n--- stdout ---\n{proc.stdout}\n"
+            f"--- stderr ---\n{proc.stderr}")
