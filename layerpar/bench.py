@@ -170,6 +170,114 @@ def sequential_vs_one_level(ctx: BenchContext) -> list[Row]:
     ]
 
 
+def _train_time(ctx: BenchContext, model: torch.nn.Module, x: torch.Tensor,
+                y: torch.Tensor) -> list[float]:
+    """Seconds per batch (forward + backward, loss on every rank) over the repeats."""
+
+    def one() -> None:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+
+    reps = ctx.repeats
+    ctx.repeats = max(reps, 7)
+    try:
+        times, _ = ctx.time(one)
+    finally:
+        ctx.repeats = reps
+    return times
+
+
+def _plain_sequential(net: Any) -> torch.nn.Module:
+    """The ODENet as a plain PyTorch nn.Sequential of u + h*F(u) modules (same weights)."""
+    import copy
+
+    from .ode import Segment
+
+    class _Residual(torch.nn.Module):
+        def __init__(self, block: torch.nn.Module, h: float) -> None:
+            super().__init__()
+            self.block, self.h = block, h
+
+        def forward(self, u: torch.Tensor) -> torch.Tensor:
+            return torch.add(u, self.block(u), alpha=self.h)
+
+    mods: list[torch.nn.Module] = []
+    for layer in copy.deepcopy(net).layers:
+        if isinstance(layer, Segment):
+            h = (layer.t_final - layer.t_start) / layer.n_steps
+            mods.extend(_Residual(b, h) for b in layer.blocks)
+        else:
+            mods.append(layer)
+    return torch.nn.Sequential(*mods)
+
+
+def _layer_parallel_rows(ctx: BenchContext, name: str, make: Callable[[], Any],
+                         x: torch.Tensor, y: torch.Tensor) -> list[Row]:
+    import copy
+
+    from .parallel import LayerParallel
+
+    torch.manual_seed(0)
+    net = make()
+    rows = []
+    if ctx.rank == 0 or ctx.comm is None:
+        plain = _plain_sequential(net)
+        serial_ctx = BenchContext(quick=ctx.quick, repeats=ctx.repeats)
+        t_plain = _train_time(serial_ctx, plain, x, y)
+        t_oracle = _train_time(serial_ctx, copy.deepcopy(net), x, y)
+    else:
+        t_plain = t_oracle = [float("nan")]
+    base = min(t_plain)
+    if ctx.size == 1:
+        rows.append(_row(ctx, name, "plain PyTorch nn.Sequential", 0, t_plain, "baseline"))
+        rows.append(_row(ctx, name, "ODENet (serial oracle)", 0, t_oracle,
+                         f"{min(t_oracle) / base:.2f}x plain"))
+        lp1 = LayerParallel(copy.deepcopy(net), ctx.comm)
+        t = _train_time(ctx, lp1, x, y)
+        rows.append(_row(ctx, name, "LayerParallel max_levels=1", 0, t,
+                         f"{min(t) / base:.2f}x plain (target <= 1.05)"))
+    fwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=2)
+    bwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=1)
+    lp = LayerParallel(copy.deepcopy(net), ctx.comm, fwd, bwd)
+    t = _train_time(ctx, lp, x, y)
+    if ctx.comm is not None:
+        base = ctx.comm.bcast(base, root=0)
+    rows.append(_row(ctx, name, "LayerParallel 3 levels cf 4, 2 fwd / 1 bwd iters", 0, t,
+                     f"{min(t) / base:.2f}x plain (1 rank)"))
+    return rows
+
+
+@benchmark
+def layer_parallel_training(ctx: BenchContext) -> list[Row]:
+    """Time per batch (forward + backward) of the digits conv net and a deep narrow dense
+    net: plain PyTorch, the serial oracle, LayerParallel exact (max_levels=1, 1 rank)
+    and MGRIT 3 levels / cf 4 / 2 forward and 1 backward iterations."""
+    from .ode import ODENet, Segment
+    from .ode.blocks import Conv, Dense
+
+    torch.set_num_threads(1)
+    n_dense = 64 if ctx.quick else 256
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 32, generator=g)
+    y = torch.randint(0, 10, (64,), generator=g)
+
+    def dense() -> ODENet:
+        return ODENet(open=torch.nn.Linear(32, 32),
+                      steps=lambda k: Dense(32, activation="tanh"),
+                      n_steps=n_dense, t_final=n_dense / 8, close=torch.nn.Linear(32, 10))
+
+    def digits() -> ODENet:
+        return ODENet(layers=[torch.nn.Conv2d(1, 8, 3, padding=1),
+                              Segment(lambda k: Conv(8, activation="relu"), 16, 2.0),
+                              torch.nn.AvgPool2d(2), torch.nn.Flatten(),
+                              torch.nn.Linear(8 * 4 * 4, 10)])
+
+    xi = torch.randn(50, 1, 8, 8, generator=g)
+    yi = torch.randint(0, 10, (50,), generator=g)
+    rows = _layer_parallel_rows(ctx, f"dense {n_dense}x32, batch 64", dense, x, y)
+    rows += _layer_parallel_rows(ctx, "digits conv 16 layers, batch 50", digits, xi, yi)
+    return rows
+
+
 def run(ctx: BenchContext, only: Optional[list[str]] = None) -> list[Row]:
     """Run the registered benchmarks (or those named in `only`) and return their rows."""
     rows: list[Row] = []

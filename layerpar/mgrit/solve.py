@@ -52,7 +52,9 @@ class MGRITResult:
 def _check_state(out: Any, like: torch.Tensor, who: str) -> torch.Tensor:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"`{who}` must return a torch.Tensor, got {type(out).__name__}")
-    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device:
+    # cheap checks first (dtype objects are singletons; .device allocates an object)
+    if (out.shape != like.shape or out.dtype is not like.dtype
+            or out.is_cuda != like.is_cuda or (like.is_cuda and out.device != like.device)):
         raise ValueError(
             f"`{who}` returned a state of shape {tuple(out.shape)}, {out.dtype} on {out.device}; "
             f"expected {tuple(like.shape)}, {like.dtype} on {like.device} (like `u0`)")
@@ -86,12 +88,18 @@ class _SolveApp:
         self.u0 = u0
         self._init = init
         self._zero = torch.zeros_like(u0)
+        self._shape, self._dtype, self._cuda = u0.shape, u0.dtype, u0.is_cuda
         if step_batch is None:
             self.step_batch = None  # the engine then calls step() per state
 
     def step(self, u: torch.Tensor, f: Optional[torch.Tensor], ts: float, te: float, is_: int,
              ie: int, level: int, final: int) -> torch.Tensor:
-        out = _check_state(self._user_step(u, ts, te, level), self.u0, "step")
+        out = self._user_step(u, ts, te, level)
+        if type(out) is not torch.Tensor or out.shape != self._shape or out.dtype is not \
+                self._dtype:
+            _check_state(out, self.u0, "step")  # raises with the full story
+        elif self._cuda:
+            _check_state(out, self.u0, "step")
         return out if f is None else torch.add(out, f)
 
     def step_batch(self, us: list, fs: Optional[list], ts: list, te: list, is_: list, ie: list,
