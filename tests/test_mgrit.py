@@ -417,6 +417,19 @@ def test_bench_smoke(tmp_path) -> None:
     from layerpar import bench
 
     out = tmp_path / "bench.csv"
-    assert bench.main(["--quick", "--repeats", "1", "--csv", str(out)]) == 0
+    assert bench.main(["--quick", "--repeats", "1", "--csv", str(out), "--only",
+                       "engine_overhead", "sequential_vs_one_level"]) == 0
     lines = out.read_text().splitlines()
     assert lines[0].startswith("benchmark,case,ranks,steps") and len(lines) == 1 + 6
+
+
+def test_bench_layer_parallel_rows(tmp_path) -> None:
+    """The LayerParallel rows run: 4 cases for each of the two nets."""
+    from layerpar import bench
+
+    out = tmp_path / "bench.csv"
+    assert bench.main(["--quick", "--repeats", "1", "--csv", str(out), "--only",
+                       "layer_parallel_training"]) == 0
+    lines = out.read_text().splitlines()
+    assert len(lines) == 1 + 8
+    assert any("LayerParallel max_levels=1" in ln for ln in lines)
