@@ -172,6 +172,33 @@ class _ForwardApp:
             out = r.phi(u, a, b, update_stats=False)
         return out if f is None else torch.add(out, f)
 
+    def step_seq(self, u: Tensor, fs: Optional[list], ts: list, te: list, as_: list,
+                 bs: list, level: int, final: int) -> list:
+        """A rank's stretch of a sequential solve in one call; when it is the final
+        (recorded) sweep, the stretch is recorded as one graph, like plain PyTorch."""
+        r = self.r
+        outs = []
+        if not (final and r.recording and fs is None and level == 0):
+            for k in range(len(ts)):
+                u = self.step(u, None if fs is None else fs[k], ts[k], te[k], as_[k], bs[k],
+                              level, final)
+                outs.append(u)
+            return outs
+        prev = r.records.get(as_[0] - 1)
+        with torch.enable_grad():
+            if prev is not None and u is prev[2]:
+                x, head = prev[1], r.chain_head[as_[0] - 1]
+            else:
+                x, head = u.detach().requires_grad_(), as_[0]
+            for a, b in zip(as_, bs):
+                x_in = x
+                x = r.phi(x_in, a, b, update_stats=True)
+                det = x.detach()
+                r.records[a] = (x_in, x, det)
+                r.chain_head[a] = head
+                outs.append(det)
+        return outs
+
     def init(self, t: float, i: int) -> Tensor:
         return self.r.u0 if i == 0 else self.r.zero
 
@@ -243,6 +270,16 @@ class _AdjointApp:
                 off += k
         if fs is not None:
             outs = [o if g is None else torch.add(o, g) for o, g in zip(outs, fs)]
+        return outs
+
+    def step_seq(self, lam: Tensor, fs: Optional[list], ts: list, te: list, mas: list,
+                 mbs: list, level: int, final: int) -> list:
+        """A rank's stretch of a sequential adjoint solve in one call."""
+        outs = []
+        for k in range(len(ts)):
+            lam = self.step(lam, None if fs is None else fs[k], ts[k], te[k], mas[k], mbs[k],
+                            level, final)
+            outs.append(lam)
         return outs
 
     def init(self, t: float, i: int) -> Tensor:

@@ -82,7 +82,10 @@ def test_parallel_equals_serial(nprocs: int, tmp_path: Path,
             if case.problem == "tanh-batched" and ser.n_levels > 1:
                 assert sum(rec["batch_counts"]) < sum(rec["step_counts"]), where
             elif case.problem != "tanh-batched":
-                assert rec["batch_counts"] == rec["step_counts"], where
+                # one callback per step, except the coarsest level's sequential stretch
+                # (one step_seq call per coarsest solve)
+                assert rec["batch_counts"][:-1] == rec["step_counts"][:-1], where
+                assert rec["batch_counts"][-1] <= rec["step_counts"][-1], where
         # no step is done twice: the ranks share the serial solve's work exactly
         assert work == ser.step_counts, (case.label, work, ser.step_counts)
     # the batched step gives the single step's results with fewer callbacks

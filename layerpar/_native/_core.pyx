@@ -71,6 +71,35 @@ cdef int cb_step_batch(void *app, int n, const lpm_state *u, const lpm_state *f,
     return 0
 
 
+cdef int cb_step_seq(void *app, int n, lpm_state u, const lpm_state *f, const double *ts,
+                     const double *te, const int *is_, const int *ie, int level, int final,
+                     lpm_state *out) noexcept:
+    cdef Core self = <Core>app
+    cdef int k
+    cdef list fs
+    cdef object res, item
+    try:
+        if f == NULL:
+            fs = None
+        else:
+            fs = [None if f[k] == NULL else <object>f[k] for k in range(n)]
+        res = self._step_seq(<object>u, fs, [ts[k] for k in range(n)], [te[k] for k in range(n)],
+                             [is_[k] for k in range(n)], [ie[k] for k in range(n)], level,
+                             final)
+        if len(res) != n:
+            raise ValueError(f"`step_seq` returned {len(res)} states for {n} steps")
+        for k in range(n):
+            if res[k] is None:
+                raise TypeError("`step_seq` returned None for a state")
+    except BaseException as exc:
+        return _store(self, exc)
+    for k in range(n):
+        item = res[k]
+        Py_INCREF(item)
+        out[k] = <lpm_state>item
+    return 0
+
+
 cdef int cb_init(void *app, double t, int i, lpm_state *out) noexcept:
     cdef Core self = <Core>app
     cdef object res
@@ -186,7 +215,9 @@ cdef class Core:
         points bounds[q] .. bounds[q+1]-1).
     app : object with ``step(u, f, t_start, t_stop, i_start, i_stop, level, final)``,
         optional ``step_batch(us, fs, t_starts, t_stops, i_starts, i_stops, level, final)``
-        (None to let the engine call ``step`` per state), ``init(t, i)``,
+        (None to let the engine call ``step`` per state), optional
+        ``step_seq(u, fs, t_starts, t_stops, i_starts, i_stops, level, final)`` returning
+        the n states of n consecutive steps from u (sequential stretches), ``init(t, i)``,
         ``sum(alpha, x, beta, y)`` returning alpha*x + beta*y, ``norm_sq(states)``.
     transport : object with ``isend(dest, tag, state) -> int``, ``irecv(src, tag) -> int``,
         ``wait(req) -> state | None`` and ``allreduce_sum(list[float]) -> list[float]``.
@@ -195,7 +226,7 @@ cdef class Core:
     cdef lpm_core *c
     cdef lpm_callbacks cb
     cdef public object _error
-    cdef object _step, _step_batch, _init, _sum, _norm_sq
+    cdef object _step, _step_batch, _step_seq, _init, _sum, _norm_sq
     cdef object _isend, _irecv, _wait, _allreduce
     cdef readonly int n_steps, rank, n_ranks
 
@@ -209,6 +240,7 @@ cdef class Core:
             raise ValueError("`bounds` must have n_ranks + 1 entries")
         self._step = app.step
         self._step_batch = getattr(app, "step_batch", None)
+        self._step_seq = getattr(app, "step_seq", None)
         self._init = app.init
         self._sum = app.sum
         self._norm_sq = app.norm_sq
@@ -224,6 +256,10 @@ cdef class Core:
             self.cb.step_batch = cb_step_batch
         else:
             self.cb.step_batch = NULL
+        if self._step_seq is not None:
+            self.cb.step_seq = cb_step_seq
+        else:
+            self.cb.step_seq = NULL
         self.cb.init = cb_init
         self.cb.clone = cb_clone
         self.cb.free = cb_free

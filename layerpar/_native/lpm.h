@@ -59,6 +59,14 @@ typedef struct lpm_callbacks {
     int (*step_batch)(void *app, int n, const lpm_state *u, const lpm_state *f,
                       const double *tstart, const double *tstop, const int *istart,
                       const int *istop, int level, int final, lpm_state *out);
+    /* n consecutive steps at once: out[0] = Phi(u) + f[0], out[k] = Phi(out[k-1]) +
+     * f[k] (f may be NULL, or f[k] NULL), stepping through fine indices istart[k] ->
+     * istop[k].  Used for sequential stretches (the coarsest-level solve), so a
+     * whole rank's share of a sequential solve is one call.  Optional: NULL -> the
+     * engine calls step() n times. */
+    int (*step_seq)(void *app, int n, lpm_state u, const lpm_state *f, const double *tstart,
+                    const double *tstop, const int *istart, const int *istop, int level,
+                    int final, lpm_state *out);
     /* initial guess at fine index i (time t); i == 0 gives the initial condition */
     int (*init)(void *app, double t, int i, lpm_state *out);
     int (*clone)(void *app, lpm_state u, lpm_state *out);

@@ -16,6 +16,9 @@ cdef extern from "lpm.h" nogil:
         int (*step_batch)(void *app, int n, const lpm_state *u, const lpm_state *f,
                           const double *tstart, const double *tstop, const int *istart,
                           const int *istop, int level, int final, lpm_state *out)
+        int (*step_seq)(void *app, int n, lpm_state u, const lpm_state *f,
+                        const double *tstart, const double *tstop, const int *istart,
+                        const int *istop, int level, int final, lpm_state *out)
         int (*init)(void *app, double t, int i, lpm_state *out)
         int (*clone)(void *app, lpm_state u, lpm_state *out)
         void (*free)(void *app, lpm_state u)

@@ -179,28 +179,59 @@ int _lpm_relax(lpm_core *c, int level) {
     return _lpm_fsweep(c, level, 0);
 }
 
-/* exact solve on the coarsest level: u_j = Phi(u_{j-1}) + f_j in order */
+/* n consecutive steps into level points start..start+n-1 from state u, in one
+ * step_seq call */
+static int seq_steps(lpm_core *c, int level, int start, int n, lpm_state u, int final) {
+    _lpm_level *L = &c->levels[level];
+    int any_f = 0;
+    for (int k = 0; k < n; k++) {
+        int j = start + k;
+        c->w_f[k] = F(L, j);
+        c->w_is[k] = (j - 1) * L->stride;
+        c->w_ie[k] = j * L->stride;
+        c->w_ts[k] = lpm_time(c, c->w_is[k]);
+        c->w_te[k] = lpm_time(c, c->w_ie[k]);
+        c->w_out[k] = NULL;
+        if (c->w_f[k]) any_f = 1;
+    }
+    double t = _lpm_now();
+    int e = c->cb.step_seq(c->app, n, u, any_f ? c->w_f : NULL, c->w_ts, c->w_te, c->w_is,
+                           c->w_ie, level, final, c->w_out);
+    c->timings[LPM_T_STEP] += _lpm_now() - t;
+    c->step_count[level] += n;
+    c->batch_count[level] += 1;
+    if (e) {
+        for (int k = 0; k < n; k++) _lpm_clear(c, &c->w_out[k]);
+        return LPM_ECALLBACK;
+    }
+    for (int k = 0; k < n; k++) _lpm_set(c, &U(L, start + k), c->w_out[k]);
+    return LPM_OK;
+}
+
+/* exact solve on the coarsest level: u_j = Phi(u_{j-1}) + f_j in order; a rank's
+ * whole stretch is one step_seq call when the app provides it */
 int _lpm_coarse_solve(lpm_core *c, int level, int final) {
     _lpm_level *L = &c->levels[level];
     if (L->hi < L->lo) return LPM_OK;
     lpm_state ghost = NULL, out = NULL;
-    int sreq = -1;
+    int sreq = -1, e = LPM_OK;
     if (L->lo > 0) {
         int rreq;
         _LPM_TRY(_lpm_irecv(c, L->left, _LPM_TAG(_LPM_TAG_COARSE, level), &rreq));
         _LPM_TRY(_lpm_wait(c, rreq, &ghost));
     }
-    int start = L->lo > 0 ? L->lo : 1;
-    for (int j = start; j <= L->hi; j++) {
-        lpm_state in = (j == L->lo) ? ghost : U(L, j - 1);
-        int e = _lpm_step(c, level, in, F(L, j), j, final, &out);
-        if (e) {
-            if (ghost) c->cb.free(c->app, ghost);
-            return e;
+    const int start = L->lo > 0 ? L->lo : 1;
+    const int n = L->hi - start + 1;
+    if (n > 1 && c->cb.step_seq) {
+        e = seq_steps(c, level, start, n, start == L->lo ? ghost : U(L, start - 1), final);
+    } else {
+        for (int j = start; j <= L->hi && !e; j++) {
+            e = _lpm_step(c, level, j == L->lo ? ghost : U(L, j - 1), F(L, j), j, final, &out);
+            if (!e) _lpm_set(c, &U(L, j), out);
         }
-        _lpm_set(c, &U(L, j), out);
     }
     if (ghost) c->cb.free(c->app, ghost);
+    if (e) return e;
     if (L->right >= 0) {
         _LPM_TRY(_lpm_isend(c, L->right, _LPM_TAG(_LPM_TAG_COARSE, level), U(L, L->hi), &sreq));
         _LPM_TRY(_lpm_wait(c, sreq, NULL));

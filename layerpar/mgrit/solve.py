@@ -113,6 +113,21 @@ class _SolveApp:
                 outs[k] = torch.add(o, fs[k])
         return outs
 
+    def step_seq(self, u: torch.Tensor, fs: Optional[list], ts: list, te: list, is_: list,
+                 ie: list, level: int, final: int) -> list:
+        """Consecutive steps in one call (a rank's stretch of a sequential solve)."""
+        step, shape, dtype = self._user_step, self._shape, self._dtype
+        outs = []
+        for k in range(len(ts)):
+            u = step(u, ts[k], te[k], level)
+            if type(u) is not torch.Tensor or u.shape != shape or u.dtype is not dtype or \
+                    self._cuda:
+                _check_state(u, self.u0, "step")
+            if fs is not None and fs[k] is not None:
+                u = torch.add(u, fs[k])
+            outs.append(u)
+        return outs
+
     def init(self, t: float, i: int) -> torch.Tensor:
         if i == 0:
             return self.u0
