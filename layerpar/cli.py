@@ -59,11 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
                    description="Print versions, the MPI library and whether the native "
                                "MGRIT engine imports.")
 
-    # ---- future subcommand: `layerpar scale` -------------------------------------------
-    # Scaling studies (strong/weak over ranks, levels, cfactor, depth; CSV + plots +
-    # performance model; see DESIGN.md "Studies", code in layerpar/studies).  Register it
-    # here as sub.add_parser("scale", ...) and dispatch it in `main`.  Not implemented.
-    # -------------------------------------------------------------------------------------
+    # scaling studies (strong/weak over ranks, levels, cfactor, depth; CSV, plots and
+    # the performance model): layerpar/studies
+    from .studies.cli import add_parser as add_scale_parser
+
+    add_scale_parser(sub)
     return parser
 
 
@@ -188,6 +188,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"layerpar: error: {exc}", file=sys.stderr)
                 return 1
         return _train(args)
+    if args.command == "scale":
+        from .studies.cli import run as run_scale
+
+        return run_scale(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse restricts it
 
 
