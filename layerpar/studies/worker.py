@@ -26,8 +26,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -63,8 +64,11 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def config(run: dict[str, Any]) -> dict[str, Any]:
-    """`run` completed with `DEFAULTS`; unknown keys are an error."""
+def config(run: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+    """`run` completed with `DEFAULTS`; unknown keys are an error when `strict`, else
+    dropped (a CSV row carries many more columns than settings)."""
+    if not strict:
+        run = {k: v for k, v in run.items() if k in DEFAULTS}
     unknown = set(run) - set(DEFAULTS) - {"ranks", "scaling", "out"}
     if unknown:
         raise ValueError(f"unknown study setting(s) {sorted(unknown)}; valid: "
@@ -81,7 +85,7 @@ def config(run: dict[str, Any]) -> dict[str, Any]:
 def build_net(cfg: dict[str, Any]) -> ODENet:
     """The study network, with parameters drawn from ``torch.manual_seed(cfg["seed"])``
     (identical on every rank and in the serial baseline)."""
-    cfg = config(cfg)
+    cfg = config(cfg, strict=False)
     w, k = int(cfg["width"]), int(cfg["classes"])
     torch.manual_seed(int(cfg["seed"]))
     steps: Callable[[int], nn.Module]
@@ -99,7 +103,7 @@ def build_net(cfg: dict[str, Any]) -> ODENet:
 
 def input_shape(cfg: dict[str, Any]) -> tuple[int, ...]:
     """Shape of one input batch (= the ODE state)."""
-    cfg = config(cfg)
+    cfg = config(cfg, strict=False)
     b, w = int(cfg["batch"]), int(cfg["width"])
     if cfg["model"] == "dense":
         return (b, w)
@@ -110,7 +114,7 @@ def input_shape(cfg: dict[str, Any]) -> tuple[int, ...]:
 def make_batches(cfg: dict[str, Any], count: int) -> list[tuple[Tensor, Tensor]]:
     """`count` (input, label) batches from a fixed generator: Gaussian inputs labelled
     by a fixed random linear teacher (learnable, so the loss moves)."""
-    cfg = config(cfg)
+    cfg = config(cfg, strict=False)
     g = torch.Generator().manual_seed(int(cfg["seed"]) + 1)
     shape = input_shape(cfg)
     feats = math.prod(shape[1:])
@@ -205,7 +209,7 @@ def serial_baseline(cfg: dict[str, Any], threads: Optional[Sequence[int]] = None
     ``serial_loss`` (the training loss after ``warmup + steps`` steps, as the workers
     report it).
     """
-    cfg = config(cfg)
+    cfg = config(cfg, strict=False)
     warm, steps = int(cfg["warmup"]), int(cfg["steps"])
     batches = make_batches(cfg, warm + steps)
     old = torch.get_num_threads()
@@ -230,13 +234,28 @@ def serial_baseline(cfg: dict[str, Any], threads: Optional[Sequence[int]] = None
 # ------------------------------------------------------------------------------------------
 # the layer-parallel run (under MPI)
 # ------------------------------------------------------------------------------------------
-def _app_batched(lp: Any) -> tuple[bool, bool]:
-    """Whether the forward / adjoint apps of `lp` give the engine a batched step."""
-    fb = bb = False
+def _app_flags(lp: Any) -> dict[str, bool]:
+    """Whether the forward / adjoint apps of `lp` give the engine a batched step
+    (``step_batch``) and a sequential-stretch step (``step_seq``)."""
+    from .model import app_flags
+
+    out = {"fwd_batched": False, "bwd_batched": False, "fwd_seq": False, "bwd_seq": False}
     for runner in getattr(lp, "_runners", {}).values():
-        fb = fb or getattr(getattr(runner, "fapp", None), "step_batch", None) is not None
-        bb = bb or getattr(getattr(runner, "bapp", None), "step_batch", None) is not None
-    return fb, bb
+        for side, app in (("fwd", getattr(runner, "fapp", None)),
+                          ("bwd", getattr(runner, "bapp", None))):
+            batched, seq = app_flags(app)
+            out[f"{side}_batched"] |= batched
+            out[f"{side}_seq"] |= seq
+    return out
+
+
+def _load_avg() -> float:
+    """The 1-minute load average right after the timed batches (other processes on
+    the machine disturb the timings; this says how busy it was)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
 
 
 def _residual(stats: list[dict]) -> float:
@@ -257,7 +276,7 @@ def run_layer_parallel(cfg: dict[str, Any], comm: Any) -> dict[str, Any]:
 
     from ..parallel import LayerParallel
 
-    cfg = config(cfg)
+    cfg = config(cfg, strict=False)
     torch.set_num_threads(int(cfg["threads"]))
     P = comm.Get_size()
     warm, steps = int(cfg["warmup"]), int(cfg["steps"])
@@ -283,7 +302,6 @@ def run_layer_parallel(cfg: dict[str, Any], comm: Any) -> dict[str, Any]:
     def med(col: int) -> float:
         return float(statistics.median(timed[:, col].tolist()))
 
-    fb, bb = _app_batched(lp)
     out: dict[str, Any] = {
         **cfg, "ranks": P,
         "seconds_per_batch": med(0), "forward_seconds": med(1), "backward_seconds": med(2),
@@ -293,7 +311,7 @@ def run_layer_parallel(cfg: dict[str, Any], comm: Any) -> dict[str, Any]:
         "bwd_iterations": max(s["iterations"] for s in lp.last_backward),
         "fwd_residual": _residual(lp.last_forward),
         "bwd_residual": _residual(lp.last_backward),
-        "loss": loss, "fwd_batched": fb, "bwd_batched": bb,
+        "loss": loss, **_app_flags(lp), "load_avg": _load_avg(),
         "fwd_residual_history": [], "bwd_residual_history": [],
     }
     diag = int(cfg["diag_iters"])

@@ -1,0 +1,531 @@
+"""Scaling studies: a grid of layer-parallel runs, the serial baseline, CSV, model, plots.
+
+`run_study(grid, out_csv)` expands `grid` (ranks × levels × cfactor × layers ×
+fwd_iters × bwd_iters × threads × model × width × batch; strong scaling keeps the
+layers fixed, weak scaling (``"weak": True``) runs ``layers × ranks`` layers), and:
+
+1. skips the runs whose settings are already rows of `out_csv` (resume);
+2. measures, in this process, the serial baseline of every model size
+   (`worker.serial_baseline`: plain PyTorch, best thread count) and the per-step
+   costs the performance model needs (`model.measure_costs`);
+3. measures message latency and bandwidth with a two-rank ping-pong under mpiexec;
+4. launches ``mpiexec -n P python -m mpi4py -m layerpar.studies.worker`` once per
+   rank count (the mpiexec beside ``sys.executable``, else the one on PATH), under a
+   timeout that kills the job's process group and every process below it, and
+   appends one CSV row per finished run;
+5. fits the model's three constants on the runs of every depth but the deepest,
+   predicts every row (``predicted_seconds_per_batch``, ``model_role`` fit / validate), rewrites the
+   CSV, writes ``model.json`` and the plots.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional, TextIO, Union
+
+from . import model as pmodel
+from .worker import DEFAULTS, available_cores, config, serial_baseline
+
+__all__ = ["COLUMNS", "KEY_COLUMNS", "REQUIRED_COLUMNS", "StudyResult", "expand_grid",
+           "mpiexec_path", "read_rows", "run_study"]
+
+REQUIRED_COLUMNS = [
+    "ranks", "threads", "layers", "width", "batch", "levels", "cfactor", "fwd_iters",
+    "bwd_iters", "seconds_per_batch", "forward_seconds", "backward_seconds",
+    "comm_idle_seconds", "serial_seconds_per_batch", "serial_threads", "speedup",
+    "efficiency", "fwd_residual", "bwd_residual", "loss", "serial_loss", "loss_rel_diff",
+    "predicted_seconds_per_batch",
+]
+EXTRA_COLUMNS = [
+    "model", "scaling", "nrelax", "steps", "warmup", "lr", "seed", "t_final", "image",
+    "classes", "fwd_iterations", "bwd_iterations", "fwd_comm_idle_seconds",
+    "bwd_comm_idle_seconds", "serial_variant", "fwd_batched", "bwd_batched", "fwd_seq", "bwd_seq",
+    "predicted_forward_seconds", "predicted_backward_seconds",
+    "predicted_comm_idle_seconds", "model_role", "model_rel_error",
+    *pmodel.COST_COLUMNS.values(), "call_overhead_s", "step_overhead_s", "batch_overhead_s",
+    "oversubscribed", "cores", "load_avg", "fwd_residual_history", "bwd_residual_history",
+]
+COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
+# the settings that identify a run (resume skips rows whose key is already in the CSV)
+KEY_COLUMNS = ["model", "ranks", "threads", "layers", "width", "batch", "image", "classes",
+               "levels", "cfactor", "nrelax", "fwd_iters", "bwd_iters", "steps", "warmup",
+               "lr", "seed", "t_final"]
+_SERIAL_KEY = ["model", "layers", "width", "batch", "image", "classes", "steps", "warmup",
+               "lr", "seed", "t_final"]
+_COST_KEY = ["model", "layers", "width", "batch", "image", "classes", "t_final", "threads"]
+_GRID_LISTS = ["ranks", "threads", "layers", "levels", "cfactor", "fwd_iters", "bwd_iters",
+               "model", "width", "batch"]
+
+
+# ------------------------------------------------------------------------------------------
+# grid and CSV
+# ------------------------------------------------------------------------------------------
+def _as_list(v: Any) -> list:
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def expand_grid(grid: dict[str, Any]) -> list[dict[str, Any]]:
+    """One run config per combination of the grid's lists (see `_GRID_LISTS`).
+
+    Scalars are used as they are; ``weak=True`` multiplies the layers by the ranks.
+    Runs with more ranks than layers are dropped, and with ``max_cores=C`` those with
+    ranks × threads > C (to scan the ranks × threads splits of a machine).  Unknown
+    keys are an error.
+    """
+    known = set(DEFAULTS) | {"ranks", "weak", "max_cores"}
+    unknown = set(grid) - known
+    if unknown:
+        raise ValueError(f"unknown grid key(s) {sorted(unknown)}; valid: {sorted(known)}")
+    weak = bool(grid.get("weak", False))
+    max_cores = grid.get("max_cores")
+    lists = {k: _as_list(grid[k]) for k in _GRID_LISTS if k in grid}
+    lists.setdefault("ranks", [1])
+    scalars = {k: v for k, v in grid.items()
+               if k not in lists and k not in ("weak", "max_cores")}
+    for k, v in scalars.items():
+        if isinstance(v, (list, tuple)):
+            raise ValueError(f"grid key `{k}` takes one value, got {v!r}")
+    keys = list(lists)
+    runs = []
+    for combo in itertools.product(*(lists[k] for k in keys)):
+        run = {**scalars, **dict(zip(keys, combo))}
+        if weak:
+            run["layers"] = int(run.get("layers", DEFAULTS["layers"])) * int(run["ranks"])
+        run["scaling"] = "weak" if weak else "strong"
+        cfg = config(run)
+        for k in ("ranks", "threads", "layers", "width", "batch", "levels", "cfactor",
+                  "fwd_iters", "bwd_iters", "steps"):
+            if int(cfg[k]) < 1:
+                raise ValueError(f"`{k}` must be >= 1, got {cfg[k]!r}")
+        if int(cfg["cfactor"]) < 2:
+            raise ValueError(f"`cfactor` must be >= 2, got {cfg['cfactor']!r}")
+        if int(cfg["ranks"]) > int(cfg["layers"]):
+            continue
+        if max_cores is not None and int(cfg["ranks"]) * int(cfg["threads"]) > int(max_cores):
+            continue
+        runs.append(cfg)
+    return runs
+
+
+def _canon(v: Any) -> str:
+    """A canonical text for a setting, so 4, "4" and 4.0 compare equal."""
+    if isinstance(v, bool):
+        return str(v)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    return str(int(f)) if f.is_integer() else repr(f)
+
+
+def _key(d: dict[str, Any], cols: Sequence[str]) -> tuple:
+    return tuple(_canon(d.get(c, DEFAULTS.get(c, ""))) for c in cols)
+
+
+def read_rows(path: Union[str, Path]) -> list[dict[str, str]]:
+    """The rows of a study CSV (empty if the file does not exist)."""
+    p = Path(path)
+    if not p.exists() or p.stat().st_size == 0:
+        return []
+    with p.open(newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.6g}"
+    if isinstance(v, (list, tuple)):
+        return ";".join(f"{x:.4e}" for x in v)
+    return str(v)
+
+
+def _write_rows(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """Rewrite the CSV atomically (temporary file, then rename)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".study-", suffix=".csv")
+    with os.fdopen(fd, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: _fmt(r.get(c)) if not isinstance(r.get(c), str) else r[c]
+                        for c in COLUMNS})
+    os.chmod(tmp, 0o644)  # mkstemp makes it private; a results file is not
+    os.replace(tmp, path)
+
+
+def _append_row(path: Path, row: dict[str, Any]) -> None:
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerow({c: _fmt(row.get(c)) for c in COLUMNS})
+
+
+# ------------------------------------------------------------------------------------------
+# launching mpiexec
+# ------------------------------------------------------------------------------------------
+def mpiexec_path() -> Optional[str]:
+    """The mpiexec beside sys.executable (a venv's mpich wheel), else the one on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("mpiexec")
+
+
+def _descendants(root: int) -> list[int]:
+    """Process ids below `root` (read from Linux /proc; [] elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_job(pid: int) -> None:
+    """SIGKILL the job's process group and every process below mpiexec (hydra starts
+    the ranks in sessions of their own)."""
+    tree = _descendants(pid)
+    targets: list[tuple[Any, int]] = [(os.killpg, pid)] + [(os.kill, p) for p in tree]
+    for kill, target in targets:
+        try:
+            kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@dataclass
+class _Job:
+    returncode: Optional[int]
+    stdout: str
+    stderr: str
+    timed_out: bool
+
+
+def _launch(nprocs: int, module_args: Sequence[str], timeout: float, threads: int = 1,
+            poll: Optional[Any] = None) -> _Job:
+    """Run ``mpiexec -n nprocs python -m mpi4py -m <module_args>`` under `timeout`;
+    `poll()` is called about every 0.2 s while it runs."""
+    # let this process's intra-op threads stop spinning after in-process measurements
+    # (OpenMP workers busy-wait a while after parallel regions), so they do not take
+    # cores from the job's ranks
+    time.sleep(0.5)
+    mpiexec = mpiexec_path()
+    if mpiexec is None:
+        raise RuntimeError("no mpiexec found (beside the Python executable or on PATH); "
+                           "install layerpar[mpich] or an MPI")
+    cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", "-m", *module_args]
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    if nprocs * threads > available_cores():  # oversubscribed: let idle ranks back off
+        env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
+                                start_new_session=True, env=env)
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                _kill_job(proc.pid)
+                proc.wait()
+                timed_out = True
+                break
+            if poll is not None:
+                poll()
+            time.sleep(0.2)
+        out.seek(0)
+        err.seek(0)
+        return _Job(proc.returncode, out.read(), err.read(), timed_out)
+
+
+def run_pingpong(path: Path, quick: bool = False, timeout: float = 120) -> dict[str, Any]:
+    """Ping-pong on two ranks (cached in `path`); {} when it cannot run."""
+    if path.exists():
+        return json.loads(path.read_text())
+    args = ["layerpar.studies.pingpong", "--out", str(path)] + (["--quick"] if quick else [])
+    job = _launch(2, args, timeout)
+    if job.returncode != 0 or not path.exists():
+        sys.stderr.write(f"pingpong failed (exit {job.returncode}, timed out "
+                         f"{job.timed_out}): {job.stderr[-2000:]}\n")
+        return {}
+    return json.loads(path.read_text())
+
+
+# ------------------------------------------------------------------------------------------
+# progress
+# ------------------------------------------------------------------------------------------
+class _Progress:
+    """A dependency-free progress bar on a stream (a line per update off a terminal)."""
+
+    def __init__(self, total: int, enabled: bool, stream: TextIO = sys.stderr) -> None:
+        self.total, self.enabled, self.stream = total, enabled, stream
+        self.tty = stream.isatty()
+        self.done = 0
+        self.t0 = time.monotonic()
+
+    def show(self, done: int, note: str) -> None:
+        if not self.enabled:
+            return
+        self.done = done
+        width = 24
+        fill = width * done // max(self.total, 1)
+        line = (f"study [{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} "
+                f"{time.monotonic() - self.t0:6.0f}s {note}")
+        if self.tty:
+            self.stream.write("\r" + line + "\x1b[K")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+# ------------------------------------------------------------------------------------------
+# the study
+# ------------------------------------------------------------------------------------------
+@dataclass
+class StudyResult:
+    """What `run_study` did: all rows of the CSV (new and resumed), the model fit,
+    the files written, and how many runs were launched / skipped / failed."""
+
+    rows: list[dict[str, Any]]
+    fit: pmodel.Fit
+    csv_path: Path
+    files: list[Path] = field(default_factory=list)
+    launched: int = 0
+    skipped: int = 0
+    failed: list[str] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def _load_avg() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def _num(row: dict[str, Any], col: str) -> float:
+    try:
+        return float(row[col])
+    except (KeyError, TypeError, ValueError):
+        return float("nan")
+
+
+def _finish_row(raw: dict[str, Any], serial: dict[str, Any], costs: pmodel.Costs,
+                cores: int) -> dict[str, Any]:
+    row = dict(raw)
+    row.update(serial)
+    row.update(pmodel.costs_to_row(costs))
+    sp = row["serial_seconds_per_batch"] / row["seconds_per_batch"]
+    row["speedup"] = sp
+    row["efficiency"] = sp / (int(row["ranks"]) * int(row["threads"]))
+    ls, ll = float(row["serial_loss"]), float(row["loss"])
+    row["loss_rel_diff"] = abs(ll - ls) / abs(ls) if ls != 0 else float("nan")
+    row["oversubscribed"] = int(row["ranks"]) * int(row["threads"]) > cores
+    row["cores"] = cores
+    row.setdefault("load_avg", _load_avg())  # the worker's, taken right after the run
+    return row
+
+
+def _apply_model(rows: list[dict[str, Any]]) -> tuple[pmodel.Fit, dict[str, Any]]:
+    """Fit on every depth but the deepest, validate on the deepest (one depth: fit on
+    all); predict all rows (in place)."""
+    usable = [r for r in rows if math.isfinite(_num(r, "seconds_per_batch"))]
+    if not usable:
+        return pmodel.NO_FIT, {}
+    deepest = max(int(_num(r, "layers")) for r in usable)
+    fit_rows = [r for r in usable if int(_num(r, "layers")) < deepest] or usable
+    f = pmodel.fit(fit_rows)
+    fit_ids = {id(r) for r in fit_rows}
+    table = []
+    for r in rows:
+        p = pmodel.predict_row(r, f)
+        m = _num(r, "seconds_per_batch")
+        role = "fit" if id(r) in fit_ids else "validate"
+        err = (p.seconds_per_batch - m) / m
+        r.update({"predicted_seconds_per_batch": p.seconds_per_batch,
+                  "predicted_forward_seconds": p.forward_seconds,
+                  "predicted_backward_seconds": p.backward_seconds,
+                  "predicted_comm_idle_seconds": p.comm_idle_seconds,
+                  "model_role": role, "model_rel_error": err,
+                  "call_overhead_s": f.call_overhead, "step_overhead_s": f.step_overhead,
+                  "batch_overhead_s": f.batch_overhead})
+        table.append({k: r.get(k) for k in ("ranks", "threads", "layers", "levels",
+                                            "cfactor", "fwd_iters", "bwd_iters")}
+                     | {"measured_s": m, "predicted_s": p.seconds_per_batch,
+                        "rel_error": err, "role": role})
+    val = [t["rel_error"] for t in table if t["role"] == "validate"]
+    summary = {
+        "call_overhead_s": f.call_overhead, "step_overhead_s": f.step_overhead,
+        "batch_overhead_s": f.batch_overhead,
+        "fit_rows": f.fit_rows, "fit_rms_rel_error": f.fit_rms_rel_error,
+        "validate_rows": len(val),
+        "validate_rms_rel_error": math.sqrt(sum(e * e for e in val) / len(val)) if val
+        else None,
+        "validate_max_abs_rel_error": max(abs(e) for e in val) if val else None,
+        "rows": table,
+    }
+    return f, summary
+
+
+def _typed(row: dict[str, Any]) -> dict[str, Any]:
+    """CSV strings back to numbers where they are numbers (for the model and plots)."""
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if isinstance(v, str) and k not in ("model", "scaling", "serial_variant",
+                                            "model_role", "fwd_residual_history",
+                                            "bwd_residual_history"):
+            try:
+                f = float(v)
+                out[k] = int(f) if f.is_integer() and k in KEY_COLUMNS + [
+                    "serial_threads", "fwd_iterations", "bwd_iterations", "state_bytes",
+                    "param_bytes", "cores"] else f
+                continue
+            except ValueError:
+                pass
+        out[k] = v
+    return out
+
+
+def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
+              out_dir: Optional[Union[str, Path]] = None, timeout_per_run: float = 900.0,
+              progress: bool = True, plots: bool = True,
+              serial_threads: Optional[Sequence[int]] = None, quick_pingpong: bool = False,
+              map_ranks: Sequence[int] = pmodel.MAP_RANKS,
+              map_layers: Sequence[int] = pmodel.MAP_LAYERS,
+              stream: TextIO = sys.stderr) -> StudyResult:
+    """Run the study `grid`, writing one row per run to `out_csv` (resumable).
+
+    grid: lists or scalars for ranks, threads, layers, levels, cfactor, fwd_iters,
+        bwd_iters, model, width, batch; scalars for the other `worker.DEFAULTS`
+        (steps, warmup, lr, seed, ...); ``weak: True`` for weak scaling.
+    out_dir: where the ping-pong, worker output, model.json and plots go (default:
+        the CSV's folder).
+    timeout_per_run: seconds allowed per run; a launch gets this times its runs
+        (+60 s) before its process tree is killed.
+    serial_threads: thread counts tried for the serial baseline (default 1..cores).
+    quick_pingpong: fewer message sizes in the ping-pong.
+    map_ranks, map_layers: the grid of the model's extrapolation map.
+    Returns a `StudyResult`; failed launches are listed there (and the runs they did
+    not finish stay out of the CSV, so a later call retries them).
+    """
+    out_csv = Path(out_csv)
+    out_dir = Path(out_dir) if out_dir is not None else out_csv.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_csv.parent.mkdir(parents=True, exist_ok=True)
+    runs = expand_grid(grid)
+    existing = [_typed(r) for r in read_rows(out_csv)]
+    done = {_key(r, KEY_COLUMNS) for r in existing}
+    todo = [r for r in runs if _key(r, KEY_COLUMNS) not in done]
+    result = StudyResult(rows=[], fit=pmodel.NO_FIT,
+                         csv_path=out_csv, skipped=len(runs) - len(todo))
+    cores = available_cores()
+    bar = _Progress(len(todo), progress, stream)
+    if todo:
+        bar.show(0, "serial baselines and step costs")
+        serial: dict[tuple, dict[str, Any]] = {}
+        for r in existing:  # reuse baselines measured before
+            if math.isfinite(_num(r, "serial_seconds_per_batch")):
+                serial.setdefault(_key(r, _SERIAL_KEY), {
+                    c: r[c] for c in ("serial_seconds_per_batch", "serial_threads",
+                                      "serial_variant", "serial_loss")})
+        costs: dict[tuple, pmodel.Costs] = {}
+        for r in todo:
+            sk, ck = _key(r, _SERIAL_KEY), _key(r, _COST_KEY)
+            if sk not in serial:
+                serial[sk] = serial_baseline(r, serial_threads)
+            if ck not in costs:
+                costs[ck] = pmodel.measure_costs(r, int(r["threads"]))
+        bar.show(0, "ping-pong")  # also at one rank: the model's extrapolation needs it
+        pp = run_pingpong(out_dir / "pingpong.json", quick=quick_pingpong)
+        alpha = float(pp.get("alpha_s", 0.0))
+        beta = float(pp.get("beta_Bps", math.inf))
+        n_done = 0
+        for ranks in sorted({int(r["ranks"]) for r in todo}):
+            group = [r for r in todo if int(r["ranks"]) == ranks]
+            jsonl = out_dir / f"worker-{ranks}.jsonl"
+            start = sum(1 for _ in jsonl.open()) if jsonl.exists() else 0
+            cfg_path = out_dir / f"worker-{ranks}.json"
+            cfg_path.write_text(json.dumps({"out": str(jsonl), "runs": [
+                {k: v for k, v in r.items() if k not in ("ranks", "scaling")}
+                for r in group]}, indent=1))
+            threads = max(int(r["threads"]) for r in group)
+            seen = [0]
+
+            def poll(jsonl: Path = jsonl, start: int = start, seen: list = seen,
+                     ranks: int = ranks, base: int = n_done) -> None:
+                n = (sum(1 for _ in jsonl.open()) - start) if jsonl.exists() else 0
+                if n != seen[0]:
+                    seen[0] = n
+                    bar.show(base + n, f"ranks={ranks}")
+
+            bar.show(n_done, f"launching {len(group)} run(s) on {ranks} rank(s)")
+            job = _launch(ranks, ["layerpar.studies.worker", f"@{cfg_path}"],
+                          timeout_per_run * len(group) + 60, threads, poll)
+            result.launched += len(group)
+            lines = jsonl.read_text().splitlines()[start:] if jsonl.exists() else []
+            got = [json.loads(s) for s in lines if s.strip()]
+            for raw, run in zip(got, group):
+                if "error" in raw:
+                    result.failed.append(f"ranks={ranks} layers={run['layers']}: "
+                                         f"{raw['error']}")
+                    continue
+                raw["scaling"] = run["scaling"]
+                c = replace(costs[_key(run, _COST_KEY)], alpha=alpha, beta=beta)
+                row = _finish_row(raw, serial[_key(run, _SERIAL_KEY)], c, cores)
+                _append_row(out_csv, row)
+            if job.returncode != 0 or job.timed_out:
+                result.failed.append(
+                    f"ranks={ranks}: mpiexec exit {job.returncode}"
+                    f"{' (timed out, killed)' if job.timed_out else ''}: "
+                    f"{job.stderr.strip()[-1500:]}")
+            n_done += len(group)
+            bar.show(n_done, f"ranks={ranks} done")
+    bar.close()
+    rows = [_typed(r) for r in read_rows(out_csv)]
+    f, summary = _apply_model(rows)
+    result.fit, result.summary, result.rows = f, summary, rows
+    if rows:
+        _write_rows(out_csv, rows)
+        result.rows = [_typed(r) for r in read_rows(out_csv)]
+        model_json = out_dir / "model.json"
+        model_json.write_text(json.dumps(summary, indent=1, default=str))
+        result.files.append(model_json)
+        if plots:
+            from .plots import plot_all
+
+            result.files += plot_all(result.rows, out_dir, f, map_ranks=map_ranks,
+                                     map_layers=map_layers)
+    return result
