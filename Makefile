@@ -5,7 +5,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 # a CPU build of torch; set TORCH=torch (or a CUDA wheel) on GPU machines
 TORCH  ?= torch==2.13.0
-NP     ?= 4
+# local MPI ranks for `make train`: one per core, at most 4
+NP     ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 NATIVE := $(wildcard layerpar/_native/*.c layerpar/_native/*.h layerpar/_native/*.pyx layerpar/_native/*.pxd)
 
