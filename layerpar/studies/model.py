@@ -864,7 +864,8 @@ def extrapolate(rows: Sequence[dict[str, Any]], f: Optional[Fit] = None, *,
     """The model's map beyond this machine, from a study's rows.
 
     Uses the measured per-step costs and message costs of the deepest measured run
-    (one thread per rank preferred), its MGRIT iterations and cfactor, the fitted
+    (one thread per rank and the most MGRIT iterations preferred), its iterations
+    and cfactor, the fitted
     constants `f`, and tries the deepest `max_level_choices` level counts (down to 2)
     at every point, keeping the fastest: more ranks need more levels, or the
     sequential coarsest solve dominates.
@@ -872,7 +873,10 @@ def extrapolate(rows: Sequence[dict[str, Any]], f: Optional[Fit] = None, *,
     ok = [r for r in rows if r.get("cost_fwd_s") not in (None, "")]
     if not ok:
         raise ValueError("no rows with measured step costs")
-    ref = max(ok, key=lambda r: (int(float(r["threads"])) == 1, int(float(r["layers"]))))
+    # the deepest run, one thread per rank, the most MGRIT iterations (conservative)
+    ref = max(ok, key=lambda r: (int(float(r["threads"])) == 1, int(float(r["layers"])),
+                                 int(float(r["fwd_iters"])) + int(float(r["bwd_iters"])),
+                                 int(float(r["levels"]))))
     c = costs_from_row(ref)
     if f is not None:
         c = c.with_fit(f)

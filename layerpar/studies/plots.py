@@ -126,15 +126,23 @@ def plot_breakdown(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 def plot_residuals(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Residual norm per MGRIT iteration, forward and adjoint."""
     plt = _plt()
+    # the diagnostic solve depends on the hierarchy, not on the ranks or on the
+    # iterations used in training: one curve per (model, depth, levels, cfactor)
+    seen: dict[tuple, dict[str, Any]] = {}
+    for r in sorted(rows, key=lambda r: (_i(r, "ranks"), _i(r, "fwd_iters"))):
+        seen.setdefault((r.get("model"), _i(r, "width"), _i(r, "layers"), _i(r, "levels"),
+                         _i(r, "cfactor"), _i(r, "nrelax")), r)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, col, title in ((axes[0], "fwd_residual_history", "forward solve"),
                            (axes[1], "bwd_residual_history", "adjoint solve")):
-        for k, r in enumerate(rows):
+        for k, r in enumerate(seen.values()):
             h = _history(r.get(col))
             if h:
                 # with skip, the history starts at r_1
                 ax.semilogy(range(1, len(h) + 1), h, "o-", color=f"C{k % 10}", ms=3,
-                            label=_label(r))
+                            label=f"N{_i(r, 'layers')} L{_i(r, 'levels')} "
+                                  f"cf{_i(r, 'cfactor')} (P{_i(r, 'ranks')})")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("iteration k")
         ax.set_ylabel("residual norm r_k")
         ax.set_title(f"{title} (diagnostic solve, no tolerance)")
