@@ -409,19 +409,22 @@ class _SegmentRunner:
         The engine then visits this rank's layers from the last to the first, each
         step's input being the previous step's output.  The first visit of a chain
         (its last layer) back-propagates the whole chain in one autograd call, as
-        plain PyTorch would; the other visits return the cached results.
+        plain PyTorch would; the other visits return the cached results.  Only the
+        chain head's input gradient is requested: in a sequential solve the engine
+        reads no other point (the head's value is what travels to the next chain or
+        rank), so the points inside a chain hold a shared zero placeholder.
         """
         if a in self.chain_cache and lam is self.last_lam:
             res = self.chain_cache.pop(a)
         else:
             head = self.chain_head[a]
             layers = range(head, a + 1)
-            ins = [self.records[k][0] for k in layers]
             params = [p for k in layers for p in self.layer_params[k]]
-            grads = torch.autograd.grad(self.records[a][1], [*ins, *params], lam,
-                                        allow_unused=True)
-            self.chain_cache = dict(zip(layers, grads[:len(ins)]))
-            off = len(ins)
+            grads = torch.autograd.grad(self.records[a][1], [self.records[head][0], *params],
+                                        lam, allow_unused=True)
+            self.chain_cache = dict.fromkeys(layers, self.lam_zero)
+            self.chain_cache[head] = grads[0]
+            off = 1
             for k in layers:
                 n_p = len(self.layer_params[k])
                 self.param_grads[k] = grads[off:off + n_p]
@@ -501,16 +504,25 @@ class _SegmentRunner:
 
 
 class _PlainRecord:
-    """A plain layer evaluated once with its graph kept for the backward pass."""
+    """A plain layer evaluated once with its graph kept for the backward pass.
 
-    def __init__(self, layer: nn.Module, x: Tensor, record: bool) -> None:
+    Consecutive plain layers on one rank share one graph (`prev`): the backward pass
+    then goes through the whole group in one autograd call."""
+
+    def __init__(self, layer: nn.Module, x: Tensor, record: bool,
+                 prev: Optional[_PlainRecord] = None) -> None:
+        self.head: _PlainRecord = self
         if record:
             with torch.enable_grad():
-                self.x = x.detach().requires_grad_()
+                if prev is not None:
+                    self.x, self.head = prev.y, prev.head
+                else:
+                    self.x = x.detach().requires_grad_()
                 self.y = layer(self.x)
         else:
             self.x, self.y = x, layer(x)
         self.params = [p for p in layer.parameters() if p.requires_grad]
+        self.group_params = (prev.group_params if prev is not None else []) + self.params
 
 
 class _Context:
@@ -693,7 +705,9 @@ class LayerParallel(nn.Module):
                         h = self._recv(holder, shape, dtype, x.device)
                     holder = owner
                 if rank == owner:
-                    rec = _PlainRecord(self.layers[k], h, record)  # type: ignore[arg-type]
+                    prev = ctx.plain.get(k - 1) if record else None
+                    rec = _PlainRecord(self.layers[k], h, record,  # type: ignore[arg-type]
+                                       prev)
                     ctx.plain[k] = rec
                     h = rec.y.detach()
             else:
@@ -743,12 +757,16 @@ class LayerParallel(nn.Module):
                     holder = owner
                 if rank == owner:
                     rec = ctx.plain[k]
-                    outs = torch.autograd.grad(rec.y, [rec.x, *rec.params], g,
-                                               allow_unused=True)
-                    g = outs[0]
-                    for p, gp in zip(rec.params, outs[1:]):
-                        if gp is not None:
-                            grads[p] = gp
+                    nxt = ctx.plain.get(k + 1)
+                    if nxt is None or nxt.head is not rec.head:
+                        # the last layer of a group: back-propagate the whole group
+                        head = rec.head
+                        outs = torch.autograd.grad(rec.y, [head.x, *rec.group_params], g,
+                                                   allow_unused=True)
+                        g = outs[0]
+                        for p, gp in zip(rec.group_params, outs[1:]):
+                            if gp is not None:
+                                grads[p] = gp
             else:
                 runner = self._runners[k]
                 shape, dtype = seg_shapes.pop()

@@ -68,6 +68,27 @@ def test_matches_serial_oracle(opts: MGRITOptions) -> None:
         assert model.last_forward[0]["iterations"] == 1
 
 
+def test_groups_of_plain_layers_match_serial_oracle() -> None:
+    """Consecutive plain layers (one graph per group) before, between and after segments."""
+    torch.manual_seed(0)
+    net = layerpar.ODENet(layers=[
+        torch.nn.Conv2d(1, 3, 3, padding=1), torch.nn.Tanh(),
+        Segment(lambda k: blocks.Conv(3, activation="tanh"), 6, 1.0),
+        torch.nn.Conv2d(3, 4, 3, stride=2, padding=1), torch.nn.ReLU(),
+        Segment(lambda k: blocks.Conv(4, activation="tanh"), 5, 1.0),
+        torch.nn.AvgPool2d(2), torch.nn.Flatten(), torch.nn.Linear(4 * 2 * 2, 5)]).double()
+    ref = copy.deepcopy(net)
+    x = torch.randn(3, 1, 8, 8, dtype=torch.float64)
+    xr, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref(xr).square().sum().backward()
+    model = layerpar.LayerParallel(net, None, EXACT, EXACT)
+    model(xp).square().sum().backward()
+    assert rel(xp.grad, xr.grad) <= F64_TOL
+    refg = grads(ref)
+    for name, g in grads(model).items():
+        assert rel(g, refg[name]) <= F64_TOL, name
+
+
 def test_inexact_is_reported_and_bounded() -> None:
     torch.manual_seed(0)
     net = dense_net(32, 8).double()
