@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import __version__
+from .launch import mpiexec_path
 
 # set on the ranks of a job that `layerpar train --np N` launched (so they do not
 # launch again); mpiexec / srun themselves are recognised by the PMI variables below
@@ -77,14 +77,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             raise ValueError(f"`--np` must be >= 1, got {args.np}")
         check_arguments(args)
     return args
-
-
-def mpiexec_path() -> Optional[str]:
-    """The mpiexec beside sys.executable (a venv's mpich wheel), else the one on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    if here.is_file() and os.access(here, os.X_OK):
-        return str(here)
-    return shutil.which("mpiexec")
 
 
 def under_mpi() -> bool:

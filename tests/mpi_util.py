@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,15 +23,9 @@ from typing import Union
 
 import pytest
 
+from layerpar.launch import kill_job, mpiexec_path
+
 WORKERS = Path(__file__).resolve().parent / "workers"
-
-
-def mpiexec_path() -> str | None:
-    """The mpiexec beside sys.executable (a venv's mpich wheel), else the one on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    if here.is_file() and os.access(here, os.X_OK):
-        return str(here)
-    return shutil.which("mpiexec")
 
 
 def mpi_available() -> bool:
@@ -79,43 +71,6 @@ def run_mpi(script: Union[Path, str], nprocs: int, *args: object,
         kill_job(proc.pid)
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def _descendants(root: int) -> list[int]:
-    """Process ids below `root` in the process tree (read from Linux /proc; [] elsewhere)."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = [e for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return []
-    for entry in entries:
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_job(pid: int) -> None:
-    """SIGKILL mpiexec `pid`, its process group and every process below it.
-
-    The process group alone is not enough: MPICH's hydra starts its proxy and every
-    rank in sessions of their own (they would die a moment later, once the proxy
-    notices, but a busy-polling rank burns a core until then).
-    """
-    tree = _descendants(pid)
-    for kill, target in [(os.killpg, pid)] + [(os.kill, p) for p in tree]:
-        try:
-            kill(target, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def rank_lines(output: str, prefix: str = "RANK") -> dict[int, list[str]]:

@@ -23,6 +23,25 @@ cdef inline int _store(Core self, BaseException exc) noexcept:
     return 1
 
 
+cdef _check_states(object res, int n, str who):
+    """A callback's list of n new states: raise if it is not one."""
+    if len(res) != n:
+        raise ValueError(f"`{who}` returned {len(res)} states for {n} inputs")
+    for k in range(n):
+        if res[k] is None:
+            raise TypeError(f"`{who}` returned None for a state")
+
+
+cdef void _put_states(object res, int n, lpm_state *out) noexcept:
+    """Hand n checked states to the engine (one reference each)."""
+    cdef int k
+    cdef object item
+    for k in range(n):
+        item = res[k]
+        Py_INCREF(item)
+        out[k] = <lpm_state>item
+
+
 cdef int cb_step(void *app, lpm_state u, lpm_state f, double ts, double te, int is_, int ie,
                  int level, int final, lpm_state *out) noexcept:
     cdef Core self = <Core>app
@@ -45,7 +64,7 @@ cdef int cb_step_batch(void *app, int n, const lpm_state *u, const lpm_state *f,
     cdef Core self = <Core>app
     cdef int k
     cdef list us, fs, lts, lte, lis, lie
-    cdef object res, item
+    cdef object res
     try:
         us = [<object>u[k] for k in range(n)]
         if f == NULL:
@@ -57,17 +76,10 @@ cdef int cb_step_batch(void *app, int n, const lpm_state *u, const lpm_state *f,
         lis = [is_[k] for k in range(n)]
         lie = [ie[k] for k in range(n)]
         res = self._step_batch(us, fs, lts, lte, lis, lie, level, final)
-        if len(res) != n:
-            raise ValueError(f"`step_batch` returned {len(res)} states for {n} inputs")
-        for k in range(n):
-            if res[k] is None:
-                raise TypeError("`step_batch` returned None for a state")
+        _check_states(res, n, "step_batch")
     except BaseException as exc:
         return _store(self, exc)
-    for k in range(n):
-        item = res[k]
-        Py_INCREF(item)
-        out[k] = <lpm_state>item
+    _put_states(res, n, out)
     return 0
 
 
@@ -77,7 +89,7 @@ cdef int cb_step_seq(void *app, int n, lpm_state u, const lpm_state *f, const do
     cdef Core self = <Core>app
     cdef int k
     cdef list fs
-    cdef object res, item
+    cdef object res
     try:
         if f == NULL:
             fs = None
@@ -86,17 +98,10 @@ cdef int cb_step_seq(void *app, int n, lpm_state u, const lpm_state *f, const do
         res = self._step_seq(<object>u, fs, [ts[k] for k in range(n)], [te[k] for k in range(n)],
                              [is_[k] for k in range(n)], [ie[k] for k in range(n)], level,
                              final)
-        if len(res) != n:
-            raise ValueError(f"`step_seq` returned {len(res)} states for {n} steps")
-        for k in range(n):
-            if res[k] is None:
-                raise TypeError("`step_seq` returned None for a state")
+        _check_states(res, n, "step_seq")
     except BaseException as exc:
         return _store(self, exc)
-    for k in range(n):
-        item = res[k]
-        Py_INCREF(item)
-        out[k] = <lpm_state>item
+    _put_states(res, n, out)
     return 0
 
 

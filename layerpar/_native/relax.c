@@ -24,9 +24,9 @@ int _lpm_step(lpm_core *c, int level, lpm_state u, lpm_state f, int j, int final
     return e ? LPM_ECALLBACK : LPM_OK;
 }
 
-/* Steps into the level points c->w_idx[0..n-1] from inputs c->w_u with
- * right-hand sides c->w_f (entries may be NULL); results in c->w_out. */
-int _lpm_step_batch(lpm_core *c, int level, int n, int final) {
+/* Fine indices and times of the steps into level points c->w_idx[0..n-1]; clears
+ * c->w_out; returns whether any right-hand side c->w_f[k] is set. */
+static int prepare_steps(lpm_core *c, int level, int n) {
     const _lpm_level *L = &c->levels[level];
     int any_f = 0;
     for (int k = 0; k < n; k++) {
@@ -37,6 +37,13 @@ int _lpm_step_batch(lpm_core *c, int level, int n, int final) {
         c->w_out[k] = NULL;
         if (c->w_f[k]) any_f = 1;
     }
+    return any_f;
+}
+
+/* Steps into the level points c->w_idx[0..n-1] from inputs c->w_u with
+ * right-hand sides c->w_f (entries may be NULL); results in c->w_out. */
+int _lpm_step_batch(lpm_core *c, int level, int n, int final) {
+    int any_f = prepare_steps(c, level, n);
     if (n == 1 || !c->cb.step_batch) {
         for (int k = 0; k < n; k++) {
             int e = _lpm_step(c, level, c->w_u[k], c->w_f[k], c->w_idx[k], final, &c->w_out[k]);
@@ -183,17 +190,11 @@ int _lpm_relax(lpm_core *c, int level) {
  * step_seq call */
 static int seq_steps(lpm_core *c, int level, int start, int n, lpm_state u, int final) {
     _lpm_level *L = &c->levels[level];
-    int any_f = 0;
     for (int k = 0; k < n; k++) {
-        int j = start + k;
-        c->w_f[k] = F(L, j);
-        c->w_is[k] = (j - 1) * L->stride;
-        c->w_ie[k] = j * L->stride;
-        c->w_ts[k] = lpm_time(c, c->w_is[k]);
-        c->w_te[k] = lpm_time(c, c->w_ie[k]);
-        c->w_out[k] = NULL;
-        if (c->w_f[k]) any_f = 1;
+        c->w_idx[k] = start + k;
+        c->w_f[k] = F(L, start + k);
     }
+    int any_f = prepare_steps(c, level, n);
     double t = _lpm_now();
     int e = c->cb.step_seq(c->app, n, u, any_f ? c->w_f : NULL, c->w_ts, c->w_te, c->w_is,
                            c->w_ie, level, final, c->w_out);

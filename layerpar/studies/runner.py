@@ -24,8 +24,6 @@ import itertools
 import json
 import math
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, TextIO, Union
 
+from ..launch import kill_job, mpiexec_path
 from . import model as pmodel
 from .worker import DEFAULTS, available_cores, config, serial_baseline
 
@@ -180,48 +179,6 @@ def _append_row(path: Path, row: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------
 # launching mpiexec
 # ------------------------------------------------------------------------------------------
-def mpiexec_path() -> Optional[str]:
-    """The mpiexec beside sys.executable (a venv's mpich wheel), else the one on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    if here.is_file() and os.access(here, os.X_OK):
-        return str(here)
-    return shutil.which("mpiexec")
-
-
-def _descendants(root: int) -> list[int]:
-    """Process ids below `root` (read from Linux /proc; [] elsewhere)."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = [e for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return []
-    for entry in entries:
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill_job(pid: int) -> None:
-    """SIGKILL the job's process group and every process below mpiexec (hydra starts
-    the ranks in sessions of their own)."""
-    tree = _descendants(pid)
-    targets: list[tuple[Any, int]] = [(os.killpg, pid)] + [(os.kill, p) for p in tree]
-    for kill, target in targets:
-        try:
-            kill(target, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 @dataclass
 class _Job:
     returncode: Optional[int]
@@ -254,7 +211,7 @@ def _launch(nprocs: int, module_args: Sequence[str], timeout: float, threads: in
         timed_out = False
         while proc.poll() is None:
             if time.monotonic() > deadline:
-                _kill_job(proc.pid)
+                kill_job(proc.pid)
                 proc.wait()
                 timed_out = True
                 break
