@@ -62,10 +62,19 @@ def _check_state(out: Any, like: torch.Tensor, who: str) -> torch.Tensor:
 
 
 def vec_sum(alpha: float, x: torch.Tensor, beta: float, y: torch.Tensor) -> torch.Tensor:
-    """alpha*x + beta*y as a new tensor (the engine's `sum`)."""
+    """alpha*x + beta*y as a new tensor (the engine's `sum`).
+
+    The engine only ever asks for x + y, x - y (residuals, FAS right-hand sides,
+    corrections) and the C-relaxation weight: the operators are exact and cost less
+    than torch.add with an `alpha` keyword (bit-identical results).
+    """
     if beta == 1.0:
+        if alpha == 1.0:
+            return y + x
         return torch.add(y, x, alpha=alpha)
     if alpha == 1.0:
+        if beta == -1.0:
+            return x - y
         return torch.add(x, y, alpha=beta)
     return torch.add(x * alpha, y, alpha=beta)
 
