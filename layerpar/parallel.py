@@ -530,8 +530,11 @@ class _Context:
 
     def __init__(self) -> None:
         self.plain: dict[int, _PlainRecord] = {}
-        self.shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
+        self.shapes: list[tuple[tuple[int, ...], torch.dtype]] = []  # segment states
+        self.out_holder = 0  # rank that computed the output
         self.x_requires_grad = False
+        self.x_shape: tuple[int, ...] = ()
+        self.x_dtype = torch.float32
 
 
 class LayerParallel(nn.Module):
@@ -617,6 +620,7 @@ class LayerParallel(nn.Module):
                 self._layers_meta.append(("plain", owner))
         self.layers = nn.ModuleList(shards)
         self._param_list: Optional[list[nn.Parameter]] = None
+        self._shape_cache: dict[tuple, list[tuple[tuple[int, ...], torch.dtype]]] = {}
         self._net_repr = repr(net)
         self._has_dropout = \
             any(isinstance(m, _DROPOUT) for m in net.modules())
@@ -694,11 +698,21 @@ class LayerParallel(nn.Module):
         h: Optional[Tensor] = x if rank == 0 else None
         holder = 0  # rank holding the current activation
         self.last_forward = []
+        # activation shapes depend only on the input's (checked equal on every rank):
+        # broadcast them the first time, then reuse
+        cached = self._shape_cache.get(key)
+        metas: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+        def meta(t: Optional[Tensor], root: int) -> tuple[tuple[int, ...], torch.dtype]:
+            got = cached[len(metas)] if cached is not None else self._meta(t, root)
+            metas.append(got)
+            return got
+
         for k, (kind, info) in enumerate(self._layers_meta):
             if kind == "plain":
                 owner = info
                 if owner != holder:
-                    shape, dtype = ctx.shapes[-1] if ctx.shapes else self._meta(h, holder)
+                    shape, dtype = meta(h, holder)
                     if rank == holder:
                         self._send(h, owner)  # type: ignore[arg-type]
                     elif rank == owner:
@@ -713,20 +727,23 @@ class LayerParallel(nn.Module):
             else:
                 runner = self._runners[k]
                 if holder != 0:
-                    shape, dtype = self._meta(h, holder)
+                    shape, dtype = meta(h, holder)
                     if rank == holder:
                         self._send(h, 0)  # type: ignore[arg-type]
                     elif rank == 0:
                         h = self._recv(holder, shape, dtype, x.device)
                     holder = 0
-                shape, dtype = self._meta(h, 0)
+                shape, dtype = meta(h, 0)
                 ctx.shapes.append((shape, dtype))
                 like = torch.empty(shape, dtype=dtype, device=x.device)
-                runner.sync_ghosts() if size > 1 else None
+                if size > 1:
+                    runner.sync_ghosts()
                 h, stats = runner.forward(h if rank == 0 else None, like, seed, record)
                 self.last_forward.append(stats)
                 holder = last
-        shape, dtype = self._meta(h, holder)
+        shape, dtype = meta(h, holder)
+        if cached is None:
+            self._shape_cache[key] = metas
         ctx.out_holder = holder
         y = self._bcast(h, holder, shape, dtype, x.device)
         if not bool(torch.isfinite(y).all()):
