@@ -153,44 +153,39 @@ def test_state_dict_roundtrip_and_names() -> None:
         assert torch.equal(model2(x), net(x))
 
 
-def test_checkpoint_resume_gives_same_losses() -> None:
-    def run(steps: int, state: dict | None = None) -> tuple[list[float], dict]:
-        torch.manual_seed(0)
-        model = layerpar.LayerParallel(dense_net, None, EXACT, EXACT,
-                                       state_dict=None if state is None else state["model"])
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        if state is not None:
-            opt.load_state_dict(state["opt"])
-        gen = torch.Generator().manual_seed(5 + (0 if state is None else 100))
-        losses = []
-        for _ in range(steps):
-            x = torch.randn(8, 3, generator=gen)
-            y = torch.randint(0, 5, (8,), generator=gen)
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses, {"model": model.gather_state_dict(), "opt": copy.deepcopy(opt.state_dict())}
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, gen_seed: int,
+           steps: int) -> list[float]:
+    """`steps` Adam steps on batches drawn from a generator seeded with `gen_seed`."""
+    gen = torch.Generator().manual_seed(gen_seed)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(8, 3, generator=gen)
+        y = torch.randint(0, 5, (8,), generator=gen)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
 
-    first, ckpt = run(3)
-    resumed, _ = run(2, ckpt)
-    # uninterrupted: same first 3 steps, then the resumed data stream
+
+def test_checkpoint_resume_gives_same_losses() -> None:
     torch.manual_seed(0)
     model = layerpar.LayerParallel(dense_net, None, EXACT, EXACT)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for gen_seed, steps in ((5, 3), (105, 2)):
-        gen = torch.Generator().manual_seed(gen_seed)
-        for _ in range(steps):
-            x = torch.randn(8, 3, generator=gen)
-            y = torch.randint(0, 5, (8,), generator=gen)
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-    assert losses == first + resumed
+    uninterrupted = _train(model, opt, 5, 3) + _train(model, opt, 105, 2)
+
+    torch.manual_seed(0)
+    model = layerpar.LayerParallel(dense_net, None, EXACT, EXACT)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    first = _train(model, opt, 5, 3)
+    ckpt = {"model": model.gather_state_dict(), "opt": copy.deepcopy(opt.state_dict())}
+    del model, opt
+    model = layerpar.LayerParallel(dense_net, None, EXACT, EXACT, state_dict=ckpt["model"])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt.load_state_dict(ckpt["opt"])
+    resumed = _train(model, opt, 105, 2)
+    assert first + resumed == uninterrupted
 
 
 def test_dropout_matches_serial_with_same_seed() -> None:

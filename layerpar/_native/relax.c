@@ -40,6 +40,19 @@ static int prepare_steps(lpm_core *c, int level, int n) {
     return any_f;
 }
 
+/* Bookkeeping after a step_batch / step_seq callback that started at time t0:
+ * timers and counters; on failure the outputs it may have set are released. */
+static int after_callback(lpm_core *c, int level, int n, double t0, int e) {
+    c->timings[LPM_T_STEP] += _lpm_now() - t0;
+    c->step_count[level] += n;
+    c->batch_count[level] += 1;
+    if (e) {
+        for (int k = 0; k < n; k++) _lpm_clear(c, &c->w_out[k]);
+        return LPM_ECALLBACK;
+    }
+    return LPM_OK;
+}
+
 /* Steps into the level points c->w_idx[0..n-1] from inputs c->w_u with
  * right-hand sides c->w_f (entries may be NULL); results in c->w_out. */
 int _lpm_step_batch(lpm_core *c, int level, int n, int final) {
@@ -57,14 +70,7 @@ int _lpm_step_batch(lpm_core *c, int level, int n, int final) {
     double t = _lpm_now();
     int e = c->cb.step_batch(c->app, n, c->w_u, any_f ? c->w_f : NULL, c->w_ts, c->w_te, c->w_is,
                              c->w_ie, level, final, c->w_out);
-    c->timings[LPM_T_STEP] += _lpm_now() - t;
-    c->step_count[level] += n;
-    c->batch_count[level] += 1;
-    if (e) {
-        for (int k = 0; k < n; k++) _lpm_clear(c, &c->w_out[k]);
-        return LPM_ECALLBACK;
-    }
-    return LPM_OK;
+    return after_callback(c, level, n, t, e);
 }
 
 int _lpm_fsweep(lpm_core *c, int level, int final) {
@@ -198,13 +204,7 @@ static int seq_steps(lpm_core *c, int level, int start, int n, lpm_state u, int 
     double t = _lpm_now();
     int e = c->cb.step_seq(c->app, n, u, any_f ? c->w_f : NULL, c->w_ts, c->w_te, c->w_is,
                            c->w_ie, level, final, c->w_out);
-    c->timings[LPM_T_STEP] += _lpm_now() - t;
-    c->step_count[level] += n;
-    c->batch_count[level] += 1;
-    if (e) {
-        for (int k = 0; k < n; k++) _lpm_clear(c, &c->w_out[k]);
-        return LPM_ECALLBACK;
-    }
+    _LPM_TRY(after_callback(c, level, n, t, e));
     for (int k = 0; k < n; k++) _lpm_set(c, &U(L, start + k), c->w_out[k]);
     return LPM_OK;
 }
