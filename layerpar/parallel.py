@@ -873,6 +873,15 @@ class LayerParallel(nn.Module):
             groups.append({**g_saved, "params": g_local["params"]})
         optimizer.load_state_dict({"state": new_state, "param_groups": groups})
 
+    def close(self) -> None:
+        """Release the duplicated communicator (collective: call on every rank).
+
+        Each LayerParallel holds one duplicate of `comm` so its messages never meet the
+        user's; a program that builds many models should close the ones it drops
+        (MPI has a limited number of communicators).  The model cannot run afterwards.
+        """
+        self.transport.close()
+
     def extra_repr(self) -> str:
         return (f"rank {self.rank} of {self.size}, coarsening={self.coarsening!r}, "
                 f"options={self.options}, backward_options={self.backward_options}")

@@ -117,6 +117,7 @@ def changing_batch_size():
         for n, p in model.named_parameters():
             worst = max(worst, rel(p.grad, refp[n].grad))
     worst = comm.allreduce(worst, op=MPI.MAX)
+    model.close()
     return "batch 6-2-6", {"worst": worst, "names_ok": True, "gather_ok": True,
                            "fwd_iters": [s["iterations"] for s in model.last_forward],
                            "bwd_iters": [s["iterations"] for s in model.last_backward]}
