@@ -50,6 +50,8 @@ def _frozen_running_stats(modules: list[nn.Module]) -> Iterator[None]:
     final sweep)."""
     saved = []
     for m in modules:
+        if not m.training:  # eval mode uses running statistics and never updates them
+            continue
         saved.append((m, m.momentum, None if m.num_batches_tracked is None
                       else m.num_batches_tracked.clone()))
         m.momentum = 0.0
@@ -306,7 +308,8 @@ class _SegmentRunner:
         # blocks this rank evaluates: its own, plus ghosts of its neighbours' layers
         need = _needed_layers(n, size, rank, fwd, bwd, coarsening) - set(self.owned)
         self.blocks: dict[int, nn.Module] = {k: seg.blocks[k] for k in self.owned}
-        for k in sorted(need):
+        self.ghosts = sorted(need)  # not submodules: train()/eval() is passed on per pass
+        for k in self.ghosts:
             ghost = copy.deepcopy(seg.blocks[k])
             for p in ghost.parameters():
                 p.requires_grad_(False)
@@ -323,7 +326,7 @@ class _SegmentRunner:
         self.layer_params = {k: [p for p in seg.blocks[k].parameters() if p.requires_grad]
                              for k in self.owned}
         self.bn = {k: [m for m in blk.modules() if isinstance(m, _BN_TYPES)
-                       and m.training and m.track_running_stats]
+                       and m.track_running_stats]
                    for k, blk in self.blocks.items()}
         # batched F-sweeps for the standard dense block under forward Euler
         dense = [b for b in self.blocks.values()]
@@ -455,8 +458,11 @@ class _SegmentRunner:
             tr._wait_request(req)
 
     def forward(self, u0: Optional[Tensor], like: Tensor, seed: Optional[int],
-                record: bool) -> tuple[Optional[Tensor], dict]:
+                record: bool, training: bool) -> tuple[Optional[Tensor], dict]:
         """MGRIT forward solve; returns (u_N on the last rank else None, stats)."""
+        for k in self.ghosts:
+            if self.blocks[k].training != training:
+                self.blocks[k].train(training)
         self.seed = seed
         self.rng_layers = {k for k, blk in self.blocks.items() if seed is not None
                            and needs_rng(blk)}
@@ -738,7 +744,8 @@ class LayerParallel(nn.Module):
                 like = torch.empty(shape, dtype=dtype, device=x.device)
                 if size > 1:
                     runner.sync_ghosts()
-                h, stats = runner.forward(h if rank == 0 else None, like, seed, record)
+                h, stats = runner.forward(h if rank == 0 else None, like, seed, record,
+                                          self.training)
                 self.last_forward.append(stats)
                 holder = last
         shape, dtype = meta(h, holder)

@@ -244,3 +244,18 @@ def test_bad_arguments_name_the_argument() -> None:
         layerpar.LayerParallel(dense_net(), None, coarsening="median")
     with pytest.raises(TypeError, match="`x`"):
         layerpar.LayerParallel(dense_net(), None)([1.0, 2.0])  # type: ignore[arg-type]
+
+
+def test_batch_norm_model_built_in_eval_mode_then_trained() -> None:
+    """Running statistics move once per batch whatever mode the model was built in."""
+    torch.manual_seed(0)
+    net = bn_net().double().eval()
+    ref = copy.deepcopy(net)
+    model = layerpar.LayerParallel(net, None, EXACT, EXACT)
+    model.train()
+    ref.train()
+    x = torch.randn(6, 1, 8, 8, dtype=torch.float64)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    for (name, b), (_, rb) in zip(model.named_buffers(), ref.named_buffers()):
+        assert torch.allclose(b, rb, rtol=1e-10, atol=1e-12), name

@@ -91,6 +91,7 @@ def main():
     o32 = layerpar.MGRITOptions(max_levels=3, cfactor=2, tol=1e-6, max_iter=40)
     results.append(check("dense f32", lambda: dense_net(12), x, y, torch.float32, o32, o32))
     results.append(changing_batch_size())
+    results.append(dropout_and_batch_norm())
     if comm.rank == 0:
         json.dump(dict(results), open(out_path, "w"), indent=1)
 
@@ -121,6 +122,53 @@ def changing_batch_size():
     return "batch 6-2-6", {"worst": worst, "names_ok": True, "gather_ok": True,
                            "fwd_iters": [s["iterations"] for s in model.last_forward],
                            "bwd_iters": [s["iterations"] for s in model.last_backward]}
+
+
+
+def dropout_and_batch_norm():
+    """Dropout masks (seed drawn on rank 0 and broadcast) and batch-norm running
+    statistics (updated once per batch, ghost copies refreshed) match the oracle."""
+    def make():
+        return layerpar.ODENet(layers=[
+            torch.nn.Conv2d(1, 3, 3, padding=1),
+            Segment(lambda k: torch.nn.Sequential(
+                blocks.Conv(3, activation="tanh", batch_norm=True), torch.nn.Dropout(0.2)),
+                9, 1.0),
+            torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 5)])
+
+    torch.manual_seed(2)
+    net = make().double()
+    ref = copy.deepcopy(net)
+    o = layerpar.MGRITOptions(max_levels=3, cfactor=2, tol=1e-13, max_iter=60)
+    model = layerpar.LayerParallel(net, comm, o, o)
+    refp = dict(ref.named_parameters())
+    refb = dict(ref.named_buffers())
+    worst = 0.0
+    for step in range(2):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 1, 8, 8, dtype=torch.float64, generator=gen)
+        torch.manual_seed(100 + step)  # the same global seed on every rank and for the oracle
+        out = model(x)
+        torch.manual_seed(100 + step)
+        out_ref = ref(x)
+        worst = max(worst, rel(out.detach(), out_ref.detach()))
+        out.square().sum().backward()
+        out_ref.square().sum().backward()
+    for n, p in model.named_parameters():
+        worst = max(worst, rel(p.grad, refp[n].grad))
+    for n, b in model.named_buffers():
+        if b.is_floating_point():
+            worst = max(worst, rel(b, refb[n]))
+        else:
+            worst = max(worst, float(b.item() != refb[n].item()))
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        x = torch.randn(4, 1, 8, 8, dtype=torch.float64)
+        worst = max(worst, rel(model(x), ref(x)))
+    worst = comm.allreduce(worst, op=MPI.MAX)
+    return "dropout+bn", {"worst": worst, "names_ok": True, "gather_ok": True,
+                          "fwd_iters": [], "bwd_iters": []}
 
 
 if __name__ == "__main__":
