@@ -880,6 +880,15 @@ class LayerParallel(nn.Module):
             groups.append({**g_saved, "params": g_local["params"]})
         optimizer.load_state_dict({"state": new_state, "param_groups": groups})
 
+    def _apply(self, fn: Callable, recurse: bool = True) -> LayerParallel:
+        """`.to()`, `.double()`, `.cuda()` ... also reach the ghost blocks, which are not
+        submodules (they hold no trainable parameters of this rank)."""
+        super()._apply(fn, recurse)
+        for runner in self._runners.values():
+            for k in runner.ghosts:
+                runner.blocks[k]._apply(fn)
+        return self
+
     def close(self) -> None:
         """Release the duplicated communicator (collective: call on every rank).
 
