@@ -77,3 +77,6 @@ def test_checkpoint_resume_on_another_number_of_ranks(tmp_path: Path) -> None:
     got = saved["first"] + resumed["second"]
     assert all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(got, saved["full"])), (got, saved)
     assert len(got) == 5
+    # and 5 Adam steps from the same seed give the same losses on 1 rank as on 3
+    one = _losses(run_mpi(WORKERS / "lp_checkpoint.py", 1, timeout=120))
+    assert all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(one["full"], saved["full"]))
