@@ -20,16 +20,9 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 from mpi4py import MPI
 
-from layerpar.train import (
-    add_arguments,
-    dtype_from_arguments,
-    options_from_arguments,
-    threads_per_rank,
-    train,
-)
+from layerpar.train import add_arguments, check_arguments, train_from_arguments
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -37,15 +30,12 @@ def main(argv: list[str] | None = None) -> dict:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     args = parser.parse_args(argv)
     try:
-        fwd, bwd = options_from_arguments(args)  # MGRITOptions of both solves
+        check_arguments(args)  # bad values name the option
     except ValueError as exc:
         parser.error(str(exc))
     world = MPI.COMM_WORLD
     comm = world if world.Get_size() > 1 else None  # one process: no MPI traffic at all
-    torch.set_num_threads(threads_per_rank(world))  # ranks on one node share its cores
-    return train("digits", serial=args.serial, epochs=args.epochs, batch_size=args.batch_size,
-                 lr=args.lr, seed=args.seed, fwd=fwd, bwd=bwd, comm=comm,
-                 progress=not args.no_progress, dtype=dtype_from_arguments(args))
+    return train_from_arguments("digits", args, comm)
 
 
 if __name__ == "__main__":

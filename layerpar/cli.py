@@ -105,9 +105,7 @@ def launch(nprocs: int, argv: Sequence[str]) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import torch
-
-    from .train import dtype_from_arguments, options_from_arguments, threads_per_rank, train
+    from .train import train_from_arguments
 
     comm: Any = None
     if under_mpi():
@@ -119,11 +117,7 @@ def _train(args: argparse.Namespace) -> int:
             if world.Get_rank() == 0 and args.np not in (1, world.Get_size()):
                 print(f"layerpar: running on the {world.Get_size()} ranks of this MPI job; "
                       f"--np {args.np} ignored", file=sys.stderr)
-            torch.set_num_threads(threads_per_rank(comm))
-    fwd, bwd = options_from_arguments(args)
-    train(args.model, serial=args.serial, epochs=args.epochs, batch_size=args.batch_size,
-          lr=args.lr, seed=args.seed, fwd=fwd, bwd=bwd, comm=comm,
-          progress=not args.no_progress, dtype=dtype_from_arguments(args))
+    train_from_arguments(args.model, args, comm)
     return 0
 
 

@@ -444,3 +444,16 @@ def dtype_from_arguments(args: argparse.Namespace) -> torch.dtype:
     """torch.float64 with ``--float64``, else torch.float32."""
     return torch.float64 if args.float64 else torch.float32
 
+
+
+def train_from_arguments(model_name: str, args: argparse.Namespace,
+                         comm: Any = None) -> dict[str, Any]:
+    """`train` with the options parsed by `add_arguments` (the examples and
+    `layerpar train` share this).  With a communicator of several ranks, each rank's
+    intra-op threads are set so the ranks on one node share its cores."""
+    fwd, bwd = options_from_arguments(args)
+    if comm is not None:
+        torch.set_num_threads(threads_per_rank(comm))
+    return train(model_name, serial=args.serial, epochs=args.epochs,
+                 batch_size=args.batch_size, lr=args.lr, seed=args.seed, fwd=fwd, bwd=bwd,
+                 comm=comm, progress=not args.no_progress, dtype=dtype_from_arguments(args))
