@@ -41,6 +41,7 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 EXACT = MGRITOptions(max_levels=3, cfactor=2, tol=1e-13, max_iter=50)
+ONE = MGRITOptions(max_levels=1)  # one rank, one level: direct mode (PyTorch runs backward)
 
 
 @pytest.mark.parametrize("opts", [MGRITOptions(max_levels=1), EXACT,
@@ -66,6 +67,7 @@ def test_matches_serial_oracle(opts: MGRITOptions) -> None:
     if opts.max_levels == 1:  # sequential: bit for bit
         assert torch.equal(out.detach(), ref(x).detach())
         assert model.last_forward[0]["iterations"] == 1
+        assert model.last_backward[0]["iterations"] == 1
 
 
 def test_groups_of_plain_layers_match_serial_oracle() -> None:
@@ -188,12 +190,13 @@ def test_checkpoint_resume_gives_same_losses() -> None:
     assert first + resumed == uninterrupted
 
 
-def test_dropout_matches_serial_with_same_seed() -> None:
+@pytest.mark.parametrize("opts", [ONE, EXACT])
+def test_dropout_matches_serial_with_same_seed(opts: MGRITOptions) -> None:
     torch.manual_seed(0)
     net = dense_net(10, 6, dropout=0.3).double()
     ref = copy.deepcopy(net)
     x = torch.randn(9, 3, dtype=torch.float64)
-    model = layerpar.LayerParallel(net, None, EXACT, EXACT)
+    model = layerpar.LayerParallel(net, None, opts, opts)
     torch.manual_seed(42)
     out = model(x)
     torch.manual_seed(42)
@@ -208,12 +211,13 @@ def test_dropout_matches_serial_with_same_seed() -> None:
     assert rel(model(x).detach(), out_ref.detach()) > 1e-3  # a new batch, new masks
 
 
-def test_batch_norm_running_stats_updated_once_per_batch() -> None:
+@pytest.mark.parametrize("opts", [ONE, EXACT])
+def test_batch_norm_running_stats_updated_once_per_batch(opts: MGRITOptions) -> None:
     torch.manual_seed(0)
     net = bn_net().double()
     ref = copy.deepcopy(net)
     x = torch.randn(6, 1, 8, 8, dtype=torch.float64)
-    model = layerpar.LayerParallel(net, None, EXACT, EXACT)
+    model = layerpar.LayerParallel(net, None, opts, opts)
     out = model(x)
     out_ref = ref(x)
     assert rel(out.detach(), out_ref.detach()) <= F64_TOL
@@ -225,9 +229,10 @@ def test_batch_norm_running_stats_updated_once_per_batch() -> None:
         assert rel(model(x), ref(x)) <= F64_TOL
 
 
-def test_nan_loss_raises() -> None:
+@pytest.mark.parametrize("opts", [ONE, EXACT])
+def test_nan_loss_raises(opts: MGRITOptions) -> None:
     torch.manual_seed(0)
-    model = layerpar.LayerParallel(dense_net, None, EXACT, EXACT)
+    model = layerpar.LayerParallel(dense_net, None, opts, opts)
     out = model(torch.randn(4, 3))
     with pytest.raises(DivergenceError, match="not finite"):
         (out.sum() * float("nan")).backward()
@@ -259,3 +264,41 @@ def test_batch_norm_model_built_in_eval_mode_then_trained() -> None:
     ref(x).sum().backward()
     for (name, b), (_, rb) in zip(model.named_buffers(), ref.named_buffers()):
         assert torch.allclose(b, rb, rtol=1e-10, atol=1e-12), name
+
+
+@pytest.mark.parametrize("opts", [ONE, EXACT])
+def test_autograd_grad_and_backward_inputs_behave_as_in_serial_code(
+        opts: MGRITOptions) -> None:
+    """`autograd.grad` returns the oracle's gradients and leaves `.grad` alone;
+    `backward(inputs=...)` fills only those; frozen parameters get nothing.  Both in
+    direct mode (ONE) and through the adjoint MGRIT Function (EXACT)."""
+    torch.manual_seed(0)
+    net = dense_net().double()
+    ref = copy.deepcopy(net)
+    model = layerpar.LayerParallel(net, None, opts, opts)
+    assert model._direct is (opts is ONE)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    names = [n for n, _ in model.named_parameters()]
+    refp = dict(ref.named_parameters())
+    got = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+    want = torch.autograd.grad(ref(x).square().sum(), [refp[n] for n in names])
+    for name, g, w in zip(names, got, want):
+        assert rel(g, w) <= F64_TOL, name
+    assert all(p.grad is None for p in model.parameters())
+    params = dict(model.named_parameters())
+    chosen = {"layers.1.blocks.3.linear.weight", "layers.2.bias"}
+    model(x).square().sum().backward(inputs=[params[n] for n in sorted(chosen)])
+    for name, g in zip(names, want):
+        p = params[name]
+        assert (p.grad is not None) == (name in chosen), name
+        if p.grad is not None:
+            assert rel(p.grad, g) <= F64_TOL, name
+    # frozen parameters: only the input's gradient is wanted
+    for p in model.parameters():
+        p.requires_grad_(False)
+        p.grad = None
+    xr, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    model(xp).square().sum().backward()
+    ref(xr).square().sum().backward()
+    assert rel(xp.grad, xr.grad) <= F64_TOL
+    assert all(p.grad is None for p in model.parameters())
