@@ -369,6 +369,9 @@ class _SegmentRunner:
         # recording of layer 0 continues instead of starting from a detached leaf
         self.u0_graph: Optional[Tensor] = None
         self.direct_out: Optional[Tensor] = None
+        # check every block keeps the state's shape (u + h F(u) would broadcast a
+        # wrong one silently); done on the first pass for each input shape
+        self.check_shapes = False
         self.coarse_graphs: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         self.param_grads: dict[int, tuple] = {}
 
@@ -391,6 +394,17 @@ class _SegmentRunner:
                     if bn and not update_stats:
                         stack.enter_context(_frozen_running_stats(bn))
                     return inner(v)
+        if self.check_shapes:
+            unchecked = f
+
+            def f(v: Tensor) -> Tensor:
+                out = unchecked(v)
+                if out.shape != v.shape:
+                    raise ValueError(
+                        f"layer {a} of segment {self.seg_index} changed the state's shape "
+                        f"from {tuple(v.shape)} to {tuple(out.shape)}; a residual block "
+                        "must keep it")
+                return out
         return self.scheme.step(f, u, dt)
 
     def direct_sweep(self, as_: list, bs: list) -> list:
@@ -404,7 +418,7 @@ class _SegmentRunner:
         x = self.u0_graph
         with torch.enable_grad():
             for a, b in zip(as_, bs):
-                if a in special or b != a + 1:
+                if a in special or b != a + 1 or self.check_shapes:
                     x = self.phi(x, a, b, update_stats=True)
                 else:
                     x = step(blocks[a], x, times[b] - times[a])
@@ -506,8 +520,8 @@ class _SegmentRunner:
             tr._wait_request(req)
 
     def forward(self, u0: Optional[Tensor], like: Tensor, seed: Optional[int],
-                record: bool, training: bool,
-                direct: bool = False) -> tuple[Optional[Tensor], dict]:
+                record: bool, training: bool, direct: bool = False,
+                check_shapes: bool = False) -> tuple[Optional[Tensor], dict]:
         """MGRIT forward solve; returns (u_N on the last rank else None, stats).
 
         direct: one rank, sequential solve: record the steps onto u0's own graph and
@@ -532,10 +546,12 @@ class _SegmentRunner:
         if direct:
             assert u0 is not None
             self.u0_graph, self.u0 = u0, u0.detach()
+        self.check_shapes = check_shapes
         try:
             code = self.fcore.drive()
         finally:
             self.u0_graph = None
+            self.check_shapes = False
         self._check(code, self.fcore, "forward")
         last = self.transport.size - 1
         out = self.fcore.get_state(self.n) if self.transport.rank == last else None
@@ -827,7 +843,8 @@ class LayerParallel(nn.Module):
                 if size > 1:
                     runner.sync_ghosts()
                 h, stats = runner.forward(h if rank == 0 else None, like, seed, record,
-                                          self.training, ctx.direct)
+                                          self.training, ctx.direct,
+                                          check_shapes=cached is None)
                 self.last_forward.append(stats)
                 holder = last
         shape, dtype = meta(h, holder)
@@ -844,7 +861,7 @@ class LayerParallel(nn.Module):
         if not bool(torch.isfinite(gy).all()):
             raise DivergenceError("the loss gradient is not finite (NaN or inf loss?)")
         size, rank = self.size, self.rank
-        grads: dict[nn.Parameter, Tensor] = {}
+        grads: dict[int, Tensor] = {}  # id(parameter) -> gradient (Tensor.__hash__ is slow)
         g: Optional[Tensor] = gy if rank == ctx.out_holder else None
         holder = ctx.out_holder
         seg_shapes = list(ctx.shapes)
@@ -872,7 +889,7 @@ class LayerParallel(nn.Module):
                         g = outs[0]
                         for p, gp in zip(rec.group_params, outs[1:]):
                             if gp is not None:
-                                grads[p] = gp
+                                grads[id(p)] = gp
             else:
                 runner = self._runners[k]
                 shape, dtype = seg_shapes.pop()
@@ -888,7 +905,7 @@ class LayerParallel(nn.Module):
                 for n, pg in runner.param_grads.items():
                     for p, gp in zip(runner.layer_params[n], pg):
                         if gp is not None:
-                            grads[p] = gp
+                            grads[id(p)] = gp
                 runner.param_grads = {}
                 holder = 0
                 g_meta = (shape, dtype)
@@ -1049,4 +1066,4 @@ class _LayerParallelFunction(torch.autograd.Function):
         model: LayerParallel = ctx.model
         gx, grads = model._guard(lambda: model._backward_impl(ctx.c, gy.contiguous()))
         ctx.c = None
-        return (None, gx, *[grads.get(p) for p in ctx.params])
+        return (None, gx, *[grads.get(id(p)) for p in ctx.params])

@@ -302,3 +302,24 @@ def test_autograd_grad_and_backward_inputs_behave_as_in_serial_code(
     ref(xr).square().sum().backward()
     assert rel(xp.grad, xr.grad) <= F64_TOL
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("opts", [ONE, EXACT])
+def test_block_that_changes_the_shape_is_refused(opts: MGRITOptions) -> None:
+    """u + h F(u) would broadcast F(u) of shape [B, 1] silently: name the layer."""
+    class Narrow(torch.nn.Module):
+        def __init__(self, k: int) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1 if k == 3 else 4)
+
+        def forward(self, u: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.lin(u))
+
+    net = layerpar.ODENet(open=torch.nn.Linear(3, 4), steps=Narrow, n_steps=6,
+                          close=torch.nn.Linear(4, 5))
+    model = layerpar.LayerParallel(net, None, opts, opts)
+    for _ in range(2):  # and again: a failed first pass must not mark the shape checked
+        with pytest.raises(ValueError, match=r"layer 3 of segment 0 changed .* \(2, 1\)"):
+            model(torch.randn(2, 3))
+    with torch.no_grad(), pytest.raises(ValueError, match="layer 3 of segment 0"):
+        model(torch.randn(2, 3))

@@ -46,6 +46,7 @@ CASES = {
     "input_differs": ("RankMismatchError", "RankMismatchError", "input differs"),
     "nan_loss": ("DivergenceError", "DivergenceError", "not finite"),
     "step_fails_on_one_rank": ("RuntimeError", "RemoteError", "layer 5 failed"),
+    "block_changes_shape": ("ValueError", "RemoteError", "layer 6 of segment 0 changed"),
 }
 
 

@@ -82,6 +82,23 @@ def case_step_fails_on_one_rank():
     model(torch.randn(2, 3))
 
 
+def case_block_changes_shape():
+    class Narrow(torch.nn.Module):  # layer 6 maps width 4 to 1: u + h F(u) would broadcast
+        def __init__(self, k):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1 if k == 6 else 4)
+
+        def forward(self, u):
+            return torch.tanh(self.lin(u))
+
+    def factory():
+        torch.manual_seed(0)
+        return layerpar.ODENet(open=torch.nn.Linear(3, 4), steps=Narrow, n_steps=8,
+                               close=torch.nn.Linear(4, 5))
+    model = layerpar.LayerParallel(factory, comm, OPTS)
+    model(torch.randn(2, 3)).sum().backward()
+
+
 def main():
     case = sys.argv[1]
     try:
