@@ -556,7 +556,10 @@ class _SegmentRunner:
         last = self.transport.size - 1
         out = self.fcore.get_state(self.n) if self.transport.rank == last else None
         if direct:
+            if self.direct_out is None:  # the engine stepped one by one (step())
+                self.direct_out = self.records[self.n - 1][1]
             out, self.direct_out = self.direct_out, None
+            self.records, self.chain_head = {}, {}
         return out, self._stats(self.fcore)
 
     def backward(self, lam_n: Optional[Tensor], like: Tensor) -> tuple[Optional[Tensor], dict]:
@@ -944,14 +947,15 @@ class LayerParallel(nn.Module):
         ctx = _Context()
         ctx.direct = True
         with torch.no_grad():  # only the recording itself builds a graph
-            y = self._forward_impl(ctx, x, True)
+            y = self._guard(lambda: self._forward_impl(ctx, x, True))
         if y.requires_grad:
             y.register_hook(self._direct_backward_started)
         return y
 
     def _direct_backward_started(self, gy: Tensor) -> None:
-        """Hook on the direct-mode output: the same checks and reports as the adjoint
-        solve (a sequential solve: one iteration, no residuals, no communication)."""
+        """Hook on the direct-mode output: the same check and report as the adjoint
+        solve (a sequential solve: one iteration, no residuals, no communication).
+        The timings are zeros, not measurements: PyTorch's engine runs this backward."""
         if not bool(torch.isfinite(gy).all()):
             raise DivergenceError("the loss gradient is not finite (NaN or inf loss?)")
         self.last_backward = [
