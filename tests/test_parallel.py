@@ -70,7 +70,8 @@ def test_matches_serial_oracle(opts: MGRITOptions) -> None:
         assert model.last_backward[0]["iterations"] == 1
 
 
-def test_groups_of_plain_layers_match_serial_oracle() -> None:
+@pytest.mark.parametrize("opts", [ONE, EXACT])
+def test_groups_of_plain_layers_match_serial_oracle(opts: MGRITOptions) -> None:
     """Consecutive plain layers (one graph per group) before, between and after segments."""
     torch.manual_seed(0)
     net = layerpar.ODENet(layers=[
@@ -83,9 +84,10 @@ def test_groups_of_plain_layers_match_serial_oracle() -> None:
     x = torch.randn(3, 1, 8, 8, dtype=torch.float64)
     xr, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
     ref(xr).square().sum().backward()
-    model = layerpar.LayerParallel(net, None, EXACT, EXACT)
+    model = layerpar.LayerParallel(net, None, opts, opts)
     model(xp).square().sum().backward()
     assert rel(xp.grad, xr.grad) <= F64_TOL
+    assert len(model.last_backward) == 2
     refg = grads(ref)
     for name, g in grads(model).items():
         assert rel(g, refg[name]) <= F64_TOL, name
