@@ -170,12 +170,17 @@ def sequential_vs_one_level(ctx: BenchContext) -> list[Row]:
     ]
 
 
+def _train_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """What one timed batch is: forward, loss on every rank, backward."""
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+
+
 def _train_time(ctx: BenchContext, model: torch.nn.Module, x: torch.Tensor,
                 y: torch.Tensor) -> list[float]:
     """Seconds per batch (forward + backward, loss on every rank) over the repeats."""
 
     def one() -> None:
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        _train_step(model, x, y)
 
     reps = ctx.repeats
     ctx.repeats = max(reps, 7)
@@ -195,7 +200,7 @@ def _train_times_interleaved(ctx: BenchContext, models: list[torch.nn.Module],
 
     def one(model: torch.nn.Module) -> float:
         t0 = time.perf_counter()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        _train_step(model, x, y)
         return time.perf_counter() - t0
 
     for m in models:

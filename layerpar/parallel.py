@@ -155,6 +155,8 @@ class _ForwardApp:
     def step(self, u: Tensor, f: Optional[Tensor], ts: float, te: float, a: int, b: int,
              level: int, final: int) -> Tensor:
         r = self.r
+        if r.u0_graph is not None and final and f is None and level == 0:
+            return r.direct_sweep([a], [b])[0]
         if final and r.recording:
             prev = r.records.get(a - 1)
             with torch.enable_grad():
@@ -162,7 +164,7 @@ class _ForwardApp:
                     u_in = prev[1]  # continue the previous step's graph (a chain)
                     r.chain_head[a] = r.chain_head[a - 1]
                 else:
-                    u_in = r.chain_start(u, a)
+                    u_in = u.detach().requires_grad_()
                     r.chain_head[a] = a
                 out = r.phi(u_in, a, b, update_stats=True)
             det = out.detach()
@@ -193,7 +195,7 @@ class _ForwardApp:
             if prev is not None and u is prev[2]:
                 x, head = prev[1], r.chain_head[as_[0] - 1]
             else:
-                x, head = r.chain_start(u, as_[0]), as_[0]
+                x, head = u.detach().requires_grad_(), as_[0]
             for a, b in zip(as_, bs):
                 x_in = x
                 x = r.phi(x_in, a, b, update_stats=True)
@@ -366,7 +368,7 @@ class _SegmentRunner:
         self.sequential_adjoint = len(build_levels(n, bwd)) == 1
         self.sequential_forward = len(build_levels(n, fwd)) == 1
         # direct mode (see LayerParallel): the segment input with its graph, which the
-        # recording of layer 0 continues instead of starting from a detached leaf
+        # recorded sweep continues, and the sweep's latest output
         self.u0_graph: Optional[Tensor] = None
         self.direct_out: Optional[Tensor] = None
         # check every block keeps the state's shape (u + h F(u) would broadcast a
@@ -408,17 +410,16 @@ class _SegmentRunner:
         return self.scheme.step(f, u, dt)
 
     def direct_sweep(self, as_: list, bs: list) -> list:
-        """Direct mode's one sequential sweep, recorded onto the segment input's graph
-        as plain PyTorch would: no per-step records, states kept with their graph."""
-        if as_[0] != 0:
-            raise AssertionError(f"direct mode: a recorded sweep starts at point {as_[0]}")
+        """Direct mode's sequential sweep (or a stretch of it), recorded onto the segment
+        input's graph as plain PyTorch would: no per-step records, states kept with
+        their graph.  A stretch not starting at 0 continues the previous one."""
         step, blocks, times, special = self.scheme.step, self.blocks, self.times, \
             self.rng_layers
         outs = []
-        x = self.u0_graph
+        x = self.u0_graph if as_[0] == 0 else self.direct_out
         with torch.enable_grad():
             for a, b in zip(as_, bs):
-                if a in special or b != a + 1 or self.check_shapes:
+                if a in special or self.check_shapes:
                     x = self.phi(x, a, b, update_stats=True)
                 else:
                     x = step(blocks[a], x, times[b] - times[a])
@@ -435,15 +436,6 @@ class _SegmentRunner:
             for (k, p), f in zip(self.all_params, flags):
                 if f:
                     self.layer_params[k].append(p)
-
-    def chain_start(self, u: Tensor, a: int) -> Tensor:
-        """Input of a recorded chain starting at point a: a fresh leaf whose gradient
-        the adjoint solve reads, or in direct mode the segment input with its graph."""
-        if self.u0_graph is not None:
-            if a != 0:  # direct mode is only chosen when no chain can start elsewhere
-                raise AssertionError(f"direct mode: a recorded chain starts at point {a}")
-            return self.u0_graph
-        return u.detach().requires_grad_()
 
     def coarse_graph(self, a: int, b: int) -> tuple[Tensor, Tensor]:
         """(u_a as a leaf, forward coarse step a -> b with its graph), built once per
@@ -556,10 +548,7 @@ class _SegmentRunner:
         last = self.transport.size - 1
         out = self.fcore.get_state(self.n) if self.transport.rank == last else None
         if direct:
-            if self.direct_out is None:  # the engine stepped one by one (step())
-                self.direct_out = self.records[self.n - 1][1]
             out, self.direct_out = self.direct_out, None
-            self.records, self.chain_head = {}, {}
         return out, self._stats(self.fcore)
 
     def backward(self, lam_n: Optional[Tensor], like: Tensor) -> tuple[Optional[Tensor], dict]:
@@ -588,10 +577,6 @@ class _SegmentRunner:
         return {"iterations": core.iterations, "converged": core.converged,
                 "residual_history": core.residual_history, "n_levels": core.n_levels,
                 "timings": core.timings}
-
-
-_TIMING_KEYS = ("relax", "restrict", "coarse", "interp", "final", "step", "wait", "reduce",
-                "total")
 
 
 class _PlainRecord:
@@ -942,7 +927,7 @@ class LayerParallel(nn.Module):
         recorded onto `x`'s graph and PyTorch's engine runs the backward.  Parameters
         are the graph's leaves as in plain PyTorch: `autograd.grad`, `backward(inputs=)`
         and hooks behave as in serial code, and no autograd Function with one input per
-        parameter stands in between (that costs ~2 us per parameter per pass).
+        parameter stands in between (that cost ~4.5 us per parameter per backward pass).
         """
         ctx = _Context()
         ctx.direct = True
@@ -960,8 +945,8 @@ class LayerParallel(nn.Module):
             raise DivergenceError("the loss gradient is not finite (NaN or inf loss?)")
         self.last_backward = [
             {"iterations": 1, "converged": True, "residual_history": [], "n_levels": 1,
-             "timings": dict.fromkeys(_TIMING_KEYS, 0.0), "direct": True}
-            for _ in self._runners]
+             "timings": dict.fromkeys(fwd["timings"], 0.0), "direct": True}
+            for fwd in self.last_forward]
 
     # -- portability ------------------------------------------------------------------------------
     def gather_state_dict(self) -> dict[str, Tensor]:

@@ -44,12 +44,13 @@ EXACT = MGRITOptions(max_levels=3, cfactor=2, tol=1e-13, max_iter=50)
 ONE = MGRITOptions(max_levels=1)  # one rank, one level: direct mode (PyTorch runs backward)
 
 
+@pytest.mark.parametrize("n", [12, 1])  # 1 layer: the engine calls step(), not step_seq()
 @pytest.mark.parametrize("opts", [MGRITOptions(max_levels=1), EXACT,
                                   MGRITOptions(max_levels=2, cfactor=4, tol=1e-13, max_iter=50,
                                                fmg=True)])
-def test_matches_serial_oracle(opts: MGRITOptions) -> None:
+def test_matches_serial_oracle(opts: MGRITOptions, n: int) -> None:
     torch.manual_seed(0)
-    net = dense_net().double()
+    net = dense_net(n).double()
     ref = copy.deepcopy(net)
     x = torch.randn(7, 3, dtype=torch.float64)
     y = torch.randint(0, 5, (7,))

@@ -16,11 +16,12 @@ rank = comm.Get_rank()
 OPTS = layerpar.MGRITOptions(max_levels=2, cfactor=2, max_iter=3)
 
 
-def net(n=8, width=4):
+def net(n=8, width=4, steps=None):
+    """The test net; `steps` (a block factory) replaces its Dense blocks."""
     torch.manual_seed(0)
     return layerpar.ODENet(open=torch.nn.Linear(3, width),
-                           steps=lambda k: blocks.Dense(width), n_steps=n, t_final=1.0,
-                           close=torch.nn.Linear(width, 5))
+                           steps=steps or (lambda k: blocks.Dense(width)), n_steps=n,
+                           t_final=1.0, close=torch.nn.Linear(width, 5))
 
 
 def case_layers_lt_ranks():
@@ -74,11 +75,7 @@ def case_step_fails_on_one_rank():
                 raise RuntimeError("layer 5 failed")
             return torch.tanh(self.lin(u))
 
-    def factory():
-        torch.manual_seed(0)
-        return layerpar.ODENet(open=torch.nn.Linear(3, 4), steps=Boom, n_steps=8,
-                               close=torch.nn.Linear(4, 5))
-    model = layerpar.LayerParallel(factory, comm, OPTS)
+    model = layerpar.LayerParallel(net(steps=Boom), comm, OPTS)
     model(torch.randn(2, 3))
 
 
@@ -91,11 +88,7 @@ def case_block_changes_shape():
         def forward(self, u):
             return torch.tanh(self.lin(u))
 
-    def factory():
-        torch.manual_seed(0)
-        return layerpar.ODENet(open=torch.nn.Linear(3, 4), steps=Narrow, n_steps=8,
-                               close=torch.nn.Linear(4, 5))
-    model = layerpar.LayerParallel(factory, comm, OPTS)
+    model = layerpar.LayerParallel(net(steps=Narrow), comm, OPTS)
     model(torch.randn(2, 3)).sum().backward()
 
 
