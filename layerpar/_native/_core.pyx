@@ -143,6 +143,21 @@ cdef int cb_sum(void *app, double alpha, lpm_state x, double beta, lpm_state y,
     return 0
 
 
+cdef int cb_sum_batch(void *app, int n, double alpha, const lpm_state *x, double beta,
+                      const lpm_state *y, lpm_state *out) noexcept:
+    cdef Core self = <Core>app
+    cdef int k
+    cdef object res
+    try:
+        res = self._sum_batch(alpha, [<object>x[k] for k in range(n)], beta,
+                              [<object>y[k] for k in range(n)])
+        _check_states(res, n, "sum_batch")
+    except BaseException as exc:
+        return _store(self, exc)
+    _put_states(res, n, out)
+    return 0
+
+
 cdef int cb_norm_sq(void *app, int n, const lpm_state *u, double *out) noexcept:
     cdef Core self = <Core>app
     cdef int k
@@ -223,7 +238,9 @@ cdef class Core:
         (None to let the engine call ``step`` per state), optional
         ``step_seq(u, fs, t_starts, t_stops, i_starts, i_stops, level, final)`` returning
         the n states of n consecutive steps from u (sequential stretches), ``init(t, i)``,
-        ``sum(alpha, x, beta, y)`` returning alpha*x + beta*y, ``norm_sq(states)``.
+        ``sum(alpha, x, beta, y)`` returning alpha*x + beta*y, optional
+        ``sum_batch(alpha, xs, beta, ys)`` returning the list of alpha*x + beta*y (all
+        points of a phase at once), ``norm_sq(states)``.
     transport : object with ``isend(dest, tag, state) -> int``, ``irecv(src, tag) -> int``,
         ``wait(req) -> state | None`` and ``allreduce_sum(list[float]) -> list[float]``.
     """
@@ -231,7 +248,7 @@ cdef class Core:
     cdef lpm_core *c
     cdef lpm_callbacks cb
     cdef public object _error
-    cdef object _step, _step_batch, _step_seq, _init, _sum, _norm_sq
+    cdef object _step, _step_batch, _step_seq, _init, _sum, _sum_batch, _norm_sq
     cdef object _isend, _irecv, _wait, _allreduce
     cdef readonly int n_steps, rank, n_ranks
 
@@ -248,6 +265,7 @@ cdef class Core:
         self._step_seq = getattr(app, "step_seq", None)
         self._init = app.init
         self._sum = app.sum
+        self._sum_batch = getattr(app, "sum_batch", None)
         self._norm_sq = app.norm_sq
         self._isend = transport.isend
         self._irecv = transport.irecv
@@ -269,6 +287,10 @@ cdef class Core:
         self.cb.clone = cb_clone
         self.cb.free = cb_free
         self.cb.sum = cb_sum
+        if self._sum_batch is not None:
+            self.cb.sum_batch = cb_sum_batch
+        else:
+            self.cb.sum_batch = NULL
         self.cb.norm_sq = cb_norm_sq
         self.cb.isend = cb_isend
         self.cb.irecv = cb_irecv

@@ -25,6 +25,25 @@ void _lpm_set(lpm_core *c, lpm_state *slot, lpm_state value) {
     *slot = value;
 }
 
+int _lpm_sum_batch(lpm_core *c, int n, double alpha, const lpm_state *x, double beta,
+                   const lpm_state *y, lpm_state *out) {
+    for (int k = 0; k < n; k++) out[k] = NULL;
+    if (n == 0) return LPM_OK;
+    if (n > 1 && c->cb.sum_batch) {
+        if (!c->cb.sum_batch(c->app, n, alpha, x, beta, y, out)) return LPM_OK;
+        for (int k = 0; k < n; k++) _lpm_clear(c, &out[k]);
+        return LPM_ECALLBACK;
+    }
+    for (int k = 0; k < n; k++) {
+        if (c->cb.sum(c->app, alpha, x[k], beta, y[k], &out[k])) {
+            for (int m = 0; m < k; m++) _lpm_clear(c, &out[m]);
+            out[k] = NULL;
+            return LPM_ECALLBACK;
+        }
+    }
+    return LPM_OK;
+}
+
 int lpm_create(int nsteps, double t0, double tfinal, int rank, int nranks, const int *bounds,
                const lpm_callbacks *cb, void *app, lpm_core **out) {
     *out = NULL;

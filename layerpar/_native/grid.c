@@ -66,13 +66,16 @@ int _lpm_grid_build(lpm_core *c) {
     c->w_u = calloc(w, sizeof(lpm_state));
     c->w_f = calloc(w, sizeof(lpm_state));
     c->w_out = calloc(w, sizeof(lpm_state));
+    c->w_x = calloc(w, sizeof(lpm_state));
+    c->w_y = calloc(w, sizeof(lpm_state));
+    c->w_s = calloc(w, sizeof(lpm_state));
     c->w_ts = calloc(w, sizeof(double));
     c->w_te = calloc(w, sizeof(double));
     c->w_is = calloc(w, sizeof(int));
     c->w_ie = calloc(w, sizeof(int));
     c->w_idx = calloc(w, sizeof(int));
     c->built = 1;
-    if (!c->w_u || !c->w_f || !c->w_out || !c->w_ts || !c->w_te || !c->w_is || !c->w_ie ||
+    if (!c->w_u || !c->w_f || !c->w_out || !c->w_x || !c->w_y || !c->w_s || !c->w_ts || !c->w_te || !c->w_is || !c->w_ie ||
         !c->w_idx) {
         _lpm_grid_destroy(c);
         return LPM_ENOMEM;
@@ -106,12 +109,15 @@ void _lpm_grid_destroy(lpm_core *c) {
     free(c->w_u);
     free(c->w_f);
     free(c->w_out);
+    free(c->w_x);
+    free(c->w_y);
+    free(c->w_s);
     free(c->w_ts);
     free(c->w_te);
     free(c->w_is);
     free(c->w_ie);
     free(c->w_idx);
-    c->w_u = c->w_f = c->w_out = NULL;
+    c->w_u = c->w_f = c->w_out = c->w_x = c->w_y = c->w_s = NULL;
     c->w_ts = c->w_te = NULL;
     c->w_is = c->w_ie = c->w_idx = NULL;
     c->built = 0;

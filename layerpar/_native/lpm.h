@@ -73,6 +73,12 @@ typedef struct lpm_callbacks {
     void (*free)(void *app, lpm_state u);
     /* out = alpha*x + beta*y (a new state) */
     int (*sum)(void *app, double alpha, lpm_state x, double beta, lpm_state y, lpm_state *out);
+    /* n sums at once: out[k] = alpha*x[k] + beta*y[k].  Optional: NULL -> the engine
+     * calls sum() n times.  Used wherever a phase combines all points of a level
+     * (residuals, FAS right-hand sides, corrections, weighted C-updates), so an app
+     * whose states are rows of one tensor does one operation per phase, not per point. */
+    int (*sum_batch)(void *app, int n, double alpha, const lpm_state *x, double beta,
+                     const lpm_state *y, lpm_state *out);
     /* *out = sum over k of ||u[k]||^2 (one call per level-0 residual evaluation) */
     int (*norm_sq)(void *app, int n, const lpm_state *u, double *out);
 

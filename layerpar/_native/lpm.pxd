@@ -24,6 +24,8 @@ cdef extern from "lpm.h" nogil:
         void (*free)(void *app, lpm_state u)
         int (*sum)(void *app, double alpha, lpm_state x, double beta, lpm_state y,
                    lpm_state *out)
+        int (*sum_batch)(void *app, int n, double alpha, const lpm_state *x, double beta,
+                         const lpm_state *y, lpm_state *out)
         int (*norm_sq)(void *app, int n, const lpm_state *u, double *out)
         int (*isend)(void *app, int dest, int tag, lpm_state u, int *req)
         int (*irecv)(void *app, int src, int tag, int *req)

@@ -57,6 +57,7 @@ struct lpm_core {
     /* work arrays for batched steps, sized to the largest local level range + 1 */
     int nwork;
     lpm_state *w_u, *w_f, *w_out;
+    lpm_state *w_x, *w_y, *w_s; /* operands and results of batched sums */
     double *w_ts, *w_te;
     int *w_is, *w_ie, *w_idx;
     /* results of the last drive */
@@ -72,6 +73,10 @@ struct lpm_core {
 double _lpm_now(void);
 void _lpm_set(lpm_core *c, lpm_state *slot, lpm_state value); /* frees old */
 void _lpm_clear(lpm_core *c, lpm_state *slot);
+/* out[k] = alpha*x[k] + beta*y[k], k < n, in one sum_batch call when the app has one;
+ * on failure no out[k] is left set */
+int _lpm_sum_batch(lpm_core *c, int n, double alpha, const lpm_state *x, double beta,
+                   const lpm_state *y, lpm_state *out);
 
 /* grid.c */
 int _lpm_grid_build(lpm_core *c);

@@ -163,13 +163,15 @@ int _lpm_csweep(lpm_core *c, int level, int final) {
     }
     if (m > 0) {
         _LPM_TRY(_lpm_step_batch(c, level, m, final));
-        for (int t = 0; t < m; t++) {
-            int e = cupdate(c, L, c->w_idx[t], c->w_out[t]);
-            if (e) {
-                for (int r = t + 1; r < m; r++) _lpm_clear(c, &c->w_out[r]);
-                return e;
-            }
+        if (L->cweight != 1.0) { /* new = w a + (1 - w) u_c, all C-points in one call */
+            for (int t = 0; t < m; t++) c->w_y[t] = U(L, c->w_idx[t]);
+            int e = _lpm_sum_batch(c, m, L->cweight, c->w_out, 1.0 - L->cweight, c->w_y,
+                                   c->w_s);
+            for (int t = 0; t < m; t++) _lpm_clear(c, &c->w_out[t]);
+            if (e) return e;
+            for (int t = 0; t < m; t++) c->w_out[t] = c->w_s[t];
         }
+        for (int t = 0; t < m; t++) _lpm_set(c, &U(L, c->w_idx[t]), c->w_out[t]);
     }
     if (need_left) {
         lpm_state ghost = NULL, a = NULL;

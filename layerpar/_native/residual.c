@@ -48,23 +48,21 @@ int _lpm_cpoint_steps(lpm_core *c, int level, lpm_state *a) {
     return LPM_OK;
 }
 
-/* local sum of ||a_c - u_c||^2 over local C-points c >= 1 */
+/* local sum of ||a_c - u_c||^2 over local C-points c >= 1 (one batched sum, one norm) */
 int _lpm_residual(lpm_core *c, int level, lpm_state *a, double *normsq) {
     _lpm_level *L = &c->levels[level];
     *normsq = 0.0;
     if (L->hi < L->lo) return LPM_OK;
-    int m = 0, e = LPM_OK;
+    int m = 0;
     for (int j = L->lo; j <= L->hi; j++) {
         lpm_state aj = a[j - L->lo];
         if (!aj) continue;
-        lpm_state r = NULL;
-        if (c->cb.sum(c->app, 1.0, aj, -1.0, U(L, j), &r)) {
-            e = LPM_ECALLBACK;
-            break;
-        }
-        c->w_out[m++] = r;
+        c->w_x[m] = aj;
+        c->w_y[m] = U(L, j);
+        m++;
     }
-    if (e == LPM_OK && m > 0 && c->cb.norm_sq(c->app, m, c->w_out, normsq)) e = LPM_ECALLBACK;
-    for (int k = 0; k < m; k++) _lpm_clear(c, &c->w_out[k]);
+    int e = _lpm_sum_batch(c, m, 1.0, c->w_x, -1.0, c->w_y, c->w_s);
+    if (e == LPM_OK && m > 0 && c->cb.norm_sq(c->app, m, c->w_s, normsq)) e = LPM_ECALLBACK;
+    for (int k = 0; k < m; k++) _lpm_clear(c, &c->w_s[k]);
     return e;
 }

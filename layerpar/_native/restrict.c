@@ -63,17 +63,11 @@ int _lpm_restrict(lpm_core *c, int level, double *normsq) {
     }
     if (!e && m > 0) {
         e = _lpm_step_batch(c, level + 1, m, 0);
-        for (int t = 0; !e && t < m; t++) {
-            int i = c->w_idx[t];
-            lpm_state fi = NULL;
-            if (c->cb.sum(c->app, 1.0, a[i * L->cf - L->lo], -1.0, c->w_out[t], &fi)) {
-                e = LPM_ECALLBACK;
-                for (int r = t; r < m; r++) _lpm_clear(c, &c->w_out[r]);
-                break;
-            }
-            _lpm_clear(c, &c->w_out[t]);
-            _lpm_set(c, &C->f[i - C->lo], fi);
-        }
+        for (int t = 0; !e && t < m; t++) c->w_x[t] = a[c->w_idx[t] * L->cf - L->lo];
+        if (!e) e = _lpm_sum_batch(c, m, 1.0, c->w_x, -1.0, c->w_out, c->w_s);
+        if (!e)
+            for (int t = 0; t < m; t++) _lpm_set(c, &C->f[c->w_idx[t] - C->lo], c->w_s[t]);
+        for (int t = 0; t < m; t++) _lpm_clear(c, &c->w_out[t]);
     }
     if (!e && need_left) {
         lpm_state ghost = NULL, b = NULL, fi = NULL;

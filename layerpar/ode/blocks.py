@@ -73,6 +73,15 @@ class Dense(nn.Module):
     def forward(self, u: Tensor) -> Tensor:
         return self._act(self.linear(u))
 
+    def forward_batched(self, params: dict[str, Tensor], buffers: dict[str, Tensor],
+                        u: Tensor) -> Tensor:
+        """F for n layers at once: ``params`` stacked along a leading layer dimension,
+        ``u`` of shape [n, batch, width]; one batched GEMM (layer-parallel cycles)."""
+        w = params["linear.weight"].transpose(1, 2)
+        b = params.get("linear.bias")
+        z = torch.bmm(u, w) if b is None else torch.baddbmm(b.unsqueeze(1), u, w)
+        return self._act(z)
+
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
 

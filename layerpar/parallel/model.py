@@ -24,18 +24,26 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ._native._core import NAN_ERROR, Core
-from .mgrit.errors import DivergenceError, RankMismatchError, RemoteError
-from .mgrit.grid import block_bounds, build_levels, reversed_bounds
-from .mgrit.options import MGRITOptions
-from .mgrit.solve import vec_norm_sq, vec_sum
-from .mgrit.transport import MPITransport, SerialTransport, pack, unpack
-from .ode import blocks as blocks_mod
-from .ode.coarsening import COARSENINGS, coarse_block
-from .ode.net import ODENet, Segment
-from .ode.rng import DROPOUT_TYPES as _DROPOUT
-from .ode.rng import draw_seed, layer_rng, needs_rng
-from .ode.schemes import ForwardEuler
+from .._native._core import NAN_ERROR, Core
+from ..mgrit.errors import DivergenceError, RankMismatchError, RemoteError
+from ..mgrit.grid import block_bounds, build_levels, reversed_bounds
+from ..mgrit.options import MGRITOptions
+from ..mgrit.solve import vec_norm_sq, vec_sum
+from ..mgrit.transport import MPITransport, SerialTransport, pack, unpack
+from ..ode.coarsening import COARSENINGS, coarse_block
+from ..ode.net import ODENet, Segment
+from ..ode.rng import DROPOUT_TYPES as _DROPOUT
+from ..ode.rng import draw_seed, layer_rng, needs_rng
+from .batched import (
+    BatchedBlocks,
+    batched_norm_sq,
+    batched_sum,
+    stack_rows,
+    unbatchable_reason,
+    unstack_rows,
+    warn_once,
+)
+from .grads import GradDelivery
 
 _GHOST_TAG = 31001
 _LINK_TAG = 31002
@@ -129,34 +137,33 @@ class _ForwardApp:
 
     def __init__(self, runner: _SegmentRunner) -> None:
         self.r = runner
-        if not runner.dense_batch:
-            self.step_batch = None  # the engine then calls step() per state
 
     def step_batch(self, us: list, fs: Optional[list], ts: list, te: list, as_: list,
                    bs: list, level: int, final: int) -> list:
-        """All intervals' step k at once for forward-Euler `Dense` blocks: one batched
-        GEMM over the stacked per-layer weights (injection).  Final steps, which record
-        graphs for the adjoint, go one by one."""
+        """Independent steps at once: one vectorised step over the stacked states when
+        the segment is batched (see batched.py), else one by one."""
         r = self.r
-        if final or us[0].dim() != 2:
+        if r.bb is None:
             return [self.step(u, None if fs is None else fs[k], ts[k], te[k], as_[k], bs[k],
                               level, final) for k, u in enumerate(us)]
-        wt, bias = r.stacked_weights(tuple(as_))
-        u = torch.stack(us)
-        z = torch.baddbmm(bias, u, wt) if bias is not None else torch.bmm(u, wt)
-        dt = torch.tensor([r.times[b] - r.times[a] for a, b in zip(as_, bs)],
-                          dtype=u.dtype, device=u.device).view(-1, 1, 1)
-        out = torch.addcmul(u, dt, r.dense_act(z))
-        outs = list(out.unbind(0))
+        pairs = tuple(zip(as_, bs))
+        x = stack_rows(us)
+        if final and r.recording:
+            y = r.record_batch(x, pairs)
+        else:
+            y = r.bb.step(x, pairs)
         if fs is not None:
-            outs = [o if g is None else torch.add(o, g) for o, g in zip(outs, fs)]
-        return outs
+            y = y + stack_rows([r.zero if g is None else g for g in fs])
+        return unstack_rows(y)
 
     def step(self, u: Tensor, f: Optional[Tensor], ts: float, te: float, a: int, b: int,
              level: int, final: int) -> Tensor:
         r = self.r
         if r.u0_graph is not None and final and f is None and level == 0:
             return r.direct_sweep([a], [b])[0]
+        if r.bb is not None and final and r.recording:  # recorded as a batch of one
+            return self.step_batch([u], None if f is None else [f], [ts], [te], [a], [b],
+                                   level, final)[0]
         if final and r.recording:
             prev = r.records.get(a - 1)
             with torch.enable_grad():
@@ -209,7 +216,10 @@ class _ForwardApp:
         return self.r.u0 if i == 0 else self.r.zero
 
     sum = staticmethod(vec_sum)
-    norm_sq = staticmethod(vec_norm_sq)
+    sum_batch = staticmethod(batched_sum)  # elementwise: bit-identical to vec_sum
+
+    def norm_sq(self, states: list) -> float:
+        return batched_norm_sq(states) if self.r.bb is not None else vec_norm_sq(states)
 
 
 class _AdjointApp:
@@ -228,6 +238,9 @@ class _AdjointApp:
         r = self.r
         n = r.n
         a, b = n - mb, n - ma
+        if r.bb is not None:
+            return self.step_batch([lam], None if f is None else [f], [ts], [te], [ma], [mb],
+                                   level, final)[0]
         if level == 0:
             u_in, out, _ = r.records[a]
             if final and r.sequential_adjoint:
@@ -255,6 +268,13 @@ class _AdjointApp:
         r = self.r
         n = r.n
         pairs = [(n - mb, n - ma) for ma, mb in zip(mas, mbs)]
+        if r.bb is not None:
+            lam = stack_rows(lams)
+            res = r.adjoint_fine(lam, pairs, final) if level == 0 else \
+                r.adjoint_coarse(lam, tuple(pairs))
+            if fs is not None:
+                res = res + stack_rows([r.lam_zero if g is None else g for g in fs])
+            return unstack_rows(res)
         one_by_one = final and r.sequential_adjoint
         if level == 0 and not one_by_one:
             heads = {r.chain_head[a] for a, _ in pairs}
@@ -292,14 +312,29 @@ class _AdjointApp:
         return self.r.lam_n if i == 0 else self.r.lam_zero
 
     sum = staticmethod(vec_sum)
-    norm_sq = staticmethod(vec_norm_sq)
+    sum_batch = staticmethod(batched_sum)  # elementwise: bit-identical to vec_sum
+
+    def norm_sq(self, states: list) -> float:
+        return batched_norm_sq(states) if self.r.bb is not None else vec_norm_sq(states)
+
+
+class _BatchRecord:
+    """One batched step of the final forward sweep, kept for the adjoint."""
+
+    __slots__ = ("x", "params", "y", "layers", "grads", "rows")
+
+    def __init__(self, x: Tensor, params: dict[str, Tensor], y: Tensor,
+                 layers: tuple[int, ...]) -> None:
+        self.x, self.params, self.y, self.layers = x, params, y, layers
+        self.grads: dict[str, Tensor] = {}  # stacked parameter gradients (final sweep)
+        self.rows: Optional[tuple[Tensor, ...]] = None  # x's rows, when asked for
 
 
 class _SegmentRunner:
     """One Segment on one rank: ownership, ghosts, and the forward/adjoint engines."""
 
     def __init__(self, seg: Segment, seg_index: int, transport: Any, fwd: MGRITOptions,
-                 bwd: MGRITOptions, coarsening: str) -> None:
+                 bwd: MGRITOptions, coarsening: str, batched: bool = True) -> None:
         self.seg = seg
         self.seg_index = seg_index
         self.n = n = seg.n_steps
@@ -335,15 +370,23 @@ class _SegmentRunner:
         self.bn = {k: [m for m in blk.modules() if isinstance(m, _BN_TYPES)
                        and m.track_running_stats]
                    for k, blk in self.blocks.items()}
-        # batched F-sweeps for the standard dense block under forward Euler
-        dense = [b for b in self.blocks.values()]
-        self.dense_batch = (
-            coarsening == "injection" and isinstance(self.scheme, ForwardEuler)
-            and all(type(b) is blocks_mod.Dense for b in dense)
-            and len({b.activation for b in dense}) == 1)
-        self.dense_act = blocks_mod.get_activation(dense[0].activation) if self.dense_batch \
-            else None
-        self._stacked: dict[tuple, tuple[Tensor, Optional[Tensor]]] = {}
+        self.sequential_adjoint = len(build_levels(n, bwd)) == 1
+        self.sequential_forward = len(build_levels(n, fwd)) == 1
+        # vectorised steps (batched.py): for MGRIT in both directions with injection;
+        # sequential solves have nothing to batch
+        self.bb: Optional[BatchedBlocks] = None
+        if batched and coarsening == "injection" and not self.sequential_forward \
+                and not self.sequential_adjoint:
+            why = unbatchable_reason(list(self.blocks.values()))
+            if why is None:
+                self.bb = BatchedBlocks(self.blocks, self.scheme, self.times)
+            else:
+                warn_once(seg.blocks[self.owned[0]], why)
+        # batched final forward sweep: records of (input leaf, parameter leaves, output,
+        # layers); where[a] = (record, row) of layer a
+        self.brecords: list[_BatchRecord] = []
+        self.where: dict[int, tuple[int, int]] = {}
+        self.index_cache: dict[tuple, Tensor] = {}
         self.fapp = _ForwardApp(self)
         self.bapp = _AdjointApp(self)
         self.transport = transport
@@ -365,8 +408,6 @@ class _SegmentRunner:
         self.chain_head: dict[int, int] = {}
         self.chain_cache: dict[int, Tensor] = {}
         self.last_lam: Optional[Tensor] = None
-        self.sequential_adjoint = len(build_levels(n, bwd)) == 1
-        self.sequential_forward = len(build_levels(n, fwd)) == 1
         # direct mode (see LayerParallel): the segment input with its graph, which the
         # recorded sweep continues, and the sweep's latest output
         self.u0_graph: Optional[Tensor] = None
@@ -376,6 +417,7 @@ class _SegmentRunner:
         self.check_shapes = False
         self.coarse_graphs: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         self.param_grads: dict[int, tuple] = {}
+        self.batched_grads: dict[int, list[tuple[Tensor, Tensor]]] = {}
 
     # -- the propagator -------------------------------------------------------------------
     def phi(self, u: Tensor, a: int, b: int, *, update_stats: bool) -> Tensor:
@@ -448,17 +490,124 @@ class _SegmentRunner:
             self.coarse_graphs[(a, b)] = rec
         return rec
 
-    def stacked_weights(self, layers: tuple) -> tuple[Tensor, Optional[Tensor]]:
-        """(W_a^T stacked, biases stacked as [n, 1, width]) for these layers, cached for
-        the current forward solve (the weights do not change during it)."""
-        got = self._stacked.get(layers)
+    # -- batched records and adjoint steps (bb is not None) ------------------------------
+    def record_batch(self, x: Tensor, pairs: tuple[tuple[int, int], ...]) -> Tensor:
+        """A final forward step of several layers, recorded with its graph: the input
+        and the stacked parameters are leaves, so the adjoint gets the stacked parameter
+        gradients in one autograd call.  Returns the detached output."""
+        bb = self.bb
+        assert bb is not None
+        layers = tuple(a for a, _ in pairs)
+        with torch.enable_grad():
+            xin = x.detach().requires_grad_()
+            stacked, _ = bb.stacked(layers)
+            trainable = self.trainable_names(layers)
+            leaves = {n: t.detach().requires_grad_(n in trainable) for n, t in stacked.items()}
+            y = bb.step(xin, pairs, params=leaves)
+        rid = len(self.brecords)
+        self.brecords.append(_BatchRecord(xin, leaves, y, layers))
+        for k, a in enumerate(layers):
+            self.where[a] = (rid, k)
+        return y.detach()
+
+    def trainable_names(self, layers: tuple[int, ...]) -> set[str]:
+        """Parameter names that require grad in at least one of these (owned) layers."""
+        names = self.bb.param_names  # type: ignore[union-attr]
+        out: set[str] = set()
+        for a in layers:
+            for name, p in zip(names, self.bb._tensors[a][0]):  # type: ignore[union-attr]
+                if p.requires_grad:
+                    out.add(name)
+        return out
+
+    def _index(self, rows: tuple[int, ...], device: torch.device) -> Tensor:
+        key = (rows, device)
+        got = self.index_cache.get(key)
         if got is None:
-            lins = [self.blocks[a].linear for a in layers]
-            wt = torch.stack([lin.weight.detach().t() for lin in lins])
-            bias = (torch.stack([lin.bias.detach() for lin in lins]).unsqueeze(1)
-                    if lins[0].bias is not None else None)
-            got = self._stacked[layers] = (wt, bias)
+            got = self.index_cache[key] = torch.tensor(rows, dtype=torch.long, device=device)
         return got
+
+    def adjoint_fine(self, lam: Tensor, pairs: list, final: int) -> Tensor:
+        """Transposed Jacobians of fine steps (layers a of `pairs`) applied to the rows
+        of `lam`, through the recorded batches; at the final sweep also the parameter
+        gradients (accumulated per record).  One autograd call per record touched."""
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for k, (a, _) in enumerate(pairs):
+            rid, row = self.where[a]
+            ks, rows = groups.setdefault(rid, ([], []))
+            ks.append(k)
+            rows.append(row)
+        out: Optional[Tensor] = None
+        for rid, (ks, rows) in groups.items():
+            rec = self.brecords[rid]
+            n_rec = rec.y.shape[0]
+            if len(groups) == 1 and rows == list(range(n_rec)):
+                cot = lam  # the whole record in its own order: no index work
+            else:
+                cot = lam.new_zeros(rec.y.shape)
+                cot.index_copy_(0, self._index(tuple(rows), lam.device),
+                                lam.index_select(0, self._index(tuple(ks), lam.device)))
+            wrt = [rec.x]
+            names = [n for n, t in rec.params.items() if t.requires_grad] if final else []
+            wrt += [rec.params[n] for n in names]
+            got = torch.autograd.grad(rec.y, wrt, cot, retain_graph=True)
+            dx = got[0]
+            for name, g in zip(names, got[1:]):
+                prev = rec.grads.get(name)
+                rec.grads[name] = g if prev is None else prev + g
+            if cot is lam:
+                return dx
+            if out is None:
+                out = torch.empty_like(lam)
+            out.index_copy_(0, self._index(tuple(ks), lam.device),
+                            dx.index_select(0, self._index(tuple(rows), lam.device)))
+        assert out is not None
+        return out
+
+    def adjoint_coarse(self, lam: Tensor, pairs: tuple[tuple[int, int], ...]) -> Tensor:
+        """Transposed Jacobians of coarse steps a -> b, linearised at the forward states
+        u_a of the final sweep; the batched coarse graph is built once per backward pass
+        and reused by every adjoint iteration."""
+        rec = self.coarse_graphs.get(pairs)  # type: ignore[call-overload]
+        if rec is None:
+            states = [self.forward_state(a) for a, _ in pairs]
+            with torch.enable_grad():
+                x = torch.stack(states).requires_grad_()
+                rec = (x, self.bb.step(x, pairs))  # type: ignore[union-attr]
+            self.coarse_graphs[pairs] = rec  # type: ignore[index]
+        (dx,) = torch.autograd.grad(rec[1], rec[0], lam, retain_graph=True)
+        return dx
+
+    def forward_state(self, a: int) -> Tensor:
+        """u_a, the input of layer a in the final forward sweep (batched records)."""
+        rid, row = self.where[a]
+        rec = self.brecords[rid]
+        if rec.rows is None:
+            rec.rows = rec.x.detach().unbind(0)
+        return rec.rows[row]
+
+    def collect_batched_grads(self) -> dict[int, tuple]:
+        """Per owned layer, its parameter gradients (rows of one tensor per parameter
+        name: no copy per layer), from the records of the final adjoint sweep."""
+        bb = self.bb
+        assert bb is not None
+        recs = [r for r in self.brecords if r.grads]
+        if not recs:
+            return {}
+        layers = [a for r in recs for a in r.layers]
+        names = bb.param_names
+        rows: dict[str, list[Tensor]] = {}
+        for name in names:
+            parts = [r.grads.get(name) for r in recs]
+            if any(g is None for g in parts):
+                parts = [torch.zeros_like(r.params[name]) if g is None else g
+                         for r, g in zip(recs, parts)]
+            rows[name] = list((torch.cat(parts) if len(parts) > 1 else parts[0]).unbind(0))
+        out: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        for k, a in enumerate(layers):
+            out[a] = [(p, rows[name][k]) for name, p in zip(names, bb._tensors[a][0])
+                      if p.requires_grad]
+        return out
 
     def chain_vjp(self, a: int, lam: Tensor) -> Tensor:
         """Final adjoint step of layer a when the adjoint is solved sequentially.
@@ -529,12 +678,20 @@ class _SegmentRunner:
         self.recording = record
         self.records = {}
         self.chain_head = {}
-        self._stacked = {}
+        self.brecords = []
+        self.where = {}
         self.coarse_graphs = {}
         self.param_grads = {}
         self.u0 = u0 if u0 is not None else like
         self.zero = torch.zeros_like(like)
         self.transport.set_template(like)
+        if self.bb is not None:
+            self.bb.new_pass()
+            if check_shapes:  # first pass for this input shape: is vmap right here?
+                why = self.bb.probe(like)
+                if why is not None:
+                    warn_once(self.bb.proto, why)
+                    self.bb = None
         if direct:
             assert u0 is not None
             self.u0_graph, self.u0 = u0, u0.detach()
@@ -559,6 +716,10 @@ class _SegmentRunner:
         code = self.bcore.drive()
         self._check(code, self.bcore, "backward")
         out = self.bcore.get_state(self.n) if self.transport.rank == 0 else None
+        if self.bb is not None:
+            self.batched_grads = self.collect_batched_grads()
+        self.brecords = []
+        self.where = {}
         self.records = {}
         self.chain_head = {}
         self.chain_cache = {}
@@ -624,6 +785,9 @@ class LayerParallel(nn.Module):
         (`final_fc_relax` is always on: the final sweep records states and gradients).
     coarsening: parameter coarsening on coarse levels, "injection" or "average".
     state_dict: optional whole-network state dict to load before distributing.
+    batched: advance all independent intervals of a level in one vectorised step
+        (default; see `layerpar.parallel.batched`).  False steps layer by layer, as a
+        reference.  Blocks that cannot be vectorised fall back with one warning.
 
     Same forward signature as the serial net: pass the input on every rank; the output
     (and so the loss) is returned on every rank.  `named_parameters()` yields only this
@@ -643,7 +807,8 @@ class LayerParallel(nn.Module):
                  options: Optional[MGRITOptions] = None,
                  backward_options: Optional[MGRITOptions] = None, *,
                  coarsening: str = "injection",
-                 state_dict: Optional[dict[str, Tensor]] = None) -> None:
+                 state_dict: Optional[dict[str, Tensor]] = None,
+                 batched: bool = True) -> None:
         super().__init__()
         self.transport: Union[SerialTransport, MPITransport] = (
             MPITransport(comm) if comm is not None else _SerialLP())
@@ -663,6 +828,8 @@ class LayerParallel(nn.Module):
             for name, o in (("options", options), ("backward_options", backward_options)):
                 if not isinstance(o, MGRITOptions):
                     raise TypeError(f"`{name}` must be an MGRITOptions, got {type(o).__name__}")
+            if not isinstance(batched, bool):
+                raise TypeError(f"`batched` must be a bool, got {type(batched).__name__}")
             if coarsening not in COARSENINGS:
                 raise ValueError(f"`coarsening` must be one of {COARSENINGS}, got "
                                  f"{coarsening!r}")
@@ -675,7 +842,7 @@ class LayerParallel(nn.Module):
                         f"{self.transport.size} ranks: each rank needs at least one layer")
             key = {**{f"options.{k}": v for k, v in options.key().items()},
                    **{f"backward_options.{k}": v for k, v in backward_options.key().items()},
-                   "coarsening": coarsening,
+                   "coarsening": coarsening, "batched": batched,
                    "layers": [(type(m).__name__, getattr(m, "n_steps", None))
                               for m in net.layers]}
         except Exception as exc:  # noqa: BLE001 - re-raised identically on every rank
@@ -694,7 +861,7 @@ class LayerParallel(nn.Module):
         for k, layer in enumerate(net.layers):
             if isinstance(layer, Segment):
                 runner = _SegmentRunner(layer, seg_index, self.transport, options,
-                                        backward_options, coarsening)
+                                        backward_options, coarsening, batched)
                 self._runners[k] = runner
                 shards.append(_SegmentShard(layer, runner.owned))
                 self._layers_meta.append(("segment", seg_index))
@@ -705,6 +872,7 @@ class LayerParallel(nn.Module):
                 self._layers_meta.append(("plain", owner))
         self.layers = nn.ModuleList(shards)
         self._param_list: Optional[list[nn.Parameter]] = None
+        self._deliver = GradDelivery()
         self._shape_cache: dict[tuple, list[tuple[tuple[int, ...], torch.dtype]]] = {}
         # one rank, sequential forward and adjoint: see _forward_direct
         self._direct = size == 1 and all(r.sequential_forward and r.sequential_adjoint
@@ -894,7 +1062,11 @@ class LayerParallel(nn.Module):
                     for p, gp in zip(runner.layer_params[n], pg):
                         if gp is not None:
                             grads[id(p)] = gp
+                for pairs in runner.batched_grads.values():
+                    for p, gp in pairs:
+                        grads[id(p)] = gp
                 runner.param_grads = {}
+                runner.batched_grads = {}
                 holder = 0
                 g_meta = (shape, dtype)
         self.last_backward.reverse()
@@ -1055,4 +1227,4 @@ class _LayerParallelFunction(torch.autograd.Function):
         model: LayerParallel = ctx.model
         gx, grads = model._guard(lambda: model._backward_impl(ctx.c, gy.contiguous()))
         ctx.c = None
-        return (None, gx, *[grads.get(id(p)) for p in ctx.params])
+        return (None, gx, *model._deliver(ctx.params, grads))

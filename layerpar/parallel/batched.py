@@ -1,0 +1,232 @@
+"""Vectorised steps: all intervals of a level advance in one call.
+
+MGRIT's F-points at the same offset of every interval are independent, and so are
+the C-points of a C-sweep, the residual's C-point steps and the FAS steps.  The
+engine hands such a set to `step_batch` at once; here the set becomes one batched
+evaluation of the residual block over stacked per-layer parameters, so a cycle
+issues O(levels x cfactor x iterations) tensor operations instead of O(layers).
+
+How the batch is evaluated, per block type:
+
+- a block with a ``forward_batched(params, buffers, v)`` method (``Dense`` has one:
+  one ``baddbmm``) is called with parameters stacked along a new leading layer
+  dimension and states ``v`` of shape ``[n, *state]``;
+- any other block, a user's own included, is evaluated with ``torch.func.vmap`` over
+  ``functional_call`` of the first block with the stacked parameters.
+
+Engine states are tensors; the outputs of a batch are the rows of one tensor
+(``unbind``), and `stack_rows` turns a list of states back into one tensor without
+a copy when they are exactly those rows in order (the common case: offset k+1 of an
+F-sweep reads the outputs of offset k).
+
+A segment whose blocks cannot be vectorised (different structure from block to
+block, batch-norm running statistics, per-layer random numbers, or a block whose
+vmap fails or disagrees with its own forward) runs the per-step path, after one
+warning naming the block.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+
+from ..mgrit.solve import vec_sum
+from ..ode.rng import needs_rng
+from ..ode.schemes import Scheme
+
+__all__ = ["BatchedBlocks", "stack_rows", "unbatchable_reason"]
+
+_BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_WARNED: set[str] = set()
+
+
+def stack_rows(states: list[Tensor]) -> Tensor:
+    """The states as one tensor ``[n, *state]``: the tensor they are the rows of, when
+    they are all its rows in order (no operation at all), else one ``torch.stack``."""
+    base = states[0]._base
+    if base is not None and base.shape[0] == len(states):
+        for k, s in enumerate(states):
+            if s._base is not base or getattr(s, "_lp_row", -1) != k:
+                break
+        else:
+            return base
+    return torch.stack(states)
+
+
+def unstack_rows(t: Tensor) -> list[Tensor]:
+    """The rows of `t` as engine states (one ``unbind``), each marked with its row so
+    that `stack_rows` can give `t` back without a copy."""
+    rows = t.unbind(0)
+    for k, r in enumerate(rows):
+        r._lp_row = k
+    return list(rows)
+
+
+def batched_sum(alpha: float, xs: list[Tensor], beta: float, ys: list[Tensor]) -> list[Tensor]:
+    """The engine's `sum_batch`: alpha*x + beta*y for all pairs in one operation
+    (elementwise the same arithmetic as `vec_sum`, so bit-identical results)."""
+    return unstack_rows(vec_sum(alpha, stack_rows(xs), beta, stack_rows(ys)))
+
+
+def batched_norm_sq(states: list[Tensor]) -> float:
+    """Sum of squared 2-norms of all states, accumulated in float64, read back once."""
+    s = stack_rows(states)
+    return float(torch.linalg.vector_norm(s, dtype=torch.float64) ** 2)
+
+
+def _structure(module: nn.Module) -> tuple:
+    """What makes two blocks compute the same function given the same parameters:
+    module types, parameter/buffer names and shapes, and plain attributes."""
+    skip = {"_parameters", "_buffers", "_modules", "training"}
+    out = []
+    for name, m in module.named_modules():
+        attrs = tuple(sorted((k, repr(v)) for k, v in vars(m).items()
+                             if k not in skip and not k.startswith("_forward")
+                             and not k.startswith("_backward") and not k.startswith("_state")
+                             and not k.startswith("_load") and k != "_non_persistent_buffers_set"
+                             and not k.startswith("_is_") and not k.endswith("_hooks")
+                             and "hook" not in k))
+        params = tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters(recurse=False))
+        bufs = tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers(recurse=False))
+        out.append((name, type(m), attrs, params, bufs))
+    return tuple(out)
+
+
+def unbatchable_reason(blocks: list[nn.Module]) -> Optional[str]:
+    """Why these blocks cannot share one vectorised evaluation, or None if they can."""
+    first = blocks[0]
+    if any(isinstance(m, _BN_TYPES) and m.track_running_stats for b in blocks
+           for m in b.modules()):
+        return "it has batch-norm running statistics (updated once per batch)"
+    if any(needs_rng(b) for b in blocks):
+        return "it draws random numbers (dropout) per layer"
+    key = _structure(first)
+    for b in blocks[1:]:
+        if _structure(b) != key:
+            return (f"its blocks differ in structure ({type(first).__name__} vs "
+                    f"{type(b).__name__} or their attributes/parameter shapes)")
+    return None
+
+
+def warn_once(block: nn.Module, reason: str) -> None:
+    """One warning per block type and reason: this segment steps layer by layer."""
+    key = f"{type(block).__qualname__}: {reason}"
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"layerpar: residual block {type(block).__qualname__} is not "
+                      f"vectorised ({reason}); its segment steps one layer at a time, which "
+                      "issues one set of tensor operations per layer", stacklevel=3)
+
+
+class BatchedBlocks:
+    """Stacked parameters and the batched residual branch of one segment's blocks.
+
+    blocks: layer index -> block (this rank's own blocks and its ghosts); all have the
+        structure of `proto`.
+    scheme: the segment's time-stepping scheme (its `step_many` advances [n, *state]).
+    times: the fine grid's times (step sizes are differences of these, as in `phi`).
+    """
+
+    def __init__(self, blocks: dict[int, nn.Module], scheme: Scheme, times: list[float]):
+        self.blocks = blocks
+        self.scheme = scheme
+        self.times = times
+        self.proto = blocks[min(blocks)]
+        self.param_names = [n for n, _ in self.proto.named_parameters()]
+        self.buffer_names = [n for n, _ in self.proto.named_buffers()]
+        # per layer: its parameter and buffer tensors in name order (objects keep their
+        # identity under .to()/.double(), which swap .data)
+        self._tensors = {a: ([dict(b.named_parameters())[n] for n in self.param_names],
+                             [dict(b.named_buffers())[n] for n in self.buffer_names])
+                         for a, b in blocks.items()}
+        own = getattr(type(self.proto), "forward_batched", None)
+        self.fn: Callable[[dict, dict, Tensor], Tensor]
+        if own is not None:
+            self.fn = own.__get__(self.proto)
+        else:
+            proto = self.proto
+
+            def one(p: dict, b: dict, v: Tensor) -> Tensor:
+                return functional_call(proto, (p, b), (v,))
+
+            self.fn = vmap(one)
+        self._stacked: dict[tuple, tuple[dict, dict]] = {}
+        self._dt: dict[tuple, Tensor] = {}
+
+    def new_pass(self) -> None:
+        """Parameters may have changed since the last pass: drop the stacked copies."""
+        self._stacked = {}
+
+    def stacked(self, layers: tuple[int, ...]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """(parameters, buffers) of these layers stacked along dim 0, detached; cached
+        for the current pass (the parameters do not change during it)."""
+        got = self._stacked.get(layers)
+        if got is None:
+            with torch.no_grad():
+                ts = [self._tensors[a] for a in layers]
+                params = {n: torch.stack([t[0][k] for t in ts])
+                          for k, n in enumerate(self.param_names)}
+                bufs = {n: torch.stack([t[1][k] for t in ts])
+                        for k, n in enumerate(self.buffer_names)}
+            got = self._stacked[layers] = (params, bufs)
+        return got
+
+    def dt(self, pairs: tuple[tuple[int, int], ...], like: Tensor) -> Tensor:
+        """Step sizes times[b] - times[a] as a [n, 1, ...] tensor on like's device,
+        exactly the floats the per-step path uses; cached across passes."""
+        key = (pairs, like.dtype, like.device, like.dim())
+        got = self._dt.get(key)
+        if got is None:
+            vals = [self.times[b] - self.times[a] for a, b in pairs]
+            got = torch.tensor(vals, dtype=like.dtype, device=like.device)
+            got = self._dt[key] = got.view(-1, *([1] * (like.dim() - 1)))
+        return got
+
+    def step(self, x: Tensor, pairs: tuple[tuple[int, int], ...],
+             params: Optional[dict[str, Tensor]] = None) -> Tensor:
+        """Advance the rows of x ([n, *state]) from fine point a_k to b_k with the block
+        of layer a_k (injection); `params` replaces the stacked parameters (leaves whose
+        gradients the adjoint wants)."""
+        layers = tuple(a for a, _ in pairs)
+        p, b = self.stacked(layers)
+        if params is not None:
+            p = params
+        fn = self.fn
+
+        def branch(v: Tensor) -> Tensor:
+            return fn(p, b, v)
+
+        return self.scheme.step_many(branch, x, self.dt(pairs, x))
+
+    def probe(self, like: Tensor) -> Optional[str]:
+        """Check the vectorised evaluation against the blocks' own forward on a random
+        input shaped like one state; the reason it cannot be used, or None."""
+        layers = tuple(sorted(self.blocks))[:2]
+        g = torch.Generator(device=like.device).manual_seed(1234)
+        v = torch.randn((len(layers), *like.shape), generator=g, dtype=like.dtype,
+                        device=like.device)
+        try:
+            with torch.no_grad():
+                p, b = self.stacked(layers)
+                got = self.fn(p, b, v)
+                want = torch.stack([self.blocks[a](v[k]) for k, a in enumerate(layers)])
+        except Exception as exc:  # noqa: BLE001 - any failure means: do not vectorise
+            return f"vmap failed: {type(exc).__name__}: {exc}"
+        finally:
+            self._stacked = {}
+        if got.shape != want.shape:
+            return f"the vectorised output has shape {tuple(got.shape)}, not {tuple(want.shape)}"
+        tol = 1e-5 if like.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-12
+        err = float((got - want).abs().max())
+        scale = float(want.abs().max()) + 1e-30
+        if not err <= tol * max(scale, 1.0):
+            return f"the vectorised output differs from the block's forward by {err:.3g}"
+        return None
+
+
+def batch_key(pairs: Any) -> tuple:
+    """Hashable key of a list of (a, b) step pairs."""
+    return tuple(pairs)

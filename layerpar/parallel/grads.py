@@ -1,0 +1,64 @@
+"""Parameter gradients from the adjoint solve to `.grad`, without one copy per layer.
+
+An autograd Function hands each gradient it returns to the parameter's
+AccumulateGrad node, which (with no `.grad` yet) may steal the tensor or clone it,
+and which costs operations per parameter either way.  When PyTorch would only
+accumulate the gradient into `.grad` (a plain `backward()`), layerpar writes it there
+itself: a row of the segment's stacked gradient becomes `.grad` as it is, so a
+segment's thousands of per-layer gradients cost no operation at all.
+
+Serial semantics are kept exactly: a parameter whose AccumulateGrad does not run in
+this backward pass (`torch.autograd.grad`, `backward(inputs=...)` naming other
+tensors) or that has hooks gets its gradient through the engine as usual.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+
+__all__ = ["GradDelivery"]
+
+
+class GradDelivery:
+    """Decides, per parameter and per backward pass, who accumulates its gradient."""
+
+    def __init__(self) -> None:
+        # id(p) -> (p, its AccumulateGrad node); holding the node keeps it p's node
+        self._nodes: dict[int, tuple[nn.Parameter, object]] = {}
+
+    def _node(self, p: Tensor) -> object:
+        got = self._nodes.get(id(p))
+        if got is None or got[0] is not p:
+            got = self._nodes[id(p)] = (p, get_gradient_edge(p).node)
+        return got[1]
+
+    def __call__(self, params: tuple[Tensor, ...],
+                 grads: dict[int, Tensor]) -> list[Optional[Tensor]]:
+        """The gradients to return from the Function's backward for `params`
+        (None where this wrote `.grad` itself).  Must run inside that backward."""
+        will_run = torch._C._will_engine_execute_node
+        out: list[Optional[Tensor]] = []
+        for p in params:
+            g = grads.get(id(p))
+            if g is None or p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks",
+                                                         None):
+                out.append(g)
+                continue
+            try:
+                runs = will_run(self._node(p))
+            except RuntimeError:
+                # torch.autograd.grad(): no AccumulateGrad runs in this pass (torch
+                # refuses the question for leaves then); the engine captures them all
+                return [grads.get(id(q)) for q in params]
+            if not runs:
+                out.append(g)  # not asked for (backward(inputs=...) names others)
+                continue
+            if p.grad is None:
+                p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+            else:
+                p.grad.add_(g)
+            out.append(None)
+        return out
