@@ -10,7 +10,7 @@ NP     ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo 
 
 NATIVE := $(wildcard layerpar/_native/*.c layerpar/_native/*.h layerpar/_native/*.pyx layerpar/_native/*.pxd)
 
-.PHONY: setup build test test-fast bench train lint clean
+.PHONY: setup build test test-fast bench bench-ops bench-gpu train lint clean
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,18 @@ test-fast: build
 bench: build
 	$(BIN)/python -m layerpar.bench
 	$(BIN)/mpiexec -n 2 $(BIN)/python -m mpi4py -m layerpar.bench
+
+bench-ops: build
+	$(BIN)/python -m layerpar.bench ops --csv docs/bench/ops.csv
+
+# On a GPU machine, with a Python that has a CUDA build of torch (and Cython):
+# builds the engine in place and writes docs/gpu/bench-gpu.csv.  GPU tests: tests/gpu.
+GPU_PYTHON ?= python3
+bench-gpu:
+	$(GPU_PYTHON) setup.py -q build_ext --inplace
+	mkdir -p docs/gpu
+	$(GPU_PYTHON) -m layerpar.bench gpu --csv docs/gpu/bench-gpu.csv
+	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu
 
 train: build
 	$(BIN)/layerpar train peaks --np $(NP)

@@ -1,6 +1,8 @@
 """A small benchmark of the MGRIT engine: what one step costs beyond the user's work.
 
     python -m layerpar.bench [--quick] [--csv PATH]
+    python -m layerpar.bench ops [--quick]                  # operations per batch
+    python -m layerpar.bench gpu [--csv PATH]               # one GPU (layerpar.gpubench)
     mpiexec -n 2 python -m mpi4py -m layerpar.bench        # the same at 2 ranks
 
 It reports numbers and asserts nothing.  Rows:
@@ -328,8 +330,42 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _ops_main(argv: list[str]) -> int:
+    """`python -m layerpar.bench ops`: operations per training batch (layerpar.opcount)."""
+    from . import opcount
+
+    p = argparse.ArgumentParser(prog="python -m layerpar.bench ops",
+                                description=opcount.__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small models (seconds)")
+    p.add_argument("--unbatched", action="store_true",
+                   help="LayerParallel(batched=False): the per-step path, for comparison")
+    p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = opcount.ops_rows(quick=args.quick, batched=not args.unbatched)
+    print(f"layerpar.bench ops: top-level aten ops per training batch (zero_grad, forward, "
+          f"backward, SGD step), torch {torch.__version__}, 1 rank")
+    print(opcount.format_ops(rows))
+    if args.csv:
+        with open(args.csv, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["model", "layers", "levels", "serial_ops", "mgrit_ops", "ratio"])
+            for r in rows:
+                w.writerow([r.model, r.layers, r.levels, r.serial_ops, r.mgrit_ops,
+                            f"{r.ratio:.2f}"])
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    """Command line: run the benchmarks, print the table on rank 0, optionally write CSV."""
+    """Command line: run the benchmarks, print the table on rank 0, optionally write CSV.
+    ``ops`` as the first argument counts operations per batch instead (`_ops_main`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ops"]:
+        return _ops_main(argv[1:])
+    if argv[:1] == ["gpu"]:
+        from . import gpubench
+
+        return gpubench.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m layerpar.bench", description=__doc__.split(
         "\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes, 3 repeats")

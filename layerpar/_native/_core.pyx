@@ -331,6 +331,12 @@ cdef class Core:
         _check(lpm_set_cweight(self.c, cweight), "cweight")
         _check(lpm_set_final_fc_relax(self.c, final_fc_relax), "final_fc_relax")
 
+    def set_defer_norms(self, bint on):
+        """Deferred residual norms (fixed iteration counts only: tol = rtol = 0): the
+        app's norm_sq values are not used; it keeps them and reads them after the
+        solve, so a cycle needs no host-device synchronisation."""
+        _check(lpm_set_defer_norms(self.c, on), "defer_norms")
+
     def drive(self) -> int:
         """Run MGRIT.  Re-raises the first exception any callback raised; returns 0, or
         NAN_ERROR when the residual norm was not finite (the same on every rank)."""

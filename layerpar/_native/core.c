@@ -178,6 +178,12 @@ int lpm_set_final_fc_relax(lpm_core *c, int v) {
     return LPM_OK;
 }
 
+int lpm_set_defer_norms(lpm_core *c, int v) {
+    if (v != 0 && v != 1) return LPM_EINVAL;
+    c->defer_norms = v;
+    return LPM_OK;
+}
+
 int lpm_get_nlevels(const lpm_core *c) { return c->nlevels; }
 int lpm_get_iterations(const lpm_core *c) { return c->iterations; }
 int lpm_get_converged(const lpm_core *c) { return c->converged; }

@@ -103,7 +103,9 @@ static int run(lpm_core *c) {
         int skip = c->skip && k == 0;
         _LPM_TRY(c->fmg ? fcycle(c, 0, skip, &s) : vcycle(c, 0, skip, &s));
         int done = 0;
-        if (s.have_r) {
+        if (s.have_r && c->defer_norms) {
+            _LPM_TRY(push_rnorm(c, 0.0)); /* the app holds the value */
+        } else if (s.have_r) {
             _LPM_TRY(_lpm_allreduce(c, &s.normsq, 1));
             double r = sqrt(s.normsq);
             _LPM_TRY(push_rnorm(c, r));
@@ -131,6 +133,7 @@ static int run(lpm_core *c) {
 }
 
 int lpm_drive(lpm_core *c) {
+    if (c->defer_norms && (c->tol != 0.0 || c->rtol != 0.0)) return LPM_EINVAL;
     if (!c->built) _LPM_TRY(_lpm_grid_build(c));
     _lpm_grid_free_states(c);
     c->iterations = 0;

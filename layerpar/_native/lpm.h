@@ -112,6 +112,13 @@ int lpm_set_skip(lpm_core *core, int skip);                     /* 0/1, default 
 int lpm_set_fmg(lpm_core *core, int fmg);                       /* 0/1, default 0 */
 int lpm_set_cweight(lpm_core *core, double cweight);            /* (0, 2], default 1 */
 int lpm_set_final_fc_relax(lpm_core *core, int on);             /* 0/1, default 0 */
+/* Deferred residual norms (0/1, default 0), for fixed iteration counts (tol = rtol = 0,
+ * else lpm_drive returns LPM_EINVAL): norm_sq is still called once per iteration, but
+ * its value is not reduced over ranks or used; the app keeps the norms (on its device)
+ * and reads them after the solve.  The halting test then needs no value read back, so
+ * a cycle runs without one host-device synchronisation.  lpm_get_rnorms gives zeros
+ * and lpm_get_converged 0. */
+int lpm_set_defer_norms(lpm_core *core, int on);
 
 /* Run MGRIT.  Builds the level hierarchy on first call. */
 int lpm_drive(lpm_core *core);

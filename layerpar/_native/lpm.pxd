@@ -46,6 +46,7 @@ cdef extern from "lpm.h" nogil:
     int lpm_set_fmg(lpm_core *core, int fmg)
     int lpm_set_cweight(lpm_core *core, double cweight)
     int lpm_set_final_fc_relax(lpm_core *core, int on)
+    int lpm_set_defer_norms(lpm_core *core, int on)
     int lpm_drive(lpm_core *core)
     int lpm_get_nlevels(const lpm_core *core)
     int lpm_get_iterations(const lpm_core *core)

@@ -48,7 +48,7 @@ struct lpm_core {
     int min_coarse;
     double tol, rtol;
     int max_iter;
-    int skip, fmg, final_fc_relax;
+    int skip, fmg, final_fc_relax, defer_norms;
     double cweight;
     /* hierarchy */
     int nlevels;

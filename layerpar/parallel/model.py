@@ -135,8 +135,10 @@ def _needed_layers(n: int, size: int, rank: int, fwd: MGRITOptions, bwd: MGRITOp
 class _ForwardApp:
     """Engine callbacks of a segment's forward solve on this rank."""
 
-    def __init__(self, runner: _SegmentRunner) -> None:
+    def __init__(self, runner: _SegmentRunner, defer: bool) -> None:
         self.r = runner
+        # local residual norms of this solve (device scalars) when norms are deferred
+        self.deferred: Optional[list[Tensor]] = [] if defer else None
 
     def step_batch(self, us: list, fs: Optional[list], ts: list, te: list, as_: list,
                    bs: list, level: int, final: int) -> list:
@@ -219,6 +221,10 @@ class _ForwardApp:
     sum_batch = staticmethod(batched_sum)  # elementwise: bit-identical to vec_sum
 
     def norm_sq(self, states: list) -> float:
+        if self.deferred is not None:  # fixed iterations: keep it on the device
+            self.deferred.append(torch.linalg.vector_norm(stack_rows(states),
+                                                          dtype=torch.float64))
+            return 0.0
         return batched_norm_sq(states) if self.r.bb is not None else vec_norm_sq(states)
 
 
@@ -230,8 +236,9 @@ class _AdjointApp:
     grid, a coarse step on coarse levels), linearised at the forward state u_{N-m_b}.
     """
 
-    def __init__(self, runner: _SegmentRunner) -> None:
+    def __init__(self, runner: _SegmentRunner, defer: bool) -> None:
         self.r = runner
+        self.deferred: Optional[list[Tensor]] = [] if defer else None
 
     def step(self, lam: Tensor, f: Optional[Tensor], ts: float, te: float, ma: int, mb: int,
              level: int, final: int) -> Tensor:
@@ -315,6 +322,10 @@ class _AdjointApp:
     sum_batch = staticmethod(batched_sum)  # elementwise: bit-identical to vec_sum
 
     def norm_sq(self, states: list) -> float:
+        if self.deferred is not None:  # fixed iterations: keep it on the device
+            self.deferred.append(torch.linalg.vector_norm(stack_rows(states),
+                                                          dtype=torch.float64))
+            return 0.0
         return batched_norm_sq(states) if self.r.bb is not None else vec_norm_sq(states)
 
 
@@ -387,17 +398,23 @@ class _SegmentRunner:
         self.brecords: list[_BatchRecord] = []
         self.where: dict[int, tuple[int, int]] = {}
         self.index_cache: dict[tuple, Tensor] = {}
-        self.fapp = _ForwardApp(self)
-        self.bapp = _AdjointApp(self)
+        # fixed iteration counts: residual norms stay on the device during the solve
+        defer_f = fwd.tol == 0.0 and fwd.rtol == 0.0
+        defer_b = bwd.tol == 0.0 and bwd.rtol == 0.0
+        self.fapp = _ForwardApp(self, defer_f)
+        self.bapp = _AdjointApp(self, defer_b)
+        self.check_finite = True  # set by LayerParallel
         self.transport = transport
         self.fcore = Core(n, seg.t_start, seg.t_final, rank, size, self.bounds, self.fapp,
                           transport)
         fo = fwd.replace(final_fc_relax=True)
         self.fcore.set_options(**fo.engine_kwargs())
+        self.fcore.set_defer_norms(defer_f)
         self.rtransport = transport.reversed()
         self.bcore = Core(n, seg.t_start, seg.t_final, self.rtransport.rank, size,
                           reversed_bounds(self.bounds), self.bapp, self.rtransport)
         self.bcore.set_options(**bwd.replace(final_fc_relax=True).engine_kwargs())
+        self.bcore.set_defer_norms(defer_b)
         # per-batch state
         self.seed: Optional[int] = None
         self.rng_layers: set[int] = set()
@@ -706,7 +723,7 @@ class _SegmentRunner:
         out = self.fcore.get_state(self.n) if self.transport.rank == last else None
         if direct:
             out, self.direct_out = self.direct_out, None
-        return out, self._stats(self.fcore)
+        return out, self._stats(self.fcore, self.fapp, "forward")
 
     def backward(self, lam_n: Optional[Tensor], like: Tensor) -> tuple[Optional[Tensor], dict]:
         """Adjoint MGRIT solve; returns (lambda_0 on rank 0 else None, stats)."""
@@ -725,7 +742,7 @@ class _SegmentRunner:
         self.chain_cache = {}
         self.last_lam = None
         self.coarse_graphs = {}
-        return out, self._stats(self.bcore)
+        return out, self._stats(self.bcore, self.bapp, "backward")
 
     def _check(self, code: int, core: Core, what: str) -> None:
         if code == NAN_ERROR:
@@ -733,11 +750,45 @@ class _SegmentRunner:
                 f"{what} MGRIT residual became {core.residual_history[-1]} in iteration "
                 f"{core.iterations} of segment {self.seg_index}: non-finite values")
 
-    @staticmethod
-    def _stats(core: Core) -> dict:
-        return {"iterations": core.iterations, "converged": core.converged,
-                "residual_history": core.residual_history, "n_levels": core.n_levels,
-                "timings": core.timings}
+    def _stats(self, core: Core, app: Any, what: str) -> dict:
+        stats = _Stats({"iterations": core.iterations, "converged": core.converged,
+                        "n_levels": core.n_levels, "timings": core.timings})
+        if app.deferred is None:
+            stats["residual_history"] = core.residual_history
+            return stats
+        norms, app.deferred = app.deferred, []
+        if not norms:
+            stats["residual_history"] = []
+            return stats
+
+        def history() -> list[float]:
+            local = (torch.stack(norms) ** 2).tolist()  # the one read-back of the solve
+            hist = [v ** 0.5 for v in self.transport.allreduce_sum(local)]
+            if not all(np.isfinite(hist)):
+                raise DivergenceError(
+                    f"{what} MGRIT residual became {hist[-1]} in iteration {len(hist)} of "
+                    f"segment {self.seg_index}: non-finite values (history {hist})")
+            return hist
+
+        if self.check_finite or self.transport.size > 1:  # a collective: on every rank now
+            stats["residual_history"] = history()
+        else:  # one rank, no checks wanted: read back only when someone asks
+            stats.lazy = history
+        return stats
+
+
+class _Stats(dict):
+    """Per-solve report; "residual_history" may be read back from the device lazily
+    (one rank, `check_finite=False`), at the first access of that key."""
+
+    lazy: Optional[Callable[[], list[float]]] = None
+
+    def __missing__(self, key: str) -> Any:
+        if key == "residual_history" and self.lazy is not None:
+            value, self.lazy = self.lazy(), None
+            self[key] = value
+            return value
+        raise KeyError(key)
 
 
 class _PlainRecord:
@@ -788,6 +839,11 @@ class LayerParallel(nn.Module):
     batched: advance all independent intervals of a level in one vectorised step
         (default; see `layerpar.parallel.batched`).  False steps layer by layer, as a
         reference.  Blocks that cannot be vectorised fall back with one warning.
+    check_finite: check every output and loss gradient for NaN/inf (one flag read back
+        from the device per pass; a non-finite one raises `DivergenceError`).  With
+        False and fixed iteration counts (tol = rtol = 0) a training step on one GPU
+        has no host-device synchronisation at all; residual histories are then read
+        back when `last_forward[i]["residual_history"]` is first looked at.
 
     Same forward signature as the serial net: pass the input on every rank; the output
     (and so the loss) is returned on every rank.  `named_parameters()` yields only this
@@ -808,7 +864,7 @@ class LayerParallel(nn.Module):
                  backward_options: Optional[MGRITOptions] = None, *,
                  coarsening: str = "injection",
                  state_dict: Optional[dict[str, Tensor]] = None,
-                 batched: bool = True) -> None:
+                 batched: bool = True, check_finite: bool = True) -> None:
         super().__init__()
         self.transport: Union[SerialTransport, MPITransport] = (
             MPITransport(comm) if comm is not None else _SerialLP())
@@ -828,8 +884,9 @@ class LayerParallel(nn.Module):
             for name, o in (("options", options), ("backward_options", backward_options)):
                 if not isinstance(o, MGRITOptions):
                     raise TypeError(f"`{name}` must be an MGRITOptions, got {type(o).__name__}")
-            if not isinstance(batched, bool):
-                raise TypeError(f"`batched` must be a bool, got {type(batched).__name__}")
+            for name, flag in (("batched", batched), ("check_finite", check_finite)):
+                if not isinstance(flag, bool):
+                    raise TypeError(f"`{name}` must be a bool, got {type(flag).__name__}")
             if coarsening not in COARSENINGS:
                 raise ValueError(f"`coarsening` must be one of {COARSENINGS}, got "
                                  f"{coarsening!r}")
@@ -842,7 +899,7 @@ class LayerParallel(nn.Module):
                         f"{self.transport.size} ranks: each rank needs at least one layer")
             key = {**{f"options.{k}": v for k, v in options.key().items()},
                    **{f"backward_options.{k}": v for k, v in backward_options.key().items()},
-                   "coarsening": coarsening, "batched": batched,
+                   "coarsening": coarsening, "batched": batched, "check_finite": check_finite,
                    "layers": [(type(m).__name__, getattr(m, "n_steps", None))
                               for m in net.layers]}
         except Exception as exc:  # noqa: BLE001 - re-raised identically on every rank
@@ -873,6 +930,9 @@ class LayerParallel(nn.Module):
         self.layers = nn.ModuleList(shards)
         self._param_list: Optional[list[nn.Parameter]] = None
         self._deliver = GradDelivery()
+        self.check_finite = check_finite
+        for r in self._runners.values():
+            r.check_finite = check_finite
         self._shape_cache: dict[tuple, list[tuple[tuple[int, ...], torch.dtype]]] = {}
         # one rank, sequential forward and adjoint: see _forward_direct
         self._direct = size == 1 and all(r.sequential_forward and r.sequential_adjoint
@@ -1008,13 +1068,13 @@ class LayerParallel(nn.Module):
             self._shape_cache[key] = metas
         ctx.out_holder = holder
         y = self._bcast(h, holder, shape, dtype, x.device)
-        if not bool(torch.isfinite(y).all()):
+        if self.check_finite and not bool(torch.isfinite(y).all()):
             raise DivergenceError("the layer-parallel forward pass produced non-finite "
                                   "outputs (NaN or inf)")
         return y
 
     def _backward_impl(self, ctx: _Context, gy: Tensor) -> tuple[Optional[Tensor], dict]:
-        if not bool(torch.isfinite(gy).all()):
+        if self.check_finite and not bool(torch.isfinite(gy).all()):
             raise DivergenceError("the loss gradient is not finite (NaN or inf loss?)")
         size, rank = self.size, self.rank
         grads: dict[int, Tensor] = {}  # id(parameter) -> gradient (Tensor.__hash__ is slow)
@@ -1113,7 +1173,7 @@ class LayerParallel(nn.Module):
         """Hook on the direct-mode output: the same check and report as the adjoint
         solve (a sequential solve: one iteration, no residuals, no communication).
         The timings are zeros, not measurements: PyTorch's engine runs this backward."""
-        if not bool(torch.isfinite(gy).all()):
+        if self.check_finite and not bool(torch.isfinite(gy).all()):
             raise DivergenceError("the loss gradient is not finite (NaN or inf loss?)")
         self.last_backward = [
             {"iterations": 1, "converged": True, "residual_history": [], "n_levels": 1,

@@ -1,0 +1,166 @@
+"""Tensor operations per training batch: the proxy for GPU time that any CPU can measure.
+
+    python -m layerpar.bench ops [--quick] [--csv PATH]
+
+On a GPU a deep, narrow layer costs a few microseconds of launch and dispatch per
+operation, more than its arithmetic, so the number of operations a training batch
+issues is what its time is made of.  This counts top-level aten operations (those
+not called from inside another aten operation) with the torch profiler, for one
+training batch: zero_grad, forward, loss, backward and an SGD step (foreach, as on
+a GPU).  Plain serial PyTorch (`nn.Sequential` of u + h F(u)) is the baseline.
+
+The configurations are the issue's: (a) a dense ODE-net of 1,024 layers, width 64,
+batch 256; (b) a conv ODE-net of 256 layers, 16 channels, 32x32 images, batch 64.
+MGRIT: cfactor 4, levels down to a coarsest grid of at most 16 intervals, FCF,
+2 forward / 1 backward iterations, fixed iteration counts (tol 0).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["MODELS", "OpsRow", "count_ops", "levels_for", "mgrit_options", "ops_rows",
+           "train_step"]
+
+
+def count_ops(fn: Callable[[], Any]) -> tuple[int, dict[str, int]]:
+    """(number of top-level aten operations in one call of fn, count per name); fn is
+    called once before, untimed, so lazy set-up is not counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names: dict[str, int] = {}
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        p = e.cpu_parent
+        while p is not None and not p.name.startswith("aten::"):
+            p = p.cpu_parent
+        if p is None:
+            names[e.name] = names.get(e.name, 0) + 1
+    return sum(names.values()), names
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+               y: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One training batch as a closure: zero_grad, forward, cross-entropy, backward,
+    step.  Returns the loss (detached)."""
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def levels_for(n_steps: int, cfactor: int, coarsest: int = 16) -> int:
+    """Number of levels that coarsens n_steps by cfactor until at most `coarsest`
+    intervals are left."""
+    levels, n = 1, n_steps
+    while n > coarsest and n // cfactor >= 2:
+        n //= cfactor
+        levels += 1
+    return levels
+
+
+def mgrit_options(n_steps: int, cfactor: int = 4, fwd_iters: int = 2,
+                  bwd_iters: int = 1) -> tuple[Any, Any]:
+    """(forward, backward) MGRITOptions of the counted configuration."""
+    from .mgrit import MGRITOptions
+
+    lv = levels_for(n_steps, cfactor)
+    return (MGRITOptions(max_levels=lv, cfactor=cfactor, max_iter=fwd_iters, tol=0.0),
+            MGRITOptions(max_levels=lv, cfactor=cfactor, max_iter=bwd_iters, tol=0.0))
+
+
+def dense_model(n_steps: int = 1024, width: int = 64, batch: int = 256,
+                device: str = "cpu") -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """(a): dense ODE-net, tanh, T = n_steps / 16 (h = 1/16); data on `device`."""
+    from .ode import ODENet
+    from .ode.blocks import Dense
+
+    net = ODENet(open=nn.Linear(width, width), steps=lambda k: Dense(width), n_steps=n_steps,
+                 t_final=n_steps / 16, close=nn.Linear(width, 10))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, width, generator=g).to(device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(device)
+    return net, x, y
+
+
+def conv_model(n_steps: int = 256, channels: int = 16, batch: int = 64, size: int = 32,
+               device: str = "cpu") -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """(b): conv ODE-net (3x3, ReLU), T = n_steps / 16, on size x size RGB images."""
+    from .ode import ODENet, Segment
+    from .ode.blocks import Conv
+
+    net = ODENet(layers=[nn.Conv2d(3, channels, 3, padding=1),
+                         Segment(lambda k: Conv(channels), n_steps, n_steps / 16),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10)])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 3, size, size, generator=g).to(device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(device)
+    return net, x, y
+
+
+MODELS: dict[str, tuple[Callable[..., Any], dict[str, int]]] = {
+    "dense": (dense_model, {"n_steps": 1024, "width": 64, "batch": 256}),
+    "conv": (conv_model, {"n_steps": 256, "channels": 16, "batch": 64, "size": 32}),
+}
+QUICK = {"dense": {"n_steps": 64, "width": 8, "batch": 4},
+         "conv": {"n_steps": 64, "channels": 4, "batch": 2, "size": 8}}
+TARGETS = {"dense": 10.0, "conv": 4.0}  # serial ops / MGRIT ops, at least
+
+
+@dataclass
+class OpsRow:
+    model: str
+    layers: int
+    serial_ops: int
+    mgrit_ops: int
+    levels: int
+
+    @property
+    def ratio(self) -> float:
+        return self.serial_ops / self.mgrit_ops
+
+
+def ops_rows(quick: bool = False, models: tuple[str, ...] = ("dense", "conv"),
+             batched: bool = True) -> list[OpsRow]:
+    """Count serial and LayerParallel (1 rank) operations per training batch."""
+    import copy
+
+    from .bench import _plain_sequential
+    from .parallel import LayerParallel
+
+    rows = []
+    for name in models:
+        make, kw = MODELS[name]
+        kw = QUICK[name] if quick else kw
+        torch.manual_seed(0)
+        net, x, y = make(**kw)
+        plain = _plain_sequential(net)
+        serial, _ = count_ops(train_step(plain, torch.optim.SGD(plain.parameters(), lr=1e-3,
+                                                                 foreach=True), x, y))
+        fwd, bwd = mgrit_options(kw["n_steps"])
+        lp = LayerParallel(copy.deepcopy(net), None, fwd, bwd, batched=batched)
+        mgrit, _ = count_ops(train_step(lp, torch.optim.SGD(lp.parameters(), lr=1e-3,
+                                                             foreach=True), x, y))
+        rows.append(OpsRow(name, kw["n_steps"], serial, mgrit, fwd.max_levels))
+    return rows
+
+
+def format_ops(rows: list[OpsRow]) -> str:
+    lines = ["model  layers  levels  serial ops  MGRIT ops  serial/MGRIT  target",
+             "-----  ------  ------  ----------  ---------  ------------  ------"]
+    for r in rows:
+        lines.append(f"{r.model:<5s}  {r.layers:6d}  {r.levels:6d}  {r.serial_ops:10d}  "
+                     f"{r.mgrit_ops:9d}  {r.ratio:11.1f}x  >= {TARGETS[r.model]:g}x")
+    return "\n".join(lines)

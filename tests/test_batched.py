@@ -1,0 +1,174 @@
+"""The batched (vectorised) MGRIT cycle: same results as the per-step cycle, far fewer
+tensor operations, and a clear fallback for blocks that cannot be vectorised.
+
+Multi-rank (1, 2, 3, 4) comparisons run in an mpiexec job (workers/lp_batched.py)."""
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from mpi_util import run_mpi
+
+import layerpar
+from layerpar import MGRITOptions, opcount
+from layerpar.ode import blocks
+
+WORKERS = Path(__file__).parent / "workers"
+INEXACT = (MGRITOptions(max_levels=3, cfactor=3, max_iter=2, tol=0.0),
+           MGRITOptions(max_levels=3, cfactor=3, max_iter=1, tol=0.0))
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / max(float(b.norm()), 1e-300))
+
+
+def dense_net(n: int = 30, width: int = 5, **kw: object) -> layerpar.ODENet:
+    return layerpar.ODENet(open=torch.nn.Linear(3, width),
+                           steps=lambda k: blocks.Dense(width, **kw),  # type: ignore[arg-type]
+                           n_steps=n, t_final=3.0, close=torch.nn.Linear(width, 4))
+
+
+def train(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple:
+    xp = x.clone().requires_grad_()
+    out = model(xp)
+    torch.nn.functional.cross_entropy(out, y).backward()
+    return out.detach(), xp.grad, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("scheme", ["euler", "rk4"])
+def test_batched_equals_per_step_path(dtype: torch.dtype, scheme: str) -> None:
+    torch.manual_seed(0)
+    net = layerpar.ODENet(open=torch.nn.Linear(3, 5), steps=lambda k: blocks.Dense(5),
+                          n_steps=29, t_final=3.0, close=torch.nn.Linear(5, 4),
+                          scheme=scheme).to(dtype)
+    x, y = torch.randn(7, 3, dtype=dtype), torch.randint(0, 4, (7,))
+    mb = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT)
+    ms = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT, batched=False)
+    assert mb._runners[1].bb is not None and ms._runners[1].bb is None
+    b, s = train(mb, x, y), train(ms, x, y)
+    assert rel(b[0], s[0]) <= TOL[dtype] and rel(b[1], s[1]) <= TOL[dtype]
+    for name in b[2]:
+        assert rel(b[2][name], s[2][name]) <= TOL[dtype], name
+    assert mb.last_forward[0]["iterations"] == ms.last_forward[0]["iterations"] == 2
+
+
+def test_gradients_are_rows_of_one_tensor_and_accumulate() -> None:
+    """A plain backward() puts each layer's gradient into .grad as a row of one stacked
+    tensor (no copy per layer); a second backward accumulates as serial code does."""
+    torch.manual_seed(0)
+    net = dense_net().double()
+    model = layerpar.LayerParallel(net, None, *INEXACT)
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 4, (6,))
+    _, _, g1 = train(model, x, y)
+    g1 = {n: g.clone() for n, g in g1.items()}
+    ws = [model.layers[1].blocks[str(k)].linear.weight.grad for k in range(30)]
+    assert ws[0]._base is not None and all(w._base is ws[0]._base for w in ws)
+    _, _, g2 = train(model, x, y)
+    for n in g1:
+        assert rel(g2[n], 2 * g1[n]) <= 1e-14, n
+
+
+def test_hooks_and_retained_grads_are_honoured() -> None:
+    torch.manual_seed(0)
+    model = layerpar.LayerParallel(dense_net().double(), None, *INEXACT)
+    p = model.layers[1].blocks["4"].linear.weight
+    seen = []
+    p.register_hook(lambda g: seen.append(g.clone()))
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 4, (6,))
+    _, _, g = train(model, x, y)
+    assert len(seen) == 1 and torch.equal(seen[0], g["layers.1.blocks.4.linear.weight"])
+
+
+def test_blocks_that_cannot_be_vectorised_fall_back_with_one_warning() -> None:
+    torch.manual_seed(0)
+    acts = ["tanh", "relu"]
+    net = layerpar.ODENet(open=torch.nn.Linear(3, 5),
+                          steps=lambda k: blocks.Dense(5, activation=acts[k % 2]),
+                          n_steps=12, t_final=2.0, close=torch.nn.Linear(5, 4)).double()
+    with pytest.warns(UserWarning, match="Dense is not vectorised .*differ in structure"):
+        model = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT)
+    assert model._runners[1].bb is None
+    # and the per-step path it falls back to is still right
+    ref = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT, batched=False)
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 4, (6,))
+    assert rel(train(model, x, y)[0], train(ref, x, y)[0]) == 0.0
+
+
+def test_a_block_whose_vmap_fails_falls_back_at_the_first_pass() -> None:
+    class Items(torch.nn.Module):  # data-dependent Python control flow: vmap cannot
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(5, 5)
+
+        def forward(self, u: torch.Tensor) -> torch.Tensor:
+            return self.lin(u) if float(u.detach().sum()) > -1e9 else u
+
+    torch.manual_seed(0)
+    net = layerpar.ODENet(open=torch.nn.Linear(3, 5), steps=lambda k: Items(), n_steps=12,
+                          t_final=2.0, close=torch.nn.Linear(5, 4)).double()
+    model = layerpar.LayerParallel(net, None, *INEXACT)
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 4, (6,))
+    with pytest.warns(UserWarning, match="Items is not vectorised .*vmap failed"):
+        train(model, x, y)
+    assert model._runners[1].bb is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(model, x, y)  # once only
+
+
+def test_operation_counts_are_pinned() -> None:
+    """Operations per training batch (zero_grad, forward, backward, SGD step) on small
+    nets: the batched cycle's count is independent of the layers per interval, and a
+    regression that brings back per-layer work fails here.  If a deliberate change
+    moves these numbers, update them from `python -m layerpar.bench ops --quick`."""
+    torch.set_num_threads(1)
+    rows = {r.model: r for r in opcount.ops_rows(quick=True)}
+    assert (rows["dense"].serial_ops, rows["dense"].mgrit_ops) == (1050, 605)
+    assert (rows["conv"].serial_ops, rows["conv"].mgrit_ops) == (602, 611)
+    # the per-step path issues several times more
+    steps = {r.model: r for r in opcount.ops_rows(quick=True, models=("dense",),
+                                                  batched=False)}
+    assert steps["dense"].mgrit_ops > 3 * rows["dense"].mgrit_ops
+
+
+def test_operation_count_grows_with_levels_not_layers() -> None:
+    torch.set_num_threads(1)
+    counts = []
+    for n in (64, 256):
+        torch.manual_seed(0)
+        net, x, y = opcount.dense_model(n_steps=n, width=4, batch=2)
+        fwd, bwd = opcount.mgrit_options(n)
+        lp = layerpar.LayerParallel(net, None, fwd, bwd)
+        opt = torch.optim.SGD(lp.parameters(), lr=1e-3, foreach=True)
+        counts.append(opcount.count_ops(opcount.train_step(lp, opt, x, y))[0])
+    # 4x the layers, one more level: well under 2x the operations
+    assert counts[1] < 1.6 * counts[0], counts
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_batched_equals_per_step_at_every_rank_count(nprocs: int, tmp_path: Path) -> None:
+    out = tmp_path / "b.json"
+    proc = run_mpi(WORKERS / "lp_batched.py", nprocs, str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert len(results) == 9
+    for name, r in results.items():
+        tol = 1e-5 if "float32" in name else 1e-12
+        assert r["batched_used"], name
+        assert r["batched_vs_steps"] <= tol, (name, r)
+        assert r["iters"] == r["iters_steps"], name
+        assert len(r["history"]) == len(r["history_steps"])
+        scale = r["history_steps"][0]  # late residuals sit at round-off of this
+        for a, b in zip(r["history"], r["history_steps"]):
+            assert abs(a - b) <= 10 * tol * scale, (name, r)
+        if "inexact" in name:
+            assert r["iters"] == [2, 1], name
+        else:
+            assert r["oracle"] <= 1e-10, (name, r)
