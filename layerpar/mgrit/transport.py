@@ -28,9 +28,10 @@ _ERROR_TAG = 32001
 _ERROR_BYTES = 4096
 
 
-def pack(state: torch.Tensor) -> np.ndarray:
-    """A uint8 view of the state's bytes (a copy only for non-contiguous or CUDA tensors)."""
-    t = state.detach()
+def pack(state: Any) -> np.ndarray:
+    """A uint8 view of the state's bytes (a copy only for non-contiguous or CUDA tensors).
+    A state is a tensor, or a handle whose ``tensor()`` gives one (a row of a batch)."""
+    t = (state if isinstance(state, torch.Tensor) else state.tensor()).detach()
     if t.device.type != "cpu":
         t = t.cpu()
     flat = t.contiguous().reshape(-1)

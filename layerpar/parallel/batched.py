@@ -14,10 +14,10 @@ How the batch is evaluated, per block type:
 - any other block, a user's own included, is evaluated with ``torch.func.vmap`` over
   ``functional_call`` of the first block with the stacked parameters.
 
-Engine states are tensors; the outputs of a batch are the rows of one tensor
-(``unbind``), and `stack_rows` turns a list of states back into one tensor without
-a copy when they are exactly those rows in order (the common case: offset k+1 of an
-F-sweep reads the outputs of offset k).
+Engine states are tensors or `Row` handles: the outputs of a batch are the rows of
+one tensor, and `stack_rows` turns a list of states back into one tensor without a
+copy when they are exactly those rows in order (the common case: offset k+1 of an
+F-sweep reads the outputs of offset k), or with one slice per run of rows.
 
 A segment whose blocks cannot be vectorised (different structure from block to
 block, batch-norm running statistics, per-layer random numbers, or a block whose
@@ -43,26 +43,78 @@ _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _WARNED: set[str] = set()
 
 
-def stack_rows(states: list[Tensor]) -> Tensor:
-    """The states as one tensor ``[n, *state]``: the tensor they are the rows of, when
-    they are all its rows in order (no operation at all), else one ``torch.stack``."""
-    base = states[0]._base
-    if base is not None and base.shape[0] == len(states):
-        for k, s in enumerate(states):
-            if s._base is not base or getattr(s, "_lp_row", -1) != k:
+class Row:
+    """An engine state that is row `k` of the batched tensor `base`, kept as a handle
+    rather than a tensor view: creating a view costs about a microsecond of host time,
+    and a level's batch has hundreds of rows.  `tensor()` makes the view when a single
+    state is needed (a message, a lone step)."""
+
+    __slots__ = ("base", "k")
+
+    def __init__(self, base: Tensor, k: int) -> None:
+        self.base, self.k = base, k
+
+    def tensor(self) -> Tensor:
+        return self.base[self.k]
+
+
+def as_tensor(state: Any) -> Tensor:
+    """An engine state (a tensor or a `Row`) as a tensor."""
+    return state.tensor() if type(state) is Row else state
+
+
+def stack_rows(states: list) -> Tensor:
+    """The states ([n] of tensors or `Row`s) as one tensor [n, *state].
+
+    Rows of one base tensor in order are that tensor (no operation); runs of rows of
+    one base with a constant stride become one slice each (a reversed run also one
+    flip); runs of plain tensors one stack each; the pieces one cat.  So the operation count
+    depends on how many sources the states come from, not on how many there are."""
+    n = len(states)
+    first = states[0]
+    if type(first) is Row and first.k == 0 and first.base.shape[0] == n:
+        base = first.base
+        for i, h in enumerate(states):
+            if type(h) is not Row or h.base is not base or h.k != i:
                 break
         else:
             return base
-    return torch.stack(states)
+    pieces = []
+    i = 0
+    while i < n:
+        h = states[i]
+        if type(h) is not Row:  # a run of plain tensors: one stack
+            j = i + 1
+            while j < n and type(states[j]) is not Row:
+                j += 1
+            pieces.append(torch.stack(states[i:j]))
+            i = j
+            continue
+        base, k0 = h.base, h.k
+        j, step = i + 1, 0
+        if j < n and type(states[j]) is Row and states[j].base is base:
+            step = states[j].k - k0
+        if step != 0:
+            while j < n and type(states[j]) is Row and states[j].base is base \
+                    and states[j].k == k0 + step * (j - i):
+                j += 1
+        else:
+            j = i + 1
+            step = 1
+        last = k0 + step * (j - i - 1)
+        if step == 1 and k0 == 0 and last == base.shape[0] - 1:
+            pieces.append(base)  # the whole tensor
+        elif step > 0:
+            pieces.append(base[k0:last + 1:step])
+        else:
+            pieces.append(base[last:k0 + 1:-step].flip(0))
+        i = j
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def unstack_rows(t: Tensor) -> list[Tensor]:
-    """The rows of `t` as engine states (one ``unbind``), each marked with its row so
-    that `stack_rows` can give `t` back without a copy."""
-    rows = t.unbind(0)
-    for k, r in enumerate(rows):
-        r._lp_row = k
-    return list(rows)
+def unstack_rows(t: Tensor) -> list:
+    """The rows of `t` as engine states (`Row` handles: no tensor operation)."""
+    return [Row(t, k) for k in range(t.shape[0])]
 
 
 def batched_sum(alpha: float, xs: list[Tensor], beta: float, ys: list[Tensor]) -> list[Tensor]:

@@ -36,6 +36,8 @@ from ..ode.rng import DROPOUT_TYPES as _DROPOUT
 from ..ode.rng import draw_seed, layer_rng, needs_rng
 from .batched import (
     BatchedBlocks,
+    Row,
+    as_tensor,
     batched_norm_sq,
     batched_sum,
     stack_rows,
@@ -163,9 +165,11 @@ class _ForwardApp:
         r = self.r
         if r.u0_graph is not None and final and f is None and level == 0:
             return r.direct_sweep([a], [b])[0]
-        if r.bb is not None and final and r.recording:  # recorded as a batch of one
-            return self.step_batch([u], None if f is None else [f], [ts], [te], [a], [b],
-                                   level, final)[0]
+        if r.bb is not None:
+            if final and r.recording:  # recorded as a batch of one
+                return self.step_batch([u], None if f is None else [f], [ts], [te], [a], [b],
+                                       level, final)[0]
+            u, f = as_tensor(u), None if f is None else as_tensor(f)
         if final and r.recording:
             prev = r.records.get(a - 1)
             with torch.enable_grad():
@@ -217,8 +221,14 @@ class _ForwardApp:
     def init(self, t: float, i: int) -> Tensor:
         return self.r.u0 if i == 0 else self.r.zero
 
-    sum = staticmethod(vec_sum)
-    sum_batch = staticmethod(batched_sum)  # elementwise: bit-identical to vec_sum
+    @staticmethod
+    def sum(alpha: float, x: Any, beta: float, y: Any) -> Tensor:
+        return vec_sum(alpha, as_tensor(x), beta, as_tensor(y))
+
+    def sum_batch(self, alpha: float, xs: list, beta: float, ys: list) -> list:
+        if self.r.bb is None:  # the per-step reference path: point by point, as before
+            return [vec_sum(alpha, x, beta, y) for x, y in zip(xs, ys)]
+        return batched_sum(alpha, xs, beta, ys)  # elementwise: bit-identical to vec_sum
 
     def norm_sq(self, states: list) -> float:
         if self.deferred is not None:  # fixed iterations: keep it on the device
@@ -318,8 +328,14 @@ class _AdjointApp:
     def init(self, t: float, i: int) -> Tensor:
         return self.r.lam_n if i == 0 else self.r.lam_zero
 
-    sum = staticmethod(vec_sum)
-    sum_batch = staticmethod(batched_sum)  # elementwise: bit-identical to vec_sum
+    @staticmethod
+    def sum(alpha: float, x: Any, beta: float, y: Any) -> Tensor:
+        return vec_sum(alpha, as_tensor(x), beta, as_tensor(y))
+
+    def sum_batch(self, alpha: float, xs: list, beta: float, ys: list) -> list:
+        if self.r.bb is None:  # the per-step reference path: point by point, as before
+            return [vec_sum(alpha, x, beta, y) for x, y in zip(xs, ys)]
+        return batched_sum(alpha, xs, beta, ys)  # elementwise: bit-identical to vec_sum
 
     def norm_sq(self, states: list) -> float:
         if self.deferred is not None:  # fixed iterations: keep it on the device
@@ -332,13 +348,13 @@ class _AdjointApp:
 class _BatchRecord:
     """One batched step of the final forward sweep, kept for the adjoint."""
 
-    __slots__ = ("x", "params", "y", "layers", "grads", "rows")
+    __slots__ = ("x", "params", "y", "layers", "grads", "xd")
 
     def __init__(self, x: Tensor, params: dict[str, Tensor], y: Tensor,
                  layers: tuple[int, ...]) -> None:
         self.x, self.params, self.y, self.layers = x, params, y, layers
         self.grads: dict[str, Tensor] = {}  # stacked parameter gradients (final sweep)
-        self.rows: Optional[tuple[Tensor, ...]] = None  # x's rows, when asked for
+        self.xd: Optional[Tensor] = None  # x detached, when coarse steps read its rows
 
 
 class _SegmentRunner:
@@ -589,19 +605,19 @@ class _SegmentRunner:
         if rec is None:
             states = [self.forward_state(a) for a, _ in pairs]
             with torch.enable_grad():
-                x = torch.stack(states).requires_grad_()
+                x = stack_rows(states).detach().requires_grad_()
                 rec = (x, self.bb.step(x, pairs))  # type: ignore[union-attr]
             self.coarse_graphs[pairs] = rec  # type: ignore[index]
         (dx,) = torch.autograd.grad(rec[1], rec[0], lam, retain_graph=True)
         return dx
 
-    def forward_state(self, a: int) -> Tensor:
+    def forward_state(self, a: int) -> Row:
         """u_a, the input of layer a in the final forward sweep (batched records)."""
         rid, row = self.where[a]
         rec = self.brecords[rid]
-        if rec.rows is None:
-            rec.rows = rec.x.detach().unbind(0)
-        return rec.rows[row]
+        if rec.xd is None:
+            rec.xd = rec.x.detach()
+        return Row(rec.xd, row)
 
     def collect_batched_grads(self) -> dict[int, tuple]:
         """Per owned layer, its parameter gradients (rows of one tensor per parameter
@@ -720,7 +736,7 @@ class _SegmentRunner:
             self.check_shapes = False
         self._check(code, self.fcore, "forward")
         last = self.transport.size - 1
-        out = self.fcore.get_state(self.n) if self.transport.rank == last else None
+        out = as_tensor(self.fcore.get_state(self.n)) if self.transport.rank == last else None
         if direct:
             out, self.direct_out = self.direct_out, None
         return out, self._stats(self.fcore, self.fapp, "forward")
@@ -732,7 +748,7 @@ class _SegmentRunner:
         self.rtransport.set_template(like)
         code = self.bcore.drive()
         self._check(code, self.bcore, "backward")
-        out = self.bcore.get_state(self.n) if self.transport.rank == 0 else None
+        out = as_tensor(self.bcore.get_state(self.n)) if self.transport.rank == 0 else None
         if self.bb is not None:
             self.batched_grads = self.collect_batched_grads()
         self.brecords = []

@@ -48,7 +48,7 @@ def test_cuda_equals_cpu(name: str) -> None:
     for dev in ("cpu", "cuda"):
         model = layerpar.LayerParallel(copy.deepcopy(net).to(dev), None, *FIXED)
         assert model._runners[1].bb is not None
-        xp = x.to(dev).requires_grad_()
+        xp = x.detach().clone().to(dev).requires_grad_()
         out = model(xp)
         torch.nn.functional.cross_entropy(out, y.to(dev)).backward()
         got[dev] = (out.detach(), xp.grad, {n: p.grad for n, p in model.named_parameters()})
