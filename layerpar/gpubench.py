@@ -11,7 +11,10 @@ One training batch is zero_grad, forward, cross-entropy, backward and an SGD ste
 - graph serial: the same step captured once in a CUDA graph and replayed (the fastest
   serial baseline: no launch or dispatch cost per kernel);
 - MGRIT: `LayerParallel` on one rank, batched cycle, cfactor 4, levels down to at most
-  16 coarsest intervals, 2 forward / 1 backward iterations (`layerpar.opcount`).
+  16 coarsest intervals, 2 forward / 1 backward iterations (`layerpar.opcount`), the
+  step captured in one CUDA graph (`layerpar.parallel.capture_step`); its eager time,
+  with the per-pass finiteness checks, is the column mgrit_eager_seconds_per_batch.
+  The operation counts (profiler, on the GPU) are in the last two columns.
 
 Times are medians over repeats, measured with CUDA events.  `loss_rel_diff` compares
 the loss after `--steps` SGD steps (same initial weights, same batch) of MGRIT and of
@@ -33,7 +36,7 @@ from . import opcount
 
 COLUMNS = ["device", "model", "layers", "seconds_per_batch", "eager_seconds_per_batch",
            "graph_seconds_per_batch", "speedup_vs_eager", "speedup_vs_graph",
-           "loss_rel_diff"]
+           "loss_rel_diff", "mgrit_eager_seconds_per_batch", "mgrit_ops", "serial_ops"]
 
 
 def time_cuda(fn: Callable[[], Any], warmup: int = 3, repeats: int = 15) -> float:
@@ -79,10 +82,11 @@ def losses_after(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps
         return float(torch.nn.functional.cross_entropy(model(x), y))
 
 
-def bench_model(name: str, device: str, steps: int, lr: float = 0.05) -> dict[str, Any]:
+def bench_model(name: str, device: str, steps: int, lr: float = 0.05,
+                count_ops: bool = True) -> dict[str, Any]:
     """One CSV row: the three timings, speedups and the loss difference."""
     from .bench import _plain_sequential
-    from .parallel import LayerParallel
+    from .parallel import LayerParallel, capture_step
 
     make, kw = opcount.MODELS[name]
     torch.manual_seed(0)
@@ -97,18 +101,33 @@ def bench_model(name: str, device: str, steps: int, lr: float = 0.05) -> dict[st
     opt_g = torch.optim.SGD(plain_g.parameters(), lr=1e-4, foreach=True)
     t_graph = time_cuda(graphed(opcount.train_step(plain_g, opt_g, x, y), opt_g))
 
+    # MGRIT eager (with its per-pass finiteness checks), then captured in a CUDA graph
     lp = LayerParallel(copy.deepcopy(net), None, fwd, bwd)
     opt_m = torch.optim.SGD(lp.parameters(), lr=1e-4, foreach=True)
-    t_mgrit = time_cuda(opcount.train_step(lp, opt_m, x, y))
+    t_mgrit_eager = time_cuda(opcount.train_step(lp, opt_m, x, y))
+    lpc = LayerParallel(copy.deepcopy(net), None, fwd, bwd, check_finite=False)
+    opt_c = torch.optim.SGD(lpc.parameters(), lr=1e-4, foreach=True)
+    captured = capture_step(lpc, opt_c, torch.nn.functional.cross_entropy, x, y)
+    t_mgrit = time_cuda(lambda: captured(x, y))
 
+    # loss after `steps` SGD steps from the same weights: eager serial vs captured MGRIT
     loss_serial = losses_after(_plain_sequential(net), x, y, steps, lr)
-    loss_mgrit = losses_after(LayerParallel(copy.deepcopy(net), None, fwd, bwd), x, y,
-                              steps, lr)
+    lpl = LayerParallel(copy.deepcopy(net), None, fwd, bwd, check_finite=False)
+    opt_l = torch.optim.SGD(lpl.parameters(), lr=lr, foreach=True)
+    warm = min(3, steps)
+    cl = capture_step(lpl, opt_l, torch.nn.functional.cross_entropy, x, y, warmup=warm)
+    for _ in range(steps - warm):
+        cl(x, y)
+    with torch.no_grad():
+        loss_mgrit = float(torch.nn.functional.cross_entropy(lpl(x), y))
+    ops = opcount.ops_rows(models=(name,), device=device)[0] if count_ops else None
     row = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
            "model": name, "layers": kw["n_steps"], "seconds_per_batch": t_mgrit,
            "eager_seconds_per_batch": t_eager, "graph_seconds_per_batch": t_graph,
            "speedup_vs_eager": t_eager / t_mgrit, "speedup_vs_graph": t_graph / t_mgrit,
-           "loss_rel_diff": abs(loss_mgrit - loss_serial) / abs(loss_serial)}
+           "loss_rel_diff": abs(loss_mgrit - loss_serial) / abs(loss_serial),
+           "mgrit_eager_seconds_per_batch": t_mgrit_eager,
+           "mgrit_ops": ops.mgrit_ops if ops else "", "serial_ops": ops.serial_ops if ops else ""}
     return row
 
 
@@ -133,10 +152,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.backends.cudnn.allow_tf32 = False
     rows = [bench_model(m, "cuda", args.steps) for m in models]
     print(f"layerpar.bench gpu: torch {torch.__version__}, {rows[0]['device']}")
-    print("  ".join(f"{c}" for c in COLUMNS[1:9]))
+    print("  ".join(f"{c}" for c in COLUMNS[1:]))
     for r in rows:
         print("  ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c])
-                        for c in COLUMNS[1:9]))
+                        for c in COLUMNS[1:]))
     if args.csv:
         with open(args.csv, "w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=COLUMNS)

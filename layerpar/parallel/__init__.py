@@ -3,7 +3,9 @@
 model.py      LayerParallel, its autograd Function, runners of the forward/adjoint solves
 batched.py    vectorised steps: a level's independent intervals advance in one call
 grads.py      parameter gradients delivered to `.grad` from stacked per-layer gradients
+capture.py    a whole training step captured in one CUDA graph and replayed
 """
+from .capture import CapturedStep, capture_step
 from .model import LayerParallel
 
-__all__ = ["LayerParallel"]
+__all__ = ["CapturedStep", "LayerParallel", "capture_step"]

@@ -80,3 +80,54 @@ def test_fixed_iteration_training_step_does_not_synchronise() -> None:
         torch.cuda.set_sync_debug_mode(0)
     hist = model.last_forward[0]["residual_history"]  # read back now, on request
     assert len(hist) == 1 and hist[0] > 0
+
+
+def test_captured_step_trains_like_the_eager_step() -> None:
+    from layerpar.parallel import capture_step
+
+    make, shape = nets()["dense"]
+    torch.manual_seed(0)
+    net = make().cuda()
+    x, y = torch.randn(*shape, device="cuda"), torch.randint(0, 5, (shape[0],), device="cuda")
+    losses = {}
+    for mode in ("eager", "captured"):
+        model = layerpar.LayerParallel(copy.deepcopy(net), None, *FIXED, check_finite=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, foreach=True)
+        if mode == "eager":
+            out = []
+            for _ in range(6):
+                opt.zero_grad()
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                out.append(float(loss))
+        else:
+            step = capture_step(model, opt, torch.nn.functional.cross_entropy, x, y, warmup=3)
+            out = []
+            for _ in range(3):
+                out.append(float(step(x, y)))
+        losses[mode] = out
+    # the 3 warm-up steps are eager; replays 4..6 continue the same training
+    for a, b in zip(losses["eager"][3:], losses["captured"]):
+        assert abs(a - b) <= 1e-5 * abs(a), losses
+    with pytest.raises(ValueError, match="captured for"):
+        step(x[:3], y[:3])
+
+
+def test_capture_refuses_what_a_graph_cannot_do() -> None:
+    from layerpar.parallel import capture_step
+
+    make, shape = nets()["dense"]
+    x, y = torch.randn(*shape, device="cuda"), torch.randint(0, 5, (shape[0],), device="cuda")
+    ce = torch.nn.functional.cross_entropy
+    tol = MGRITOptions(max_levels=3, cfactor=4, max_iter=5, tol=1e-6)
+    model = layerpar.LayerParallel(make().cuda(), None, tol, FIXED[1], check_finite=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(ValueError, match="`options` has tol=1e-06"):
+        capture_step(model, opt, ce, x, y)
+    model = layerpar.LayerParallel(make().cuda(), None, *FIXED)
+    with pytest.raises(ValueError, match="check_finite"):
+        capture_step(model, torch.optim.SGD(model.parameters(), lr=0.01), ce, x, y)
+    model = layerpar.LayerParallel(make().cuda(), None, *FIXED, check_finite=False)
+    with pytest.raises(ValueError, match="`x` must be a CUDA tensor"):
+        capture_step(model, torch.optim.SGD(model.parameters(), lr=0.01), ce, x.cpu(), y)
