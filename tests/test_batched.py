@@ -129,8 +129,8 @@ def test_operation_counts_are_pinned() -> None:
     moves these numbers, update them from `python -m layerpar.bench ops --quick`."""
     torch.set_num_threads(1)
     rows = {r.model: r for r in opcount.ops_rows(quick=True)}
-    assert (rows["dense"].serial_ops, rows["dense"].mgrit_ops) == (1050, 605)
-    assert (rows["conv"].serial_ops, rows["conv"].mgrit_ops) == (602, 611)
+    assert (rows["dense"].serial_ops, rows["dense"].mgrit_ops) == (1050, 607)
+    assert (rows["conv"].serial_ops, rows["conv"].mgrit_ops) == (602, 613)
     # the per-step path issues several times more
     steps = {r.model: r for r in opcount.ops_rows(quick=True, models=("dense",),
                                                   batched=False)}
@@ -138,17 +138,20 @@ def test_operation_counts_are_pinned() -> None:
 
 
 def test_operation_count_grows_with_levels_not_layers() -> None:
+    """4x the layers is one more level (cf 4, coarsest 16): each adds about the same
+    number of operations, while serial training's count grows 4x."""
     torch.set_num_threads(1)
     counts = []
-    for n in (64, 256):
+    for n in (64, 256, 1024):
         torch.manual_seed(0)
         net, x, y = opcount.dense_model(n_steps=n, width=4, batch=2)
         fwd, bwd = opcount.mgrit_options(n)
         lp = layerpar.LayerParallel(net, None, fwd, bwd)
         opt = torch.optim.SGD(lp.parameters(), lr=1e-3, foreach=True)
         counts.append(opcount.count_ops(opcount.train_step(lp, opt, x, y))[0])
-    # 4x the layers, one more level: well under 2x the operations
-    assert counts[1] < 1.6 * counts[0], counts
+    first, second = counts[1] - counts[0], counts[2] - counts[1]
+    assert abs(second - first) <= 0.3 * first, counts
+    assert counts[2] < 2 * counts[0], counts
 
 
 @pytest.mark.mpi

@@ -68,7 +68,9 @@ def stack_rows(states: list) -> Tensor:
 
     Rows of one base tensor in order are that tensor (no operation); runs of rows of
     one base with a constant stride become one slice each (a reversed run also one
-    flip); runs of plain tensors one stack each; the pieces one cat.  So the operation count
+    flip); runs of plain tensors one stack each; the pieces one cat.  States from a
+    few sources interleaved (a coarse level's points come from its cf sweeps, point i
+    from sweep i mod cf) are copied source by source into one new tensor.  So the operation count
     depends on how many sources the states come from, not on how many there are."""
     n = len(states)
     first = states[0]
@@ -79,15 +81,29 @@ def stack_rows(states: list) -> Tensor:
                 break
         else:
             return base
-    pieces = []
+    runs = _runs(states)
+    if len(runs) > 4:
+        out = _interleaved(states)  # e.g. a coarse level's points from its cf sweeps
+        if out is not None:
+            return out
+    pieces = [torch.stack(states[i:j]) if base is None else _rows_of(base, k0, step, j - i)
+              for i, j, base, k0, step in runs]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _runs(states: list) -> list[tuple]:
+    """The states as consecutive runs (start, stop, base, first row, row step): rows of
+    one base at a constant stride, or plain tensors (base None)."""
+    n = len(states)
+    runs = []
     i = 0
     while i < n:
         h = states[i]
-        if type(h) is not Row:  # a run of plain tensors: one stack
+        if type(h) is not Row:
             j = i + 1
             while j < n and type(states[j]) is not Row:
                 j += 1
-            pieces.append(torch.stack(states[i:j]))
+            runs.append((i, j, None, 0, 0))
             i = j
             continue
         base, k0 = h.base, h.k
@@ -99,17 +115,52 @@ def stack_rows(states: list) -> Tensor:
                     and states[j].k == k0 + step * (j - i):
                 j += 1
         else:
-            j = i + 1
-            step = 1
-        last = k0 + step * (j - i - 1)
-        if step == 1 and k0 == 0 and last == base.shape[0] - 1:
-            pieces.append(base)  # the whole tensor
-        elif step > 0:
-            pieces.append(base[k0:last + 1:step])
-        else:
-            pieces.append(base[last:k0 + 1:-step].flip(0))
+            j, step = i + 1, 1
+        runs.append((i, j, base, k0, step))
         i = j
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return runs
+
+
+def _rows_of(base: Tensor, k0: int, step: int, count: int) -> Tensor:
+    """Rows k0, k0 + step, ... (count of them) of base: a view, or one flip."""
+    last = k0 + step * (count - 1)
+    if step == 1 and k0 == 0 and count == base.shape[0]:
+        return base
+    if step > 0:
+        return base[k0:last + 1:step]
+    return base[last:k0 + 1:-step].flip(0)
+
+
+def _interleaved(states: list) -> Optional[Tensor]:
+    """The states gathered source by source, when each source (a base tensor, or the
+    plain tensors together) sits at positions p0, p0 + s, ... and gives rows k0, k0 + t,
+    ...: one strided copy per source.  None when they do not fall into a few such."""
+    groups: dict[int, list] = {}
+    for p, h in enumerate(states):
+        key = id(h.base) if type(h) is Row else 0
+        g = groups.get(key)
+        if g is None:
+            if len(groups) == 8:
+                return None
+            g = groups[key] = [h.base if type(h) is Row else None, [], []]
+        g[1].append(p)
+        g[2].append(h.k if type(h) is Row else h)
+    first = states[0]
+    like = first.base[first.k] if type(first) is Row else first
+    out = like.new_empty((len(states), *like.shape))
+    for base, pos, rows in groups.values():
+        ps = pos[1] - pos[0] if len(pos) > 1 else 1
+        if any(pos[m] != pos[0] + ps * m for m in range(len(pos))):
+            return None
+        if base is None:
+            src = torch.stack(rows)
+        else:
+            rs = rows[1] - rows[0] if len(rows) > 1 else 1
+            if rs == 0 or any(rows[m] != rows[0] + rs * m for m in range(len(rows))):
+                return None
+            src = _rows_of(base, rows[0], rs, len(rows))
+        out[pos[0]:pos[-1] + 1:ps] = src
+    return out
 
 
 def unstack_rows(t: Tensor) -> list:
@@ -156,10 +207,11 @@ def unbatchable_reason(blocks: list[nn.Module]) -> Optional[str]:
     if any(needs_rng(b) for b in blocks):
         return "it draws random numbers (dropout) per layer"
     key = _structure(first)
-    for b in blocks[1:]:
+    for k, b in enumerate(blocks[1:], start=1):
         if _structure(b) != key:
-            return (f"its blocks differ in structure ({type(first).__name__} vs "
-                    f"{type(b).__name__} or their attributes/parameter shapes)")
+            return (f"its blocks differ in structure: the {k}-th block this rank evaluates "
+                    f"({type(b).__name__}) has other module types, attributes or parameter "
+                    f"shapes than the first ({type(first).__name__})")
     return None
 
 

@@ -29,6 +29,11 @@ class GradDelivery:
         # id(p) -> (p, its AccumulateGrad node); holding the node keeps it p's node
         self._nodes: dict[int, tuple[nn.Parameter, object]] = {}
 
+    def reset(self) -> None:
+        """Forget the cached nodes (they are remade on the current stream when needed:
+        a graph capture after a warm-up on another stream wants its own)."""
+        self._nodes = {}
+
     def _node(self, p: Tensor) -> object:
         got = self._nodes.get(id(p))
         if got is None or got[0] is not p:

@@ -1,0 +1,70 @@
+"""Checkpoints that move between rank counts: the whole network's state dict and the
+optimizer state keyed by parameter name, gathered on every rank, and loaded back on
+any number of ranks (or into the serial `ODENet`)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .model import LayerParallel
+
+__all__ = ["gather_optimizer_state", "gather_state_dict", "load_optimizer_state"]
+
+
+def gather_state_dict(model: LayerParallel) -> dict[str, Tensor]:
+    """The whole network's state dict (loads into the serial `ODENet`), on every rank."""
+    local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if model.size == 1:
+        return local
+    merged: dict[str, Tensor] = {}
+    for part in model._guard(lambda: model.transport.allgather_object(local)):
+        merged.update(part)
+    return dict(sorted(merged.items(), key=lambda kv: _name_order(kv[0])))
+
+def gather_optimizer_state(model: LayerParallel,
+                           optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state of the whole network, keyed by parameter name, on every
+    rank (collective).  `load_optimizer_state` restores it on any number of ranks."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    sd = optimizer.state_dict()
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {names[id(order[i])]: {k: (v.detach().cpu() if isinstance(v, Tensor) else v)
+                                   for k, v in st.items()}
+             for i, st in sd["state"].items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+    group_of = {names[id(p)]: gi for gi, g in enumerate(optimizer.param_groups)
+                for p in g["params"]}
+    parts = [(state, groups, group_of)] if model.size == 1 else model._guard(
+        lambda: model.transport.allgather_object((state, groups, group_of)))
+    merged: dict[str, Any] = {"state": {}, "param_groups": parts[0][1], "group_of": {}}
+    for st, _, go in parts:
+        merged["state"].update(st)
+        merged["group_of"].update(go)
+    return merged
+
+def load_optimizer_state(model: LayerParallel, optimizer: torch.optim.Optimizer,
+                         state: dict[str, Any]) -> None:
+    """Load a state from `gather_optimizer_state` into this rank's optimizer."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    local = optimizer.state_dict()
+    if len(local["param_groups"]) != len(state["param_groups"]):
+        raise ValueError("`state` has a different number of parameter groups than "
+                         "`optimizer`")
+    new_state = {}
+    for i, p in enumerate(order):
+        st = state["state"].get(names[id(p)])
+        if st is not None:
+            new_state[i] = {k: (v.to(p.device) if isinstance(v, Tensor) and v.dim() > 0
+                                else v) for k, v in st.items()}
+    groups = []
+    for g_local, g_saved in zip(local["param_groups"], state["param_groups"]):
+        groups.append({**g_saved, "params": g_local["params"]})
+    optimizer.load_state_dict({"state": new_state, "param_groups": groups})
+
+
+def _name_order(name: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else -1 for p in name.split("."))

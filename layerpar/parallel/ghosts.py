@@ -1,0 +1,109 @@
+"""Ghost blocks: read-only copies of a neighbour's layers that coarse steps use.
+
+With injection a coarse step evaluates the block at the start of its interval, and
+for a rank's first coarse interval that block may belong to the left neighbour (with
+"average" coarsening, any block the interval spans).  Such blocks are copied once
+and refreshed from their owners at every forward pass.  The adjoint's coarse steps
+start at the rank's own layers, so it needs no foreign state.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..mgrit.grid import Partition, reversed_bounds
+from ..mgrit.options import MGRITOptions
+from ..ode.net import Segment
+
+__all__ = ["Ghosts", "needed_layers"]
+
+_GHOST_TAG = 31001
+
+
+def needed_layers(n: int, size: int, rank: int, fwd: MGRITOptions, bwd: MGRITOptions,
+                  coarsening: str) -> set[int]:
+    """Layers whose blocks this rank's coarse steps use (owned or not), from the forward
+    partition and the adjoint's reversed one."""
+    need: set[int] = set()
+    part = Partition.build(n, size, fwd)
+    for lv in part.levels[1:]:
+        for j in part.level_range(lv.index, rank):
+            if j >= 1:
+                a, b = (j - 1) * lv.stride, j * lv.stride
+                need.update([a] if coarsening == "injection" else range(a, b))
+    rpart = Partition.build(n, size, bwd)
+    rpart = Partition(n, size, tuple(reversed_bounds(list(part.bounds))), rpart.levels)
+    for lv in rpart.levels[1:]:
+        for m in rpart.level_range(lv.index, size - 1 - rank):
+            if m >= 1:
+                a, b = n - m * lv.stride, n - (m - 1) * lv.stride
+                need.update([a] if coarsening == "injection" else range(a, b))
+    return need
+
+
+def _state_vector(module: nn.Module) -> Tensor:
+    vals = [t.detach().reshape(-1).to(torch.float64) for t in module.state_dict().values()]
+    return torch.cat(vals) if vals else torch.zeros(0, dtype=torch.float64)
+
+
+def _load_state_vector(module: nn.Module, vec: Tensor) -> None:
+    off = 0
+    with torch.no_grad():
+        for t in module.state_dict(keep_vars=True).values():
+            n = t.numel()
+            t.copy_(vec[off:off + n].view(t.shape).to(t.dtype))
+            off += n
+
+
+
+class Ghosts:
+    """This rank's ghost copies of one segment's foreign blocks, and the traffic that
+    refreshes them (the same plan on every rank)."""
+
+    def __init__(self, seg: Segment, part: Partition, rank: int,
+                 need: Callable[[int], set[int]]) -> None:
+        self.seg = seg
+        owned = part.steps(rank)
+        self.layers = sorted(need(rank) - set(owned))
+        self.blocks: dict[int, nn.Module] = {}
+        for k in self.layers:  # not submodules: train()/eval() is passed on per pass
+            ghost = copy.deepcopy(seg.blocks[k])
+            for p in ghost.parameters():
+                p.requires_grad_(False)
+            self.blocks[k] = ghost
+        # (layer, owner, needer) for every rank
+        self.plan = [(k, part.owner(k + 1), q) for q in range(part.n_ranks)
+                     for k in sorted(need(q)) if k not in part.steps(q)]
+
+    def set_training(self, training: bool) -> None:
+        for blk in self.blocks.values():
+            if blk.training != training:
+                blk.train(training)
+
+    def apply(self, fn: Callable) -> None:
+        """`.to()`, `.double()`, ... of the model, passed on to the copies."""
+        for blk in self.blocks.values():
+            blk._apply(fn)
+
+    def sync(self, transport: Any) -> None:
+        """Send owned blocks' current parameters to the ranks that keep ghosts of them."""
+        if not self.plan:
+            return
+        me = transport.comm.Get_rank()
+        reqs, recvs = [], []
+        for k, owner, needer in self.plan:
+            if owner == me:
+                buf = _state_vector(self.seg.blocks[k]).numpy()
+                reqs.append((transport.comm.Isend(buf, dest=needer, tag=_GHOST_TAG), buf))
+            elif needer == me:
+                buf = np.empty(_state_vector(self.blocks[k]).numel(), dtype=np.float64)
+                recvs.append((k, transport.comm.Irecv(buf, source=owner, tag=_GHOST_TAG), buf))
+        for k, req, buf in recvs:
+            transport._wait_request(req)
+            _load_state_vector(self.blocks[k], torch.from_numpy(buf))
+        for req, _ in reqs:
+            transport._wait_request(req)

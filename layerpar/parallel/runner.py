@@ -1,0 +1,380 @@
+"""One Segment on one rank: ownership, ghosts, the propagator, and its two solves.
+
+The runner owns the forward and adjoint engine sessions of one segment, the blocks
+it evaluates (its own and its ghosts), the batched steps when the segment is
+vectorised, and what a forward pass leaves for its backward pass.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..mgrit.grid import Partition, build_levels, reversed_bounds
+from ..mgrit.options import MGRITOptions
+from ..mgrit.session import EngineSession, SolveStats
+from ..ode.coarsening import coarse_block
+from ..ode.net import Segment
+from ..ode.rng import needs_rng
+from .adjoint import AdjointApp
+from .batched import BatchedBlocks, Row, as_tensor, stack_rows, unbatchable_reason, warn_once
+from .bn_dropout import batch_norms, layer_function
+from .forward import ForwardApp
+from .ghosts import Ghosts, needed_layers
+
+__all__ = ["SegmentRunner"]
+
+
+class BatchRecord:
+    """One batched step of the final forward sweep, kept for the adjoint."""
+
+    __slots__ = ("x", "params", "y", "layers", "grads", "xd")
+
+    def __init__(self, x: Tensor, params: dict[str, Tensor], y: Tensor,
+                 layers: tuple[int, ...]) -> None:
+        self.x, self.params, self.y, self.layers = x, params, y, layers
+        self.grads: dict[str, Tensor] = {}  # stacked parameter gradients (final sweep)
+        self.xd: Optional[Tensor] = None  # x detached, when coarse steps read its rows
+
+
+class SegmentRunner:
+    """One Segment on one rank: ownership, ghosts, and the forward/adjoint engines."""
+
+    def __init__(self, seg: Segment, seg_index: int, transport: Any, fwd: MGRITOptions,
+                 bwd: MGRITOptions, coarsening: str, batched: bool = True) -> None:
+        self.seg = seg
+        self.seg_index = seg_index
+        self.n = n = seg.n_steps
+        self.coarsening = coarsening
+        size, rank = transport.size, transport.rank
+        # the partition, its levels and the ghost needs: computed once, here
+        self.part = Partition.build(n, size, fwd)
+        self.bounds = list(self.part.bounds)
+        self.owned = self.part.steps(rank)
+        self.times = [seg.time(i) for i in range(n + 1)]
+        self.scheme = seg.scheme
+        # blocks this rank evaluates: its own, plus ghosts of its neighbours' layers
+        self.ghosts = Ghosts(seg, self.part, rank,
+                             lambda q: needed_layers(n, size, q, fwd, bwd, coarsening))
+        self.blocks: dict[int, nn.Module] = {k: seg.blocks[k] for k in self.owned}
+        self.blocks.update(self.ghosts.blocks)
+        # trainable parameters per owned layer; refreshed when requires_grad changes
+        self.all_params = [(k, p) for k in self.owned for p in seg.blocks[k].parameters()]
+        self.trainable: Optional[tuple[bool, ...]] = None
+        self.layer_params: dict[int, list[nn.Parameter]] = {}
+        self.refresh_trainable()
+        self.bn = {k: batch_norms(blk) for k, blk in self.blocks.items()}
+        self.sequential_adjoint = len(build_levels(n, bwd)) == 1
+        self.sequential_forward = len(build_levels(n, fwd)) == 1
+        # vectorised steps (batched.py): for MGRIT in both directions with injection;
+        # sequential solves have nothing to batch
+        self.bb: Optional[BatchedBlocks] = None
+        if batched and coarsening == "injection" and not self.sequential_forward \
+                and not self.sequential_adjoint:
+            why = unbatchable_reason(list(self.blocks.values()))
+            if why is None:
+                self.bb = BatchedBlocks(self.blocks, self.scheme, self.times)
+            else:
+                warn_once(seg.blocks[self.owned[0]], why)
+        # batched final forward sweep: records of (input leaf, parameter leaves, output,
+        # layers); where[a] = (record, row) of layer a
+        self.brecords: list[BatchRecord] = []
+        self.where: dict[int, tuple[int, int]] = {}
+        self.index_cache: dict[tuple, Tensor] = {}
+        # fixed iteration counts: residual norms stay on the device during the solve
+        defer_f = fwd.tol == 0.0 and fwd.rtol == 0.0
+        defer_b = bwd.tol == 0.0 and bwd.rtol == 0.0
+        self.fapp = ForwardApp(self)
+        self.bapp = AdjointApp(self)
+        self.check_finite = True  # set by LayerParallel
+        self.transport = transport
+        name = f"of segment {seg_index}"
+        self.fsession = EngineSession(n, seg.t_start, seg.t_final, transport, self.bounds,
+                                      self.fapp, fwd.replace(final_fc_relax=True),
+                                      what=f"forward MGRIT {name}", defer_norms=defer_f)
+        self.rtransport = transport.reversed()
+        self.bsession = EngineSession(n, seg.t_start, seg.t_final, self.rtransport,
+                                      reversed_bounds(self.bounds), self.bapp,
+                                      bwd.replace(final_fc_relax=True),
+                                      what=f"backward MGRIT {name}", defer_norms=defer_b)
+        self.fapp.deferred = self.fsession.deferred
+        self.bapp.deferred = self.bsession.deferred
+        # per-batch state
+        self.seed: Optional[int] = None
+        self.rng_layers: set[int] = set()
+        self.recording = False
+        # final forward sweep: layer -> (input, output with graph, detached output);
+        # consecutive layers form chains sharing one graph, chain_head[k] = first layer
+        self.records: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        self.chain_head: dict[int, int] = {}
+        self.chain_cache: dict[int, Tensor] = {}
+        self.last_lam: Optional[Tensor] = None
+        # direct mode (see LayerParallel): the segment input with its graph, which the
+        # recorded sweep continues, and the sweep's latest output
+        self.u0_graph: Optional[Tensor] = None
+        self.direct_out: Optional[Tensor] = None
+        # check every block keeps the state's shape (u + h F(u) would broadcast a
+        # wrong one silently); done on the first pass for each input shape
+        self.check_shapes = False
+        self.coarse_graphs: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        self.param_grads: dict[int, tuple] = {}
+        self.batched_grads: dict[int, list[tuple[Tensor, Tensor]]] = {}
+
+    # -- the propagator -------------------------------------------------------------------
+    def phi(self, u: Tensor, a: int, b: int, *, update_stats: bool) -> Tensor:
+        """Step from fine point a to b with the block of layer a (or the average)."""
+        if b == a + 1 or self.coarsening == "injection":
+            f: Callable[[Tensor], Tensor] = self.blocks[a]
+        else:
+            f = coarse_block([self.blocks[k] for k in range(a, b)], 0, b - a, self.coarsening)
+        dt = self.times[b] - self.times[a]
+        f = layer_function(f, a, self.seg_index, self.seed, a in self.rng_layers,
+                           self.bn.get(a, []), update_stats)
+        if self.check_shapes:
+            unchecked = f
+
+            def f(v: Tensor) -> Tensor:
+                out = unchecked(v)
+                if out.shape != v.shape:
+                    raise ValueError(
+                        f"layer {a} of segment {self.seg_index} changed the state's shape "
+                        f"from {tuple(v.shape)} to {tuple(out.shape)}; a residual block "
+                        "must keep it")
+                return out
+        return self.scheme.step(f, u, dt)
+
+    def refresh_trainable(self) -> None:
+        """Re-read which owned parameters require grad (the user may freeze some)."""
+        flags = tuple(p.requires_grad for _, p in self.all_params)
+        if flags != self.trainable:
+            self.trainable = flags
+            self.layer_params = {k: [] for k in self.owned}
+            for (k, p), f in zip(self.all_params, flags):
+                if f:
+                    self.layer_params[k].append(p)
+
+    def coarse_graph(self, a: int, b: int) -> tuple[Tensor, Tensor]:
+        """(u_a as a leaf, forward coarse step a -> b with its graph), built once per
+        backward pass and reused by every adjoint iteration."""
+        rec = self.coarse_graphs.get((a, b))
+        if rec is None:
+            with torch.enable_grad():
+                u_a = self.records[a][0].detach().requires_grad_()
+                rec = (u_a, self.phi(u_a, a, b, update_stats=False))
+            self.coarse_graphs[(a, b)] = rec
+        return rec
+
+    # -- batched records and adjoint steps (bb is not None) ------------------------------
+    def record_batch(self, x: Tensor, pairs: tuple[tuple[int, int], ...]) -> Tensor:
+        """A final forward step of several layers, recorded with its graph: the input
+        and the stacked parameters are leaves, so the adjoint gets the stacked parameter
+        gradients in one autograd call.  Returns the detached output."""
+        bb = self.bb
+        assert bb is not None
+        layers = tuple(a for a, _ in pairs)
+        with torch.enable_grad():
+            xin = x.detach().requires_grad_()
+            stacked, _ = bb.stacked(layers)
+            trainable = self.trainable_names(layers)
+            leaves = {n: t.detach().requires_grad_(n in trainable) for n, t in stacked.items()}
+            y = bb.step(xin, pairs, params=leaves)
+        rid = len(self.brecords)
+        self.brecords.append(BatchRecord(xin, leaves, y, layers))
+        for k, a in enumerate(layers):
+            self.where[a] = (rid, k)
+        return y.detach()
+
+    def trainable_names(self, layers: tuple[int, ...]) -> set[str]:
+        """Parameter names that require grad in at least one of these (owned) layers."""
+        names = self.bb.param_names  # type: ignore[union-attr]
+        out: set[str] = set()
+        for a in layers:
+            for name, p in zip(names, self.bb._tensors[a][0]):  # type: ignore[union-attr]
+                if p.requires_grad:
+                    out.add(name)
+        return out
+
+    def _index(self, rows: tuple[int, ...], device: torch.device) -> Tensor:
+        key = (rows, device)
+        got = self.index_cache.get(key)
+        if got is None:
+            got = self.index_cache[key] = torch.tensor(rows, dtype=torch.long, device=device)
+        return got
+
+    def adjoint_fine(self, lam: Tensor, pairs: list, final: int) -> Tensor:
+        """Transposed Jacobians of fine steps (layers a of `pairs`) applied to the rows
+        of `lam`, through the recorded batches; at the final sweep also the parameter
+        gradients (accumulated per record).  One autograd call per record touched."""
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for k, (a, _) in enumerate(pairs):
+            rid, row = self.where[a]
+            ks, rows = groups.setdefault(rid, ([], []))
+            ks.append(k)
+            rows.append(row)
+        out: Optional[Tensor] = None
+        for rid, (ks, rows) in groups.items():
+            rec = self.brecords[rid]
+            n_rec = rec.y.shape[0]
+            if len(groups) == 1 and rows == list(range(n_rec)):
+                cot = lam  # the whole record in its own order: no index work
+            else:
+                cot = lam.new_zeros(rec.y.shape)
+                cot.index_copy_(0, self._index(tuple(rows), lam.device),
+                                lam.index_select(0, self._index(tuple(ks), lam.device)))
+            wrt = [rec.x]
+            names = [n for n, t in rec.params.items() if t.requires_grad] if final else []
+            wrt += [rec.params[n] for n in names]
+            got = torch.autograd.grad(rec.y, wrt, cot, retain_graph=True)
+            dx = got[0]
+            for name, g in zip(names, got[1:]):
+                prev = rec.grads.get(name)
+                rec.grads[name] = g if prev is None else prev + g
+            if cot is lam:
+                return dx
+            if out is None:
+                out = torch.empty_like(lam)
+            out.index_copy_(0, self._index(tuple(ks), lam.device),
+                            dx.index_select(0, self._index(tuple(rows), lam.device)))
+        assert out is not None
+        return out
+
+    def adjoint_coarse(self, lam: Tensor, pairs: tuple[tuple[int, int], ...]) -> Tensor:
+        """Transposed Jacobians of coarse steps a -> b, linearised at the forward states
+        u_a of the final sweep; the batched coarse graph is built once per backward pass
+        and reused by every adjoint iteration."""
+        rec = self.coarse_graphs.get(pairs)  # type: ignore[call-overload]
+        if rec is None:
+            states = [self.forward_state(a) for a, _ in pairs]
+            with torch.enable_grad():
+                x = stack_rows(states).detach().requires_grad_()
+                rec = (x, self.bb.step(x, pairs))  # type: ignore[union-attr]
+            self.coarse_graphs[pairs] = rec  # type: ignore[index]
+        (dx,) = torch.autograd.grad(rec[1], rec[0], lam, retain_graph=True)
+        return dx
+
+    def forward_state(self, a: int) -> Row:
+        """u_a, the input of layer a in the final forward sweep (batched records)."""
+        rid, row = self.where[a]
+        rec = self.brecords[rid]
+        if rec.xd is None:
+            rec.xd = rec.x.detach()
+        return Row(rec.xd, row)
+
+    def collect_batched_grads(self) -> dict[int, tuple]:
+        """Per owned layer, its parameter gradients (rows of one tensor per parameter
+        name: no copy per layer), from the records of the final adjoint sweep."""
+        bb = self.bb
+        assert bb is not None
+        recs = [r for r in self.brecords if r.grads]
+        if not recs:
+            return {}
+        layers = [a for r in recs for a in r.layers]
+        names = bb.param_names
+        rows: dict[str, list[Tensor]] = {}
+        for name in names:
+            parts = [r.grads.get(name) for r in recs]
+            if any(g is None for g in parts):
+                parts = [torch.zeros_like(r.params[name]) if g is None else g
+                         for r, g in zip(recs, parts)]
+            rows[name] = list((torch.cat(parts) if len(parts) > 1 else parts[0]).unbind(0))
+        out: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        for k, a in enumerate(layers):
+            out[a] = [(p, rows[name][k]) for name, p in zip(names, bb._tensors[a][0])
+                      if p.requires_grad]
+        return out
+
+    def chain_vjp(self, a: int, lam: Tensor) -> Tensor:
+        """Final adjoint step of layer a when the adjoint is solved sequentially.
+
+        The engine then visits this rank's layers from the last to the first, each
+        step's input being the previous step's output.  The first visit of a chain
+        (its last layer) back-propagates the whole chain in one autograd call, as
+        plain PyTorch would; the other visits return the cached results.  Only the
+        chain head's input gradient is requested: in a sequential solve the engine
+        reads no other point (the head's value is what travels to the next chain or
+        rank), so the points inside a chain hold a shared zero placeholder.
+        """
+        if a in self.chain_cache and lam is self.last_lam:
+            res = self.chain_cache.pop(a)
+        else:
+            head = self.chain_head[a]
+            layers = range(head, a + 1)
+            params = [p for k in layers for p in self.layer_params[k]]
+            grads = torch.autograd.grad(self.records[a][1], [self.records[head][0], *params],
+                                        lam, allow_unused=True)
+            self.chain_cache = dict.fromkeys(layers, self.lam_zero)
+            self.chain_cache[head] = grads[0]
+            off = 1
+            for k in layers:
+                n_p = len(self.layer_params[k])
+                self.param_grads[k] = grads[off:off + n_p]
+                off += n_p
+            res = self.chain_cache.pop(a)
+        self.last_lam = res
+        return res
+
+    # -- per batch ----------------------------------------------------------------------------
+    def forward(self, u0: Optional[Tensor], like: Tensor, seed: Optional[int],
+                record: bool, training: bool, direct: bool = False,
+                check_shapes: bool = False) -> tuple[Optional[Tensor], SolveStats]:
+        """MGRIT forward solve; returns (u_N on the last rank else None, stats).
+
+        direct: one rank, sequential solve: record the steps onto u0's own graph and
+        return u_N with its graph (PyTorch's engine then runs the backward)."""
+        self.ghosts.set_training(training)
+        if record and not direct:
+            self.refresh_trainable()
+        self.seed = seed
+        self.rng_layers = {k for k, blk in self.blocks.items() if seed is not None
+                           and needs_rng(blk)}
+        self.recording = record
+        self.records = {}
+        self.chain_head = {}
+        self.brecords = []
+        self.where = {}
+        self.coarse_graphs = {}
+        self.param_grads = {}
+        self.u0 = u0 if u0 is not None else like
+        self.zero = torch.zeros_like(like)
+        self.transport.set_template(like)
+        if self.bb is not None:
+            self.bb.new_pass()
+            if check_shapes:  # first pass for this input shape: is vmap right here?
+                why = self.bb.probe(like)
+                if why is not None:
+                    warn_once(self.bb.proto, why)
+                    self.bb = None
+        if direct:
+            assert u0 is not None
+            self.u0_graph, self.u0 = u0, u0.detach()
+        self.check_shapes = check_shapes
+        try:
+            stats = self.fsession.drive(lazy_history=not self.check_finite)
+        finally:
+            self.u0_graph = None
+            self.check_shapes = False
+        last = self.transport.size - 1
+        out = as_tensor(self.fsession.state(self.n)) if self.transport.rank == last else None
+        if direct:
+            out, self.direct_out = self.direct_out, None
+        return out, stats
+
+    def backward(self, lam_n: Optional[Tensor], like: Tensor
+                 ) -> tuple[Optional[Tensor], SolveStats]:
+        """Adjoint MGRIT solve; returns (lambda_0 on rank 0 else None, stats)."""
+        self.lam_n = lam_n if lam_n is not None else like
+        self.lam_zero = torch.zeros_like(like)
+        self.rtransport.set_template(like)
+        stats = self.bsession.drive(lazy_history=not self.check_finite)
+        out = as_tensor(self.bsession.state(self.n)) if self.transport.rank == 0 else None
+        if self.bb is not None:
+            self.batched_grads = self.collect_batched_grads()
+        self.brecords = []
+        self.where = {}
+        self.records = {}
+        self.chain_head = {}
+        self.chain_cache = {}
+        self.last_lam = None
+        self.coarse_graphs = {}
+        return out, stats
