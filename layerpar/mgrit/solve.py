@@ -225,6 +225,14 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
             last = transport.size - 1
             final = transport.bcast_state(core.get_state(n_steps) if transport.rank == last
                                           else None, root=last)
+            # A sequential solve (one level) computes no residual, so a NaN/Inf would pass
+            # as converged; check the final state once.  Every rank holds the same
+            # broadcast bytes, so every rank decides the same way without a message.
+            if not bool(torch.isfinite(final).all()):
+                return DivergenceError(
+                    f"MGRIT final state (t = {float(t_final)}) has non-finite values after "
+                    f"{core.iterations} iteration(s) on {core.n_levels} level(s): the "
+                    f"propagator produced non-finite values (history {hist})")
             states = {i: core.get_state(i) for i in range(bounds[transport.rank],
                                                            bounds[transport.rank + 1])}
             return MGRITResult(final_state=final, converged=core.converged,

@@ -1,0 +1,64 @@
+"""`solve()` reliability (issue 10): the same outcome for a non-finite state at every
+level count, engine integer limits named as the field, and unusable `u0` tensors
+refused before any step.
+
+Each test here failed on the code before the fix it guards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from mpi_util import WORKERS, describe, rank_lines, run_mpi
+
+from layerpar.mgrit import DivergenceError, MGRITOptions, solve
+
+
+def _decay(u: torch.Tensor, ts: float, te: float, level: int) -> torch.Tensor:
+    return u / (1.0 + (te - ts))
+
+
+def _bad_last_interval(value: float):
+    """A propagator that multiplies by `value` (NaN or Inf) in the last fine interval
+    only: with one level no residual is ever computed, so only the final state shows it."""
+    def step(u: torch.Tensor, ts: float, te: float, level: int) -> torch.Tensor:
+        out = _decay(u, ts, te, level)
+        return out * value if te == 1.0 else out
+    return step
+
+
+# --- item 9: a non-finite final state is a DivergenceError at every level count ----------
+
+
+@pytest.mark.parametrize("levels", [1, 2, 3])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_final_state_raises_at_every_level_count(value: float, levels: int) -> None:
+    with pytest.raises(DivergenceError, match="non-finite"):
+        solve(_bad_last_interval(value), torch.ones(3, dtype=torch.float64), 16, 1.0,
+              MGRITOptions(max_levels=levels, cfactor=2))
+
+
+def test_non_finite_final_state_raises_without_any_residual() -> None:
+    # one iteration with `skip` measures no residual at all: the final state still counts
+    with pytest.raises(DivergenceError, match="final state"):
+        solve(_bad_last_interval(math.inf), torch.ones(3, dtype=torch.float64), 16, 1.0,
+              MGRITOptions(max_levels=3, cfactor=2, max_iter=1))
+
+
+def test_finite_one_level_solve_still_converges() -> None:
+    res = solve(_decay, torch.ones(3, dtype=torch.float64), 16, 1.0, MGRITOptions(max_levels=1))
+    assert res.converged and bool(torch.isfinite(res.final_state).all())
+
+
+@pytest.mark.mpi
+def test_non_finite_final_state_raises_on_every_rank_under_mpi() -> None:
+    proc = run_mpi(WORKERS / "solve_nonfinite.py", 2, timeout=120)
+    assert proc.returncode == 0, describe(proc)
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == [0, 1], describe(proc)
+    for rank, reports in lines.items():
+        assert len(reports) == 6, (rank, reports)
+        for text in reports:
+            assert " DivergenceError: " in text and "non-finite" in text, (rank, text)
