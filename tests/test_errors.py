@@ -42,6 +42,10 @@ BAD_OPTIONS = [
     ("rtol", -0.1, ValueError), ("rtol", 1.5, ValueError), ("rtol", math.nan, ValueError),
     ("rtol", False, TypeError),
     ("max_iter", 0, ValueError), ("max_iter", 10.0, TypeError),
+    # beyond the engine's C int: named, not a bare OverflowError later (issue 10)
+    ("max_iter", 2**31, ValueError), ("cfactor", 2**31, ValueError),
+    ("cfactor", [2, 2**63], ValueError), ("nrelax", 2**31, ValueError),
+    ("min_coarse", 2**31, ValueError),
     ("skip", 1, TypeError), ("skip", "yes", TypeError),
     ("min_coarse", 0, ValueError), ("min_coarse", None, TypeError),
     ("fmg", 0, TypeError), ("fmg", None, TypeError),

@@ -7,6 +7,7 @@ Each test here failed on the code before the fix it guards.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -14,6 +15,9 @@ import torch
 from mpi_util import WORKERS, describe, rank_lines, run_mpi
 
 from layerpar.mgrit import DivergenceError, MGRITOptions, solve
+from layerpar.mgrit import options as mgrit_options
+
+INT_MAX = 2**31 - 1  # the engine's C int
 
 
 def _decay(u: torch.Tensor, ts: float, te: float, level: int) -> torch.Tensor:
@@ -62,3 +66,49 @@ def test_non_finite_final_state_raises_on_every_rank_under_mpi() -> None:
         assert len(reports) == 6, (rank, reports)
         for text in reports:
             assert " DivergenceError: " in text and "non-finite" in text, (rank, text)
+
+
+# --- item 10: values the engine's C ints cannot hold ----------------------------------------
+
+
+# the integer fields the engine holds in a C int (max_levels has its own bound, 30)
+ENGINE_INT_FIELDS = ["max_iter", "cfactor", "nrelax", "min_coarse"]
+
+
+def test_engine_limits_match_a_c_int() -> None:
+    assert mgrit_options.ENGINE_INT_MAX == INT_MAX
+    assert mgrit_options.MAX_STEPS == INT_MAX - 1  # points 0..n_steps have int indices
+
+
+def test_every_int_option_has_an_engine_overflow_test() -> None:
+    ints = {f.name for f in dataclasses.fields(MGRITOptions) if f.type in ("int", "IntOrSeq")}
+    assert ints - {"max_levels"} == set(ENGINE_INT_FIELDS)
+
+
+@pytest.mark.parametrize("value", [INT_MAX + 1, 2**63, 2**64 + 1])
+@pytest.mark.parametrize("field", ENGINE_INT_FIELDS)
+def test_option_beyond_the_engine_int_names_the_field(field: str, value: int) -> None:
+    with pytest.raises(ValueError, match=rf"`{field}` must be in \[\d+, 2147483647\]"):
+        MGRITOptions(**{field: value})
+    with pytest.raises(ValueError, match=rf"`{field}`"):
+        MGRITOptions().replace(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["cfactor", "nrelax"])
+def test_per_level_entry_beyond_the_engine_int_names_the_entry(field: str) -> None:
+    with pytest.raises(ValueError, match=rf"`{field}\[1\]` must be in"):
+        MGRITOptions(**{field: [2, 2**40]})
+
+
+def test_largest_engine_int_reaches_the_engine() -> None:
+    # the bound is the engine's: its largest value passes set_options without overflow
+    res = solve(_decay, torch.ones(1, dtype=torch.float64), 8, 1.0,
+                MGRITOptions(max_levels=2, max_iter=INT_MAX, min_coarse=INT_MAX,
+                             cfactor=INT_MAX, nrelax=INT_MAX))
+    assert res.n_levels == 1 and res.converged
+
+
+@pytest.mark.parametrize("n_steps", [INT_MAX, 2**31, 2**63, 2**64 + 5])
+def test_n_steps_beyond_the_engine_names_n_steps(n_steps: int) -> None:
+    with pytest.raises(ValueError, match=r"`n_steps` must be <= 2147483646"):
+        solve(_decay, torch.ones(1, dtype=torch.float64), n_steps, 1.0)

@@ -11,7 +11,7 @@ import torch
 from .._native._core import NAN_ERROR, Core
 from .errors import ConvergenceError, DivergenceError
 from .grid import block_bounds
-from .options import MGRITOptions
+from .options import MAX_STEPS, MGRITOptions
 from .transport import MPITransport, SerialTransport, make_transport
 
 StepFn = Callable[[torch.Tensor, float, float, int], torch.Tensor]
@@ -162,6 +162,9 @@ def _validate(step: Any, u0: Any, n_steps: Any, t_start: Any, t_final: Any, opti
         raise TypeError(f"`n_steps` must be an int, got {type(n_steps).__name__}")
     if n_steps < 1:
         raise ValueError(f"`n_steps` must be >= 1, got {n_steps}")
+    if n_steps > MAX_STEPS:
+        raise ValueError(f"`n_steps` must be <= {MAX_STEPS} (the engine indexes time points "
+                         f"with C ints), got {n_steps}")
     if n_steps < size:
         raise ValueError(f"`n_steps` ({n_steps}) must be >= the number of ranks ({size})")
     for name, v in (("t_start", t_start), ("t_final", t_final)):
