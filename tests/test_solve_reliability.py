@@ -112,3 +112,28 @@ def test_largest_engine_int_reaches_the_engine() -> None:
 def test_n_steps_beyond_the_engine_names_n_steps(n_steps: int) -> None:
     with pytest.raises(ValueError, match=r"`n_steps` must be <= 2147483646"):
         solve(_decay, torch.ones(1, dtype=torch.float64), n_steps, 1.0)
+
+
+# --- item 12: u0 tensors MGRIT cannot work with ---------------------------------------------
+
+
+@pytest.mark.parametrize("u0,exc,pattern", [
+    (torch.ones(3, dtype=torch.int64), TypeError, r"`u0` must be a floating-point .*int64"),
+    (torch.ones(3, dtype=torch.int32), TypeError, r"`u0` must be a floating-point .*int32"),
+    (torch.ones(3, dtype=torch.bool), TypeError, r"`u0` must be a floating-point .*bool"),
+    (torch.ones(3, dtype=torch.complex128), TypeError,
+     r"`u0` must be a floating-point .*complex128"),
+    (torch.ones(3, dtype=torch.float64, device="meta"), ValueError, r"`u0` is on the meta"),
+])
+@pytest.mark.parametrize("levels", [1, 3])
+def test_unusable_u0_is_refused_naming_u0(u0: torch.Tensor, exc: type, pattern: str,
+                                          levels: int) -> None:
+    calls = [0]
+
+    def step(u: torch.Tensor, ts: float, te: float, level: int) -> torch.Tensor:
+        calls[0] += 1
+        return u / (1.0 + (te - ts))
+
+    with pytest.raises(exc, match=pattern):
+        solve(step, u0, 8, 1.0, MGRITOptions(max_levels=levels))
+    assert calls[0] == 0  # refused before the engine stepped anything

@@ -158,6 +158,14 @@ def _validate(step: Any, u0: Any, n_steps: Any, t_start: Any, t_final: Any, opti
         raise TypeError("`init` must be callable or None")
     if not isinstance(u0, torch.Tensor):
         raise TypeError(f"`u0` must be a torch.Tensor, got {type(u0).__name__}")
+    # MGRIT sums, scales and takes norms of states: integer and boolean tensors would fail
+    # (or round) inside torch, and complex norms are not what the halting rule compares
+    if not u0.dtype.is_floating_point:
+        raise TypeError(f"`u0` must be a floating-point tensor (float16, bfloat16, float32 "
+                        f"or float64), got {u0.dtype}")
+    if u0.is_meta:
+        raise ValueError("`u0` is on the meta device: it has a shape but no values to "
+                         "step; create it on the CPU or a GPU")
     if isinstance(n_steps, bool) or not isinstance(n_steps, int):
         raise TypeError(f"`n_steps` must be an int, got {type(n_steps).__name__}")
     if n_steps < 1:
