@@ -69,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNGs")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar on stderr")
+    p.set_defaults(_prog=p.prog)  # for one-line errors in `run`, as argparse words them
     return p
 
 
@@ -128,25 +129,38 @@ def _g(v: Any) -> str:
     return "n/a" if math.isnan(f) else f"{f:.4g}"
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the study the parsed options describe; print a summary; 0 if all runs ran."""
-    from .runner import run_study
+def _error(args: argparse.Namespace, message: str) -> int:
+    """Write one ``prog: error: message`` line to stderr (as argparse does); return 2."""
+    sys.stderr.write(f"{getattr(args, '_prog', 'layerpar scale')}: error: {message}\n")
+    return 2
 
+
+def run(args: argparse.Namespace) -> int:
+    """Run the study the parsed options describe; print a summary; 0 if all runs ran.
+
+    Bad options, an output folder that cannot be written and a damaged results file are
+    reported as one line on stderr with exit status 2, before anything is measured.
+    """
+    from .runner import StudyFileError, check_output_dir, run_study
+
+    out = Path(args.out)
     try:
         grid = grid_from_args(args)
         st = _split("serial_threads", args.serial_threads) if args.serial_threads else None
-    except ValueError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 2
-    out = Path(args.out)
+        check_output_dir(out, "--out", ("results.csv", "model.json", "pingpong.json"))
+    except ValueError as exc:  # StudyFileError is one
+        return _error(args, str(exc))
     quick = bool(getattr(args, "quick", False))
     # --quick: the same 64..4096 ranks x 1024..16384 layers map, sampled coarsely
     map_grid = {"map_ranks": (64, 512, 4096), "map_layers": (1024, 4096, 16384)} \
         if quick else {}
-    res = run_study(grid, out / "results.csv", out_dir=out,
-                    timeout_per_run=float(args.timeout), progress=bool(args.progress),
-                    plots=bool(args.plots), serial_threads=st, quick_pingpong=quick,
-                    **map_grid)
+    try:
+        res = run_study(grid, out / "results.csv", out_dir=out,
+                        timeout_per_run=float(args.timeout), progress=bool(args.progress),
+                        plots=bool(args.plots), serial_threads=st, quick_pingpong=quick,
+                        **map_grid)
+    except StudyFileError as exc:  # a damaged file found on resume: left as it was
+        return _error(args, str(exc))
     cols = ("ranks", "threads", "layers", "levels", "cfactor", "fwd_iters", "bwd_iters",
             "seconds_per_batch", "predicted_seconds_per_batch", "model_role",
             "serial_seconds_per_batch", "serial_threads", "speedup", "efficiency",

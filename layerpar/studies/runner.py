@@ -20,6 +20,7 @@ layers fixed, weak scaling (``"weak": True``) runs ``layers × ranks`` layers), 
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 import json
 import math
@@ -35,10 +36,11 @@ from typing import Any, Optional, TextIO, Union
 
 from ..launch import kill_job, mpiexec_path
 from . import model as pmodel
-from .worker import DEFAULTS, available_cores, config, serial_baseline
+from .files import StudyFileError, check_output_dir, read_jsonl, write_text
+from .worker import DEFAULTS, MODELS, available_cores, config, serial_baseline
 
-__all__ = ["COLUMNS", "KEY_COLUMNS", "REQUIRED_COLUMNS", "StudyResult", "expand_grid",
-           "mpiexec_path", "read_rows", "run_study"]
+__all__ = ["COLUMNS", "KEY_COLUMNS", "REQUIRED_COLUMNS", "StudyFileError", "StudyResult",
+           "check_output_dir", "expand_grid", "mpiexec_path", "read_rows", "run_study"]
 
 REQUIRED_COLUMNS = [
     "ranks", "threads", "layers", "width", "batch", "levels", "cfactor", "fwd_iters",
@@ -133,13 +135,91 @@ def _key(d: dict[str, Any], cols: Sequence[str]) -> tuple:
     return tuple(_canon(d.get(c, DEFAULTS.get(c, ""))) for c in cols)
 
 
+_JSONL_RECOVERY = ("A worker log only records the runs a job finished (results.csv holds the "
+                   "study's rows): delete that line, or the file, and run again")
+_CSV_RECOVERY = ("Nothing was changed.  Restore the file from a backup, or delete or repair "
+                 "that line (a deleted run is measured again on the next resume), or move "
+                 "the file away to start the study afresh")
+# settings that are whole numbers (the others in KEY_COLUMNS: model, lr, t_final)
+_INT_KEYS = [c for c in KEY_COLUMNS if c not in ("model", "lr", "t_final")]
+
+
+def _bad(path: Path, line: int, problem: str) -> StudyFileError:
+    return StudyFileError(f"{path}: line {line} {problem}.  {_CSV_RECOVERY}")
+
+
+def _check_row(path: Path, line: int, header: list[str], fields: list[str]) -> None:
+    """Raise `StudyFileError` unless `fields` is a well-formed row under `header`."""
+    if len(fields) != len(header):
+        raise _bad(path, line, f"has {len(fields)} fields, the header has {len(header)} (a "
+                               f"row cut short or two rows run together)")
+    row = dict(zip(header, fields))
+    for c in KEY_COLUMNS:
+        if c not in row:
+            continue
+        v = row[c]
+        if c == "model":
+            if v not in MODELS:
+                raise _bad(path, line, f"has `model` {v!r}, not one of {MODELS}")
+            continue
+        try:
+            f = float(v)
+        except ValueError:
+            raise _bad(path, line, f"has `{c}` {v!r}, not a number") from None
+        if not math.isfinite(f) or (c in _INT_KEYS and (not f.is_integer() or f < 0)):
+            kind = "a whole number >= 0" if c in _INT_KEYS else "a finite number"
+            raise _bad(path, line, f"has `{c}` {v!r}, not {kind}")
+    for c in REQUIRED_COLUMNS:  # measurements: a number, or empty where none was made
+        if c in KEY_COLUMNS or row[c] == "":
+            continue
+        try:
+            float(row[c])
+        except ValueError:
+            raise _bad(path, line, f"has `{c}` {row[c]!r}, not a number") from None
+
+
 def read_rows(path: Union[str, Path]) -> list[dict[str, str]]:
-    """The rows of a study CSV (empty if the file does not exist)."""
+    """The rows of a study CSV (empty if the file does not exist or is empty), checked.
+
+    The file must end with a complete line, start with a header holding every
+    `REQUIRED_COLUMNS` name, and every row must have the header's number of fields and
+    numbers where settings and measurements are numbers.  Anything else raises
+    `StudyFileError` naming the file and line, so a damaged file is never resumed
+    from, and never rewritten.
+    """
     p = Path(path)
-    if not p.exists() or p.stat().st_size == 0:
+    if not p.exists():
         return []
-    with p.open(newline="") as fh:
-        return list(csv.DictReader(fh))
+    if p.is_dir():
+        raise StudyFileError(f"{p} is a folder, not a study CSV; move it away")
+    data = p.read_bytes()
+    if not data:
+        return []
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise _bad(p, line, "is not UTF-8 text") from None
+    if not text.endswith("\n"):
+        raise _bad(p, text.count("\n") + 1, "is incomplete (it does not end with a newline: "
+                                            "a write was interrupted)")
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header = next(reader, [])
+    missing = [c for c in REQUIRED_COLUMNS if c not in header]
+    if missing:
+        raise _bad(p, 1, f"is not a study header: it lacks the column(s) "
+                         f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+                         f"(the header line is missing or damaged)")
+    dups = sorted({c for c in header if header.count(c) > 1})
+    if dups:
+        raise _bad(p, 1, f"names the column(s) {', '.join(dups)} more than once")
+    rows = []
+    for fields in reader:
+        if not fields:  # a blank line holds no data
+            continue
+        _check_row(p, reader.line_num, header, fields)
+        rows.append(dict(zip(header, fields)))
+    return rows
 
 
 def _fmt(v: Any) -> str:
@@ -155,25 +235,21 @@ def _fmt(v: Any) -> str:
 
 
 def _write_rows(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    """Rewrite the CSV atomically (temporary file, then rename)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".study-", suffix=".csv")
-    with os.fdopen(fd, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({c: _fmt(r.get(c)) if not isinstance(r.get(c), str) else r[c]
-                        for c in COLUMNS})
-    os.chmod(tmp, 0o644)  # mkstemp makes it private; a results file is not
-    os.replace(tmp, path)
+    """Rewrite the CSV atomically (`files.write_text`: temporary file, fsync, rename)."""
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        w.writerow({c: _fmt(r.get(c)) if not isinstance(r.get(c), str) else r[c]
+                    for c in COLUMNS})
+    write_text(path, buf.getvalue())
 
 
 def _append_row(path: Path, row: dict[str, Any]) -> None:
-    new = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
-        if new:
-            w.writeheader()
-        w.writerow({c: _fmt(row.get(c)) for c in COLUMNS})
+    """Add one finished run to the CSV so that it is complete or absent: the checked
+    old rows and the new one are written whole to a temporary file and renamed (study
+    CSVs are small; an append in place could leave half a row after a crash)."""
+    _write_rows(path, read_rows(path) + [row])
 
 
 # ------------------------------------------------------------------------------------------
@@ -223,17 +299,35 @@ def _launch(nprocs: int, module_args: Sequence[str], timeout: float, threads: in
         return _Job(proc.returncode, out.read(), err.read(), timed_out)
 
 
+def _read_pingpong(path: Path) -> Optional[dict[str, Any]]:
+    """The cached ping-pong fit in `path` (None if there is none); `StudyFileError` if
+    the file cannot be read, so a damaged cache is refused before any measurement."""
+    if not path.exists():
+        return None
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise StudyFileError(f"{path}: cannot be read ({exc}); nothing was changed.  It "
+                             f"caches the message costs: delete it to measure them again"
+                             ) from None
+    if not isinstance(obj, dict):
+        raise StudyFileError(f"{path}: is not a JSON object; nothing was changed.  It "
+                             f"caches the message costs: delete it to measure them again")
+    return obj
+
+
 def run_pingpong(path: Path, quick: bool = False, timeout: float = 120) -> dict[str, Any]:
     """Ping-pong on two ranks (cached in `path`); {} when it cannot run."""
-    if path.exists():
-        return json.loads(path.read_text())
+    cached = _read_pingpong(path)
+    if cached is not None:
+        return cached
     args = ["layerpar.studies.pingpong", "--out", str(path)] + (["--quick"] if quick else [])
     job = _launch(2, args, timeout)
     if job.returncode != 0 or not path.exists():
         sys.stderr.write(f"pingpong failed (exit {job.returncode}, timed out "
                          f"{job.timed_out}): {job.stderr[-2000:]}\n")
         return {}
-    return json.loads(path.read_text())
+    return _read_pingpong(path) or {}
 
 
 # ------------------------------------------------------------------------------------------
@@ -400,12 +494,22 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
     """
     out_csv = Path(out_csv)
     out_dir = Path(out_dir) if out_dir is not None else out_csv.parent
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_csv.parent.mkdir(parents=True, exist_ok=True)
+    if not (isinstance(timeout_per_run, (int, float)) and math.isfinite(timeout_per_run)
+            and timeout_per_run > 0):
+        raise ValueError(f"`timeout_per_run` must be a finite number > 0, got "
+                         f"{timeout_per_run!r}")
     runs = expand_grid(grid)
+    # everything that can be refused is refused here, before any measurement: the
+    # folders, the CSV and the worker logs a resume reads and extends, the ping-pong cache
+    check_output_dir(out_dir, "out_dir", ("model.json", "pingpong.json"))
+    check_output_dir(out_csv.parent, "out_csv", (out_csv.name,))
     existing = [_typed(r) for r in read_rows(out_csv)]
     done = {_key(r, KEY_COLUMNS) for r in existing}
     todo = [r for r in runs if _key(r, KEY_COLUMNS) not in done]
+    logged = {ranks: len(read_jsonl(out_dir / f"worker-{ranks}.jsonl", _JSONL_RECOVERY))
+              for ranks in {int(r["ranks"]) for r in todo}}
+    if todo:
+        _read_pingpong(out_dir / "pingpong.json")
     result = StudyResult(rows=[], fit=pmodel.NO_FIT,
                          csv_path=out_csv, skipped=len(runs) - len(todo))
     cores = available_cores()
@@ -433,9 +537,9 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
         for ranks in sorted({int(r["ranks"]) for r in todo}):
             group = [r for r in todo if int(r["ranks"]) == ranks]
             jsonl = out_dir / f"worker-{ranks}.jsonl"
-            start = sum(1 for _ in jsonl.open()) if jsonl.exists() else 0
+            start = logged[ranks]  # complete lines of earlier launches (checked above)
             cfg_path = out_dir / f"worker-{ranks}.json"
-            cfg_path.write_text(json.dumps({"out": str(jsonl), "runs": [
+            write_text(cfg_path, json.dumps({"out": str(jsonl), "runs": [
                 {k: v for k, v in r.items() if k not in ("ranks", "scaling")}
                 for r in group]}, indent=1))
             threads = max(int(r["threads"]) for r in group)
@@ -452,8 +556,9 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
             job = _launch(ranks, ["layerpar.studies.worker", f"@{cfg_path}"],
                           timeout_per_run * len(group) + 60, threads, poll)
             result.launched += len(group)
-            lines = jsonl.read_text().splitlines()[start:] if jsonl.exists() else []
-            got = [json.loads(s) for s in lines if s.strip()]
+            # the workers append each line whole (`files.append_line`), so these are the
+            # complete results of this launch, one per finished run, in the group's order
+            got = read_jsonl(jsonl, _JSONL_RECOVERY)[start:]
             for raw, run in zip(got, group):
                 if "error" in raw:
                     result.failed.append(f"ranks={ranks} layers={run['layers']}: "
@@ -478,7 +583,7 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
         _write_rows(out_csv, rows)
         result.rows = [_typed(r) for r in read_rows(out_csv)]
         model_json = out_dir / "model.json"
-        model_json.write_text(json.dumps(summary, indent=1, default=str))
+        write_text(model_json, json.dumps(summary, indent=1, default=str))
         result.files.append(model_json)
         if plots:
             from .plots import plot_all
