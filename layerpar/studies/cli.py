@@ -161,6 +161,11 @@ def run(args: argparse.Namespace) -> int:
                         **map_grid)
     except StudyFileError as exc:  # a damaged file found on resume: left as it was
         return _error(args, str(exc))
+    except KeyboardInterrupt:  # the running job was killed first (launch.run_job)
+        sys.stderr.write(f"{getattr(args, '_prog', 'layerpar scale')}: interrupted; the "
+                         f"runs finished so far are in {out / 'results.csv'}: the same "
+                         f"command resumes the study\n")
+        return 130
     cols = ("ranks", "threads", "layers", "levels", "cfactor", "fwd_iters", "bwd_iters",
             "seconds_per_batch", "predicted_seconds_per_batch", "model_role",
             "serial_seconds_per_batch", "serial_threads", "speedup", "efficiency",

@@ -25,7 +25,6 @@ import itertools
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, TextIO, Union
 
-from ..launch import kill_job, mpiexec_path
+from ..launch import mpiexec_path, run_job
 from . import model as pmodel
 from .files import StudyFileError, check_output_dir, read_jsonl, write_text
 from .worker import DEFAULTS, MODELS, available_cores, config, serial_baseline
@@ -281,22 +280,12 @@ def _launch(nprocs: int, module_args: Sequence[str], timeout: float, threads: in
     if nprocs * threads > available_cores():  # oversubscribed: let idle ranks back off
         env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
-                                start_new_session=True, env=env)
-        deadline = time.monotonic() + timeout
-        timed_out = False
-        while proc.poll() is None:
-            if time.monotonic() > deadline:
-                kill_job(proc.pid)
-                proc.wait()
-                timed_out = True
-                break
-            if poll is not None:
-                poll()
-            time.sleep(0.2)
+        # the job dies with this process: on a timeout, Ctrl-C, SIGTERM, or if this
+        # process is killed outright (`launch.run_job`)
+        st = run_job(cmd, env=env, timeout=timeout, stdout=out, stderr=err, poll=poll)
         out.seek(0)
         err.seek(0)
-        return _Job(proc.returncode, out.read(), err.read(), timed_out)
+        return _Job(st.returncode, out.read(), err.read(), st.timed_out)
 
 
 def _read_pingpong(path: Path) -> Optional[dict[str, Any]]:
