@@ -70,10 +70,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse and check the command line; ValueError names the option of a bad value."""
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        from .train import check_arguments
+        from .train import RECIPES, check_arguments
 
         if args.np < 1:
             raise ValueError(f"`--np` must be >= 1, got {args.np}")
+        layers = RECIPES[args.model].n_layers
+        if args.np > layers and not args.serial:  # checked once here, not on N ranks
+            raise ValueError(f"`--np` must be <= {layers}, the number of residual layers "
+                             f"of {args.model} (each rank needs at least one), got "
+                             f"{args.np}")
         check_arguments(args)
     return args
 

@@ -141,12 +141,18 @@ def run(args: argparse.Namespace) -> int:
     Bad options, an output folder that cannot be written and a damaged results file are
     reported as one line on stderr with exit status 2, before anything is measured.
     """
-    from .runner import StudyFileError, check_output_dir, run_study
+    from .runner import StudyFileError, check_output_dir, expand_grid, run_study
 
     out = Path(args.out)
     try:
         grid = grid_from_args(args)
         st = _split("serial_threads", args.serial_threads) if args.serial_threads else None
+        if st is not None and min(st) < 1:
+            raise ValueError(f"`--serial-threads` must be >= 1, got {args.serial_threads!r}")
+        if not (math.isfinite(args.timeout) and args.timeout > 0):
+            raise ValueError(f"`--timeout` must be a finite number of seconds > 0, got "
+                             f"{args.timeout}")
+        expand_grid(grid, flags=True)  # every value, named as its option
         check_output_dir(out, "--out", ("results.csv", "model.json", "pingpong.json"))
     except ValueError as exc:  # StudyFileError is one
         return _error(args, str(exc))

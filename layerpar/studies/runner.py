@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any, Optional, TextIO, Union
 
 from ..launch import mpiexec_path, run_job
+from ..mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MAX_STEPS
+from ..ode.rng import MAX_SEED
 from . import model as pmodel
 from .files import StudyFileError, check_output_dir, read_jsonl, write_text
 from .worker import DEFAULTS, MODELS, available_cores, config, serial_baseline
@@ -76,13 +78,50 @@ def _as_list(v: Any) -> list:
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-def expand_grid(grid: dict[str, Any]) -> list[dict[str, Any]]:
+# whole-number settings: (lowest, highest or None); the highest are what the engine holds
+# in a C int (MGRIT counts), its level limit, or a torch seed
+_INT_BOUNDS: dict[str, tuple[int, Optional[int]]] = {
+    "ranks": (1, None), "threads": (1, None), "layers": (1, MAX_STEPS), "width": (1, None),
+    "batch": (1, None), "image": (1, None), "classes": (1, None),
+    "levels": (1, MAX_LEVELS), "cfactor": (2, ENGINE_INT_MAX), "nrelax": (0, ENGINE_INT_MAX),
+    "fwd_iters": (1, ENGINE_INT_MAX), "bwd_iters": (1, ENGINE_INT_MAX),
+    "diag_iters": (0, ENGINE_INT_MAX), "steps": (1, None), "warmup": (0, None),
+    "seed": (0, MAX_SEED),
+}
+_POSITIVE_FLOATS = ("lr", "t_final")
+
+
+def _name(key: str, flags: bool) -> str:
+    """How a setting is called in messages: the grid key, or the command-line flag."""
+    return f"`--{key.replace('_', '-')}`" if flags else f"`{key}`"
+
+
+def _check_run(cfg: dict[str, Any], flags: bool) -> None:
+    """Raise ValueError naming the setting of `cfg` that no run could use."""
+    for k, (lo, hi) in _INT_BOUNDS.items():
+        v = cfg[k]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{_name(k, flags)} must be a whole number, got {v!r}")
+        if v < lo or (hi is not None and v > hi):
+            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise ValueError(f"{_name(k, flags)} must be {rng}, got {v}")
+    for k in _POSITIVE_FLOATS:
+        v = cfg[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                math.isfinite(v) and v > 0):
+            raise ValueError(f"{_name(k, flags)} must be a finite number > 0, got {v!r}")
+
+
+def expand_grid(grid: dict[str, Any], *, flags: bool = False) -> list[dict[str, Any]]:
     """One run config per combination of the grid's lists (see `_GRID_LISTS`).
 
     Scalars are used as they are; ``weak=True`` multiplies the layers by the ranks.
-    Runs with more ranks than layers are dropped, and with ``max_cores=C`` those with
-    ranks × threads > C (to scan the ranks × threads splits of a machine).  Unknown
-    keys are an error.
+    Runs with more ranks than layers are dropped (a grid may mix depths), and with
+    ``max_cores=C`` those with ranks × threads > C (to scan the ranks × threads splits
+    of a machine).  Every value is checked before anything runs (ValueError naming
+    it: the grid key, or with `flags` the ``layerpar scale`` option): unknown keys,
+    values out of range or beyond what the engine holds, a rank count larger than
+    every layer count, and a grid left with no run at all.
     """
     known = set(DEFAULTS) | {"ranks", "weak", "max_cores"}
     unknown = set(grid) - known
@@ -90,6 +129,10 @@ def expand_grid(grid: dict[str, Any]) -> list[dict[str, Any]]:
         raise ValueError(f"unknown grid key(s) {sorted(unknown)}; valid: {sorted(known)}")
     weak = bool(grid.get("weak", False))
     max_cores = grid.get("max_cores")
+    if max_cores is not None and (isinstance(max_cores, bool) or not isinstance(
+            max_cores, int) or max_cores < 1):
+        raise ValueError(f"{_name('max_cores', flags)} must be a whole number >= 1, got "
+                         f"{max_cores!r}")
     lists = {k: _as_list(grid[k]) for k in _GRID_LISTS if k in grid}
     lists.setdefault("ranks", [1])
     scalars = {k: v for k, v in grid.items()
@@ -97,32 +140,47 @@ def expand_grid(grid: dict[str, Any]) -> list[dict[str, Any]]:
     for k, v in scalars.items():
         if isinstance(v, (list, tuple)):
             raise ValueError(f"grid key `{k}` takes one value, got {v!r}")
+    for k, vs in lists.items():
+        if not vs:
+            raise ValueError(f"{_name(k, flags)} needs at least one value")
     keys = list(lists)
     runs = []
     for combo in itertools.product(*(lists[k] for k in keys)):
         run = {**scalars, **dict(zip(keys, combo))}
+        try:
+            cfg = config(run)
+        except ValueError as exc:  # an unknown model
+            raise ValueError(str(exc).replace("`model`", _name("model", flags))) from None
+        _check_run(cfg, flags)
         if weak:
-            run["layers"] = int(run.get("layers", DEFAULTS["layers"])) * int(run["ranks"])
-        run["scaling"] = "weak" if weak else "strong"
-        cfg = config(run)
-        for k in ("ranks", "threads", "layers", "width", "batch", "levels", "cfactor",
-                  "fwd_iters", "bwd_iters", "steps"):
-            if int(cfg[k]) < 1:
-                raise ValueError(f"`{k}` must be >= 1, got {cfg[k]!r}")
-        if int(cfg["cfactor"]) < 2:
-            raise ValueError(f"`cfactor` must be >= 2, got {cfg['cfactor']!r}")
-        if int(cfg["ranks"]) > int(cfg["layers"]):
+            cfg["layers"] = cfg["layers"] * cfg["ranks"]
+            _check_run(cfg, flags)
+        cfg["scaling"] = "weak" if weak else "strong"
+        if cfg["ranks"] > cfg["layers"]:
             continue
-        if max_cores is not None and int(cfg["ranks"]) * int(cfg["threads"]) > int(max_cores):
+        if max_cores is not None and cfg["ranks"] * cfg["threads"] > max_cores:
             continue
         runs.append(cfg)
+    layers = lists.get("layers", [DEFAULTS["layers"]])
+    if not weak and max(lists["ranks"]) > max(layers):
+        raise ValueError(f"{_name('ranks', flags)} {max(lists['ranks'])} is more than every "
+                         f"layer count ({', '.join(map(str, layers))}): each rank needs at "
+                         f"least one layer")
+    if not runs:
+        raise ValueError(f"the grid has no run: every combination has more ranks than "
+                         f"layers or ranks x threads above {_name('max_cores', flags)}")
     return runs
 
 
 def _canon(v: Any) -> str:
-    """A canonical text for a setting, so 4, "4" and 4.0 compare equal."""
+    """A canonical text for a setting, so 4, "4" and 4.0 compare equal (whole numbers
+    exactly, also beyond float precision: seeds run up to 2**64 - 1)."""
     if isinstance(v, bool):
         return str(v)
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str) and v.strip().lstrip("+-").isdigit():
+        return str(int(v))
     try:
         f = float(v)
     except (TypeError, ValueError):
@@ -447,6 +505,9 @@ def _typed(row: dict[str, Any]) -> dict[str, Any]:
         if isinstance(v, str) and k not in ("model", "scaling", "serial_variant",
                                             "model_role", "fwd_residual_history",
                                             "bwd_residual_history"):
+            if k in KEY_COLUMNS and v.strip().lstrip("+-").isdigit():
+                out[k] = int(v)  # exactly, also beyond float precision (seeds)
+                continue
             try:
                 f = float(v)
                 out[k] = int(f) if f.is_integer() and k in KEY_COLUMNS + [

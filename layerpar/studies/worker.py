@@ -116,7 +116,7 @@ def make_batches(cfg: dict[str, Any], count: int) -> list[tuple[Tensor, Tensor]]
     """`count` (input, label) batches from a fixed generator: Gaussian inputs labelled
     by a fixed random linear teacher (learnable, so the loss moves)."""
     cfg = config(cfg, strict=False)
-    g = torch.Generator().manual_seed(int(cfg["seed"]) + 1)
+    g = torch.Generator().manual_seed((int(cfg["seed"]) + 1) % 2**64)  # seed <= 2**64 - 1
     shape = input_shape(cfg)
     feats = math.prod(shape[1:])
     teacher = torch.randn(feats, int(cfg["classes"]), generator=g)
