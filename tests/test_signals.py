@@ -133,7 +133,8 @@ def test_stopping_train_launcher_stops_its_job(sig: int, cleanup: list) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=_env())
     try:
-        _wait_for(f"--seed {seed}", "mpi4py", proc, count=2)  # both ranks started
+        # mpiexec and both ranks carry "mpi4py" and the marker
+        _wait_for(f"--seed {seed}", "mpi4py", proc, count=3)
         job = _job_processes(f"--seed {seed}", proc.pid)
         assert len(job) >= 3, job  # mpiexec, proxy, 2 ranks
         os.kill(proc.pid, sig)
@@ -159,7 +160,8 @@ def test_ctrl_c_on_scale_stops_its_worker_job(tmp_path: Path, cleanup: list) -> 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=_env())
     try:
-        _wait_for(str(out), "layerpar.studies.worker", proc, count=2, timeout=120)
+        # mpiexec and both ranks of the worker job (not the ping-pong job before it)
+        _wait_for(str(out), "layerpar.studies.worker", proc, count=3, timeout=120)
         job = _job_processes(str(out), proc.pid)
         os.kill(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=30)
