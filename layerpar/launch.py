@@ -136,7 +136,7 @@ def run_job(cmd: Sequence[str], *, env: Optional[dict[str, str]] = None,
 
     def forward(signum: int, frame: Any) -> None:
         received.append(signum)
-        if proc is not None:
+        if proc is not None and proc.returncode is None:  # never a reaped (reusable) pid
             kill_job(proc.pid)
 
     previous: dict[int, Any] = {}
@@ -166,7 +166,8 @@ def run_job(cmd: Sequence[str], *, env: Optional[dict[str, str]] = None,
             if poll is not None:
                 poll()
         if received:  # the handler killed the job (again here: it may have come first)
-            kill_job(proc.pid)
+            if proc.returncode is None:
+                kill_job(proc.pid)
             status.returncode = proc.wait()
             status.interrupted_by = received[0]
     except BaseException:
