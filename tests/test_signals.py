@@ -172,3 +172,15 @@ def test_ctrl_c_on_scale_stops_its_worker_job(tmp_path: Path, cleanup: list) -> 
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_run_job_restores_handlers_and_honours_its_timeout() -> None:
+    from layerpar.launch import FORWARDED_SIGNALS, run_job
+
+    before = {s: signal.getsignal(s) for s in FORWARDED_SIGNALS}
+    assert run_job([sys.executable, "-c", "raise SystemExit(3)"]).returncode == 3
+    t0 = time.monotonic()
+    st = run_job(["sleep", "30"], timeout=0.5)
+    assert st.timed_out and st.returncode == -signal.SIGKILL
+    assert time.monotonic() - t0 < 10
+    assert {s: signal.getsignal(s) for s in FORWARDED_SIGNALS} == before
