@@ -11,6 +11,10 @@ Every grid option takes a comma-separated list (``--levels 2,3 --cfactor 2,4``).
 (ranks 1,2; 64 layers, width 8, batch 16, 2 timed batches) for a smoke test; options
 given explicitly still win.
 
+A bad value, an ``--out`` that cannot be written and a damaged file to resume from
+are one line on stderr and exit status 2, before anything is measured; Ctrl-C stops
+the running job too and exits 130 (the finished runs stay in the CSV).
+
 `add_parser(subparsers)` registers the subcommand on another parser (the ``layerpar``
 command); `run(args)` runs it and returns the exit status.
 """

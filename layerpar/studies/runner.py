@@ -4,6 +4,9 @@
 fwd_iters × bwd_iters × threads × model × width × batch; strong scaling keeps the
 layers fixed, weak scaling (``"weak": True``) runs ``layers × ranks`` layers), and:
 
+0. checks, before any measurement, every grid value, the output folders, and the files
+   a resume reads (`out_csv`, the worker logs, the ping-pong cache): a damaged file
+   raises `StudyFileError` naming the file and line and is left as it was;
 1. skips the runs whose settings are already rows of `out_csv` (resume);
 2. measures, in this process, the serial baseline of every model size
    (`worker.serial_baseline`: plain PyTorch, best thread count) and the per-step
@@ -11,8 +14,9 @@ layers fixed, weak scaling (``"weak": True``) runs ``layers × ranks`` layers), 
 3. measures message latency and bandwidth with a two-rank ping-pong under mpiexec;
 4. launches ``mpiexec -n P python -m mpi4py -m layerpar.studies.worker`` once per
    rank count (the mpiexec beside ``sys.executable``, else the one on PATH), under a
-   timeout that kills the job's process group and every process below it, and
-   appends one CSV row per finished run;
+   timeout that kills the job's process group and every process below it (as do
+   Ctrl-C and SIGTERM here, `launch.run_job`), and adds one CSV row per finished run
+   (each file a study writes is replaced whole, `files`: a row is complete or absent);
 5. fits the model's three constants on the runs of every depth but the deepest,
    predicts every row (``predicted_seconds_per_batch``, ``model_role`` fit / validate), rewrites the
    CSV, writes ``model.json`` and the plots.
@@ -541,6 +545,8 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
     map_ranks, map_layers: the grid of the model's extrapolation map.
     Returns a `StudyResult`; failed launches are listed there (and the runs they did
     not finish stay out of the CSV, so a later call retries them).
+    Raises ValueError for a bad grid value or timeout, and `StudyFileError` for an
+    unusable folder or a damaged file to resume from, both before any measurement.
     """
     out_csv = Path(out_csv)
     out_dir = Path(out_dir) if out_dir is not None else out_csv.parent
