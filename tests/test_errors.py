@@ -70,6 +70,16 @@ def test_every_option_field_has_bad_values_tested() -> None:
     assert names == {f for f, _, _ in BAD_OPTIONS}
 
 
+def test_every_engine_int_option_has_an_overflow_value_tested() -> None:
+    # the engine holds these in C ints: a value >= 2**31 must be tested for each
+    # (max_levels has its own, smaller bound)
+    ints = {f.name for f in dataclasses.fields(MGRITOptions)
+            if f.type in ("int", "IntOrSeq") and f.name != "max_levels"}
+    big = {f for f, v, _ in BAD_OPTIONS
+           if any(isinstance(x, int) and x >= 2**31 for x in (v if isinstance(v, list) else [v]))}
+    assert ints and ints <= big, ints - big
+
+
 def test_unknown_option_in_replace() -> None:
     with pytest.raises(TypeError, match="nrelaxx"):
         MGRITOptions().replace(nrelaxx=1)
