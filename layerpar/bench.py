@@ -376,6 +376,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--only", nargs="*", metavar="NAME",
                    help=f"run only these: {', '.join(f.__name__ for f in BENCHMARKS)}")
     args = p.parse_args(argv)
+    # checked before any measurement: one line and exit 2, as argparse reports
+    if args.repeats is not None and args.repeats < 1:
+        p.error(f"`--repeats` must be >= 1, got {args.repeats}")
+    if args.threads < 1:
+        p.error(f"`--threads` must be >= 1, got {args.threads}")
+    if args.csv is not None:
+        import os
+        folder = os.path.dirname(os.path.abspath(args.csv))
+        if os.path.isdir(args.csv) or not os.path.isdir(folder) or not os.access(
+                folder, os.W_OK):
+            p.error(f"`--csv` {args.csv} cannot be written (a folder, or in a folder that "
+                    f"is missing or read-only)")
 
     comm = None
     try:

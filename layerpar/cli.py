@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 from . import __version__
-from .launch import mpiexec_path
+from .launch import mpiexec_path, run_job
 
 # set on the ranks of a job that `layerpar train --np N` launched (so they do not
 # launch again); mpiexec / srun themselves are recognised by the PMI variables below
@@ -71,10 +70,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse and check the command line; ValueError names the option of a bad value."""
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        from .train import check_arguments
+        from .train import RECIPES, check_arguments
 
         if args.np < 1:
             raise ValueError(f"`--np` must be >= 1, got {args.np}")
+        layers = RECIPES[args.model].n_layers
+        if args.np > layers and not args.serial:  # checked once here, not on N ranks
+            raise ValueError(f"`--np` must be <= {layers}, the number of residual layers "
+                             f"of {args.model} (each rank needs at least one), got "
+                             f"{args.np}")
         check_arguments(args)
     return args
 
@@ -87,6 +91,9 @@ def under_mpi() -> bool:
 def launch(nprocs: int, argv: Sequence[str]) -> int:
     """Run ``layerpar <argv>`` on ``nprocs`` ranks under mpiexec; return its exit status.
 
+    The job never outlives this launcher (`launch.run_job`): SIGTERM, SIGINT or SIGHUP
+    here kill mpiexec and every rank first, and a SIGKILL here kills mpiexec through
+    its parent-death signal, which takes the ranks with it.
     Raises FileNotFoundError when no mpiexec can be found.
     """
     mpiexec = mpiexec_path()
@@ -100,7 +107,8 @@ def launch(nprocs: int, argv: Sequence[str]) -> int:
     env = dict(os.environ)
     env[LAUNCHED_ENV] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
-    code = subprocess.call(cmd, env=env)
+    code = run_job(cmd, env=env).returncode
+    assert code is not None  # run_job returns once the job has ended
     return 128 - code if code < 0 else code  # killed by signal s: 128 + s, as shells do
 
 
@@ -173,6 +181,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except FileNotFoundError as exc:
                 print(f"layerpar: error: {exc}", file=sys.stderr)
                 return 1
+            except KeyboardInterrupt:  # the job was killed before this was raised
+                print("layerpar: interrupted; the job was stopped", file=sys.stderr)
+                return 130
         return _train(args)
     if args.command == "scale":
         from .studies.cli import run as run_scale

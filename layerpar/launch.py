@@ -1,18 +1,35 @@
-"""Finding `mpiexec` and stopping an MPI job completely.
+"""Finding `mpiexec`, running an MPI job that dies with its launcher, stopping it.
 
 Shared by the `layerpar` command line (which relaunches itself under mpiexec), the
 scaling studies (one job per rank count) and the test suite (workers under a timeout).
+
+`run_job` is how a launcher should start a job: the job gets a session of its own
+(so `kill_job` can find all of it), SIGTERM, SIGINT and SIGHUP sent to the launcher
+kill the job before the launcher reacts to them as it otherwise would, and on Linux
+the job's mpiexec gets a parent-death signal, so even a SIGKILLed launcher takes its
+job with it (mpiexec's proxy then stops the ranks).
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import shutil
 import signal
+import subprocess
 import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Callable, Optional, Union
 
-__all__ = ["kill_job", "mpiexec_path"]
+__all__ = ["JobStatus", "kill_job", "mpiexec_path", "run_job"]
+
+# signals a launcher forwards to its job (as a kill) before handling them itself
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def mpiexec_path() -> Optional[str]:
@@ -60,3 +77,109 @@ def kill_job(pid: int) -> None:
             kill(target, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def _die_with_parent_hook() -> Optional[Callable[[], None]]:
+    """A `preexec_fn` that makes the child receive SIGKILL when its parent dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``), or None where that is not available.
+
+    libc is loaded here, in the parent: between fork and exec the child only calls
+    prctl and getppid.  If the parent died before prctl took effect, the child exits
+    at once instead of running orphaned.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher is already gone
+            os._exit(1)
+
+    return hook
+
+
+@dataclass
+class JobStatus:
+    """How a job started by `run_job` ended: its exit status (negative: killed by that
+    signal), whether the timeout killed it, and the signal the launcher received that
+    made it kill the job (None if none)."""
+
+    returncode: Optional[int]
+    timed_out: bool = False
+    interrupted_by: Optional[int] = None
+
+
+def run_job(cmd: Sequence[str], *, env: Optional[dict[str, str]] = None,
+            timeout: Optional[float] = None,
+            stdout: Union[None, int, IO[Any]] = None, stderr: Union[None, int, IO[Any]] = None,
+            poll: Optional[Callable[[], None]] = None, poll_interval: float = 0.2) -> JobStatus:
+    """Run `cmd` (an ``mpiexec ...`` line) so that it never outlives this process.
+
+    The job runs in a session of its own.  It is killed with everything below it
+    (`kill_job`) when `timeout` seconds pass, when `poll` or anything else raises here
+    (e.g. KeyboardInterrupt), and when this process receives SIGTERM, SIGINT or SIGHUP:
+    then, once the job is gone, the signal is delivered again to this process with its
+    previous handling restored, so the launcher ends as it would have without a job
+    (SIGTERM: killed by SIGTERM; SIGINT: KeyboardInterrupt).  Signal handlers can only
+    be set from the main thread; elsewhere only the parent-death signal (Linux; it
+    fires when the *thread* that started the job ends) and the exception path apply.
+    `poll()` is called about every `poll_interval` seconds while the job runs.
+    """
+    received: list[int] = []
+    proc: Optional[subprocess.Popen] = None
+
+    def forward(signum: int, frame: Any) -> None:
+        received.append(signum)
+        if proc is not None and proc.returncode is None:  # never a reaped (reusable) pid
+            kill_job(proc.pid)
+
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in FORWARDED_SIGNALS:
+            old = signal.getsignal(sig)
+            if old is signal.SIG_IGN:  # e.g. SIGHUP under nohup: stays ignored
+                continue
+            signal.signal(sig, forward)
+            previous[sig] = signal.SIG_DFL if old is None else old  # None: set outside Python
+    status = JobStatus(None)
+    try:
+        proc = subprocess.Popen(list(cmd), env=env, stdout=stdout, stderr=stderr,
+                                start_new_session=True, preexec_fn=_die_with_parent_hook())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not received:
+            try:
+                status.returncode = proc.wait(timeout=poll_interval)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if deadline is not None and time.monotonic() > deadline:
+                kill_job(proc.pid)
+                status.timed_out = True
+                status.returncode = proc.wait()
+                break
+            if poll is not None:
+                poll()
+        if received:  # the handler killed the job (again here: it may have come first)
+            if proc.returncode is None:
+                kill_job(proc.pid)
+            status.returncode = proc.wait()
+            status.interrupted_by = received[0]
+    except BaseException:
+        if proc is not None and proc.poll() is None:
+            kill_job(proc.pid)
+            proc.wait()
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if status.interrupted_by is not None:
+        # the job is gone: now react to the signal as this process would have
+        os.kill(os.getpid(), status.interrupted_by)
+        time.sleep(0.1)  # a Python-level handler (KeyboardInterrupt) runs here
+    return status

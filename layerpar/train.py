@@ -29,9 +29,10 @@ import torch
 from torch import Tensor, nn
 
 from . import data
-from .mgrit.options import MAX_LEVELS, MGRITOptions
+from .mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MGRITOptions
 from .ode import blocks
 from .ode.net import ODENet, Segment
+from .ode.rng import MAX_SEED
 from .parallel import LayerParallel
 
 __all__ = [
@@ -243,8 +244,8 @@ def train(
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (
             math.isfinite(lr) and lr > 0):
         raise ValueError(f"`lr` must be a positive finite number, got {lr!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"`seed` must be a non-negative int, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"`seed` must be an int in [0, 2**64 - 1], got {seed!r}")
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"`dtype` must be torch.float32 or torch.float64, got {dtype!r}")
     fwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=2) if fwd is None else fwd
@@ -425,6 +426,15 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise ValueError(f"`{flag}` must be >= {lo}, got {value}")
     if args.levels > MAX_LEVELS:
         raise ValueError(f"`--levels` must be <= {MAX_LEVELS}, got {args.levels}")
+    # what the engine holds in C ints, and torch in a 64-bit seed: checked here, so a
+    # bad value is one line naming the option, not an OverflowError on every rank
+    for flag, value, hi in [("--cfactor", args.cfactor, ENGINE_INT_MAX),
+                            ("--fwd-iters", args.fwd_iters, ENGINE_INT_MAX),
+                            ("--bwd-iters", args.bwd_iters, ENGINE_INT_MAX),
+                            ("--nrelax", args.nrelax, ENGINE_INT_MAX),
+                            ("--seed", args.seed, MAX_SEED)]:
+        if value > hi:
+            raise ValueError(f"`{flag}` must be <= {hi}, got {value}")
     if not (math.isfinite(args.tol) and args.tol >= 0):
         raise ValueError(f"`--tol` must be a finite number >= 0, got {args.tol}")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):

@@ -42,6 +42,10 @@ BAD_OPTIONS = [
     ("rtol", -0.1, ValueError), ("rtol", 1.5, ValueError), ("rtol", math.nan, ValueError),
     ("rtol", False, TypeError),
     ("max_iter", 0, ValueError), ("max_iter", 10.0, TypeError),
+    # beyond the engine's C int: named, not a bare OverflowError later (issue 10)
+    ("max_iter", 2**31, ValueError), ("cfactor", 2**31, ValueError),
+    ("cfactor", [2, 2**63], ValueError), ("nrelax", 2**31, ValueError),
+    ("min_coarse", 2**31, ValueError),
     ("skip", 1, TypeError), ("skip", "yes", TypeError),
     ("min_coarse", 0, ValueError), ("min_coarse", None, TypeError),
     ("fmg", 0, TypeError), ("fmg", None, TypeError),
@@ -64,6 +68,16 @@ def test_invalid_option_names_the_option(field: str, value: object, exc: type) -
 def test_every_option_field_has_bad_values_tested() -> None:
     names = {f.name for f in dataclasses.fields(MGRITOptions)}
     assert names == {f for f, _, _ in BAD_OPTIONS}
+
+
+def test_every_engine_int_option_has_an_overflow_value_tested() -> None:
+    # the engine holds these in C ints: a value >= 2**31 must be tested for each
+    # (max_levels has its own, smaller bound)
+    ints = {f.name for f in dataclasses.fields(MGRITOptions)
+            if f.type in ("int", "IntOrSeq") and f.name != "max_levels"}
+    big = {f for f, v, _ in BAD_OPTIONS
+           if any(isinstance(x, int) and x >= 2**31 for x in (v if isinstance(v, list) else [v]))}
+    assert ints and ints <= big, ints - big
 
 
 def test_unknown_option_in_replace() -> None:

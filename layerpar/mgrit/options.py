@@ -9,14 +9,24 @@ from typing import Any, Union
 IntOrSeq = Union[int, Sequence[int]]
 
 MAX_LEVELS = 30  # the engine's LPM_MAX_LEVELS
+# The engine holds counts and factors in C ints: a larger Python int would fail later as
+# a bare OverflowError in the Cython call, without saying which field it was.
+ENGINE_INT_MAX = 2**31 - 1
+# fine points 0..n_steps are indexed by C ints, and n_steps + 1 of them must be countable
+MAX_STEPS = ENGINE_INT_MAX - 1
 
 
-def _int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+def _int(name: str, value: Any, lo: int, hi: int = ENGINE_INT_MAX) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"`{name}` must be {rng}, got {value}")
+    if hi == ENGINE_INT_MAX:  # the bound is the engine's C int, not an MGRIT rule
+        if value < lo:
+            raise ValueError(f"`{name}` must be >= {lo}, got {value}")
+        if value > hi:
+            raise ValueError(f"`{name}` must be in [{lo}, {hi}] (the engine holds it in a "
+                             f"C int), got {value}")
+    elif value < lo or value > hi:
+        raise ValueError(f"`{name}` must be in [{lo}, {hi}], got {value}")
     return value
 
 

@@ -11,7 +11,7 @@ import torch
 from .._native._core import NAN_ERROR, Core
 from .errors import ConvergenceError, DivergenceError
 from .grid import block_bounds
-from .options import MGRITOptions
+from .options import MAX_STEPS, MGRITOptions
 from .transport import MPITransport, SerialTransport, make_transport
 
 StepFn = Callable[[torch.Tensor, float, float, int], torch.Tensor]
@@ -158,10 +158,21 @@ def _validate(step: Any, u0: Any, n_steps: Any, t_start: Any, t_final: Any, opti
         raise TypeError("`init` must be callable or None")
     if not isinstance(u0, torch.Tensor):
         raise TypeError(f"`u0` must be a torch.Tensor, got {type(u0).__name__}")
+    # MGRIT sums, scales and takes norms of states: integer and boolean tensors would fail
+    # (or round) inside torch, and complex norms are not what the halting rule compares
+    if not u0.dtype.is_floating_point:
+        raise TypeError(f"`u0` must be a floating-point tensor (float16, bfloat16, float32 "
+                        f"or float64), got {u0.dtype}")
+    if u0.is_meta:
+        raise ValueError("`u0` is on the meta device: it has a shape but no values to "
+                         "step; create it on the CPU or a GPU")
     if isinstance(n_steps, bool) or not isinstance(n_steps, int):
         raise TypeError(f"`n_steps` must be an int, got {type(n_steps).__name__}")
     if n_steps < 1:
         raise ValueError(f"`n_steps` must be >= 1, got {n_steps}")
+    if n_steps > MAX_STEPS:
+        raise ValueError(f"`n_steps` must be <= {MAX_STEPS} (the engine indexes time points "
+                         f"with C ints), got {n_steps}")
     if n_steps < size:
         raise ValueError(f"`n_steps` ({n_steps}) must be >= the number of ranks ({size})")
     for name, v in (("t_start", t_start), ("t_final", t_final)):
@@ -225,6 +236,14 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
             last = transport.size - 1
             final = transport.bcast_state(core.get_state(n_steps) if transport.rank == last
                                           else None, root=last)
+            # A sequential solve (one level) computes no residual, so a NaN/Inf would pass
+            # as converged; check the final state once.  Every rank holds the same
+            # broadcast bytes, so every rank decides the same way without a message.
+            if not bool(torch.isfinite(final).all()):
+                return DivergenceError(
+                    f"MGRIT final state (t = {float(t_final)}) has non-finite values after "
+                    f"{core.iterations} iteration(s) on {core.n_levels} level(s): the "
+                    f"propagator produced non-finite values (history {hist})")
             states = {i: core.get_state(i) for i in range(bounds[transport.rank],
                                                            bounds[transport.rank + 1])}
             return MGRITResult(final_state=final, converged=core.converged,

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["DROPOUT_TYPES", "needs_rng", "layer_rng", "draw_seed", "mix_seed"]
+__all__ = ["DROPOUT_TYPES", "MAX_SEED", "needs_rng", "layer_rng", "draw_seed", "mix_seed"]
 
 #: Module types whose forward draws from the global generator.
 DROPOUT_TYPES: tuple[type[nn.Module], ...] = (
@@ -31,6 +31,9 @@ DROPOUT_TYPES: tuple[type[nn.Module], ...] = (
 )
 
 _MASK64 = (1 << 64) - 1
+#: The largest seed torch's generators accept (``torch.manual_seed`` takes 64 bits; a
+#: larger int fails deep inside torch as "Overflow when unpacking long long").
+MAX_SEED = _MASK64
 
 
 def needs_rng(module: nn.Module) -> bool:

@@ -11,6 +11,10 @@ Every grid option takes a comma-separated list (``--levels 2,3 --cfactor 2,4``).
 (ranks 1,2; 64 layers, width 8, batch 16, 2 timed batches) for a smoke test; options
 given explicitly still win.
 
+A bad value, an ``--out`` that cannot be written and a damaged file to resume from
+are one line on stderr and exit status 2, before anything is measured; Ctrl-C stops
+the running job too and exits 130 (the finished runs stay in the CSV).
+
 `add_parser(subparsers)` registers the subcommand on another parser (the ``layerpar``
 command); `run(args)` runs it and returns the exit status.
 """
@@ -69,6 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNGs")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar on stderr")
+    p.set_defaults(_prog=p.prog)  # for one-line errors in `run`, as argparse words them
     return p
 
 
@@ -128,25 +133,49 @@ def _g(v: Any) -> str:
     return "n/a" if math.isnan(f) else f"{f:.4g}"
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the study the parsed options describe; print a summary; 0 if all runs ran."""
-    from .runner import run_study
+def _error(args: argparse.Namespace, message: str) -> int:
+    """Write one ``prog: error: message`` line to stderr (as argparse does); return 2."""
+    sys.stderr.write(f"{getattr(args, '_prog', 'layerpar scale')}: error: {message}\n")
+    return 2
 
+
+def run(args: argparse.Namespace) -> int:
+    """Run the study the parsed options describe; print a summary; 0 if all runs ran.
+
+    Bad options, an output folder that cannot be written and a damaged results file are
+    reported as one line on stderr with exit status 2, before anything is measured.
+    """
+    from .runner import StudyFileError, check_output_dir, expand_grid, run_study
+
+    out = Path(args.out)
     try:
         grid = grid_from_args(args)
         st = _split("serial_threads", args.serial_threads) if args.serial_threads else None
-    except ValueError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 2
-    out = Path(args.out)
+        if st is not None and min(st) < 1:
+            raise ValueError(f"`--serial-threads` must be >= 1, got {args.serial_threads!r}")
+        if not (math.isfinite(args.timeout) and args.timeout > 0):
+            raise ValueError(f"`--timeout` must be a finite number of seconds > 0, got "
+                             f"{args.timeout}")
+        expand_grid(grid, flags=True)  # every value, named as its option
+        check_output_dir(out, "--out", ("results.csv", "model.json", "pingpong.json"))
+    except ValueError as exc:  # StudyFileError is one
+        return _error(args, str(exc))
     quick = bool(getattr(args, "quick", False))
     # --quick: the same 64..4096 ranks x 1024..16384 layers map, sampled coarsely
     map_grid = {"map_ranks": (64, 512, 4096), "map_layers": (1024, 4096, 16384)} \
         if quick else {}
-    res = run_study(grid, out / "results.csv", out_dir=out,
-                    timeout_per_run=float(args.timeout), progress=bool(args.progress),
-                    plots=bool(args.plots), serial_threads=st, quick_pingpong=quick,
-                    **map_grid)
+    try:
+        res = run_study(grid, out / "results.csv", out_dir=out,
+                        timeout_per_run=float(args.timeout), progress=bool(args.progress),
+                        plots=bool(args.plots), serial_threads=st, quick_pingpong=quick,
+                        **map_grid)
+    except StudyFileError as exc:  # a damaged file found on resume: left as it was
+        return _error(args, str(exc))
+    except KeyboardInterrupt:  # the running job was killed first (launch.run_job)
+        sys.stderr.write(f"{getattr(args, '_prog', 'layerpar scale')}: interrupted; the "
+                         f"runs finished so far are in {out / 'results.csv'}: the same "
+                         f"command resumes the study\n")
+        return 130
     cols = ("ranks", "threads", "layers", "levels", "cfactor", "fwd_iters", "bwd_iters",
             "seconds_per_batch", "predicted_seconds_per_batch", "model_role",
             "serial_seconds_per_batch", "serial_threads", "speedup", "efficiency",

@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .files import write_text
+
 __all__ = ["fit_alpha_beta", "main", "measure"]
 
 SIZES = [8 << (2 * k) for k in range(11)]  # 8 B .. 8 MiB
@@ -115,9 +117,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             alpha, beta = fit_alpha_beta(samples)
             result = {"samples": [[n, t] for n, t in samples], "alpha_s": alpha,
                       "beta_Bps": beta, "library": MPI.Get_library_version().strip()}
-            if args.out:
-                with open(args.out, "w") as fh:
-                    json.dump(result, fh, indent=1)
+            if args.out:  # whole or not at all: the study reads it back as a cache
+                write_text(args.out, json.dumps(result, indent=1))
             print(f"pingpong: alpha = {alpha * 1e6:.2f} us, beta = {beta / 1e9:.3f} GB/s "
                   f"({len(samples)} sizes)", flush=True)
         pair.Free()

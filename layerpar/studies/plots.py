@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from . import model as pmodel
+from .files import write_bytes
 
 __all__ = ["plot_all", "plot_breakdown", "plot_map", "plot_predicted", "plot_residuals",
            "plot_speedup"]
@@ -32,6 +33,16 @@ def _plt() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(fig: Any, path: Path) -> None:
+    """Save `fig` as a PNG at `path` whole or not at all (rendered in memory, then
+    `files.write_bytes`), so an interrupted study leaves no truncated image."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    write_bytes(path, buf.getvalue())
 
 
 def _f(r: dict[str, Any], k: str) -> float:
@@ -92,7 +103,7 @@ def plot_speedup(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -118,7 +129,7 @@ def plot_breakdown(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     ax.set_title("Where the time goes (slowest rank)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -151,7 +162,7 @@ def plot_residuals(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     if handles:
         axes[0].legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -186,7 +197,7 @@ def plot_predicted(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -235,7 +246,7 @@ def plot_map(m: pmodel.ExtrapolationMap, path: Path) -> Path:
                  f"{s.get('fwd_iters')}/{s.get('bwd_iters')}; best level count per cell, "
                  f"Lk; alpha {s.get('alpha_s', 0) * 1e6:.2g} us)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return path
 

@@ -4,6 +4,9 @@
 fwd_iters × bwd_iters × threads × model × width × batch; strong scaling keeps the
 layers fixed, weak scaling (``"weak": True``) runs ``layers × ranks`` layers), and:
 
+0. checks, before any measurement, every grid value, the output folders, and the files
+   a resume reads (`out_csv`, the worker logs, the ping-pong cache): a damaged file
+   raises `StudyFileError` naming the file and line and is left as it was;
 1. skips the runs whose settings are already rows of `out_csv` (resume);
 2. measures, in this process, the serial baseline of every model size
    (`worker.serial_baseline`: plain PyTorch, best thread count) and the per-step
@@ -11,8 +14,9 @@ layers fixed, weak scaling (``"weak": True``) runs ``layers × ranks`` layers), 
 3. measures message latency and bandwidth with a two-rank ping-pong under mpiexec;
 4. launches ``mpiexec -n P python -m mpi4py -m layerpar.studies.worker`` once per
    rank count (the mpiexec beside ``sys.executable``, else the one on PATH), under a
-   timeout that kills the job's process group and every process below it, and
-   appends one CSV row per finished run;
+   timeout that kills the job's process group and every process below it (as do
+   Ctrl-C and SIGTERM here, `launch.run_job`), and adds one CSV row per finished run
+   (each file a study writes is replaced whole, `files`: a row is complete or absent);
 5. fits the model's three constants on the runs of every depth but the deepest,
    predicts every row (``predicted_seconds_per_batch``, ``model_role`` fit / validate), rewrites the
    CSV, writes ``model.json`` and the plots.
@@ -20,11 +24,11 @@ layers fixed, weak scaling (``"weak": True``) runs ``layers × ranks`` layers), 
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,12 +37,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, TextIO, Union
 
-from ..launch import kill_job, mpiexec_path
+from ..launch import mpiexec_path, run_job
+from ..mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MAX_STEPS
+from ..ode.rng import MAX_SEED
 from . import model as pmodel
-from .worker import DEFAULTS, available_cores, config, serial_baseline
+from .files import StudyFileError, check_output_dir, read_jsonl, write_text
+from .worker import DEFAULTS, MODELS, available_cores, config, serial_baseline
 
-__all__ = ["COLUMNS", "KEY_COLUMNS", "REQUIRED_COLUMNS", "StudyResult", "expand_grid",
-           "mpiexec_path", "read_rows", "run_study"]
+__all__ = ["COLUMNS", "KEY_COLUMNS", "REQUIRED_COLUMNS", "StudyFileError", "StudyResult",
+           "check_output_dir", "expand_grid", "mpiexec_path", "read_rows", "run_study"]
 
 REQUIRED_COLUMNS = [
     "ranks", "threads", "layers", "width", "batch", "levels", "cfactor", "fwd_iters",
@@ -75,13 +82,50 @@ def _as_list(v: Any) -> list:
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-def expand_grid(grid: dict[str, Any]) -> list[dict[str, Any]]:
+# whole-number settings: (lowest, highest or None); the highest are what the engine holds
+# in a C int (MGRIT counts), its level limit, or a torch seed
+_INT_BOUNDS: dict[str, tuple[int, Optional[int]]] = {
+    "ranks": (1, None), "threads": (1, None), "layers": (1, MAX_STEPS), "width": (1, None),
+    "batch": (1, None), "image": (1, None), "classes": (1, None),
+    "levels": (1, MAX_LEVELS), "cfactor": (2, ENGINE_INT_MAX), "nrelax": (0, ENGINE_INT_MAX),
+    "fwd_iters": (1, ENGINE_INT_MAX), "bwd_iters": (1, ENGINE_INT_MAX),
+    "diag_iters": (0, ENGINE_INT_MAX), "steps": (1, None), "warmup": (0, None),
+    "seed": (0, MAX_SEED),
+}
+_POSITIVE_FLOATS = ("lr", "t_final")
+
+
+def _name(key: str, flags: bool) -> str:
+    """How a setting is called in messages: the grid key, or the command-line flag."""
+    return f"`--{key.replace('_', '-')}`" if flags else f"`{key}`"
+
+
+def _check_run(cfg: dict[str, Any], flags: bool) -> None:
+    """Raise ValueError naming the setting of `cfg` that no run could use."""
+    for k, (lo, hi) in _INT_BOUNDS.items():
+        v = cfg[k]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{_name(k, flags)} must be a whole number, got {v!r}")
+        if v < lo or (hi is not None and v > hi):
+            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise ValueError(f"{_name(k, flags)} must be {rng}, got {v}")
+    for k in _POSITIVE_FLOATS:
+        v = cfg[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                math.isfinite(v) and v > 0):
+            raise ValueError(f"{_name(k, flags)} must be a finite number > 0, got {v!r}")
+
+
+def expand_grid(grid: dict[str, Any], *, flags: bool = False) -> list[dict[str, Any]]:
     """One run config per combination of the grid's lists (see `_GRID_LISTS`).
 
     Scalars are used as they are; ``weak=True`` multiplies the layers by the ranks.
-    Runs with more ranks than layers are dropped, and with ``max_cores=C`` those with
-    ranks × threads > C (to scan the ranks × threads splits of a machine).  Unknown
-    keys are an error.
+    Runs with more ranks than layers are dropped (a grid may mix depths), and with
+    ``max_cores=C`` those with ranks × threads > C (to scan the ranks × threads splits
+    of a machine).  Every value is checked before anything runs (ValueError naming
+    it: the grid key, or with `flags` the ``layerpar scale`` option): unknown keys,
+    values out of range or beyond what the engine holds, a rank count larger than
+    every layer count, and a grid left with no run at all.
     """
     known = set(DEFAULTS) | {"ranks", "weak", "max_cores"}
     unknown = set(grid) - known
@@ -89,6 +133,10 @@ def expand_grid(grid: dict[str, Any]) -> list[dict[str, Any]]:
         raise ValueError(f"unknown grid key(s) {sorted(unknown)}; valid: {sorted(known)}")
     weak = bool(grid.get("weak", False))
     max_cores = grid.get("max_cores")
+    if max_cores is not None and (isinstance(max_cores, bool) or not isinstance(
+            max_cores, int) or max_cores < 1):
+        raise ValueError(f"{_name('max_cores', flags)} must be a whole number >= 1, got "
+                         f"{max_cores!r}")
     lists = {k: _as_list(grid[k]) for k in _GRID_LISTS if k in grid}
     lists.setdefault("ranks", [1])
     scalars = {k: v for k, v in grid.items()
@@ -96,32 +144,47 @@ def expand_grid(grid: dict[str, Any]) -> list[dict[str, Any]]:
     for k, v in scalars.items():
         if isinstance(v, (list, tuple)):
             raise ValueError(f"grid key `{k}` takes one value, got {v!r}")
+    for k, vs in lists.items():
+        if not vs:
+            raise ValueError(f"{_name(k, flags)} needs at least one value")
     keys = list(lists)
     runs = []
     for combo in itertools.product(*(lists[k] for k in keys)):
         run = {**scalars, **dict(zip(keys, combo))}
+        try:
+            cfg = config(run)
+        except ValueError as exc:  # an unknown model
+            raise ValueError(str(exc).replace("`model`", _name("model", flags))) from None
+        _check_run(cfg, flags)
         if weak:
-            run["layers"] = int(run.get("layers", DEFAULTS["layers"])) * int(run["ranks"])
-        run["scaling"] = "weak" if weak else "strong"
-        cfg = config(run)
-        for k in ("ranks", "threads", "layers", "width", "batch", "levels", "cfactor",
-                  "fwd_iters", "bwd_iters", "steps"):
-            if int(cfg[k]) < 1:
-                raise ValueError(f"`{k}` must be >= 1, got {cfg[k]!r}")
-        if int(cfg["cfactor"]) < 2:
-            raise ValueError(f"`cfactor` must be >= 2, got {cfg['cfactor']!r}")
-        if int(cfg["ranks"]) > int(cfg["layers"]):
+            cfg["layers"] = cfg["layers"] * cfg["ranks"]
+            _check_run(cfg, flags)
+        cfg["scaling"] = "weak" if weak else "strong"
+        if cfg["ranks"] > cfg["layers"]:
             continue
-        if max_cores is not None and int(cfg["ranks"]) * int(cfg["threads"]) > int(max_cores):
+        if max_cores is not None and cfg["ranks"] * cfg["threads"] > max_cores:
             continue
         runs.append(cfg)
+    layers = lists.get("layers", [DEFAULTS["layers"]])
+    if not weak and max(lists["ranks"]) > max(layers):
+        raise ValueError(f"{_name('ranks', flags)} {max(lists['ranks'])} is more than every "
+                         f"layer count ({', '.join(map(str, layers))}): each rank needs at "
+                         f"least one layer")
+    if not runs:
+        raise ValueError(f"the grid has no run: every combination has more ranks than "
+                         f"layers or ranks x threads above {_name('max_cores', flags)}")
     return runs
 
 
 def _canon(v: Any) -> str:
-    """A canonical text for a setting, so 4, "4" and 4.0 compare equal."""
+    """A canonical text for a setting, so 4, "4" and 4.0 compare equal (whole numbers
+    exactly, also beyond float precision: seeds run up to 2**64 - 1)."""
     if isinstance(v, bool):
         return str(v)
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str) and v.strip().lstrip("+-").isdigit():
+        return str(int(v))
     try:
         f = float(v)
     except (TypeError, ValueError):
@@ -133,13 +196,91 @@ def _key(d: dict[str, Any], cols: Sequence[str]) -> tuple:
     return tuple(_canon(d.get(c, DEFAULTS.get(c, ""))) for c in cols)
 
 
+_JSONL_RECOVERY = ("A worker log only records the runs a job finished (results.csv holds the "
+                   "study's rows): delete that line, or the file, and run again")
+_CSV_RECOVERY = ("Nothing was changed.  Restore the file from a backup, or delete or repair "
+                 "that line (a deleted run is measured again on the next resume), or move "
+                 "the file away to start the study afresh")
+# settings that are whole numbers (the others in KEY_COLUMNS: model, lr, t_final)
+_INT_KEYS = [c for c in KEY_COLUMNS if c not in ("model", "lr", "t_final")]
+
+
+def _bad(path: Path, line: int, problem: str) -> StudyFileError:
+    return StudyFileError(f"{path}: line {line} {problem}.  {_CSV_RECOVERY}")
+
+
+def _check_row(path: Path, line: int, header: list[str], fields: list[str]) -> None:
+    """Raise `StudyFileError` unless `fields` is a well-formed row under `header`."""
+    if len(fields) != len(header):
+        raise _bad(path, line, f"has {len(fields)} fields, the header has {len(header)} (a "
+                               f"row cut short or two rows run together)")
+    row = dict(zip(header, fields))
+    for c in KEY_COLUMNS:
+        if c not in row:
+            continue
+        v = row[c]
+        if c == "model":
+            if v not in MODELS:
+                raise _bad(path, line, f"has `model` {v!r}, not one of {MODELS}")
+            continue
+        try:
+            f = float(v)
+        except ValueError:
+            raise _bad(path, line, f"has `{c}` {v!r}, not a number") from None
+        if not math.isfinite(f) or (c in _INT_KEYS and (not f.is_integer() or f < 0)):
+            kind = "a whole number >= 0" if c in _INT_KEYS else "a finite number"
+            raise _bad(path, line, f"has `{c}` {v!r}, not {kind}")
+    for c in REQUIRED_COLUMNS:  # measurements: a number, or empty where none was made
+        if c in KEY_COLUMNS or row[c] == "":
+            continue
+        try:
+            float(row[c])
+        except ValueError:
+            raise _bad(path, line, f"has `{c}` {row[c]!r}, not a number") from None
+
+
 def read_rows(path: Union[str, Path]) -> list[dict[str, str]]:
-    """The rows of a study CSV (empty if the file does not exist)."""
+    """The rows of a study CSV (empty if the file does not exist or is empty), checked.
+
+    The file must end with a complete line, start with a header holding every
+    `REQUIRED_COLUMNS` name, and every row must have the header's number of fields and
+    numbers where settings and measurements are numbers.  Anything else raises
+    `StudyFileError` naming the file and line, so a damaged file is never resumed
+    from, and never rewritten.
+    """
     p = Path(path)
-    if not p.exists() or p.stat().st_size == 0:
+    if not p.exists():
         return []
-    with p.open(newline="") as fh:
-        return list(csv.DictReader(fh))
+    if p.is_dir():
+        raise StudyFileError(f"{p} is a folder, not a study CSV; move it away")
+    data = p.read_bytes()
+    if not data:
+        return []
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise _bad(p, line, "is not UTF-8 text") from None
+    if not text.endswith("\n"):
+        raise _bad(p, text.count("\n") + 1, "is incomplete (it does not end with a newline: "
+                                            "a write was interrupted)")
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header = next(reader, [])
+    missing = [c for c in REQUIRED_COLUMNS if c not in header]
+    if missing:
+        raise _bad(p, 1, f"is not a study header: it lacks the column(s) "
+                         f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+                         f"(the header line is missing or damaged)")
+    dups = sorted({c for c in header if header.count(c) > 1})
+    if dups:
+        raise _bad(p, 1, f"names the column(s) {', '.join(dups)} more than once")
+    rows = []
+    for fields in reader:
+        if not fields:  # a blank line holds no data
+            continue
+        _check_row(p, reader.line_num, header, fields)
+        rows.append(dict(zip(header, fields)))
+    return rows
 
 
 def _fmt(v: Any) -> str:
@@ -155,25 +296,21 @@ def _fmt(v: Any) -> str:
 
 
 def _write_rows(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    """Rewrite the CSV atomically (temporary file, then rename)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".study-", suffix=".csv")
-    with os.fdopen(fd, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({c: _fmt(r.get(c)) if not isinstance(r.get(c), str) else r[c]
-                        for c in COLUMNS})
-    os.chmod(tmp, 0o644)  # mkstemp makes it private; a results file is not
-    os.replace(tmp, path)
+    """Rewrite the CSV atomically (`files.write_text`: temporary file, fsync, rename)."""
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        w.writerow({c: _fmt(r.get(c)) if not isinstance(r.get(c), str) else r[c]
+                    for c in COLUMNS})
+    write_text(path, buf.getvalue())
 
 
 def _append_row(path: Path, row: dict[str, Any]) -> None:
-    new = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
-        if new:
-            w.writeheader()
-        w.writerow({c: _fmt(row.get(c)) for c in COLUMNS})
+    """Add one finished run to the CSV so that it is complete or absent: the checked
+    old rows and the new one are written whole to a temporary file and renamed (study
+    CSVs are small; an append in place could leave half a row after a crash)."""
+    _write_rows(path, read_rows(path) + [row])
 
 
 # ------------------------------------------------------------------------------------------
@@ -205,35 +342,43 @@ def _launch(nprocs: int, module_args: Sequence[str], timeout: float, threads: in
     if nprocs * threads > available_cores():  # oversubscribed: let idle ranks back off
         env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
-                                start_new_session=True, env=env)
-        deadline = time.monotonic() + timeout
-        timed_out = False
-        while proc.poll() is None:
-            if time.monotonic() > deadline:
-                kill_job(proc.pid)
-                proc.wait()
-                timed_out = True
-                break
-            if poll is not None:
-                poll()
-            time.sleep(0.2)
+        # the job dies with this process: on a timeout, Ctrl-C, SIGTERM, or if this
+        # process is killed outright (`launch.run_job`)
+        st = run_job(cmd, env=env, timeout=timeout, stdout=out, stderr=err, poll=poll)
         out.seek(0)
         err.seek(0)
-        return _Job(proc.returncode, out.read(), err.read(), timed_out)
+        return _Job(st.returncode, out.read(), err.read(), st.timed_out)
+
+
+def _read_pingpong(path: Path) -> Optional[dict[str, Any]]:
+    """The cached ping-pong fit in `path` (None if there is none); `StudyFileError` if
+    the file cannot be read, so a damaged cache is refused before any measurement."""
+    if not path.exists():
+        return None
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise StudyFileError(f"{path}: cannot be read ({exc}); nothing was changed.  It "
+                             f"caches the message costs: delete it to measure them again"
+                             ) from None
+    if not isinstance(obj, dict):
+        raise StudyFileError(f"{path}: is not a JSON object; nothing was changed.  It "
+                             f"caches the message costs: delete it to measure them again")
+    return obj
 
 
 def run_pingpong(path: Path, quick: bool = False, timeout: float = 120) -> dict[str, Any]:
     """Ping-pong on two ranks (cached in `path`); {} when it cannot run."""
-    if path.exists():
-        return json.loads(path.read_text())
+    cached = _read_pingpong(path)
+    if cached is not None:
+        return cached
     args = ["layerpar.studies.pingpong", "--out", str(path)] + (["--quick"] if quick else [])
     job = _launch(2, args, timeout)
     if job.returncode != 0 or not path.exists():
         sys.stderr.write(f"pingpong failed (exit {job.returncode}, timed out "
                          f"{job.timed_out}): {job.stderr[-2000:]}\n")
         return {}
-    return json.loads(path.read_text())
+    return _read_pingpong(path) or {}
 
 
 # ------------------------------------------------------------------------------------------
@@ -364,6 +509,9 @@ def _typed(row: dict[str, Any]) -> dict[str, Any]:
         if isinstance(v, str) and k not in ("model", "scaling", "serial_variant",
                                             "model_role", "fwd_residual_history",
                                             "bwd_residual_history"):
+            if k in KEY_COLUMNS and v.strip().lstrip("+-").isdigit():
+                out[k] = int(v)  # exactly, also beyond float precision (seeds)
+                continue
             try:
                 f = float(v)
                 out[k] = int(f) if f.is_integer() and k in KEY_COLUMNS + [
@@ -397,15 +545,27 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
     map_ranks, map_layers: the grid of the model's extrapolation map.
     Returns a `StudyResult`; failed launches are listed there (and the runs they did
     not finish stay out of the CSV, so a later call retries them).
+    Raises ValueError for a bad grid value or timeout, and `StudyFileError` for an
+    unusable folder or a damaged file to resume from, both before any measurement.
     """
     out_csv = Path(out_csv)
     out_dir = Path(out_dir) if out_dir is not None else out_csv.parent
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_csv.parent.mkdir(parents=True, exist_ok=True)
+    if not (isinstance(timeout_per_run, (int, float)) and math.isfinite(timeout_per_run)
+            and timeout_per_run > 0):
+        raise ValueError(f"`timeout_per_run` must be a finite number > 0, got "
+                         f"{timeout_per_run!r}")
     runs = expand_grid(grid)
+    # everything that can be refused is refused here, before any measurement: the
+    # folders, the CSV and the worker logs a resume reads and extends, the ping-pong cache
+    check_output_dir(out_dir, "out_dir", ("model.json", "pingpong.json"))
+    check_output_dir(out_csv.parent, "out_csv", (out_csv.name,))
     existing = [_typed(r) for r in read_rows(out_csv)]
     done = {_key(r, KEY_COLUMNS) for r in existing}
     todo = [r for r in runs if _key(r, KEY_COLUMNS) not in done]
+    logged = {ranks: len(read_jsonl(out_dir / f"worker-{ranks}.jsonl", _JSONL_RECOVERY))
+              for ranks in {int(r["ranks"]) for r in todo}}
+    if todo:
+        _read_pingpong(out_dir / "pingpong.json")
     result = StudyResult(rows=[], fit=pmodel.NO_FIT,
                          csv_path=out_csv, skipped=len(runs) - len(todo))
     cores = available_cores()
@@ -433,9 +593,9 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
         for ranks in sorted({int(r["ranks"]) for r in todo}):
             group = [r for r in todo if int(r["ranks"]) == ranks]
             jsonl = out_dir / f"worker-{ranks}.jsonl"
-            start = sum(1 for _ in jsonl.open()) if jsonl.exists() else 0
+            start = logged[ranks]  # complete lines of earlier launches (checked above)
             cfg_path = out_dir / f"worker-{ranks}.json"
-            cfg_path.write_text(json.dumps({"out": str(jsonl), "runs": [
+            write_text(cfg_path, json.dumps({"out": str(jsonl), "runs": [
                 {k: v for k, v in r.items() if k not in ("ranks", "scaling")}
                 for r in group]}, indent=1))
             threads = max(int(r["threads"]) for r in group)
@@ -452,8 +612,9 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
             job = _launch(ranks, ["layerpar.studies.worker", f"@{cfg_path}"],
                           timeout_per_run * len(group) + 60, threads, poll)
             result.launched += len(group)
-            lines = jsonl.read_text().splitlines()[start:] if jsonl.exists() else []
-            got = [json.loads(s) for s in lines if s.strip()]
+            # the workers append each line whole (`files.append_line`), so these are the
+            # complete results of this launch, one per finished run, in the group's order
+            got = read_jsonl(jsonl, _JSONL_RECOVERY)[start:]
             for raw, run in zip(got, group):
                 if "error" in raw:
                     result.failed.append(f"ranks={ranks} layers={run['layers']}: "
@@ -478,7 +639,7 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
         _write_rows(out_csv, rows)
         result.rows = [_typed(r) for r in read_rows(out_csv)]
         model_json = out_dir / "model.json"
-        model_json.write_text(json.dumps(summary, indent=1, default=str))
+        write_text(model_json, json.dumps(summary, indent=1, default=str))
         result.files.append(model_json)
         if plots:
             from .plots import plot_all

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from ..mgrit.options import MGRITOptions
 from ..ode import blocks
 from ..ode.net import ODENet, Segment
+from .files import append_line
 
 __all__ = ["DEFAULTS", "MODELS", "build_net", "input_shape", "main", "make_batches",
            "run_layer_parallel", "sequential_net", "serial_baseline", "train"]
@@ -115,7 +116,7 @@ def make_batches(cfg: dict[str, Any], count: int) -> list[tuple[Tensor, Tensor]]
     """`count` (input, label) batches from a fixed generator: Gaussian inputs labelled
     by a fixed random linear teacher (learnable, so the loss moves)."""
     cfg = config(cfg, strict=False)
-    g = torch.Generator().manual_seed(int(cfg["seed"]) + 1)
+    g = torch.Generator().manual_seed((int(cfg["seed"]) + 1) % 2**64)  # seed <= 2**64 - 1
     shape = input_shape(cfg)
     feats = math.prod(shape[1:])
     teacher = torch.randn(feats, int(cfg["classes"]), generator=g)
@@ -352,14 +353,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             result = run_layer_parallel(run, comm)
         except Exception as exc:
             if comm.Get_rank() == 0:
-                with out.open("a") as fh:
-                    fh.write(json.dumps({**run, "ranks": comm.Get_size(),
-                                         "error": f"{type(exc).__name__}: {exc}"}) + "\n")
+                append_line(out, json.dumps({**run, "ranks": comm.Get_size(),
+                                             "error": f"{type(exc).__name__}: {exc}"}))
             raise
-        if comm.Get_rank() == 0:
-            with out.open("a") as fh:
-                fh.write(json.dumps(result) + "\n")
-                fh.flush()
+        if comm.Get_rank() == 0:  # whole or not at all: the runner resumes from this file
+            append_line(out, json.dumps(result))
     return 0
 
 

@@ -1,0 +1,156 @@
+"""Command lines check their values first (issue 10, items 10 and 11).
+
+``layerpar train``, ``layerpar scale`` and ``python -m layerpar.bench`` refuse a bad
+value before anything runs, with one line naming the option and exit status 2:
+``--np`` above the layer count, values the engine's C ints or torch's 64-bit seeds
+cannot hold, a negative warm-up, a zero timeout, rank counts above every layer count,
+31 levels, a NaN learning rate, zero repeats, an unwritable CSV.
+
+Measurements are replaced by a function that fails the test if called.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from layerpar import bench, cli
+from layerpar.studies import cli as scale_cli
+from layerpar.studies import model as pmodel
+from layerpar.studies import runner
+from layerpar.train import RECIPES, train
+
+
+class Measured(Exception):
+    """Raised by the stand-ins of every measurement: the command got past its checks."""
+
+
+def _measured(*args: Any, **kwargs: Any) -> Any:
+    raise Measured("a measurement started")
+
+
+# --- layerpar train ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", sorted(RECIPES))
+def test_train_np_above_the_layer_count(model: str, capsys: pytest.CaptureFixture) -> None:
+    layers = RECIPES[model].n_layers
+    cli.parse_args(["train", model, "--np", str(layers)])  # one layer per rank: fine
+    with pytest.raises(ValueError, match=rf"`--np` must be <= {layers}"):
+        cli.parse_args(["train", model, "--np", str(layers + 1)])
+    assert cli.main(["train", model, "--np", str(layers + 1)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "`--np`" in err, err
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--seed", 2**64), ("--seed", 2**70), ("--cfactor", 2**31), ("--fwd-iters", 2**31),
+    ("--bwd-iters", 2**40), ("--nrelax", 2**31)])
+def test_train_values_beyond_what_is_held(flag: str, value: int,
+                                          capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(ValueError, match=f"`{flag}` must be <="):
+        cli.parse_args(["train", "peaks", flag, str(value)])
+    assert cli.main(["train", "peaks", flag, str(value)]) == 2
+    assert f"`{flag}`" in capsys.readouterr().err
+
+
+def test_train_function_seed_bound() -> None:
+    with pytest.raises(ValueError, match=r"`seed` must be an int in \[0, 2\*\*64 - 1\]"):
+        train("peaks", serial=True, epochs=1, seed=2**64)
+    cli.parse_args(["train", "peaks", "--seed", str(2**64 - 1)])  # the largest is fine
+
+
+# --- layerpar scale ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runner, "serial_baseline", _measured)
+    monkeypatch.setattr(pmodel, "measure_costs", _measured)
+    monkeypatch.setattr(runner, "_launch", _measured)
+    monkeypatch.setattr(runner, "run_pingpong", _measured)
+
+
+SCALE_BAD = [
+    (["--warmup", "-1"], "`--warmup` must be >= 0"),
+    (["--steps", "0"], "`--steps` must be >= 1"),
+    (["--diag-iters", "-2"], "`--diag-iters` must be in [0, "),
+    (["--timeout", "0"], "`--timeout` must be a finite number of seconds > 0"),
+    (["--timeout", "nan"], "`--timeout`"),
+    (["--timeout", "-5"], "`--timeout`"),
+    (["--ranks", "1,8", "--layers", "4"], "`--ranks` 8 is more than every layer count (4)"),
+    (["--levels", "31"], "`--levels` must be in [1, 30]"),
+    (["--levels", "0"], "`--levels` must be in [1, 30]"),
+    (["--cfactor", "1"], "`--cfactor` must be in [2, "),
+    (["--cfactor", str(2**31)], "`--cfactor` must be in [2, 2147483647]"),
+    (["--fwd-iters", str(2**31)], "`--fwd-iters` must be in [1, 2147483647]"),
+    (["--layers", str(2**31)], "`--layers` must be in [1, 2147483646]"),
+    (["--lr", "nan"], "`--lr` must be a finite number > 0"),
+    (["--lr", "0"], "`--lr`"),
+    (["--seed", str(2**64)], "`--seed` must be in [0, 18446744073709551615]"),
+    (["--seed", "-1"], "`--seed`"),
+    (["--model", "resnet"], "`--model` must be one of"),
+    (["--width", "0"], "`--width` must be >= 1"),
+    (["--max-cores", "0"], "`--max-cores` must be a whole number >= 1"),
+    (["--max-cores", "1", "--ranks", "2", "--threads", "1"], "the grid has no run"),
+    (["--serial-threads", "0"], "`--serial-threads` must be >= 1"),
+    (["--levels", "2.5"], "`--levels` takes comma-separated integers"),
+]
+
+
+@pytest.mark.parametrize("argv,message", SCALE_BAD, ids=[" ".join(a) for a, _ in SCALE_BAD])
+def test_scale_bad_value_is_one_line_exit_2(argv: list[str], message: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture,
+                                            no_measuring: None) -> None:
+    out = tmp_path / "study"
+    args = scale_cli.build_parser().parse_args(
+        ["--quick", "--no-progress", "--no-plots", "--out", str(out), *argv])
+    assert scale_cli.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("python -m layerpar.studies: error: ") and message in err, err
+    assert not out.exists()  # refused before anything was created
+
+
+def test_scale_through_the_layerpar_command(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                            no_measuring: None) -> None:
+    code = cli.main(["scale", "--quick", "--warmup", "-1", "--out", str(tmp_path / "s")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == "layerpar scale: error: `--warmup` must be >= 0, got -1\n"
+
+
+def test_scale_ranks_above_some_layer_counts_still_runs_the_rest() -> None:
+    runs = runner.expand_grid({"ranks": [1, 4], "layers": [2, 8]})
+    assert sorted((r["ranks"], r["layers"]) for r in runs) == [(1, 2), (1, 8), (4, 8)]
+
+
+def test_study_api_names_grid_keys() -> None:
+    with pytest.raises(ValueError, match="`warmup` must be >= 0"):
+        runner.expand_grid({"warmup": -1})
+    with pytest.raises(ValueError, match="`timeout_per_run` must be a finite number > 0"):
+        runner.run_study({"ranks": [1], "layers": 4}, "unused.csv", timeout_per_run=0)
+
+
+def test_study_seed_beyond_float_precision_resumes_exactly() -> None:
+    seed = 2**64 - 1  # float(seed) rounds it: keys must compare exactly
+    assert runner._canon(seed) == runner._canon(str(seed)) == str(seed)
+    assert runner._canon(seed) != runner._canon(seed - 1)
+    assert runner._typed({"seed": str(seed)})["seed"] == seed
+
+
+# --- python -m layerpar.bench -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--repeats", "0"], "--repeats"), (["--repeats", "-3"], "--repeats"),
+    (["--threads", "0"], "--threads"),
+    (["--csv", "/nonexistent-folder/bench.csv"], "--csv"), (["--csv", "."], "--csv")])
+def test_bench_bad_value_before_any_measurement(argv: list[str], flag: str,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(bench, "run", _measured)
+    with pytest.raises(SystemExit) as info:
+        bench.main(argv)
+    assert info.value.code == 2
+    assert f"error: `{flag}`" in capsys.readouterr().err
