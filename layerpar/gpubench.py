@@ -137,6 +137,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     p.add_argument("--models", default="dense,conv", help="comma-separated: dense, conv")
     p.add_argument("--steps", type=int, default=20, help="SGD steps for the loss check")
+    p.add_argument("--cudnn-benchmark", action="store_true",
+                   help="let cuDNN pick its fastest algorithms (for all three variants)")
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     for m in models:
@@ -150,8 +152,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     rows = [bench_model(m, "cuda", args.steps) for m in models]
-    print(f"layerpar.bench gpu: torch {torch.__version__}, {rows[0]['device']}")
+    print(f"layerpar.bench gpu: torch {torch.__version__}, {rows[0]['device']}, "
+          f"cudnn.benchmark={args.cudnn_benchmark}, fp32 (no TF32)")
     print("  ".join(f"{c}" for c in COLUMNS[1:]))
     for r in rows:
         print("  ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c])

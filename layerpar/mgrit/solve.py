@@ -8,10 +8,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .._native._core import NAN_ERROR, Core
 from .errors import ConvergenceError, DivergenceError
 from .grid import block_bounds
 from .options import MAX_STEPS, MGRITOptions
+from .session import EngineSession
 from .transport import MPITransport, SerialTransport, make_transport
 
 StepFn = Callable[[torch.Tensor, float, float, int], torch.Tensor]
@@ -221,20 +221,18 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
         def run() -> MGRITResult | DivergenceError:
             bounds = block_bounds(n_steps, transport.size)
             app = _SolveApp(step, step_batch, u0, init)
-            core = Core(n_steps, float(t_start), float(t_final), transport.rank, transport.size,
-                        bounds, app, transport)
-            core.set_options(**options.engine_kwargs())
+            session = EngineSession(n_steps, t_start, t_final, transport, bounds, app, options,
+                                    what="MGRIT")
             transport.set_template(u0)
-            code = core.drive()
-            hist = core.residual_history
-            if code == NAN_ERROR:
+            try:
+                stats = session.drive()
+            except DivergenceError as exc:
                 # every rank sees the same allreduced NaN norm and raises this itself;
                 # broadcasting it (guarded) would race and turn it into RemoteError elsewhere
-                return DivergenceError(
-                    f"MGRIT residual became {hist[-1]} in iteration {core.iterations}: the "
-                    f"propagator produced non-finite values (history {hist})")
+                return exc
+            hist = stats.residual_history
             last = transport.size - 1
-            final = transport.bcast_state(core.get_state(n_steps) if transport.rank == last
+            final = transport.bcast_state(session.state(n_steps) if transport.rank == last
                                           else None, root=last)
             # A sequential solve (one level) computes no residual, so a NaN/Inf would pass
             # as converged; check the final state once.  Every rank holds the same
@@ -242,14 +240,14 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
             if not bool(torch.isfinite(final).all()):
                 return DivergenceError(
                     f"MGRIT final state (t = {float(t_final)}) has non-finite values after "
-                    f"{core.iterations} iteration(s) on {core.n_levels} level(s): the "
+                    f"{stats.iterations} iteration(s) on {stats.n_levels} level(s): the "
                     f"propagator produced non-finite values (history {hist})")
-            states = {i: core.get_state(i) for i in range(bounds[transport.rank],
-                                                           bounds[transport.rank + 1])}
-            return MGRITResult(final_state=final, converged=core.converged,
-                               iterations=core.iterations, residual_history=hist,
-                               n_levels=core.n_levels, timings=core.timings,
-                               step_counts=core.step_counts(), batch_counts=core.batch_counts(),
+            states = {i: session.state(i) for i in range(bounds[transport.rank],
+                                                         bounds[transport.rank + 1])}
+            return MGRITResult(final_state=final, converged=stats.converged,
+                               iterations=stats.iterations, residual_history=hist,
+                               n_levels=stats.n_levels, timings=stats.timings,
+                               step_counts=stats.step_counts, batch_counts=stats.batch_counts,
                                states={i: s for i, s in states.items() if s is not None})
 
         from .transport import guarded

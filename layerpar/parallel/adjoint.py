@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..mgrit.solve import vec_norm_sq, vec_sum
-from .batched import as_tensor, batched_norm_sq, batched_sum, stack_rows, unstack_rows
+from .batched import as_tensor, as_tensors, batched_norm_sq, batched_sum, stack_rows, unstack_rows
 
 if TYPE_CHECKING:
     from .runner import SegmentRunner
@@ -39,8 +39,12 @@ class AdjointApp:
         n = r.n
         a, b = n - mb, n - ma
         if r.bb is not None:
-            return self.step_batch([lam], None if f is None else [f], [ts], [te], [ma], [mb],
-                                   level, final)[0]
+            if level == 0:  # through the batched records of the final forward sweep
+                return self.step_batch([lam], None if f is None else [f], [ts], [te], [ma],
+                                       [mb], level, final)[0]
+            # a lone coarse step (the sequential coarsest solve): the block itself costs
+            # fewer operations than a one-row vectorised step
+            lam, f = as_tensor(lam), None if f is None else as_tensor(f)
         if level == 0:
             u_in, out, _ = r.records[a]
             if final and r.sequential_adjoint:
@@ -101,6 +105,8 @@ class AdjointApp:
     def step_seq(self, lam: Tensor, fs: Optional[list], ts: list, te: list, mas: list,
                  mbs: list, level: int, final: int) -> list:
         """A rank's stretch of a sequential adjoint solve in one call."""
+        if self.r.bb is not None:
+            fs = as_tensors(fs, self.r.lam_zero)
         outs = []
         for k in range(len(ts)):
             lam = self.step(lam, None if fs is None else fs[k], ts[k], te[k], mas[k], mbs[k],

@@ -163,6 +163,16 @@ def _interleaved(states: list) -> Optional[Tensor]:
     return out
 
 
+def as_tensors(states: Optional[list], zero: Tensor) -> Optional[list]:
+    """A list of states (None entries: `zero`) as tensors, rows materialised with one
+    gather and one unbind rather than one select each (sequential stretches)."""
+    if states is None:
+        return None
+    if not any(type(h) is Row for h in states):
+        return [zero if h is None else h for h in states]
+    return list(stack_rows([zero if h is None else h for h in states]).unbind(0))
+
+
 def unstack_rows(t: Tensor) -> list:
     """The rows of `t` as engine states (`Row` handles: no tensor operation)."""
     return [Row(t, k) for k in range(t.shape[0])]

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..mgrit.solve import vec_norm_sq, vec_sum
-from .batched import as_tensor, batched_norm_sq, batched_sum, stack_rows, unstack_rows
+from .batched import as_tensor, as_tensors, batched_norm_sq, batched_sum, stack_rows, unstack_rows
 from .direct import direct_sweep
 
 if TYPE_CHECKING:
@@ -87,6 +87,8 @@ class ForwardApp:
             return direct_sweep(r, as_, bs)
         outs = []
         if not (final and r.recording and fs is None and level == 0):
+            if r.bb is not None:
+                fs = as_tensors(fs, r.zero)
             for k in range(len(ts)):
                 u = self.step(u, None if fs is None else fs[k], ts[k], te[k], as_[k], bs[k],
                               level, final)

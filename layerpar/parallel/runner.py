@@ -29,13 +29,14 @@ __all__ = ["SegmentRunner"]
 class BatchRecord:
     """One batched step of the final forward sweep, kept for the adjoint."""
 
-    __slots__ = ("x", "params", "y", "layers", "grads", "xd")
+    __slots__ = ("x", "params", "y", "layers", "grads", "xd", "rows")
 
     def __init__(self, x: Tensor, params: dict[str, Tensor], y: Tensor,
                  layers: tuple[int, ...]) -> None:
         self.x, self.params, self.y, self.layers = x, params, y, layers
         self.grads: dict[str, Tensor] = {}  # stacked parameter gradients (final sweep)
         self.xd: Optional[Tensor] = None  # x detached, when coarse steps read its rows
+        self.rows: Optional[tuple[Tensor, ...]] = None  # xd's rows, for lone coarse steps
 
 
 class SegmentRunner:
@@ -160,7 +161,15 @@ class SegmentRunner:
         rec = self.coarse_graphs.get((a, b))
         if rec is None:
             with torch.enable_grad():
-                u_a = self.records[a][0].detach().requires_grad_()
+                if self.bb is None:
+                    u_a = self.records[a][0].detach().requires_grad_()
+                else:  # a row of a detached record input: a leaf already
+                    rid, row = self.where[a]
+                    rec_a = self.brecords[rid]
+                    if rec_a.rows is None:  # one unbind per record, not a select per row
+                        self.forward_state(a)
+                        rec_a.rows = rec_a.xd.unbind(0)  # type: ignore[union-attr]
+                    u_a = rec_a.rows[row].requires_grad_()
                 rec = (u_a, self.phi(u_a, a, b, update_stats=False))
             self.coarse_graphs[(a, b)] = rec
         return rec
@@ -177,7 +186,9 @@ class SegmentRunner:
             xin = x.detach().requires_grad_()
             stacked, _ = bb.stacked(layers)
             trainable = self.trainable_names(layers)
-            leaves = {n: t.detach().requires_grad_(n in trainable) for n, t in stacked.items()}
+            # the stacked copies are this pass's own (made under no_grad, never used by
+            # another record: each layer's final step is recorded once): leaves as they are
+            leaves = {n: t.requires_grad_(n in trainable) for n, t in stacked.items()}
             y = bb.step(xin, pairs, params=leaves)
         rid = len(self.brecords)
         self.brecords.append(BatchRecord(xin, leaves, y, layers))
@@ -216,8 +227,11 @@ class SegmentRunner:
         for rid, (ks, rows) in groups.items():
             rec = self.brecords[rid]
             n_rec = rec.y.shape[0]
-            if len(groups) == 1 and rows == list(range(n_rec)):
+            whole = len(groups) == 1 and len(rows) == n_rec
+            if whole and rows == list(range(n_rec)):
                 cot = lam  # the whole record in its own order: no index work
+            elif whole and rows == list(range(n_rec - 1, -1, -1)):
+                cot = lam.flip(0)  # the whole record in reverse (the adjoint's order)
             else:
                 cot = lam.new_zeros(rec.y.shape)
                 cot.index_copy_(0, self._index(tuple(rows), lam.device),
@@ -232,6 +246,8 @@ class SegmentRunner:
                 rec.grads[name] = g if prev is None else prev + g
             if cot is lam:
                 return dx
+            if whole and rows[0] == n_rec - 1:
+                return dx.flip(0)
             if out is None:
                 out = torch.empty_like(lam)
             out.index_copy_(0, self._index(tuple(ks), lam.device),
