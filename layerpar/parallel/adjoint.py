@@ -7,13 +7,12 @@ states; the final sweep also yields the parameter gradients.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
 
-from ..mgrit.solve import vec_norm_sq, vec_sum
-from .batched import as_tensor, as_tensors, batched_norm_sq, batched_sum, stack_rows, unstack_rows
+from .batched import StateOps, as_tensor, as_tensors, stack_rows, unstack_rows
 
 if TYPE_CHECKING:
     from .runner import SegmentRunner
@@ -21,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["AdjointApp"]
 
 
-class AdjointApp:
+class AdjointApp(StateOps):
     """Engine callbacks of a segment's adjoint solve (reverse time).
 
     Reverse point m holds lambda_{N-m}.  The reverse step from m_a to m_b applies the
@@ -116,21 +115,5 @@ class AdjointApp:
 
     def init(self, t: float, i: int) -> Tensor:
         return self.r.lam_n if i == 0 else self.r.lam_zero
-
-    @staticmethod
-    def sum(alpha: float, x: Any, beta: float, y: Any) -> Tensor:
-        return vec_sum(alpha, as_tensor(x), beta, as_tensor(y))
-
-    def sum_batch(self, alpha: float, xs: list, beta: float, ys: list) -> list:
-        if self.r.bb is None:  # the per-step reference path: point by point, as before
-            return [vec_sum(alpha, x, beta, y) for x, y in zip(xs, ys)]
-        return batched_sum(alpha, xs, beta, ys)  # elementwise: bit-identical to vec_sum
-
-    def norm_sq(self, states: list) -> float:
-        if self.deferred is not None:  # fixed iterations: keep it on the device
-            self.deferred.append(torch.linalg.vector_norm(stack_rows(states),
-                                                          dtype=torch.float64))
-            return 0.0
-        return batched_norm_sq(states) if self.r.bb is not None else vec_norm_sq(states)
 
 

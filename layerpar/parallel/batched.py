@@ -33,11 +33,11 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from ..mgrit.solve import vec_sum
+from ..mgrit.solve import vec_norm_sq, vec_sum
 from ..ode.rng import needs_rng
 from ..ode.schemes import Scheme
 
-__all__ = ["BatchedBlocks", "stack_rows", "unbatchable_reason"]
+__all__ = ["BatchedBlocks", "Row", "StateOps", "as_tensor", "stack_rows", "unbatchable_reason"]
 
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _WARNED: set[str] = set()
@@ -190,6 +190,32 @@ def batched_norm_sq(states: list[Tensor]) -> float:
     return float(torch.linalg.vector_norm(s, dtype=torch.float64) ** 2)
 
 
+class StateOps:
+    """The engine's state arithmetic, shared by a segment's forward and adjoint apps:
+    sums of tensors or rows, a whole phase's sums at once (`sum_batch`), and residual
+    norms, kept on the device when the session defers them (`deferred`).  The
+    per-step reference path (no `r.bb`) sums point by point, as before batching."""
+
+    r: Any  # the SegmentRunner: r.bb is its BatchedBlocks, or None
+    deferred: Optional[list[Tensor]] = None
+
+    @staticmethod
+    def sum(alpha: float, x: Any, beta: float, y: Any) -> Tensor:
+        return vec_sum(alpha, as_tensor(x), beta, as_tensor(y))
+
+    def sum_batch(self, alpha: float, xs: list, beta: float, ys: list) -> list:
+        if self.r.bb is None:
+            return [vec_sum(alpha, x, beta, y) for x, y in zip(xs, ys)]
+        return batched_sum(alpha, xs, beta, ys)  # elementwise: bit-identical to vec_sum
+
+    def norm_sq(self, states: list) -> float:
+        if self.deferred is not None:  # fixed iterations: keep it on the device
+            self.deferred.append(torch.linalg.vector_norm(stack_rows(states),
+                                                          dtype=torch.float64))
+            return 0.0
+        return batched_norm_sq(states) if self.r.bb is not None else vec_norm_sq(states)
+
+
 def _structure(module: nn.Module) -> tuple:
     """What makes two blocks compute the same function given the same parameters:
     module types, parameter/buffer names and shapes, and plain attributes."""
@@ -339,8 +365,3 @@ class BatchedBlocks:
         if not err <= tol * max(scale, 1.0):
             return f"the vectorised output differs from the block's forward by {err:.3g}"
         return None
-
-
-def batch_key(pairs: Any) -> tuple:
-    """Hashable key of a list of (a, b) step pairs."""
-    return tuple(pairs)
