@@ -45,6 +45,9 @@ CASES = {
     "shape_mismatch_between_segments": ("RuntimeError", "RemoteError", "shapes cannot be"),
     "input_differs": ("RankMismatchError", "RankMismatchError", "input differs"),
     "nan_loss": ("DivergenceError", "DivergenceError", "not finite"),
+    "nan_loss_one_rank": ("DivergenceError", "DivergenceError", "not finite on rank(s) [1]"),
+    "retain_graph_twice": ("RuntimeError", "RuntimeError", "second backward through the same"),
+    "create_graph": ("RuntimeError", "RuntimeError", "create_graph=True"),
     "step_fails_on_one_rank": ("RuntimeError", "RemoteError", "layer 5 failed"),
     "block_changes_shape": ("ValueError", "RemoteError", "layer 6 of segment 0 changed"),
 }
@@ -61,6 +64,16 @@ def test_bad_input_raises_on_every_rank(case: str) -> None:
     assert set(seen.values()) <= {local, remote}, text
     assert local in seen.values(), text
     assert text.count(msg) >= nprocs, text
+
+
+@pytest.mark.parametrize("case", ["frozen_rank", "x_requires_grad_differs"])
+def test_ranks_that_differ_in_what_they_differentiate(case: str) -> None:
+    """A rank whose own parameters are all frozen (fine-tuning the head), and an input
+    that requires grad on one rank only: both train as serial code does, no hang."""
+    proc = run_mpi(WORKERS / "lp_contract.py", 3, case, timeout=120)
+    seen = {int(m.group(1)): m.group(2) for m in LINE.finditer(proc.stdout)}
+    assert sorted(seen) == [0, 1, 2] and set(seen.values()) == {"OK"}, \
+        proc.stdout + proc.stderr[-2000:]
 
 
 def _losses(proc: object) -> dict:

@@ -82,6 +82,15 @@ class _PlainRecord:
         self.group_params = (prev.group_params if prev is not None else []) + self.params
 
 
+class _Agreed:
+    """What every rank agreed on before a forward pass (see `LayerParallel._agree`)."""
+
+    __slots__ = ("record", "x_requires_grad", "seed")
+
+    def __init__(self, record: bool, x_requires_grad: bool, seed: Optional[int]) -> None:
+        self.record, self.x_requires_grad, self.seed = record, x_requires_grad, seed
+
+
 class _Context:
     """What one forward pass leaves for its backward pass."""
 
@@ -199,6 +208,8 @@ class LayerParallel(nn.Module):
         self.layers = nn.ModuleList(shards)
         self._param_list: Optional[list[nn.Parameter]] = None
         self._deliver = GradDelivery()
+        # joins the backward on a rank with nothing of its own to differentiate
+        self._anchor = torch.zeros((), requires_grad=True)
         self.check_finite = check_finite
         for r in self._runners.values():
             r.check_finite = check_finite
@@ -267,19 +278,34 @@ class LayerParallel(nn.Module):
             raise
 
     # -- passes ----------------------------------------------------------------------------------
-    def _forward_impl(self, ctx: _Context, x: Tensor, record: bool) -> Tensor:
+    def _agree(self, x: Tensor) -> _Agreed:
+        """One collective per forward pass, before any other message: every rank has the
+        same input shape, dtype, training and grad mode, and every rank takes the same
+        path.  A pass records for the backward if any rank has something to
+        differentiate (its input or a trainable parameter), so a rank whose own
+        parameters are all frozen still joins the backward; the input's gradient is
+        sent back if any rank wants it.  Also brings rank 0's dropout seed."""
+        grad_mode = torch.is_grad_enabled()
+        x_rg = bool(x.requires_grad)
+        p_rg = any(p.requires_grad for p in self._param_list)  # type: ignore[union-attr]
+        seed = draw_seed() if (self.training and self._has_dropout and self.rank == 0) \
+            else None
+        key = (tuple(x.shape), str(x.dtype), self.training, grad_mode)
+        if self.size == 1:
+            return _Agreed(grad_mode and (x_rg or p_rg), x_rg, seed)
+        got = self._guard(lambda: self.transport.allgather_object((key, x_rg, p_rg, seed)))
+        keys = [g[0] for g in got]
+        if any(k != keys[0] for k in keys):
+            raise RankMismatchError(f"the input differs between ranks (shape, dtype, "
+                                    f"training, grad mode): {keys}")
+        any_x = any(g[1] for g in got)
+        return _Agreed(grad_mode and (any_x or any(g[2] for g in got)), any_x, got[0][3])
+
+    def _forward_impl(self, ctx: _Context, x: Tensor, record: bool,
+                      seed: Optional[int]) -> Tensor:
         size, rank = self.size, self.rank
         last = size - 1
-        # one collective: same input shape/dtype/mode on every rank, and rank 0's seed
-        seed = draw_seed() if (self.training and self._has_dropout and rank == 0) else None
         key = (tuple(x.shape), str(x.dtype), self.training, record)
-        if size > 1:
-            got = self.transport.allgather_object((key, seed))
-            keys = [g[0] for g in got]
-            if any(k != keys[0] for k in keys):
-                raise RankMismatchError(f"the input differs between ranks (shape, dtype, "
-                                        f"training, grad mode): {keys}")
-            seed = got[0][1]
         h: Optional[Tensor] = x if rank == 0 else None
         holder = 0  # rank holding the current activation
         self.last_forward = []
@@ -343,8 +369,17 @@ class LayerParallel(nn.Module):
         return y
 
     def _backward_impl(self, ctx: _Context, gy: Tensor) -> tuple[Optional[Tensor], dict]:
-        if self.check_finite and not bool(torch.isfinite(gy).all()):
-            raise DivergenceError("the loss gradient is not finite (NaN or inf loss?)")
+        if self.check_finite:
+            bad = 0.0 if bool(torch.isfinite(gy).all()) else 1.0
+            if self.size > 1:  # one small reduction: every rank stops, none waits
+                flags = self.transport.allgather_object(bad)
+                bad_ranks = [q for q, f in enumerate(flags) if f]
+            else:
+                bad_ranks = [0] if bad else []
+            if bad_ranks:
+                where = "" if self.size == 1 else f" on rank(s) {bad_ranks}"
+                raise DivergenceError(f"the loss gradient is not finite{where} (NaN or inf "
+                                      "loss?)")
         size, rank = self.size, self.rank
         grads: dict[int, Tensor] = {}  # id(parameter) -> gradient (Tensor.__hash__ is slow)
         g: Optional[Tensor] = gy if rank == ctx.out_holder else None
@@ -410,17 +445,20 @@ class LayerParallel(nn.Module):
             raise TypeError(f"`x` must be a torch.Tensor, got {type(x).__name__}")
         if self._param_list is None:  # walking the module tree costs ~5 us per layer
             self._param_list = list(self.parameters())
-        record = torch.is_grad_enabled() and (
-            x.requires_grad or any(p.requires_grad for p in self._param_list))
-        if not record:
+        agreed = self._agree(x)
+        if not agreed.record:
             ctx = _Context()
-            return self._guard(lambda: self._forward_impl(ctx, x, False))
+            return self._guard(lambda: self._forward_impl(ctx, x, False, agreed.seed))
         if self._direct:
-            return self._forward_direct(x)
+            return self._forward_direct(x, agreed.seed)
         params = [p for p in self._param_list if p.requires_grad]
-        return _LayerParallelFunction.apply(self, x, *params)
+        if not params and not x.requires_grad:
+            # nothing to differentiate here, but other ranks do: the output must still
+            # carry a graph so that this rank's backward() joins theirs
+            params = [self._anchor]
+        return _LayerParallelFunction.apply(self, agreed, x, *params)
 
-    def _forward_direct(self, x: Tensor) -> Tensor:
+    def _forward_direct(self, x: Tensor, seed: Optional[int]) -> Tensor:
         """Direct mode: one rank, forward and adjoint both sequential.
 
         The adjoint solve would then be exactly backpropagation through the recorded
@@ -433,7 +471,7 @@ class LayerParallel(nn.Module):
         ctx = _Context()
         ctx.direct = True
         with torch.no_grad():  # only the recording itself builds a graph
-            y = self._guard(lambda: self._forward_impl(ctx, x, True))
+            y = self._guard(lambda: self._forward_impl(ctx, x, True, seed))
         if y.requires_grad:
             y.register_hook(lambda gy: direct_backward_started(self, gy))
         return y
@@ -492,17 +530,31 @@ class _LayerParallelFunction(torch.autograd.Function):
     """Forward MGRIT / adjoint MGRIT as one autograd node over this rank's parameters."""
 
     @staticmethod
-    def forward(ctx: Any, model: LayerParallel, x: Tensor, *params: Tensor) -> Tensor:
+    def forward(ctx: Any, model: LayerParallel, agreed: _Agreed, x: Tensor,
+                *params: Tensor) -> Tensor:
         c = _Context()
-        c.x_requires_grad = x.requires_grad
+        c.x_requires_grad = agreed.x_requires_grad  # on any rank: all take part
         c.x_shape, c.x_dtype = tuple(x.shape), x.dtype
-        y = model._guard(lambda: model._forward_impl(c, x.detach(), True))
+        y = model._guard(lambda: model._forward_impl(c, x.detach(), True, agreed.seed))
         ctx.model, ctx.c, ctx.params = model, c, params
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: Tensor) -> tuple:
         model: LayerParallel = ctx.model
+        if ctx.c is None:
+            raise RuntimeError(
+                "LayerParallel: a second backward through the same forward pass "
+                "(retain_graph=True) is not supported: the adjoint solve has consumed "
+                "this pass's records; run the forward pass again")
+        if torch.is_grad_enabled():
+            ctx.c = None
+            raise RuntimeError(
+                "LayerParallel: create_graph=True (higher-order gradients, e.g. gradient "
+                "penalties) is not supported through the adjoint MGRIT solve; it works "
+                "in direct mode (one rank, max_levels=1)")
         gx, grads = model._guard(lambda: model._backward_impl(ctx.c, gy.contiguous()))
         ctx.c = None
-        return (None, gx, *model._deliver(ctx.params, grads))
+        if not ctx.needs_input_grad[2]:
+            gx = None  # wanted by another rank, sent to it; not by this one
+        return (None, None, gx, *model._deliver(ctx.params, grads))

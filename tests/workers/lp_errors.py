@@ -63,6 +63,24 @@ def case_nan_loss():
     (out.sum() * float("nan")).backward()
 
 
+def case_nan_loss_one_rank():
+    model = layerpar.LayerParallel(net(), comm, OPTS)
+    out = model(torch.randn(2, 3))
+    (out.sum() * (float("nan") if rank == 1 else 1.0)).backward()
+
+
+def case_retain_graph_twice():
+    model = layerpar.LayerParallel(net(), comm, OPTS)
+    loss = model(torch.randn(2, 3)).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
+def case_create_graph():
+    model = layerpar.LayerParallel(net(), comm, OPTS)
+    model(torch.randn(2, 3)).sum().backward(create_graph=True)
+
+
 def case_step_fails_on_one_rank():
     class Boom(torch.nn.Module):
         def __init__(self, k):
