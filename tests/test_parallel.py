@@ -326,3 +326,32 @@ def test_block_that_changes_the_shape_is_refused(opts: MGRITOptions) -> None:
             model(torch.randn(2, 3))
     with torch.no_grad(), pytest.raises(ValueError, match="layer 3 of segment 0"):
         model(torch.randn(2, 3))
+
+
+def test_optimizer_state_helpers_name_what_is_wrong() -> None:
+    torch.manual_seed(0)
+    model = layerpar.LayerParallel(dense_net(), None, EXACT, EXACT)
+    stranger = torch.zeros(3, requires_grad=True)
+    with pytest.raises(ValueError, match=r"`optimizer` \(param_groups\[0\]\['params'\]\["):
+        model.gather_optimizer_state(torch.optim.SGD([*model.parameters(), stranger], lr=0.1))
+    with pytest.raises(TypeError, match="`optimizer` must be a torch.optim.Optimizer"):
+        model.gather_optimizer_state(object())  # type: ignore[arg-type]
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    sgd.step()
+    state = model.gather_optimizer_state(sgd)
+    adam = torch.optim.Adam(model.parameters())
+    with pytest.raises(ValueError, match="gathered from a SGD optimizer; it cannot be loaded "
+                                         "into a Adam"):
+        model.load_optimizer_state(adam, state)
+    with pytest.raises(ValueError, match="`state` must be what gather_optimizer_state"):
+        model.load_optimizer_state(sgd, {"state": {}})
+    model.load_optimizer_state(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               state)  # the right one still loads
+
+
+def test_forward_after_close_says_so() -> None:
+    model = layerpar.LayerParallel(dense_net(), None, EXACT, EXACT)
+    model.close()
+    with pytest.raises(RuntimeError, match="this LayerParallel was closed"):
+        model(torch.randn(2, 3))

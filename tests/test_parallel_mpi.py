@@ -48,6 +48,10 @@ CASES = {
     "nan_loss_one_rank": ("DivergenceError", "DivergenceError", "not finite on rank(s) [1]"),
     "retain_graph_twice": ("RuntimeError", "RuntimeError", "second backward through the same"),
     "create_graph": ("RuntimeError", "RuntimeError", "create_graph=True"),
+    "activation_differs": ("RankMismatchError", "RankMismatchError", "`layers.1`"),
+    "width_differs": ("RankMismatchError", "RankMismatchError", "`layers.0`"),
+    "optimizer_over_other_tensors_on_one_rank": ("ValueError", "RemoteError",
+                                                 "not a parameter of this rank's part"),
     "step_fails_on_one_rank": ("RuntimeError", "RemoteError", "layer 5 failed"),
     "block_changes_shape": ("ValueError", "RemoteError", "layer 6 of segment 0 changed"),
 }

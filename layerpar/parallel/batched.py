@@ -37,7 +37,8 @@ from ..mgrit.solve import vec_norm_sq, vec_sum
 from ..ode.rng import needs_rng
 from ..ode.schemes import Scheme
 
-__all__ = ["BatchedBlocks", "Row", "StateOps", "as_tensor", "stack_rows", "unbatchable_reason"]
+__all__ = ["BatchedBlocks", "Row", "StateOps", "as_tensor", "stack_rows", "structure",
+           "unbatchable_reason"]
 
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _WARNED: set[str] = set()
@@ -216,21 +217,32 @@ class StateOps:
         return batched_norm_sq(states) if self.r.bb is not None else vec_norm_sq(states)
 
 
-def _structure(module: nn.Module) -> tuple:
-    """What makes two blocks compute the same function given the same parameters:
-    module types, parameter/buffer names and shapes, and plain attributes."""
+def _describe(value: Any) -> str:
+    """A plain attribute as text that is the same in every process: functions and
+    classes by qualified name (their default repr holds a memory address)."""
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return repr(value)
+
+
+def structure(module: nn.Module) -> tuple:
+    """What makes two modules compute the same function given the same parameters:
+    module types, parameter/buffer names, shapes and dtypes, and plain attributes
+    (activation names, paddings, ...).  Comparable across processes: it is also the
+    fingerprint ranks agree on before a LayerParallel runs."""
     skip = {"_parameters", "_buffers", "_modules", "training"}
     out = []
     for name, m in module.named_modules():
-        attrs = tuple(sorted((k, repr(v)) for k, v in vars(m).items()
+        attrs = tuple(sorted((k, _describe(v)) for k, v in vars(m).items()
                              if k not in skip and not k.startswith("_forward")
                              and not k.startswith("_backward") and not k.startswith("_state")
                              and not k.startswith("_load") and k != "_non_persistent_buffers_set"
                              and not k.startswith("_is_") and not k.endswith("_hooks")
                              and "hook" not in k))
-        params = tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters(recurse=False))
-        bufs = tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers(recurse=False))
-        out.append((name, type(m), attrs, params, bufs))
+        params = tuple((n, tuple(p.shape), str(p.dtype))
+                       for n, p in m.named_parameters(recurse=False))
+        bufs = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in m.named_buffers(recurse=False))
+        out.append((name, f"{type(m).__module__}.{type(m).__qualname__}", attrs, params, bufs))
     return tuple(out)
 
 
@@ -242,9 +254,9 @@ def unbatchable_reason(blocks: list[nn.Module]) -> Optional[str]:
         return "it has batch-norm running statistics (updated once per batch)"
     if any(needs_rng(b) for b in blocks):
         return "it draws random numbers (dropout) per layer"
-    key = _structure(first)
+    key = structure(first)
     for k, b in enumerate(blocks[1:], start=1):
-        if _structure(b) != key:
+        if structure(b) != key:
             return (f"its blocks differ in structure: the {k}-th block this rank evaluates "
                     f"({type(b).__name__}) has other module types, attributes or parameter "
                     f"shapes than the first ({type(first).__name__})")

@@ -3,10 +3,12 @@ optimizer state keyed by parameter name, gathered on every rank, and loaded back
 any number of ranks (or into the serial `ODENet`)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
+
+from ..mgrit.errors import RemoteError
 
 if TYPE_CHECKING:
     from .model import LayerParallel
@@ -24,31 +26,78 @@ def gather_state_dict(model: LayerParallel) -> dict[str, Tensor]:
         merged.update(part)
     return dict(sorted(merged.items(), key=lambda kv: _name_order(kv[0])))
 
+def _optimizer_names(model: LayerParallel, optimizer: Any, what: str) -> dict[int, str]:
+    """id(parameter) -> its name, for every tensor `optimizer` holds; a ValueError when
+    one is not a parameter of this rank's part of `model`."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"`optimizer` must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    names = {id(p): n for n, p in model.named_parameters()}
+    for gi, g in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(g["params"]):
+            if id(p) not in names:
+                raise ValueError(
+                    f"`optimizer` (param_groups[{gi}]['params'][{pi}], shape "
+                    f"{tuple(p.shape)}) holds a tensor that is not a parameter of this "
+                    f"rank's part of the LayerParallel; {what} needs an optimizer built "
+                    "from model.parameters()")
+    return names
+
+
 def gather_optimizer_state(model: LayerParallel,
                            optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer state of the whole network, keyed by parameter name, on every
-    rank (collective).  `load_optimizer_state` restores it on any number of ranks."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    sd = optimizer.state_dict()
-    order = [p for g in optimizer.param_groups for p in g["params"]]
-    state = {names[id(order[i])]: {k: (v.detach().cpu() if isinstance(v, Tensor) else v)
-                                   for k, v in st.items()}
-             for i, st in sd["state"].items()}
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
-    group_of = {names[id(p)]: gi for gi, g in enumerate(optimizer.param_groups)
-                for p in g["params"]}
-    parts = [(state, groups, group_of)] if model.size == 1 else model._guard(
-        lambda: model.transport.allgather_object((state, groups, group_of)))
-    merged: dict[str, Any] = {"state": {}, "param_groups": parts[0][1], "group_of": {}}
-    for st, _, go in parts:
+    rank (collective).  `load_optimizer_state` restores it on any number of ranks.
+    A bad `optimizer` on one rank raises there and `RemoteError` on the others."""
+    err: Optional[BaseException] = None
+    part: Any = None
+    try:
+        names = _optimizer_names(model, optimizer, "gather_optimizer_state")
+        sd = optimizer.state_dict()
+        order = [p for g in optimizer.param_groups for p in g["params"]]
+        state = {names[id(order[i])]: {k: (v.detach().cpu() if isinstance(v, Tensor) else v)
+                                       for k, v in st.items()}
+                 for i, st in sd["state"].items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+        group_of = {names[id(p)]: gi for gi, g in enumerate(optimizer.param_groups)
+                    for p in g["params"]}
+        part = (state, groups, group_of, type(optimizer).__name__)
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        err = exc
+    if model.size == 1:
+        if err is not None:
+            raise err
+        parts = [part]
+    else:
+        got = model._guard(lambda: model.transport.allgather_object(
+            (None if err is None else f"{type(err).__name__}: {err}", part)))
+        if err is not None:
+            raise err
+        for q, (e, _) in enumerate(got):
+            if e is not None:
+                raise RemoteError(q, e)
+        parts = [p for _, p in got]
+    merged: dict[str, Any] = {"state": {}, "param_groups": parts[0][1], "group_of": {},
+                              "optimizer": parts[0][3]}
+    for st, _, go, _ in parts:
         merged["state"].update(st)
         merged["group_of"].update(go)
     return merged
 
+
 def load_optimizer_state(model: LayerParallel, optimizer: torch.optim.Optimizer,
                          state: dict[str, Any]) -> None:
-    """Load a state from `gather_optimizer_state` into this rank's optimizer."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    """Load a state from `gather_optimizer_state` into this rank's optimizer (local:
+    no message)."""
+    names = _optimizer_names(model, optimizer, "load_optimizer_state")
+    if not isinstance(state, dict) or not {"state", "param_groups"} <= set(state):
+        raise ValueError("`state` must be what gather_optimizer_state returned (a dict "
+                         "with 'state' and 'param_groups'), got "
+                         f"{type(state).__name__}")
+    saved_type = state.get("optimizer")
+    if saved_type is not None and saved_type != type(optimizer).__name__:
+        raise ValueError(f"`state` was gathered from a {saved_type} optimizer; it cannot "
+                         f"be loaded into a {type(optimizer).__name__}")
     order = [p for g in optimizer.param_groups for p in g["params"]]
     local = optimizer.state_dict()
     if len(local["param_groups"]) != len(state["param_groups"]):

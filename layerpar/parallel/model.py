@@ -15,6 +15,7 @@ start at a layer its left neighbour owns: such blocks are kept as read-only
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
@@ -30,6 +31,7 @@ from ..ode.net import ODENet, Segment
 from ..ode.rng import DROPOUT_TYPES as _DROPOUT
 from ..ode.rng import draw_seed
 from . import checkpoint
+from .batched import structure
 from .direct import direct_backward_started
 from .grads import GradDelivery
 from .runner import SegmentRunner
@@ -80,6 +82,16 @@ class _PlainRecord:
             self.x, self.y = x, layer(x)
         self.params = [p for p in layer.parameters() if p.requires_grad]
         self.group_params = (prev.group_params if prev is not None else []) + self.params
+
+
+def _fingerprint(layer: nn.Module) -> str:
+    """A short digest of a layer's structure (`batched.structure`: types, parameter
+    shapes, attributes such as the activation), equal on two ranks iff they built the
+    same layer; a Segment also by its step count, times and scheme."""
+    desc = repr(structure(layer))
+    if isinstance(layer, Segment):
+        desc += f"|{layer.n_steps}|{layer.t_start!r}|{layer.t_final!r}|{layer.scheme!r}"
+    return hashlib.sha256(desc.encode()).hexdigest()[:16]
 
 
 class _Agreed:
@@ -178,11 +190,12 @@ class LayerParallel(nn.Module):
             key = {**{f"options.{k}": v for k, v in options.key().items()},
                    **{f"backward_options.{k}": v for k, v in backward_options.key().items()},
                    "coarsening": coarsening, "batched": batched, "check_finite": check_finite,
-                   "layers": [(type(m).__name__, getattr(m, "n_steps", None))
-                              for m in net.layers]}
+                   **{f"layers.{k}": _fingerprint(m) for k, m in enumerate(net.layers)}}
         except Exception as exc:  # noqa: BLE001 - re-raised identically on every rank
             err = exc
-        self.transport.agree(key, err, "LayerParallel settings (options, coarsening, layers)")
+        self.transport.agree(key, err, "LayerParallel settings (options, coarsening, layers; "
+                             "`layers.k` is a digest of layer k's structure: module types, "
+                             "parameter shapes, attributes such as the activation)")
         assert isinstance(net, ODENet)
         self.options = options
         self.backward_options = backward_options
@@ -208,6 +221,7 @@ class LayerParallel(nn.Module):
         self.layers = nn.ModuleList(shards)
         self._param_list: Optional[list[nn.Parameter]] = None
         self._deliver = GradDelivery()
+        self._closed = False
         # joins the backward on a rank with nothing of its own to differentiate
         self._anchor = torch.zeros((), requires_grad=True)
         self.check_finite = check_finite
@@ -441,6 +455,9 @@ class LayerParallel(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Layer-parallel forward pass; pass the same `x` on every rank."""
+        if self._closed:
+            raise RuntimeError("this LayerParallel was closed (close() released its "
+                               "communicator); build a new one to run again")
         if not isinstance(x, Tensor):
             raise TypeError(f"`x` must be a torch.Tensor, got {type(x).__name__}")
         if self._param_list is None:  # walking the module tree costs ~5 us per layer
@@ -507,6 +524,7 @@ class LayerParallel(nn.Module):
         user's; a program that builds many models should close the ones it drops
         (MPI has a limited number of communicators).  The model cannot run afterwards.
         """
+        self._closed = True
         self.transport.close()
 
     def extra_repr(self) -> str:

@@ -81,6 +81,22 @@ def case_create_graph():
     model(torch.randn(2, 3)).sum().backward(create_graph=True)
 
 
+def case_activation_differs():  # only the activation: same types and shapes
+    act = "relu" if rank == 1 else "tanh"
+    layerpar.LayerParallel(net(steps=lambda k: blocks.Dense(4, activation=act)), comm, OPTS)
+
+
+def case_width_differs():
+    layerpar.LayerParallel(net(width=5 if rank == 1 else 4), comm, OPTS)
+
+
+def case_optimizer_over_other_tensors_on_one_rank():
+    model = layerpar.LayerParallel(net(), comm, OPTS)
+    params = list(model.parameters()) + ([torch.zeros(3, requires_grad=True)] if rank == 2
+                                         else [])
+    model.gather_optimizer_state(torch.optim.SGD(params, lr=0.1))
+
+
 def case_step_fails_on_one_rank():
     class Boom(torch.nn.Module):
         def __init__(self, k):
