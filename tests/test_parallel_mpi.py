@@ -48,6 +48,18 @@ CASES = {
     "nan_loss_one_rank": ("DivergenceError", "DivergenceError", "not finite on rank(s) [1]"),
     "retain_graph_twice": ("RuntimeError", "RuntimeError", "second backward through the same"),
     "create_graph": ("RuntimeError", "RuntimeError", "create_graph=True"),
+    # rank 1 goes on to batch 2 while the others wait in batch 1's backward: every rank
+    # is told where each one is (MPI would otherwise pair the two exchanges silently)
+    "rank_skips_backward": ("RankMismatchError", "RankMismatchError",
+                            "rank 1 is in the forward pass's agreement on the input (batch 2"),
+    # rank 1 sleeps past the others' timeout: they give up, naming the batch and pass
+    "rank_sleeps_in_loss": ("TimeoutError", "RemoteError", "waited 3 s for the loss-gradient "
+                            "check (all ranks must call it) from the other ranks (batch 1, "
+                            "backward pass)"),
+    "input_values_differ": ("RankMismatchError", "RankMismatchError",
+                            "the input `x` differs between ranks: rank(s) [1, 2]"),
+    "loss_differs": ("RankMismatchError", "RankMismatchError",
+                     "the loss gradient differs between ranks: rank(s) [1, 2]"),
     "activation_differs": ("RankMismatchError", "RankMismatchError", "`layers.1`"),
     "width_differs": ("RankMismatchError", "RankMismatchError", "`layers.0`"),
     "optimizer_over_other_tensors_on_one_rank": ("ValueError", "RemoteError",
@@ -78,6 +90,12 @@ def test_ranks_that_differ_in_what_they_differentiate(case: str) -> None:
     seen = {int(m.group(1)): m.group(2) for m in LINE.finditer(proc.stdout)}
     assert sorted(seen) == [0, 1, 2] and set(seen.values()) == {"OK"}, \
         proc.stdout + proc.stderr[-2000:]
+
+
+def test_input_check_can_be_turned_off() -> None:
+    proc = run_mpi(WORKERS / "lp_errors.py", 3, "input_values_differ_after_checks", timeout=90)
+    seen = {int(m.group(1)): m.group(2) for m in LINE.finditer(proc.stdout)}
+    assert set(seen.values()) == {"OK"}, proc.stdout
 
 
 def _losses(proc: object) -> dict:

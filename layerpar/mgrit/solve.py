@@ -12,7 +12,13 @@ from .errors import ConvergenceError, DivergenceError
 from .grid import block_bounds
 from .options import MAX_STEPS, MGRITOptions
 from .session import EngineSession
-from .transport import MPITransport, SerialTransport, make_transport
+from .transport import (
+    DEFAULT_TIMEOUT,
+    MPITransport,
+    SerialTransport,
+    check_timeout,
+    make_transport,
+)
 
 StepFn = Callable[[torch.Tensor, float, float, int], torch.Tensor]
 BatchStepFn = Callable[[list, list, list, int], Sequence[torch.Tensor]]
@@ -187,7 +193,8 @@ def _validate(step: Any, u0: Any, n_steps: Any, t_start: Any, t_final: Any, opti
 def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
           options: Optional[MGRITOptions] = None, comm: Any = None,
           init: Optional[Callable[[float], torch.Tensor]] = None, *, t_start: float = 0.0,
-          step_batch: Optional[BatchStepFn] = None) -> MGRITResult:
+          step_batch: Optional[BatchStepFn] = None,
+          timeout: Optional[float] = DEFAULT_TIMEOUT) -> MGRITResult:
     """Solve u_{i+1} = step(u_i, t_i, t_{i+1}, level) for i = 0..n_steps-1 with MGRIT.
 
     step: the propagator; called on coarse levels with longer intervals and their level.
@@ -199,6 +206,8 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
     init: initial guess init(t) at fine C-points (default: zeros shaped like `u0`).
     step_batch: optional batched propagator step_batch(us, t_starts, t_stops, level)
         returning the list of advanced states (independent intervals at once).
+    timeout: seconds any one wait for another rank may take (default 10 minutes; None:
+        unbounded); on expiry `TimeoutError` names what was waited for and the rank.
 
     Returns an `MGRITResult` whose `final_state` (u at t_final) is broadcast to every rank.
     """
@@ -209,7 +218,9 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
         try:
             _validate(step, u0, n_steps, t_start, t_final, options, init, step_batch,
                       transport.size)
+            timeout = check_timeout(timeout)
             key: Any = {**{f"options.{k}": v for k, v in options.key().items()},
+                        "timeout": timeout,
                         "n_steps": n_steps, "t_start": float(t_start),
                         "t_final": float(t_final), "u0.shape": tuple(u0.shape),
                         "u0.dtype": str(u0.dtype), "init": init is not None,
@@ -217,6 +228,8 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
         except (TypeError, ValueError) as exc:
             err, key = exc, None
         transport.agree(key, err, "solve() arguments (options, n_steps, times, u0 shape/dtype)")
+        transport.timeout = timeout
+        transport.set_context("solve()")
 
         def run() -> MGRITResult | DivergenceError:
             bounds = block_bounds(n_steps, transport.size)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import atexit
 import functools
 import itertools
+import math
+import time
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -26,6 +28,20 @@ from .errors import RankMismatchError, RemoteError
 
 _ERROR_TAG = 32001
 _ERROR_BYTES = 4096
+DEFAULT_TIMEOUT = 600.0  # seconds any one wait may take (LayerParallel, solve)
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """`timeout` as seconds (a positive finite number) or None (unbounded)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"`timeout` must be a number of seconds or None, got "
+                        f"{type(timeout).__name__}")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"`timeout` must be a positive finite number of seconds or None, "
+                         f"got {timeout!r}")
+    return float(timeout)
 
 
 def pack(state: Any) -> np.ndarray:
@@ -99,6 +115,11 @@ class SerialTransport:
     def broadcast_error(self, exc: BaseException) -> None:
         pass
 
+    timeout: float | None = None  # nothing to wait for
+
+    def set_context(self, text: str) -> None:
+        pass
+
     def reversed(self) -> SerialTransport:
         return self
 
@@ -122,7 +143,10 @@ class MPITransport:
             self._err_status = MPI.Status()
             self._err_req = self.comm.Irecv([self._err_buf, MPI.BYTE], source=MPI.ANY_SOURCE,
                                             tag=_ERROR_TAG)
-            self._state = {"broken": None, "owner": True}
+            # shared with reversed(): failure, ownership, the wait bound and what the
+            # model is doing (named in a TimeoutError, e.g. "batch 3, backward pass")
+            self._state = {"broken": None, "owner": True, "timeout": DEFAULT_TIMEOUT,
+                           "context": ""}
             # cancel the error receive before mpi4py finalizes MPI (atexit is LIFO)
             self._atexit = functools.partial(_cancel_request, self._err_req)
             atexit.register(self._atexit)
@@ -168,12 +192,57 @@ class MPITransport:
             self._state["broken"] = broken
         raise broken
 
-    def _wait_request(self, req: Any) -> None:
+    @property
+    def timeout(self) -> float | None:
+        return self._state["timeout"]
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._state["timeout"] = check_timeout(value)
+
+    def set_context(self, text: str) -> None:
+        """What the caller is doing now, for the message of a TimeoutError."""
+        self._state["context"] = text
+
+    def _wait_request(self, req: Any, what: str = "a collective operation",
+                      peer: int | None = None) -> None:
+        """Complete `req`, watching the error channel; with a timeout, raise
+        TimeoutError naming `what`, the communicator rank `peer` waited for and the
+        caller's context when it takes longer."""
         if self._state["broken"] is not None:
             self._raise_remote()
-        idx = self._MPI.Request.Waitany([req, self._err_req], self._err_status)
+        reqs = [req, self._err_req]
+        limit = self._state["timeout"]
+        if limit is None:
+            idx = self._MPI.Request.Waitany(reqs, self._err_status)
+        else:
+            idx = self._poll(reqs, limit, what, peer)
         if idx == 1:
             self._raise_remote()
+
+    def _poll(self, reqs: list, limit: float, what: str, peer: int | None) -> int:
+        """Testany until one completes: spinning for the first 20 ms (messages of a
+        cycle arrive within microseconds to milliseconds), then sleeping 0.1-1 ms
+        between tests, up to `limit` seconds."""
+        test = self._MPI.Request.Testany
+        start = time.monotonic()
+        pause = 0.0
+        while True:
+            idx, done = test(reqs, self._err_status)
+            if done:
+                return idx
+            waited = time.monotonic() - start
+            if waited > limit:
+                ctx = self._state["context"]
+                who = f"rank {peer}" if peer is not None else "the other ranks"
+                raise TimeoutError(
+                    f"rank {self.comm.Get_rank()} waited {limit:g} s for {what} from {who}"
+                    f"{f' ({ctx})' if ctx else ''} and gave up: a rank may have stopped, "
+                    "skipped a backward() or be stuck (raise `timeout` if the work is "
+                    "just slow)")
+            if waited > 0.02:
+                pause = min(0.001, pause + 0.0001)
+                time.sleep(pause)
 
     def check_errors(self) -> None:
         """Raise `RemoteError` if another rank has reported a failure (non-blocking)."""
@@ -196,26 +265,28 @@ class MPITransport:
         buf = pack(state)
         req = self.comm.Isend([buf, self._MPI.BYTE], dest=self._map(dest), tag=tag)
         rid = next(self._ids)
-        self._reqs[rid] = (req, (buf, state))  # keep the bytes alive until complete
+        # keep the bytes alive until complete
+        self._reqs[rid] = (req, (buf, state), "a boundary state to be received",
+                           self._map(dest))
         return rid
 
     def irecv(self, src: int, tag: int) -> int:
         raw = torch.empty(self._nbytes, dtype=torch.uint8)
         req = self.comm.Irecv([raw.numpy(), self._MPI.BYTE], source=self._map(src), tag=tag)
         rid = next(self._ids)
-        self._reqs[rid] = (req, raw)
+        self._reqs[rid] = (req, raw, "a boundary state", self._map(src))
         return rid
 
     def wait(self, rid: int) -> torch.Tensor | None:
-        req, payload = self._reqs.pop(rid)
-        self._wait_request(req)
+        req, payload, what, peer = self._reqs.pop(rid)
+        self._wait_request(req, what, peer)
         if isinstance(payload, tuple):
             return None
         return unpack(payload, self._shape, self._dtype, self._device)
 
     def cancel_all(self) -> None:
         """Drop outstanding requests after a failure (the job is expected to stop)."""
-        for req, _ in self._reqs.values():
+        for req, *_ in self._reqs.values():
             try:
                 req.Cancel()
             except Exception:
@@ -226,7 +297,8 @@ class MPITransport:
     def allreduce_sum(self, values: list[float]) -> list[float]:
         send = np.asarray(values, dtype=np.float64)
         recv = np.empty_like(send)
-        self._wait_request(self.comm.Iallreduce(send, recv, op=self._MPI.SUM))
+        self._wait_request(self.comm.Iallreduce(send, recv, op=self._MPI.SUM),
+                           "the residual norm's reduction")
         return recv.tolist()
 
     def bcast_state(self, state: torch.Tensor | None, root: int) -> torch.Tensor:
@@ -236,7 +308,8 @@ class MPITransport:
             buf = pack(state)
         else:
             buf = torch.empty(self._nbytes, dtype=torch.uint8).numpy()
-        self._wait_request(self.comm.Ibcast([buf, self._MPI.BYTE], root=self._map(root)))
+        self._wait_request(self.comm.Ibcast([buf, self._MPI.BYTE], root=self._map(root)),
+                           "a broadcast state", self._map(root))
         if self.rank == root:
             return state  # type: ignore[return-value]
         return unpack(buf, self._shape, self._dtype, self._device)
@@ -247,24 +320,41 @@ class MPITransport:
 
         data = pickle.dumps(obj) if self.comm.Get_rank() == root else None
         n = np.array([len(data) if data is not None else 0], dtype=np.int64)
-        self._wait_request(self.comm.Ibcast(n, root=root))
+        self._wait_request(self.comm.Ibcast(n, root=root), "a broadcast object", root)
         buf = bytearray(data) if data is not None else bytearray(int(n[0]))
-        self._wait_request(self.comm.Ibcast([buf, self._MPI.BYTE], root=root))
+        self._wait_request(self.comm.Ibcast([buf, self._MPI.BYTE], root=root),
+                           "a broadcast object", root)
         return pickle.loads(bytes(buf))
 
-    def allgather_object(self, obj: Any) -> list[Any]:
-        """Gather a small picklable object from every rank (error-aware)."""
+    def allgather_object(self, obj: Any, what: str = "an exchange of small objects") -> list[Any]:
+        """Gather a small picklable object from every rank (error-aware).
+
+        Each rank's object travels with a label: `what`, and the caller's context (batch
+        and pass).  MPI matches collectives by their order alone, so a rank that skipped
+        a step (say a backward()) would otherwise pair this exchange with a different
+        one and read the wrong data; differing labels raise `RankMismatchError` on every
+        rank, saying where each rank is."""
         import pickle
 
-        data = pickle.dumps(obj)
+        label = f"{what}" + (f" ({self._state['context']})" if self._state["context"] else "")
+        waiting = f"{what} (all ranks must call it)"
+        data = pickle.dumps((label, obj))
         sizes = np.zeros(self.size, dtype=np.int64)
-        self._wait_request(self.comm.Iallgather(np.array([len(data)], np.int64), sizes))
+        self._wait_request(self.comm.Iallgather(np.array([len(data)], np.int64), sizes),
+                           waiting)
         out = bytearray(int(sizes.sum()))
         displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         self._wait_request(self.comm.Iallgatherv(
             [bytearray(data), self._MPI.BYTE],
-            [out, (sizes.tolist(), displs.tolist()), self._MPI.BYTE]))
-        return [pickle.loads(bytes(out[d:d + s])) for d, s in zip(displs, sizes)]
+            [out, (sizes.tolist(), displs.tolist()), self._MPI.BYTE]), waiting)
+        got = [pickle.loads(bytes(out[d:d + s])) for d, s in zip(displs, sizes)]
+        labels = [g[0] for g in got]
+        if any(lb != labels[0] for lb in labels):
+            where = "; ".join(f"rank {q} is in {lb}" for q, lb in enumerate(labels))
+            raise RankMismatchError(
+                f"the ranks are at different steps: {where}. Every rank must make the same "
+                "calls in the same order (did a rank skip backward() or a batch?)")
+        return [g[1] for g in got]
 
     def agree(self, key: Any, error: BaseException | None, what: str) -> None:
         """Collective check before any solve message: every rank raises the same way.
@@ -273,7 +363,8 @@ class MPITransport:
         `RemoteError` naming it.  If all passed but `key` differs between ranks, every
         rank raises `RankMismatchError` saying which ranks disagree about `what`.
         """
-        gathered = self.allgather_object((None if error is None else _describe(error), key))
+        gathered = self.allgather_object((None if error is None else _describe(error), key),
+                                         f"the agreement on {what}")
         if error is not None:  # this rank's own argument is bad: say so, not "rank q failed"
             raise error
         for q, (err, _) in enumerate(gathered):

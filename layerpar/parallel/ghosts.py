@@ -79,6 +79,10 @@ class Ghosts:
         self.plan = [(k, part.owner(k + 1), q) for q in range(part.n_ranks)
                      for k in sorted(need(q)) if k not in part.steps(q)]
 
+    def plan_owner(self, k: int) -> int:
+        """The rank owning layer k (from the plan)."""
+        return next(owner for layer, owner, _ in self.plan if layer == k)
+
     def set_training(self, training: bool) -> None:
         for blk in self.blocks.values():
             if blk.training != training:
@@ -103,7 +107,8 @@ class Ghosts:
                 buf = np.empty(_state_vector(self.blocks[k]).numel(), dtype=np.float64)
                 recvs.append((k, transport.comm.Irecv(buf, source=owner, tag=_GHOST_TAG), buf))
         for k, req, buf in recvs:
-            transport._wait_request(req)
+            transport._wait_request(req, f"layer {k}'s parameters (a ghost block)",
+                                    self.plan_owner(k))
             _load_state_vector(self.blocks[k], torch.from_numpy(buf))
         for req, _ in reqs:
-            transport._wait_request(req)
+            transport._wait_request(req, "a ghost block to be received")

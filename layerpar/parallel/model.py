@@ -25,7 +25,14 @@ from torch import Tensor, nn
 from ..mgrit.errors import DivergenceError, RankMismatchError, RemoteError
 from ..mgrit.options import MGRITOptions
 from ..mgrit.session import SolveStats
-from ..mgrit.transport import MPITransport, SerialTransport, pack, unpack
+from ..mgrit.transport import (
+    DEFAULT_TIMEOUT,
+    MPITransport,
+    SerialTransport,
+    check_timeout,
+    pack,
+    unpack,
+)
 from ..ode.coarsening import COARSENINGS
 from ..ode.net import ODENet, Segment
 from ..ode.rng import DROPOUT_TYPES as _DROPOUT
@@ -84,6 +91,22 @@ class _PlainRecord:
         self.group_params = (prev.group_params if prev is not None else []) + self.params
 
 
+def _values_fingerprint(t: Tensor) -> str:
+    """Sum and sum of squares in float64, as text (NaN equals NaN there): equal on
+    ranks that hold the same values."""
+    t64 = t.detach().to(torch.float64)
+    return f"{float(t64.sum())!r}/{float(torch.linalg.vector_norm(t64) ** 2)!r}"
+
+
+def _same_values(probes: list, what: str, hint: str) -> None:
+    """Raise RankMismatchError (on every rank: each sees all probes) if they differ."""
+    if probes[0] is None or all(p == probes[0] for p in probes):
+        return
+    bad = [q for q, p in enumerate(probes) if p != probes[0]]
+    raise RankMismatchError(f"{what} differs between ranks: rank(s) {bad} hold other "
+                            f"values than rank 0; {hint}")
+
+
 def _fingerprint(layer: nn.Module) -> str:
     """A short digest of a layer's structure (`batched.structure`: types, parameter
     shapes, attributes such as the activation), equal on two ranks iff they built the
@@ -129,6 +152,15 @@ class LayerParallel(nn.Module):
     batched: advance all independent intervals of a level in one vectorised step
         (default; see `layerpar.parallel.batched`).  False steps layer by layer, as a
         reference.  Blocks that cannot be vectorised fall back with one warning.
+    timeout: seconds any one wait for another rank may take (messages, reductions; default
+        10 minutes; None: unbounded).  On expiry the waiting rank raises `TimeoutError`
+        naming what it waited for, the rank, and the batch, and tells the others: a rank
+        that stopped, skipped a backward() or hangs ends the job with a message.
+    check_inputs: for this many first batches (default 10; 0: never), compare a cheap
+        fingerprint of the input and of the loss gradient between ranks and raise
+        `RankMismatchError` when they differ.  Only rank 0's input and the last rank's
+        loss gradient are used, so rank-dependent data would otherwise give a wrong
+        model silently.
     check_finite: check every output and loss gradient for NaN/inf (one flag read back
         from the device per pass; a non-finite one raises `DivergenceError`).  With
         False and fixed iteration counts (tol = rtol = 0) a training step on one GPU
@@ -154,7 +186,8 @@ class LayerParallel(nn.Module):
                  backward_options: Optional[MGRITOptions] = None, *,
                  coarsening: str = "injection",
                  state_dict: Optional[dict[str, Tensor]] = None,
-                 batched: bool = True, check_finite: bool = True) -> None:
+                 batched: bool = True, check_finite: bool = True,
+                 timeout: Optional[float] = DEFAULT_TIMEOUT, check_inputs: int = 10) -> None:
         super().__init__()
         self.transport: Union[SerialTransport, MPITransport] = (
             MPITransport(comm) if comm is not None else _SerialLP())
@@ -174,6 +207,12 @@ class LayerParallel(nn.Module):
             for name, o in (("options", options), ("backward_options", backward_options)):
                 if not isinstance(o, MGRITOptions):
                     raise TypeError(f"`{name}` must be an MGRITOptions, got {type(o).__name__}")
+            timeout = check_timeout(timeout)
+            if isinstance(check_inputs, bool) or not isinstance(check_inputs, int) \
+                    or check_inputs < 0:
+                raise ValueError(f"`check_inputs` must be an int >= 0 (batches whose input "
+                                 f"and loss gradient are compared between ranks), got "
+                                 f"{check_inputs!r}")
             for name, flag in (("batched", batched), ("check_finite", check_finite)):
                 if not isinstance(flag, bool):
                     raise TypeError(f"`{name}` must be a bool, got {type(flag).__name__}")
@@ -190,6 +229,7 @@ class LayerParallel(nn.Module):
             key = {**{f"options.{k}": v for k, v in options.key().items()},
                    **{f"backward_options.{k}": v for k, v in backward_options.key().items()},
                    "coarsening": coarsening, "batched": batched, "check_finite": check_finite,
+                   "timeout": timeout, "check_inputs": check_inputs,
                    **{f"layers.{k}": _fingerprint(m) for k, m in enumerate(net.layers)}}
         except Exception as exc:  # noqa: BLE001 - re-raised identically on every rank
             err = exc
@@ -199,6 +239,9 @@ class LayerParallel(nn.Module):
         assert isinstance(net, ODENet)
         self.options = options
         self.backward_options = backward_options
+        self.transport.timeout = timeout
+        self._batch = 0  # forward passes so far: named in a TimeoutError
+        self.check_inputs = check_inputs
         self.coarsening = coarsening
         size, rank = self.transport.size, self.transport.rank
         self._layers_meta: list[tuple[str, Any]] = []
@@ -248,13 +291,15 @@ class LayerParallel(nn.Module):
 
     def _send(self, t: Tensor, dest: int) -> None:
         tr = self.transport
-        tr._wait_request(tr.comm.Isend([pack(t), tr._MPI.BYTE], dest=dest, tag=_LINK_TAG))
+        tr._wait_request(tr.comm.Isend([pack(t), tr._MPI.BYTE], dest=dest, tag=_LINK_TAG),
+                         "an activation to be received", dest)
 
     def _recv(self, src: int, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
         tr = self.transport
         raw = torch.empty(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),
                           dtype=torch.uint8)
-        tr._wait_request(tr.comm.Irecv([raw.numpy(), tr._MPI.BYTE], source=src, tag=_LINK_TAG))
+        tr._wait_request(tr.comm.Irecv([raw.numpy(), tr._MPI.BYTE], source=src, tag=_LINK_TAG),
+                         "an activation", src)
         return unpack(raw, shape, dtype, device)
 
     def _meta(self, t: Optional[Tensor], root: int) -> tuple[tuple[int, ...], torch.dtype]:
@@ -276,7 +321,8 @@ class LayerParallel(nn.Module):
         else:
             buf = torch.empty(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),
                               dtype=torch.uint8).numpy()
-        tr._wait_request(tr.comm.Ibcast([buf, tr._MPI.BYTE], root=root))
+        tr._wait_request(tr.comm.Ibcast([buf, tr._MPI.BYTE], root=root),
+                         "the broadcast output or input gradient", root)
         return t if tr.rank == root else unpack(buf, shape, dtype, device)  # type: ignore
 
     def _guard(self, fn: Callable[[], Any]) -> Any:
@@ -307,11 +353,15 @@ class LayerParallel(nn.Module):
         key = (tuple(x.shape), str(x.dtype), self.training, grad_mode)
         if self.size == 1:
             return _Agreed(grad_mode and (x_rg or p_rg), x_rg, seed)
-        got = self._guard(lambda: self.transport.allgather_object((key, x_rg, p_rg, seed)))
+        probe = _values_fingerprint(x) if self._batch <= self.check_inputs else None
+        got = self._guard(lambda: self.transport.allgather_object(
+            (key, x_rg, p_rg, seed, probe), "the forward pass's agreement on the input"))
         keys = [g[0] for g in got]
         if any(k != keys[0] for k in keys):
             raise RankMismatchError(f"the input differs between ranks (shape, dtype, "
                                     f"training, grad mode): {keys}")
+        _same_values([g[4] for g in got], "the input `x`", "pass the same batch on every "
+                     "rank (only rank 0's is used)")
         any_x = any(g[1] for g in got)
         return _Agreed(grad_mode and (any_x or any(g[2] for g in got)), any_x, got[0][3])
 
@@ -383,11 +433,16 @@ class LayerParallel(nn.Module):
         return y
 
     def _backward_impl(self, ctx: _Context, gy: Tensor) -> tuple[Optional[Tensor], dict]:
-        if self.check_finite:
-            bad = 0.0 if bool(torch.isfinite(gy).all()) else 1.0
-            if self.size > 1:  # one small reduction: every rank stops, none waits
-                flags = self.transport.allgather_object(bad)
-                bad_ranks = [q for q, f in enumerate(flags) if f]
+        probe = _values_fingerprint(gy) if self._batch <= self.check_inputs else None
+        if self.check_finite or (probe is not None and self.size > 1):
+            bad = 0.0 if not self.check_finite or bool(torch.isfinite(gy).all()) else 1.0
+            if self.size > 1:  # one small exchange: every rank stops, none waits
+                got = self.transport.allgather_object((bad, probe), "the loss-gradient check")
+                bad_ranks = [q for q, (f, _) in enumerate(got) if f]
+                if not bad_ranks:
+                    _same_values([p for _, p in got], "the loss gradient",
+                                 "compute the loss from the same outputs and targets on "
+                                 "every rank (only the last rank's gradient is used)")
             else:
                 bad_ranks = [0] if bad else []
             if bad_ranks:
@@ -462,6 +517,8 @@ class LayerParallel(nn.Module):
             raise TypeError(f"`x` must be a torch.Tensor, got {type(x).__name__}")
         if self._param_list is None:  # walking the module tree costs ~5 us per layer
             self._param_list = list(self.parameters())
+        self._batch += 1
+        self.transport.set_context(f"batch {self._batch}, forward pass")
         agreed = self._agree(x)
         if not agreed.record:
             ctx = _Context()
@@ -540,7 +597,7 @@ class _SerialLP(SerialTransport):
     def reversed(self) -> _SerialLP:
         return self
 
-    def allgather_object(self, obj: Any) -> list[Any]:
+    def allgather_object(self, obj: Any, what: str = "") -> list[Any]:
         return [obj]
 
 
@@ -571,6 +628,7 @@ class _LayerParallelFunction(torch.autograd.Function):
                 "LayerParallel: create_graph=True (higher-order gradients, e.g. gradient "
                 "penalties) is not supported through the adjoint MGRIT solve; it works "
                 "in direct mode (one rank, max_levels=1)")
+        model.transport.set_context(f"batch {model._batch}, backward pass")
         gx, grads = model._guard(lambda: model._backward_impl(ctx.c, gy.contiguous()))
         ctx.c = None
         if not ctx.needs_input_grad[2]:

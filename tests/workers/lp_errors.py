@@ -57,6 +57,12 @@ def case_input_differs():
     model(torch.randn(2 + (rank == 1), 3))
 
 
+def case_input_values_differ_after_checks():  # check_inputs=0: the user opted out
+    model = layerpar.LayerParallel(net(), comm, OPTS, check_inputs=0)
+    torch.manual_seed(100 + rank)
+    model(torch.randn(2, 3))
+
+
 def case_nan_loss():
     model = layerpar.LayerParallel(net(), comm, OPTS)
     out = model(torch.randn(2, 3))
@@ -95,6 +101,39 @@ def case_optimizer_over_other_tensors_on_one_rank():
     params = list(model.parameters()) + ([torch.zeros(3, requires_grad=True)] if rank == 2
                                          else [])
     model.gather_optimizer_state(torch.optim.SGD(params, lr=0.1))
+
+
+def case_rank_skips_backward():
+    """Rank 1 skips a backward() and goes on to the next batch: the others wait for its
+    adjoint messages, time out and say so; rank 1 hears of it at its next wait."""
+    model = layerpar.LayerParallel(net(), comm, OPTS, timeout=3)
+    x = torch.randn(2, 3)
+    loss = model(x).sum()
+    if rank != 1:
+        loss.backward()
+    model(x)
+
+
+def case_rank_sleeps_in_loss():
+    model = layerpar.LayerParallel(net(), comm, OPTS, timeout=3)
+    out = model(torch.randn(2, 3))
+    if rank == 1:
+        import time
+
+        time.sleep(8)
+    out.sum().backward()
+
+
+def case_input_values_differ():  # same shape, rank-dependent values
+    model = layerpar.LayerParallel(net(), comm, OPTS)
+    torch.manual_seed(100 + rank)
+    model(torch.randn(2, 3))
+
+
+def case_loss_differs():  # rank-dependent targets: only the last rank's would count
+    model = layerpar.LayerParallel(net(), comm, OPTS)
+    out = model(torch.randn(2, 3))
+    torch.nn.functional.cross_entropy(out, torch.tensor([rank % 5, 0])).backward()
 
 
 def case_step_fails_on_one_rank():
