@@ -355,3 +355,22 @@ def test_forward_after_close_says_so() -> None:
     model.close()
     with pytest.raises(RuntimeError, match="this LayerParallel was closed"):
         model(torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"timeout": 0}, "`timeout` must be a positive finite number"),
+    ({"timeout": float("nan")}, "`timeout` must be a positive finite number"),
+    ({"timeout": "60"}, "`timeout` must be a number of seconds or None"),
+    ({"check_inputs": -1}, "`check_inputs` must be an int >= 0"),
+    ({"check_inputs": True}, "`check_inputs` must be an int >= 0"),
+    ({"check_finite": 1}, "`check_finite` must be a bool"),
+    ({"batched": "yes"}, "`batched` must be a bool"),
+])
+def test_new_arguments_are_validated(kwargs: dict, match: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=match):
+        layerpar.LayerParallel(dense_net(), None, EXACT, EXACT, **kwargs)
+
+
+def test_solve_timeout_is_validated() -> None:
+    with pytest.raises(ValueError, match="`timeout` must be a positive finite number"):
+        layerpar.solve(lambda u, a, b, lv: u, torch.ones(1), 4, 1.0, timeout=-1.0)
