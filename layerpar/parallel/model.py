@@ -433,8 +433,9 @@ class LayerParallel(nn.Module):
         return y
 
     def _backward_impl(self, ctx: _Context, gy: Tensor) -> tuple[Optional[Tensor], dict]:
-        probe = _values_fingerprint(gy) if self._batch <= self.check_inputs else None
-        if self.check_finite or (probe is not None and self.size > 1):
+        probe = _values_fingerprint(gy) \
+            if self.size > 1 and self._batch <= self.check_inputs else None
+        if self.check_finite or probe is not None:
             bad = 0.0 if not self.check_finite or bool(torch.isfinite(gy).all()) else 1.0
             if self.size > 1:  # one small exchange: every rank stops, none waits
                 got = self.transport.allgather_object((bad, probe), "the loss-gradient check")
