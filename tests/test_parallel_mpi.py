@@ -86,7 +86,7 @@ def test_bad_input_raises_on_every_rank(case: str) -> None:
 def test_ranks_that_differ_in_what_they_differentiate(case: str) -> None:
     """A rank whose own parameters are all frozen (fine-tuning the head), and an input
     that requires grad on one rank only: both train as serial code does, no hang."""
-    proc = run_mpi(WORKERS / "lp_contract.py", 3, case, timeout=120)
+    proc = run_mpi(WORKERS / "lp_errors.py", 3, case, timeout=120)
     seen = {int(m.group(1)): m.group(2) for m in LINE.finditer(proc.stdout)}
     assert sorted(seen) == [0, 1, 2] and set(seen.values()) == {"OK"}, \
         proc.stdout + proc.stderr[-2000:]

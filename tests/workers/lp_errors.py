@@ -1,8 +1,11 @@
-"""MPI worker: LayerParallel bad-input cases.  Every rank prints one line
-`RANK <r> <ExceptionType>: <message>` (or `RANK <r> OK`) and exits normally.
+"""MPI worker: LayerParallel bad-input and cross-rank contract cases.  Every rank prints
+one line `RANK <r> <ExceptionType>: <message>` (or `RANK <r> OK`) and exits normally.
+The contract cases (ranks that differ in what they differentiate) print OK when their
+outputs and gradients equal the serial oracle's (float64, <= 1e-10 relative).
 
 Run: mpiexec -n P python -m mpi4py tests/workers/lp_errors.py CASE
 """
+import copy
 import sys
 
 import torch
@@ -14,6 +17,7 @@ from layerpar.ode import Segment, blocks
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
 OPTS = layerpar.MGRITOptions(max_levels=2, cfactor=2, max_iter=3)
+EXACT = layerpar.MGRITOptions(max_levels=3, cfactor=2, tol=1e-13, max_iter=40)
 
 
 def net(n=8, width=4, steps=None):
@@ -163,6 +167,50 @@ def case_block_changes_shape():
 
     model = layerpar.LayerParallel(net(steps=Narrow), comm, OPTS)
     model(torch.randn(2, 3)).sum().backward()
+
+
+def rel(a, b):
+    return float((a - b).norm() / max(float(b.norm()), 1e-300))
+
+
+def check(model, ref, x_here, x_ref):
+    torch.manual_seed(1)
+    y = torch.randint(0, 5, (6,))
+    torch.nn.functional.cross_entropy(model(x_here), y).backward()
+    torch.nn.functional.cross_entropy(ref(x_ref), y).backward()
+    refp = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        want = refp[n].grad
+        if (p.grad is None) != (want is None):
+            raise AssertionError(f"{n}: grad {p.grad is not None}, oracle {want is not None}")
+        if want is not None and rel(p.grad, want) > 1e-10:
+            raise AssertionError(f"{n}: relative error {rel(p.grad, want)}")
+
+
+def case_frozen_rank():
+    """Fine-tune the head only: every parameter but the classifier's is frozen, so the
+    ranks without the classifier have nothing of their own to differentiate."""
+    base = net(n=12).double()
+    for n, p in base.named_parameters():
+        p.requires_grad_(n.startswith("layers.2."))
+    ref = copy.deepcopy(base)
+    model = layerpar.LayerParallel(base, comm, EXACT, EXACT)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    check(model, ref, x, x)
+
+
+def case_x_requires_grad_differs():
+    base = net(n=12).double()
+    ref = copy.deepcopy(base)
+    model = layerpar.LayerParallel(base, comm, EXACT, EXACT)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    xp = x.clone().requires_grad_(rank == 1)  # not the broadcast root
+    xr = x.clone().requires_grad_()
+    check(model, ref, xp, xr)
+    if rank == 1 and rel(xp.grad, xr.grad) > 1e-10:
+        raise AssertionError(f"x.grad relative error {rel(xp.grad, xr.grad)}")
+    if rank != 1 and xp.grad is not None:
+        raise AssertionError("x.grad set on a rank whose x does not require grad")
 
 
 def main():
