@@ -36,7 +36,9 @@ def test_exact_mode_matches_serial_oracle(nprocs: int, tmp_path: Path) -> None:
     assert results["conv 2seg"]["fwd_iters"] == [4, 3]
 
 
-LINE = re.compile(r"RANK (\d+) (\w+)(?::)?")
+# a report is `RANK <r> <Type>[: message]`; mpiexec may glue two reports together
+# ("RANK 2 OKRANK 0 OK"), so the type ends at a colon, a space, the end or the next report
+LINE = re.compile(r"RANK (\d+) ([A-Za-z]+?)(?=:| |$|RANK )", re.MULTILINE)
 
 CASES = {
     "layers_lt_ranks": ("ValueError", "RemoteError", "each rank needs at least one layer"),
