@@ -29,6 +29,10 @@ from .errors import RankMismatchError, RemoteError
 _ERROR_TAG = 32001
 _ERROR_BYTES = 4096
 DEFAULT_TIMEOUT = 600.0  # seconds any one wait may take (LayerParallel, solve)
+# requests given up on (a failure elsewhere, a timeout, a cancel) that may still be
+# active, with their buffers: MPI may write into a receive buffer until the request
+# completes, so these must never be freed (see _wait_request and cancel_all)
+_UNFINISHED: list = []
 
 
 def check_timeout(timeout: Any) -> float | None:
@@ -205,20 +209,25 @@ class MPITransport:
         self._state["context"] = text
 
     def _wait_request(self, req: Any, what: str = "a collective operation",
-                      peer: int | None = None) -> None:
+                      peer: int | None = None, keep: Any = None) -> None:
         """Complete `req`, watching the error channel; with a timeout, raise
         TimeoutError naming `what`, the communicator rank `peer` waited for and the
-        caller's context when it takes longer."""
-        if self._state["broken"] is not None:
-            self._raise_remote()
-        reqs = [req, self._err_req]
-        limit = self._state["timeout"]
-        if limit is None:
-            idx = self._MPI.Request.Waitany(reqs, self._err_status)
-        else:
-            idx = self._poll(reqs, limit, what, peer)
-        if idx == 1:
-            self._raise_remote()
+        caller's context when it takes longer.  When the wait is given up, `req` and
+        `keep` (its buffers) are kept alive: the operation may still complete."""
+        try:
+            if self._state["broken"] is not None:
+                self._raise_remote()
+            reqs = [req, self._err_req]
+            limit = self._state["timeout"]
+            if limit is None:
+                idx = self._MPI.Request.Waitany(reqs, self._err_status)
+            else:
+                idx = self._poll(reqs, limit, what, peer)
+            if idx == 1:
+                self._raise_remote()
+        except BaseException:
+            _UNFINISHED.append((req, keep))
+            raise
 
     def _poll(self, reqs: list, limit: float, what: str, peer: int | None) -> int:
         """Testany until one completes: spinning for the first 20 ms (messages of a
@@ -279,18 +288,22 @@ class MPITransport:
 
     def wait(self, rid: int) -> torch.Tensor | None:
         req, payload, what, peer = self._reqs.pop(rid)
-        self._wait_request(req, what, peer)
+        self._wait_request(req, what, peer, keep=payload)
         if isinstance(payload, tuple):
             return None
         return unpack(payload, self._shape, self._dtype, self._device)
 
     def cancel_all(self) -> None:
-        """Drop outstanding requests after a failure (the job is expected to stop)."""
-        for req, *_ in self._reqs.values():
+        """Cancel outstanding requests after a failure.  MPI may write into a cancelled
+        receive's buffer until the request completes, so a request that has not
+        completed keeps its buffers alive (in `_UNFINISHED`) instead of freeing them."""
+        for req, payload, *_ in self._reqs.values():
             try:
                 req.Cancel()
-            except Exception:
-                pass
+                if not req.Test():
+                    _UNFINISHED.append((req, payload))
+            except Exception:  # noqa: BLE001 - best effort; keep the buffers regardless
+                _UNFINISHED.append((req, payload))
         self._reqs.clear()
 
     # -- collectives ------------------------------------------------------------------------
@@ -298,7 +311,7 @@ class MPITransport:
         send = np.asarray(values, dtype=np.float64)
         recv = np.empty_like(send)
         self._wait_request(self.comm.Iallreduce(send, recv, op=self._MPI.SUM),
-                           "the residual norm's reduction")
+                           "the residual norm's reduction", keep=(send, recv))
         return recv.tolist()
 
     def bcast_state(self, state: torch.Tensor | None, root: int) -> torch.Tensor:
@@ -309,7 +322,7 @@ class MPITransport:
         else:
             buf = torch.empty(self._nbytes, dtype=torch.uint8).numpy()
         self._wait_request(self.comm.Ibcast([buf, self._MPI.BYTE], root=self._map(root)),
-                           "a broadcast state", self._map(root))
+                           "a broadcast state", self._map(root), keep=buf)
         if self.rank == root:
             return state  # type: ignore[return-value]
         return unpack(buf, self._shape, self._dtype, self._device)
@@ -320,10 +333,10 @@ class MPITransport:
 
         data = pickle.dumps(obj) if self.comm.Get_rank() == root else None
         n = np.array([len(data) if data is not None else 0], dtype=np.int64)
-        self._wait_request(self.comm.Ibcast(n, root=root), "a broadcast object", root)
+        self._wait_request(self.comm.Ibcast(n, root=root), "a broadcast object", root, keep=n)
         buf = bytearray(data) if data is not None else bytearray(int(n[0]))
         self._wait_request(self.comm.Ibcast([buf, self._MPI.BYTE], root=root),
-                           "a broadcast object", root)
+                           "a broadcast object", root, keep=buf)
         return pickle.loads(bytes(buf))
 
     def allgather_object(self, obj: Any, what: str = "an exchange of small objects") -> list[Any]:
@@ -340,13 +353,15 @@ class MPITransport:
         waiting = f"{what} (all ranks must call it)"
         data = pickle.dumps((label, obj))
         sizes = np.zeros(self.size, dtype=np.int64)
-        self._wait_request(self.comm.Iallgather(np.array([len(data)], np.int64), sizes),
-                           waiting)
+        mine = np.array([len(data)], np.int64)
+        self._wait_request(self.comm.Iallgather(mine, sizes), waiting, keep=(mine, sizes))
         out = bytearray(int(sizes.sum()))
         displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        sendbuf = bytearray(data)
         self._wait_request(self.comm.Iallgatherv(
-            [bytearray(data), self._MPI.BYTE],
-            [out, (sizes.tolist(), displs.tolist()), self._MPI.BYTE]), waiting)
+            [sendbuf, self._MPI.BYTE],
+            [out, (sizes.tolist(), displs.tolist()), self._MPI.BYTE]), waiting,
+            keep=(sendbuf, out))
         got = [pickle.loads(bytes(out[d:d + s])) for d, s in zip(displs, sizes)]
         labels = [g[0] for g in got]
         if any(lb != labels[0] for lb in labels):

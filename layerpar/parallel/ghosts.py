@@ -108,7 +108,7 @@ class Ghosts:
                 recvs.append((k, transport.comm.Irecv(buf, source=owner, tag=_GHOST_TAG), buf))
         for k, req, buf in recvs:
             transport._wait_request(req, f"layer {k}'s parameters (a ghost block)",
-                                    self.plan_owner(k))
+                                    self.plan_owner(k), keep=buf)
             _load_state_vector(self.blocks[k], torch.from_numpy(buf))
-        for req, _ in reqs:
-            transport._wait_request(req, "a ghost block to be received")
+        for req, buf in reqs:
+            transport._wait_request(req, "a ghost block to be received", keep=buf)

@@ -291,15 +291,16 @@ class LayerParallel(nn.Module):
 
     def _send(self, t: Tensor, dest: int) -> None:
         tr = self.transport
-        tr._wait_request(tr.comm.Isend([pack(t), tr._MPI.BYTE], dest=dest, tag=_LINK_TAG),
-                         "an activation to be received", dest)
+        buf = pack(t)
+        tr._wait_request(tr.comm.Isend([buf, tr._MPI.BYTE], dest=dest, tag=_LINK_TAG),
+                         "an activation to be received", dest, keep=buf)
 
     def _recv(self, src: int, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
         tr = self.transport
         raw = torch.empty(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),
                           dtype=torch.uint8)
         tr._wait_request(tr.comm.Irecv([raw.numpy(), tr._MPI.BYTE], source=src, tag=_LINK_TAG),
-                         "an activation", src)
+                         "an activation", src, keep=raw)
         return unpack(raw, shape, dtype, device)
 
     def _meta(self, t: Optional[Tensor], root: int) -> tuple[tuple[int, ...], torch.dtype]:
@@ -322,7 +323,7 @@ class LayerParallel(nn.Module):
             buf = torch.empty(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),
                               dtype=torch.uint8).numpy()
         tr._wait_request(tr.comm.Ibcast([buf, tr._MPI.BYTE], root=root),
-                         "the broadcast output or input gradient", root)
+                         "the broadcast output or input gradient", root, keep=buf)
         return t if tr.rank == root else unpack(buf, shape, dtype, device)  # type: ignore
 
     def _guard(self, fn: Callable[[], Any]) -> Any:
