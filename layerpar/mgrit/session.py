@@ -56,10 +56,6 @@ class SolveStats:
             raise KeyError(key)
         return getattr(self, key)
 
-    def keys(self) -> list[str]:
-        return ["iterations", "converged", "residual_history", "n_levels", "timings",
-                "step_counts", "batch_counts", "direct"]
-
 
 class EngineSession:
     """One engine instance over the fine grid of `n_steps` steps on [t_start, t_final],
