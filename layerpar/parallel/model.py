@@ -275,6 +275,11 @@ class LayerParallel(nn.Module):
         self._direct = size == 1 and all(r.sequential_forward and r.sequential_adjoint
                                          for r in self._runners.values())
         self._net_repr = repr(net)
+        # what _twin needs to build the same model with other MGRIT options
+        self._net, self._comm_arg = net, comm
+        self._init_kwargs = {"coarsening": coarsening, "batched": batched,
+                             "check_finite": check_finite, "timeout": timeout,
+                             "check_inputs": check_inputs}
         self._has_dropout = \
             any(isinstance(m, _DROPOUT) for m in net.modules())
         self.last_forward: list[SolveStats] = []
@@ -551,6 +556,14 @@ class LayerParallel(nn.Module):
         if y.requires_grad:
             y.register_hook(lambda gy: direct_backward_started(self, gy))
         return y
+
+    def _twin(self, options: MGRITOptions,
+              backward_options: Optional[MGRITOptions] = None) -> LayerParallel:
+        """A LayerParallel over the same ranks whose layers are this model's own
+        modules (the same parameter tensors) but solved with other MGRIT options, e.g.
+        exactly (collective: call on every rank; close() it when done)."""
+        return LayerParallel(self._net, self._comm_arg, options, backward_options,
+                             **self._init_kwargs)
 
     # -- portability ------------------------------------------------------------------------------
     def gather_state_dict(self) -> dict[str, Tensor]:
