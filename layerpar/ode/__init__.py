@@ -5,6 +5,7 @@ Never imports MPI or the MGRIT engine.
 
 from . import blocks, schemes
 from .net import ODENet, Segment, sequential_segment
+from .refine import refine
 from .rng import layer_rng
 
-__all__ = ["ODENet", "Segment", "blocks", "schemes", "sequential_segment", "layer_rng"]
+__all__ = ["ODENet", "Segment", "blocks", "schemes", "sequential_segment", "layer_rng", "refine"]
