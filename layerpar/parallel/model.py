@@ -565,6 +565,21 @@ class LayerParallel(nn.Module):
         return LayerParallel(self._net, self._comm_arg, options, backward_options,
                              **self._init_kwargs)
 
+    def check_gradients(self, x: Tensor, y: Any,
+                        loss_fn: Callable[[Tensor, Any], Tensor]) -> Any:
+        """How far this model's (inexact) gradient of one batch is from the exact one.
+
+        Collective: every rank passes the same `x` and `y`.  Runs the batch with this
+        model's options and with an exact twin (sequential solves on the same ranks and
+        parameters, built once and closed by `close()`), without touching `.grad`, the
+        training mode, the random generator or batch-norm statistics.  Returns a
+        `layerpar.parallel.accuracy.GradientCheck` (relative errors of the output, the
+        input and parameter gradients, per segment and in all, the cosine, and the
+        inexact solves' iterations and residuals), identical on every rank.
+        """
+        from .accuracy import check_gradients
+        return check_gradients(self, x, y, loss_fn)
+
     # -- portability ------------------------------------------------------------------------------
     def gather_state_dict(self) -> dict[str, Tensor]:
         """The whole network's state dict (loads into the serial `ODENet`), on every rank
@@ -597,6 +612,8 @@ class LayerParallel(nn.Module):
         (MPI has a limited number of communicators).  The model cannot run afterwards.
         """
         self._closed = True
+        if "_exact_twin" in self.__dict__:  # the exact twin of check_gradients
+            self.__dict__.pop("_exact_twin").close()
         self.transport.close()
 
     def extra_repr(self) -> str:

@@ -3,6 +3,7 @@
     layerpar scale --ranks 1,2,4 --layers 1024 --width 32 --batch 64 --levels 3 \\
         --cfactor 4 --fwd-iters 2 --bwd-iters 1 --threads 1 --out DIR
     python -m layerpar.studies --quick --out /tmp/study        # the same, stand-alone
+    python -m layerpar.studies accuracy --out DIR      # gradient accuracy (studies/accuracy.py)
 
 Every grid option takes a comma-separated list (``--levels 2,3 --cfactor 2,4``).
 ``--weak`` runs ``layers × ranks`` layers per run (weak scaling).  Results go to
@@ -91,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     """Stand-alone parser of ``python -m layerpar.studies``."""
     return add_arguments(argparse.ArgumentParser(
         prog="python -m layerpar.studies",
-        description="Layer-parallel scaling study (the `layerpar scale` command)."))
+        description="Layer-parallel scaling study (the `layerpar scale` command).  "
+                    "`python -m layerpar.studies accuracy --help`: the gradient-accuracy "
+                    "study (inexact vs exact MGRIT gradients)."))
 
 
 def _split(name: str, text: str) -> list[Any]:
@@ -199,4 +202,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m layerpar.studies [options]`` runs the scaling study;
+    ``python -m layerpar.studies accuracy [options]`` the gradient-accuracy study
+    (`layerpar.studies.accuracy`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["accuracy"]:
+        from .accuracy import main as accuracy_main
+
+        return accuracy_main(argv[1:])
     return run(build_parser().parse_args(argv))

@@ -1,0 +1,230 @@
+"""How far an inexact layer-parallel gradient is from the exact one, measured.
+
+Training runs the forward and adjoint MGRIT solves inexactly on purpose (one or two
+iterations), so the gradient the optimizer sees is not the network's gradient.
+`check_gradients` says by how much, for one batch: it runs the batch with the model's
+own options and again with an exact twin (`LayerParallel._twin` with
+``MGRITOptions(max_levels=1)`` both ways: sequential stepping, exact to round-off) on
+the same ranks and the same parameter tensors, and compares the outputs, the input
+gradients and the parameter gradients.
+
+Nothing the training sees changes: gradients come from `torch.autograd.grad` (no
+`.grad` is written), the training mode is the model's, the global random generator
+is put back (both solves draw the same dropout masks: those the next training pass
+would draw), batch-norm running statistics are put back, and so are
+`model.last_forward` / `model.last_backward`.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ..mgrit.options import MGRITOptions
+
+if TYPE_CHECKING:
+    from ..mgrit.session import SolveStats
+    from .model import LayerParallel
+
+__all__ = ["GradientCheck", "check_gradients"]
+
+#: attribute of the model that caches its exact twin (closed by `LayerParallel.close`)
+TWIN_ATTR = "_exact_twin"
+
+
+@dataclass(frozen=True)
+class GradientCheck:
+    """One batch's inexact solve against the exact one (identical on every rank).
+
+    Errors are relative, ‖inexact − exact‖ / ‖exact‖ in float64 (0 where both are
+    zero).  The input gradient is always computed (on a detached copy of the input,
+    whether or not it requires grad).  Parameter gradients are over this model's
+    trainable parameters on all ranks; `segment_grad_errors` has one entry per ODE
+    segment (its residual blocks only), `param_grad_error` and `cosine` cover all
+    trainable parameters, plain layers included.  Iterations and final residual
+    norms are those of the inexact solve, per segment (a residual is None where none
+    was measured, e.g. one iteration with `skip`, or a sequential solve).
+    """
+
+    output_error: float
+    loss_error: float
+    input_grad_error: float
+    segment_grad_errors: tuple[float, ...]
+    param_grad_error: float
+    cosine: float
+    fwd_iterations: tuple[int, ...]
+    bwd_iterations: tuple[int, ...]
+    fwd_residuals: tuple[Optional[float], ...]
+    bwd_residuals: tuple[Optional[float], ...]
+
+    def __str__(self) -> str:
+        def res(values: Sequence[Optional[float]]) -> str:
+            return ",".join("n/a" if v is None else f"{v:.1e}" for v in values)
+
+        segs = ",".join(f"{e:.1e}" for e in self.segment_grad_errors)
+        return (f"gradient check: param grad rel. error {self.param_grad_error:.2e} "
+                f"(cos {self.cosine:.6f}; per segment {segs}) | input grad "
+                f"{self.input_grad_error:.2e} | output {self.output_error:.2e} | loss "
+                f"{self.loss_error:.2e} | fwd iters "
+                f"{','.join(map(str, self.fwd_iterations))} (res {res(self.fwd_residuals)})"
+                f" | bwd iters {','.join(map(str, self.bwd_iterations))} "
+                f"(res {res(self.bwd_residuals)})")
+
+
+def _exact_twin(model: LayerParallel) -> LayerParallel:
+    """The model's exact twin, built (collectively) on first use and cached."""
+    twin = model.__dict__.get(TWIN_ATTR)
+    if twin is None:
+        exact = MGRITOptions(max_levels=1)
+        twin = model._twin(exact, exact)
+        # in __dict__, not as a submodule: state_dict(), parameters(), .to() and
+        # train() of the model must not see it (its layers are the model's own)
+        model.__dict__[TWIN_ATTR] = twin
+    return twin
+
+
+def _grads(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
+           params: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """(output, loss, input gradient, parameter gradients) of one batch, by
+    `torch.autograd.grad` (no `.grad` is touched); unused parameters get zeros."""
+    xc = x.detach().clone().requires_grad_()
+    with torch.enable_grad():
+        out = model(xc)
+        loss = loss_fn(out, y)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(f"`loss_fn` must return a scalar tensor, got "
+                            f"{type(loss).__name__}"
+                            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
+                               else ""))
+        got = torch.autograd.grad(loss.reshape(()), [xc, *params], allow_unused=True)
+    gx = got[0] if got[0] is not None else torch.zeros_like(xc)
+    gp = [torch.zeros_like(p) if g is None else g for p, g in zip(params, got[1:])]
+    return out.detach(), loss.detach(), gx, gp
+
+
+def _sq(t: Tensor) -> float:
+    return float(torch.sum(t.detach().to(torch.float64) ** 2))
+
+
+def _rel(d2: float, e2: float) -> float:
+    """sqrt(d2) / sqrt(e2); 0 where both are zero, inf where only e2 is."""
+    if e2 > 0.0:
+        return math.sqrt(d2 / e2)
+    return 0.0 if d2 == 0.0 else math.inf
+
+
+def _final(stats: list[SolveStats]) -> tuple[tuple[int, ...], tuple[Optional[float], ...]]:
+    iters = tuple(int(s.iterations) for s in stats)
+    res = tuple(float(s.residual_history[-1]) if s.residual_history else None for s in stats)
+    return iters, res
+
+
+def _check_arguments(model: LayerParallel, x: Any, y: Any, loss_fn: Any) -> None:
+    if model._closed:
+        raise RuntimeError("this LayerParallel was closed; check_gradients needs a model "
+                           "that can still run")
+    if not isinstance(x, Tensor):
+        raise TypeError(f"`x` must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"`x` must be a floating-point tensor (its gradient is compared), "
+                        f"got dtype {x.dtype}")
+    if x.numel() == 0:
+        raise ValueError(f"`x` must not be empty, got shape {tuple(x.shape)}")
+    if y is None:
+        raise TypeError("`y` must be the targets passed to `loss_fn`, got None")
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be callable as loss_fn(output, y), got "
+                        f"{type(loss_fn).__name__}")
+
+
+def check_gradients(model: LayerParallel, x: Tensor, y: Any,
+                    loss_fn: Callable[[Tensor, Any], Tensor]) -> GradientCheck:
+    """Compare one batch's inexact gradient with the exact one (collective).
+
+    Every rank calls it with the same `x` and `y`.  The batch runs once with the
+    model's options and once exactly (the cached twin with sequential solves) on the
+    same ranks; see the module docstring for what is left unchanged.  Returns a
+    `GradientCheck`, identical on every rank.
+    """
+    _check_arguments(model, x, y, loss_fn)
+    # this rank's trainable parameters (its own layers), and the segment each belongs
+    # to (None: a plain layer)
+    params: list[Tensor] = []
+    group: dict[int, Optional[int]] = {}
+    for k, (kind, info) in enumerate(model._layers_meta):
+        for p in model.layers[k].parameters():
+            if p.requires_grad and id(p) not in group:
+                params.append(p)
+                group[id(p)] = info if kind == "segment" else None
+    n_segments = sum(1 for kind, _ in model._layers_meta if kind == "segment")
+
+    twin = _exact_twin(model)
+    twin.training = model.training  # the twin's own flag only: its layers are shared
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    rng = torch.get_rng_state()
+    rng_cuda = torch.cuda.get_rng_state_all() if cuda else None
+    buffers = list(model.buffers())
+    saved_buffers = [b.detach().clone() for b in buffers]
+    saved_stats = (model.last_forward, model.last_backward)
+
+    def put_rng_back() -> None:
+        torch.set_rng_state(rng)
+        if rng_cuda is not None:
+            torch.cuda.set_rng_state_all(rng_cuda)
+
+    try:
+        out_i, loss_i, gx_i, gp_i = _grads(model, x, y, loss_fn, params)
+        fwd_it, fwd_res = _final(model.last_forward)
+        bwd_it, bwd_res = _final(model.last_backward)
+        put_rng_back()  # the same dropout masks in both solves
+        with torch.no_grad():
+            for b, s in zip(buffers, saved_buffers):
+                b.copy_(s)  # and the same batch-norm statistics
+        out_e, loss_e, gx_e, gp_e = _grads(twin, x, y, loss_fn, params)
+    finally:
+        put_rng_back()
+        with torch.no_grad():
+            for b, s in zip(buffers, saved_buffers):
+                b.copy_(s)
+        model.last_forward, model.last_backward = saved_stats
+
+    # this rank's sums; the output, loss and input gradient are the same on every rank
+    seg_d2, seg_e2 = [0.0] * n_segments, [0.0] * n_segments
+    d2 = e2 = i2 = dot = 0.0
+    for p, gi, ge in zip(params, gp_i, gp_e):
+        gi64, ge64 = gi.detach().to(torch.float64), ge.detach().to(torch.float64)
+        pd2, pe2 = _sq(gi64 - ge64), _sq(ge64)
+        d2, e2, i2 = d2 + pd2, e2 + pe2, i2 + _sq(gi64)
+        dot += float(torch.sum(gi64 * ge64))
+        s = group.get(id(p))
+        if s is not None:
+            seg_d2[s] += pd2
+            seg_e2[s] += pe2
+    local = (seg_d2, seg_e2, d2, e2, i2, dot,
+             _sq(out_i.to(torch.float64) - out_e.to(torch.float64)), _sq(out_e),
+             abs(float(loss_i) - float(loss_e)), abs(float(loss_e)),
+             _sq(gx_i.to(torch.float64) - gx_e.to(torch.float64)), _sq(gx_e))
+    model.transport.set_context(f"batch {model._batch}, gradient check")
+    got = model.transport.allgather_object(local, "check_gradients' error norms")
+    # summed in rank order, so every rank computes the same numbers
+    seg_d2 = [sum(g[0][s] for g in got) for s in range(n_segments)]
+    seg_e2 = [sum(g[1][s] for g in got) for s in range(n_segments)]
+    d2, e2, i2, dot = (sum(g[k] for g in got) for k in (2, 3, 4, 5))
+    o_d2, o_e2, l_d, l_e, x_d2, x_e2 = got[0][6:]
+    if i2 > 0.0 and e2 > 0.0:
+        cosine = max(-1.0, min(1.0, dot / math.sqrt(i2 * e2)))
+    else:
+        cosine = 1.0 if i2 == e2 else 0.0
+    return GradientCheck(
+        output_error=_rel(o_d2, o_e2),
+        loss_error=_rel(l_d * l_d, l_e * l_e),
+        input_grad_error=_rel(x_d2, x_e2),
+        segment_grad_errors=tuple(_rel(a, b) for a, b in zip(seg_d2, seg_e2)),
+        param_grad_error=_rel(d2, e2),
+        cosine=cosine,
+        fwd_iterations=fwd_it, bwd_iterations=bwd_it,
+        fwd_residuals=fwd_res, bwd_residuals=bwd_res)
