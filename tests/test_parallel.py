@@ -350,6 +350,26 @@ def test_optimizer_state_helpers_name_what_is_wrong() -> None:
                                state)  # the right one still loads
 
 
+def test_loading_an_optimizer_state_leaves_it_as_gathered() -> None:
+    """The loaded optimizer owns copies: training on does not change the gathered state
+    (it can be loaded again, e.g. into a model on another grid shape)."""
+    torch.manual_seed(0)
+    model = layerpar.LayerParallel(dense_net(), None, EXACT, EXACT)
+    adam = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 3)).sum().backward()
+    adam.step()
+    state = model.gather_optimizer_state(adam)
+    before = {n: {k: v.clone() for k, v in st.items()} for n, st in state["state"].items()}
+    again = torch.optim.Adam(model.parameters(), lr=0.01)
+    model.load_optimizer_state(again, state)
+    for _ in range(2):
+        model(torch.randn(4, 3)).sum().backward()
+        again.step()
+    for n, st in state["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, before[n][k]), (n, k)
+
+
 def test_forward_after_close_says_so() -> None:
     model = layerpar.LayerParallel(dense_net(), None, EXACT, EXACT)
     model.close()

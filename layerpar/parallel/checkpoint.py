@@ -109,8 +109,11 @@ def load_optimizer_state(model: LayerParallel, optimizer: torch.optim.Optimizer,
     for i, p in enumerate(order):
         st = state["state"].get(names[id(p)])
         if st is not None:
-            new_state[i] = {k: (v.to(p.device) if isinstance(v, Tensor) and v.dim() > 0
-                                else v) for k, v in st.items()}
+            # copies: the optimizer updates its state in place, and `state` must stay
+            # what was gathered (it may be loaded again, or saved later)
+            new_state[i] = {k: (v.detach().to(p.device if v.dim() > 0 else v.device,
+                                              copy=True) if isinstance(v, Tensor) else v)
+                            for k, v in st.items()}
     groups = []
     for g_local, g_saved in zip(local["param_groups"], state["param_groups"]):
         groups.append({**g_saved, "params": g_local["params"]})
