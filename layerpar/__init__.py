@@ -8,11 +8,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["LayerParallel", "MGRITOptions", "MGRITResult", "ODENet", "ode", "solve"]
+__all__ = ["LayerParallel", "MGRITOptions", "MGRITResult", "ODENet", "ProcessGrid", "ode",
+           "solve"]
 __version__ = "0.1.0"
 
 _WHERE = {
     "LayerParallel": "layerpar.parallel",
+    "ProcessGrid": "layerpar.parallel",
     "MGRITOptions": "layerpar.mgrit.options",
     "MGRITResult": "layerpar.mgrit.solve",
     "solve": "layerpar.mgrit.solve",

@@ -55,6 +55,47 @@ def run_mpi(script: Union[Path, str], nprocs: int, *args: object,
     # polling backs off (usleep) when idle, leaving the cores to the ranks doing work
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
+    return _communicate(cmd, env, timeout, "MPI job")
+
+
+def run_torchrun(script: Union[Path, str], nprocs: int, *args: object,
+                 timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `script` on `nprocs` processes under torchrun (torch.distributed, env://)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(nprocs), str(script), *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return _communicate(cmd, env, timeout, "torchrun job")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_spawned(script: Union[Path, str], nprocs: int, *args: object,
+                timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `script` as `nprocs` plain processes that rendezvous through env:// (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), without a launcher that would stop the
+    others when one dies: what layerpar itself does about a lost process shows."""
+    port = str(free_port())
+    driver = (
+        "import os, subprocess, sys\n"
+        f"n = {nprocs}\n"
+        "procs = [subprocess.Popen(sys.argv[1:], env=dict(os.environ, RANK=str(r), "
+        "LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR='127.0.0.1', "
+        f"MASTER_PORT='{port}')) for r in range(n)]\n"
+        "codes = [p.wait() for p in procs]\n"
+        "print('EXIT', codes, flush=True)\n")
+    cmd = [sys.executable, "-c", driver, sys.executable, str(script), *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return _communicate(cmd, env, timeout, "spawned job")
+
+
+def _communicate(cmd: list, env: dict, timeout: float,
+                 what: str) -> subprocess.CompletedProcess:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=env)
     try:
@@ -65,7 +106,7 @@ def run_mpi(script: Union[Path, str], nprocs: int, *args: object,
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:  # something still holds the pipes
             out, err = "(output lost)", ""
-        pytest.fail(f"MPI job timed out after {timeout:g} s: {' '.join(cmd)}\n"
+        pytest.fail(f"{what} timed out after {timeout:g} s: {' '.join(map(str, cmd))}\n"
                     f"--- stdout ---\n{out}\n--- stderr ---\n{err}", pytrace=False)
     except BaseException:  # e.g. Ctrl-C: do not leave the job running
         kill_job(proc.pid)

@@ -29,3 +29,18 @@ class ConvergenceError(MGRITError):
 
 class DivergenceError(MGRITError, ArithmeticError):
     """The residual norm became NaN or infinite: the solve produced non-finite values."""
+
+
+class RankLostError(RemoteError):
+    """A rank's process is gone (killed, crashed): its connection closed while another
+    rank waited for it.  `rank` is its rank in the world, or None where the backend
+    does not say which one."""
+
+    PREFIX = "LOST "  # marks a lost rank on an error channel
+
+    def __init__(self, rank: int | None, detail: str) -> None:
+        MGRITError.__init__(self, f"rank {'?' if rank is None or rank < 0 else rank} was "
+                            f"lost: {detail}")
+        self.rank = -1 if rank is None else rank
+        self.remote_message = detail
+        self.detail = detail

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -97,18 +96,19 @@ class Ghosts:
         """Send owned blocks' current parameters to the ranks that keep ghosts of them."""
         if not self.plan:
             return
-        me = transport.comm.Get_rank()
-        reqs, recvs = [], []
+        me = transport.group_rank
+        sends, recvs = [], []
         for k, owner, needer in self.plan:
             if owner == me:
-                buf = _state_vector(self.seg.blocks[k]).numpy()
-                reqs.append((transport.comm.Isend(buf, dest=needer, tag=_GHOST_TAG), buf))
+                vec = _state_vector(self.seg.blocks[k])
+                sends.append(transport.post_send(vec, needer, _GHOST_TAG))
             elif needer == me:
-                buf = np.empty(_state_vector(self.blocks[k]).numel(), dtype=np.float64)
-                recvs.append((k, transport.comm.Irecv(buf, source=owner, tag=_GHOST_TAG), buf))
-        for k, req, buf in recvs:
-            transport._wait_request(req, f"layer {k}'s parameters (a ghost block)",
-                                    self.plan_owner(k), keep=buf)
-            _load_state_vector(self.blocks[k], torch.from_numpy(buf))
-        for req, buf in reqs:
-            transport._wait_request(req, "a ghost block to be received", keep=buf)
+                n = _state_vector(self.blocks[k]).numel()
+                recvs.append((k, transport.post_recv((n,), torch.float64,
+                                                     torch.device("cpu"), owner, _GHOST_TAG)))
+        for k, handle in recvs:
+            vec = transport.complete(handle, f"layer {k}'s parameters (a ghost block)",
+                                     self.plan_owner(k))
+            _load_state_vector(self.blocks[k], vec)
+        for handle in sends:
+            transport.complete(handle, "a ghost block to be received")

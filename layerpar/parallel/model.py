@@ -18,21 +18,13 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Callable, Optional, Union
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ..mgrit.errors import DivergenceError, RankMismatchError, RemoteError
 from ..mgrit.options import MGRITOptions
 from ..mgrit.session import SolveStats
-from ..mgrit.transport import (
-    DEFAULT_TIMEOUT,
-    MPITransport,
-    SerialTransport,
-    check_timeout,
-    pack,
-    unpack,
-)
+from ..mgrit.transport import DEFAULT_TIMEOUT, Transport, check_timeout, make_transport
 from ..ode.coarsening import COARSENINGS
 from ..ode.net import ODENet, Segment
 from ..ode.rng import DROPOUT_TYPES as _DROPOUT
@@ -41,6 +33,8 @@ from . import checkpoint
 from .batched import structure
 from .direct import direct_backward_started
 from .grads import GradDelivery
+from .grid import ProcessGrid
+from .replicas import GradAverager
 from .runner import SegmentRunner
 
 _LINK_TAG = 31002
@@ -144,7 +138,9 @@ class LayerParallel(nn.Module):
 
     net: an `ODENet`, or a zero-argument factory returning one (called on every rank,
         so seed the global generator first to get the same network everywhere).
-    comm: an mpi4py communicator (never COMM_WORLD implicitly), or None for one rank.
+    comm: an mpi4py communicator (never COMM_WORLD implicitly), a `torch.distributed`
+        process group (e.g. ``torch.distributed.group.WORLD``; gloo or NCCL), or None
+        for one rank.
     options / backward_options: `MGRITOptions` of the forward and adjoint solves
         (`final_fc_relax` is always on: the final sweep records states and gradients).
     coarsening: parameter coarsening on coarse levels, "injection" or "average".
@@ -166,6 +162,14 @@ class LayerParallel(nn.Module):
         False and fixed iteration counts (tol = rtol = 0) a training step on one GPU
         has no host-device synchronisation at all; residual histories are then read
         back when `last_forward[i]["residual_history"]` is first looked at.
+    grid: a `ProcessGrid` instead of `comm`: data parallelism x layer parallelism.
+        MGRIT runs over this process's layer group, and each parameter gradient is
+        averaged over the replicas (bucketed reductions started as the adjoint's
+        final sweep produces them, overlapped with the rest of the backward pass).
+        Each replica passes its own shard of the batch (`ProcessGrid.sampler`); the
+        gradients are then those of the mean loss over the global batch.  Buffers
+        (batch-norm running statistics) stay per replica; checkpoints come from
+        each replica's own layers and load on any grid shape.
 
     Same forward signature as the serial net: pass the input on every rank; the output
     (and so the loss) is returned on every rank.  `named_parameters()` yields only this
@@ -187,10 +191,22 @@ class LayerParallel(nn.Module):
                  coarsening: str = "injection",
                  state_dict: Optional[dict[str, Tensor]] = None,
                  batched: bool = True, check_finite: bool = True,
-                 timeout: Optional[float] = DEFAULT_TIMEOUT, check_inputs: int = 10) -> None:
+                 timeout: Optional[float] = DEFAULT_TIMEOUT, check_inputs: int = 10,
+                 grid: Optional[ProcessGrid] = None) -> None:
         super().__init__()
-        self.transport: Union[SerialTransport, MPITransport] = (
-            MPITransport(comm) if comm is not None else _SerialLP())
+        if grid is not None:
+            if not isinstance(grid, ProcessGrid):
+                raise TypeError(f"`grid` must be a ProcessGrid, got {type(grid).__name__}")
+            if comm is not None:
+                raise TypeError("pass `comm` or `grid`, not both (the grid holds the "
+                                "communicator)")
+            self.transport, self._data_transport = grid.transports()
+            world: Transport = grid.world
+        else:
+            self.transport = make_transport(comm)
+            self._data_transport = None
+            world = self.transport
+        self.grid = grid
         options = MGRITOptions(max_levels=1) if options is None else options
         backward_options = options if backward_options is None else backward_options
         err: Optional[BaseException] = None
@@ -233,13 +249,18 @@ class LayerParallel(nn.Module):
                    **{f"layers.{k}": _fingerprint(m) for k, m in enumerate(net.layers)}}
         except Exception as exc:  # noqa: BLE001 - re-raised identically on every rank
             err = exc
-        self.transport.agree(key, err, "LayerParallel settings (options, coarsening, layers; "
+        world.agree(key, err, "LayerParallel settings (options, coarsening, layers; "
                              "`layers.k` is a digest of layer k's structure: module types, "
                              "parameter shapes, attributes such as the activation)")
         assert isinstance(net, ODENet)
         self.options = options
         self.backward_options = backward_options
         self.transport.timeout = timeout
+        if self._data_transport is not None:
+            self._data_transport.timeout = timeout
+        # gradients averaged over the replicas of a process grid (data parallelism)
+        self._averager = (GradAverager(self._data_transport)
+                          if self._data_transport is not None else None)
         self._batch = 0  # forward passes so far: named in a TimeoutError
         self.check_inputs = check_inputs
         self.coarsening = coarsening
@@ -253,6 +274,7 @@ class LayerParallel(nn.Module):
             if isinstance(layer, Segment):
                 runner = SegmentRunner(layer, seg_index, self.transport, options,
                                         backward_options, coarsening, batched)
+                runner.averager = self._averager
                 self._runners[k] = runner
                 shards.append(_SegmentShard(layer, runner.owned))
                 self._layers_meta.append(("segment", seg_index))
@@ -272,12 +294,13 @@ class LayerParallel(nn.Module):
             r.check_finite = check_finite
         self._shape_cache: dict[tuple, list[tuple[tuple[int, ...], torch.dtype]]] = {}
         # one rank, sequential forward and adjoint: see _forward_direct
-        self._direct = size == 1 and all(r.sequential_forward and r.sequential_adjoint
-                                         for r in self._runners.values())
+        self._direct = size == 1 and self._averager is None and all(
+            r.sequential_forward and r.sequential_adjoint for r in self._runners.values())
         self._net_repr = repr(net)
         # what _twin needs to build the same model with other MGRIT options
-        self._net, self._comm_arg = net, comm
-        self._init_kwargs = {"coarsening": coarsening, "batched": batched,
+        # (outside nn.Module's registry: the whole net is not this rank's submodule)
+        self.__dict__["_net"], self._comm_arg = net, comm
+        self._init_kwargs = {"grid": grid, "coarsening": coarsening, "batched": batched,
                              "check_finite": check_finite, "timeout": timeout,
                              "check_inputs": check_inputs}
         self._has_dropout = \
@@ -295,18 +318,11 @@ class LayerParallel(nn.Module):
         return self.transport.size
 
     def _send(self, t: Tensor, dest: int) -> None:
-        tr = self.transport
-        buf = pack(t)
-        tr._wait_request(tr.comm.Isend([buf, tr._MPI.BYTE], dest=dest, tag=_LINK_TAG),
-                         "an activation to be received", dest, keep=buf)
+        self.transport.send_tensor(t, dest, _LINK_TAG, "an activation to be received")
 
     def _recv(self, src: int, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
-        tr = self.transport
-        raw = torch.empty(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),
-                          dtype=torch.uint8)
-        tr._wait_request(tr.comm.Irecv([raw.numpy(), tr._MPI.BYTE], source=src, tag=_LINK_TAG),
-                         "an activation", src, keep=raw)
-        return unpack(raw, shape, dtype, device)
+        return self.transport.recv_tensor(src, _LINK_TAG, shape, dtype, device,
+                                          "an activation")
 
     def _meta(self, t: Optional[Tensor], root: int) -> tuple[tuple[int, ...], torch.dtype]:
         if self.size == 1:
@@ -320,16 +336,8 @@ class LayerParallel(nn.Module):
         if self.size == 1:
             assert t is not None
             return t
-        tr = self.transport
-        if tr.rank == root:
-            assert t is not None
-            buf = pack(t)
-        else:
-            buf = torch.empty(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),
-                              dtype=torch.uint8).numpy()
-        tr._wait_request(tr.comm.Ibcast([buf, tr._MPI.BYTE], root=root),
-                         "the broadcast output or input gradient", root, keep=buf)
-        return t if tr.rank == root else unpack(buf, shape, dtype, device)  # type: ignore
+        return self.transport.bcast_tensor(t, root, shape, dtype, device,
+                                           "the broadcast output or input gradient")
 
     def _guard(self, fn: Callable[[], Any]) -> Any:
         """Run `fn`; an exception raised on this rank alone is sent to the others.
@@ -357,6 +365,17 @@ class LayerParallel(nn.Module):
         seed = draw_seed() if (self.training and self._has_dropout and self.rank == 0) \
             else None
         key = (tuple(x.shape), str(x.dtype), self.training, grad_mode)
+        if self._data_transport is not None:  # replicas hold other samples, same shapes
+            keys = self._guard(lambda: self._data_transport.allgather_object(
+                key, "the forward pass's agreement between replicas"))
+            if any(k != keys[0] for k in keys):
+                detail = "; ".join(f"replica {d} has shape {k[0]}, dtype {k[1]}, "
+                                   f"training={k[2]}, grad mode={k[3]}"
+                                   for d, k in enumerate(keys))
+                raise RankMismatchError(
+                    f"the input differs between data replicas: {detail}. Every replica "
+                    "must pass batches of the same shape (use ProcessGrid.sampler, "
+                    "drop_last=True, and the same per-replica batch size)")
         if self.size == 1:
             return _Agreed(grad_mode and (x_rg or p_rg), x_rg, seed)
         probe = _values_fingerprint(x) if self._batch <= self.check_inputs else None
@@ -483,6 +502,8 @@ class LayerParallel(nn.Module):
                         outs = torch.autograd.grad(rec.y, [head.x, *rec.group_params], g,
                                                    allow_unused=True)
                         g = outs[0]
+                        if self._averager is not None:
+                            self._averager.add(outs[1:])
                         for p, gp in zip(rec.group_params, outs[1:]):
                             if gp is not None:
                                 grads[id(p)] = gp
@@ -510,6 +531,8 @@ class LayerParallel(nn.Module):
                 holder = 0
                 g_meta = (shape, dtype)
         self.last_backward.reverse()
+        if self._averager is not None:
+            self._averager.finish()
         gx = None
         if ctx.x_requires_grad:
             gx = self._bcast(g, holder, ctx.x_shape, ctx.x_dtype, gy.device)
@@ -619,18 +642,6 @@ class LayerParallel(nn.Module):
     def extra_repr(self) -> str:
         return (f"rank {self.rank} of {self.size}, coarsening={self.coarsening!r}, "
                 f"options={self.options}, backward_options={self.backward_options}")
-
-
-class _SerialLP(SerialTransport):
-    """Serial transport with the extras LayerParallel uses."""
-
-    comm = None
-
-    def reversed(self) -> _SerialLP:
-        return self
-
-    def allgather_object(self, obj: Any, what: str = "") -> list[Any]:
-        return [obj]
 
 
 class _LayerParallelFunction(torch.autograd.Function):

@@ -29,7 +29,7 @@ __all__ = ["SegmentRunner"]
 class BatchRecord:
     """One batched step of the final forward sweep, kept for the adjoint."""
 
-    __slots__ = ("x", "params", "y", "layers", "grads", "xd", "rows")
+    __slots__ = ("x", "params", "y", "layers", "grads", "xd", "rows", "final_rows")
 
     def __init__(self, x: Tensor, params: dict[str, Tensor], y: Tensor,
                  layers: tuple[int, ...]) -> None:
@@ -37,6 +37,7 @@ class BatchRecord:
         self.grads: dict[str, Tensor] = {}  # stacked parameter gradients (final sweep)
         self.xd: Optional[Tensor] = None  # x detached, when coarse steps read its rows
         self.rows: Optional[tuple[Tensor, ...]] = None  # xd's rows, for lone coarse steps
+        self.final_rows = 0  # rows whose gradients the final adjoint sweep has added
 
 
 class SegmentRunner:
@@ -121,6 +122,8 @@ class SegmentRunner:
         self.coarse_graphs: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         self.param_grads: dict[int, tuple] = {}
         self.batched_grads: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        # averages gradients over a process grid's replicas (set by LayerParallel)
+        self.averager: Optional[Any] = None
 
     # -- the propagator -------------------------------------------------------------------
     def phi(self, u: Tensor, a: int, b: int, *, update_stats: bool) -> Tensor:
@@ -244,6 +247,15 @@ class SegmentRunner:
             for name, g in zip(names, got[1:]):
                 prev = rec.grads.get(name)
                 rec.grads[name] = g if prev is None else prev + g
+            if final:
+                if rec.final_rows >= n_rec and self.averager is not None:
+                    raise RuntimeError("internal: a step of the final adjoint sweep ran "
+                                       "twice after its gradients were sent for averaging")
+                rec.final_rows += len(rows)
+                if rec.final_rows == n_rec and self.averager is not None:
+                    # each step of the final sweep runs once: this record's gradients
+                    # are complete, so their average over the replicas can start now
+                    self.averager.add(rec.grads.values())
             if cot is lam:
                 return dx
             if whole and rows[0] == n_rec - 1:
@@ -288,7 +300,15 @@ class SegmentRunner:
         layers = [a for r in recs for a in r.layers]
         names = bb.param_names
         rows: dict[str, list[Tensor]] = {}
-        for name in names:
+        if self.averager is not None:
+            self.averager.add(g for r in recs for g in r.grads.values())  # not yet added
+            for name in names:
+                # each record's rows as views, not concatenated: the average over the
+                # replicas, done in place on the records' tensors later, reaches them
+                rows[name] = [row for r in recs for row in
+                              (r.grads[name] if name in r.grads
+                               else torch.zeros_like(r.params[name])).unbind(0)]
+        for name in names if self.averager is None else ():
             parts = [r.grads.get(name) for r in recs]
             if any(g is None for g in parts):
                 parts = [torch.zeros_like(r.params[name]) if g is None else g
@@ -386,6 +406,9 @@ class SegmentRunner:
         out = as_tensor(self.bsession.state(self.n)) if self.transport.rank == 0 else None
         if self.bb is not None:
             self.batched_grads = self.collect_batched_grads()
+        elif self.averager is not None:
+            self.averager.add(g for k in sorted(self.param_grads)
+                              for g in self.param_grads[k])
         self.brecords = []
         self.where = {}
         self.records = {}

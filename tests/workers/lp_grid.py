@@ -1,0 +1,292 @@
+"""Worker: data x layer parallelism (ProcessGrid) under MPI or torch.distributed (gloo).
+
+Backend: torch.distributed when the environment has RANK/WORLD_SIZE/MASTER_ADDR (torchrun,
+or processes the test spawned), else mpi4py.  Every process prints one line
+``RANK <world rank> OK <detail>`` or ``RANK <world rank> <ExceptionType>: <message>``.
+
+Correctness cases compare with the serial oracle (float64, <= 1e-10 relative):
+  exact     grids 2x2, 1x4, 4x1 (max_levels=1) and 2x2 converged MGRIT: outputs of
+            each replica's shard, every parameter gradient, five SGD steps' losses
+  inexact   3 levels, cf 4, 2/1 iterations, tol 0: 2x2 equals 1x2 with the same
+            global batch (losses of five steps and the final parameters)
+  resume    2x2 with Adam, checkpoint, resume on 4x1 and on 1x4 = uninterrupted 2x2
+  correct   the three above in one job
+Failure cases (each rank reports the exception it ended with):
+  raise_one_rank, raise_in_layer, options_differ, grid_not_divide, shapes_differ, sigkill
+"""
+import datetime
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch import nn
+
+import layerpar
+from layerpar.ode import blocks
+
+TORCH = "MASTER_ADDR" in os.environ and "RANK" in os.environ
+if TORCH:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    comm = dist.group.WORLD
+    rank, size = dist.get_rank(), dist.get_world_size()
+else:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+torch.set_num_threads(1)
+
+EXACT = layerpar.MGRITOptions(max_levels=1)
+CONVERGED = layerpar.MGRITOptions(max_levels=3, cfactor=2, tol=1e-13, max_iter=40)
+FWD = layerpar.MGRITOptions(max_levels=3, cfactor=4, max_iter=2, tol=0.0)
+BWD = layerpar.MGRITOptions(max_levels=3, cfactor=4, max_iter=1, tol=0.0)
+B = 8
+
+
+def net(n=8, width=4):
+    torch.manual_seed(0)
+    return layerpar.ODENet(open=nn.Linear(3, width),
+                           steps=lambda k: blocks.Dense(width), n_steps=n,
+                           t_final=1.0, close=nn.Linear(width, 5)).double()
+
+
+def data(step=0):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(B, 3, generator=g, dtype=torch.float64), torch.randint(0, 5, (B,),
+                                                                            generator=g)
+
+
+def rel(a, b):
+    return float((a - b).norm() / max(float(b.norm()), 1e-300))
+
+
+def shard(t, grid):
+    n = t.shape[0] // grid.data
+    return t[grid.data_rank * n:(grid.data_rank + 1) * n]
+
+
+def sub_comm(ranks):
+    """A communicator/group of `ranks` (collective over the world); None elsewhere."""
+    if TORCH:
+        g = dist.new_group(ranks)
+        return g if rank in ranks else None
+    c = comm.Split(0 if rank in ranks else MPI.UNDEFINED, rank)
+    return c if rank in ranks else None
+
+
+def replica_mean(grid, value):
+    """The mean over replicas of a per-replica scalar (each replica's ranks agree)."""
+    got = grid.world.allgather_object((grid.data_rank, value), "a replica mean")
+    per = dict(got)
+    return sum(per.values()) / len(per)
+
+
+def check_against_serial(grid, opts, bopts=None, steps=5):
+    serial = net()
+    model = layerpar.LayerParallel(net(), grid=grid, options=opts,
+                                   backward_options=bopts or opts)
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.1)
+    opt_p = torch.optim.SGD(model.parameters(), lr=0.1)
+    worst = 0.0
+    for step in range(steps):
+        x, y = data(step)
+        opt_s.zero_grad()
+        out_s = serial(x)
+        loss_s = nn.functional.cross_entropy(out_s, y)
+        loss_s.backward()
+        opt_p.zero_grad()
+        out_p = model(shard(x, grid))
+        loss_p = nn.functional.cross_entropy(out_p, shard(y, grid))
+        loss_p.backward()
+        errs = [rel(out_p.detach(), shard(out_s.detach(), grid))]
+        grads_s = dict(serial.named_parameters())
+        for name, p in model.named_parameters():
+            errs.append(rel(p.grad, grads_s[name].grad))
+        glob = replica_mean(grid, loss_p.item())
+        errs.append(abs(glob - loss_s.item()) / abs(loss_s.item()))
+        worst = max(worst, *errs)
+        opt_s.step()
+        opt_p.step()
+    model.close()
+    return worst
+
+
+def case_exact():
+    worst = {}
+    for R, L in [(2, 2), (1, 4), (4, 1)]:
+        grid = layerpar.ProcessGrid(comm, data=R, layers=L)
+        worst[f"{R}x{L}"] = check_against_serial(grid, EXACT)
+        if (R, L) == (2, 2):
+            worst["2x2 converged"] = check_against_serial(grid, CONVERGED)
+        grid.close()
+    bad = {k: v for k, v in worst.items() if not v <= 1e-10}
+    if bad:
+        raise AssertionError(f"grid differs from serial: {bad}")
+    return " ".join(f"{k}={v:.1e}" for k, v in worst.items())
+
+
+def train_run(grid, steps=5):
+    model = layerpar.LayerParallel(net(n=32), grid=grid, options=FWD, backward_options=BWD)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = data(step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(shard(x, grid)), shard(y, grid))
+        loss.backward()
+        opt.step()
+        losses.append(replica_mean(grid, loss.item()))
+    sd = model.gather_state_dict()
+    model.close()
+    return losses, sd
+
+
+def case_inexact():
+    grid = layerpar.ProcessGrid(comm, data=2, layers=2)
+    losses4, sd4 = train_run(grid)
+    grid.close()
+    pair = sub_comm([0, 1])
+    if pair is not None:
+        g2 = layerpar.ProcessGrid(pair, data=1, layers=2)
+        losses2, sd2 = train_run(g2)
+        g2.close()
+        err = max(max(abs(a - b) / abs(b) for a, b in zip(losses4, losses2)),
+                  max(rel(sd4[k], sd2[k]) for k in sd2))
+        if not err <= 1e-10:
+            raise AssertionError(f"2x2 differs from 1x2: {err:.2e}; {losses4} {losses2}")
+        return f"err={err:.1e} losses={['%.6f' % v for v in losses4]}"
+    return "idle"
+
+
+def adam_steps(model, opt, grid, first, last):
+    for step in range(first, last):
+        x, y = data(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(shard(x, grid)), shard(y, grid)).backward()
+        opt.step()
+
+
+def case_resume():
+    grid = layerpar.ProcessGrid(comm, data=2, layers=2)
+    model = layerpar.LayerParallel(net(), grid=grid, options=EXACT)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    adam_steps(model, opt, grid, 0, 2)
+    sd, ost = model.gather_state_dict(), model.gather_optimizer_state(opt)
+    adam_steps(model, opt, grid, 2, 4)
+    ref = model.gather_state_dict()
+    model.close()
+    grid.close()
+    errs = {}
+    for R, L in [(4, 1), (1, 4)]:
+        g = layerpar.ProcessGrid(comm, data=R, layers=L)
+        m = layerpar.LayerParallel(net(), grid=g, options=EXACT, state_dict=sd)
+        o = torch.optim.Adam(m.parameters(), lr=0.01)
+        m.load_optimizer_state(o, ost)
+        adam_steps(m, o, g, 2, 4)
+        got = m.gather_state_dict()
+        errs[f"{R}x{L}"] = max(rel(got[k], ref[k]) for k in ref)
+        m.close()
+        g.close()
+    if not all(v <= 1e-10 for v in errs.values()):
+        raise AssertionError(f"resumed run differs: {errs}")
+    return " ".join(f"{k}={v:.1e}" for k, v in errs.items())
+
+
+def case_correct():
+    """exact, inexact and resume in one job (one start-up instead of three)."""
+    return " | ".join(f"{name}: {globals()[f'case_{name}']()}"
+                      for name in ("exact", "inexact", "resume"))
+
+
+def case_raise_one_rank():
+    grid = layerpar.ProcessGrid(comm, data=2, layers=2, timeout=60)
+    model = layerpar.LayerParallel(net(), grid=grid, options=FWD.replace(max_levels=2,
+                                   cfactor=2), timeout=60)
+    x, y = data()
+    out = model(shard(x, grid))
+    if rank == 3:
+        raise RuntimeError("loss exploded on rank 3")
+    nn.functional.cross_entropy(out, shard(y, grid)).backward()
+    return "no error"
+
+
+class Exploding(blocks.Dense):
+    """A Dense block that raises on world rank 3 once armed."""
+
+    armed = False
+
+    def forward(self, u):
+        if Exploding.armed and rank == 3:
+            raise RuntimeError("a layer exploded on rank 3")
+        return super().forward(u)
+
+
+def case_raise_in_layer():
+    torch.manual_seed(0)
+    n = layerpar.ODENet(open=nn.Linear(3, 4), steps=lambda k: Exploding(4), n_steps=8,
+                        t_final=1.0, close=nn.Linear(4, 5)).double()
+    grid = layerpar.ProcessGrid(comm, data=2, layers=2, timeout=60)
+    model = layerpar.LayerParallel(n, grid=grid, options=FWD.replace(max_levels=2,
+                                   cfactor=2), timeout=60)
+    x, y = data()
+    nn.functional.cross_entropy(model(shard(x, grid)), shard(y, grid)).backward()
+    Exploding.armed = True
+    nn.functional.cross_entropy(model(shard(x, grid)), shard(y, grid)).backward()
+    return "no error"
+
+
+def case_options_differ():
+    grid = layerpar.ProcessGrid(comm, data=2, layers=2)
+    layerpar.LayerParallel(net(), grid=grid, options=FWD if rank != 2 else
+                           FWD.replace(max_iter=3))
+    return "no error"
+
+
+def case_grid_not_divide():
+    layerpar.ProcessGrid(comm, data=3)
+    return "no error"
+
+
+def case_shapes_differ():
+    grid = layerpar.ProcessGrid(comm, data=2, layers=2)
+    model = layerpar.LayerParallel(net(), grid=grid, options=EXACT)
+    x, _ = data()
+    model(x[:4] if grid.data_rank == 0 else x[:3])
+    return "no error"
+
+
+def case_sigkill():
+    grid = layerpar.ProcessGrid(comm, data=2, layers=2, timeout=60)
+    model = layerpar.LayerParallel(net(), grid=grid, options=FWD.replace(max_levels=2,
+                                   cfactor=2), timeout=60)
+    x, y = data()
+    for step in range(3):
+        out = model(shard(x, grid))
+        if step == 1 and rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        nn.functional.cross_entropy(out, shard(y, grid)).backward()
+    return "no error"
+
+
+if __name__ == "__main__":
+    case = sys.argv[1]
+    try:
+        detail = globals()[f"case_{case}"]()
+        print(f"RANK {rank} OK {detail}", flush=True)
+    except BaseException as exc:  # noqa: BLE001 - reported, the test decides
+        print(f"RANK {rank} {type(exc).__name__}: {str(exc).splitlines()[0][:400]}",
+              flush=True)
+        if TORCH:  # without torchrun, rank 0 hosts the store: let the others read it
+            time.sleep(2)
+    if TORCH and case not in ("sigkill", "raise_one_rank"):
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    sys.stdout.flush()
+    if TORCH:
+        os._exit(0)  # gloo's threads may still wait on a failed peer: do not join them
