@@ -1,6 +1,7 @@
 """The ``layerpar`` command.
 
-    layerpar train {peaks,digits} [--np N] [--levels L --cfactor C --fwd-iters F ...]
+    layerpar train {peaks,digits} [--np N [--data-parallel R] [--launcher torchrun]]
+                   [--levels L --cfactor C --fwd-iters F ...]
     layerpar info
 
 ``train`` runs `layerpar.train.train`.  With ``--np N`` (N > 1) and not already inside
@@ -10,7 +11,10 @@ with ``layerpar[mpich]``), else the one on PATH, and exits with that job's statu
 Running under ``python -m mpi4py`` makes an exception on any rank abort the whole job
 instead of leaving the other ranks waiting.  ``--np 1`` and ``--serial`` run in this
 process.  Started by mpiexec or srun directly (``mpiexec -n 4 layerpar train peaks``),
-it trains on all ranks of that job and ignores ``--np``.
+it trains on all ranks of that job and ignores ``--np``.  ``--launcher torchrun``
+starts the N processes with torchrun instead (torch.distributed, gloo); a process
+started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR set) trains over its process
+group.  ``--data-parallel R`` makes the N processes R replicas of N/R layer ranks.
 
 ``info`` prints the versions of layerpar and its dependencies, the MPI library, the
 mpiexec that ``--np`` would use, and whether the native MGRIT engine imports.
@@ -33,6 +37,8 @@ from .launch import mpiexec_path, run_job
 # launch again); mpiexec / srun themselves are recognised by the PMI variables below
 LAUNCHED_ENV = "LAYERPAR_LAUNCHED"
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
+_TORCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHERS = ("mpiexec", "torchrun")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "residuals).")
     train.add_argument("model", choices=MODELS, help="which problem")
     train.add_argument("--np", type=int, default=1, metavar="N",
-                       help="number of MPI ranks to launch (default 1: this process)")
+                       help="number of processes to launch (default 1: this process)")
+    train.add_argument("--data-parallel", type=int, default=1, metavar="R",
+                       help="replicas (data parallelism): N processes form R replicas "
+                            "of a layer-parallel model over N/R ranks each (default 1)")
+    train.add_argument("--launcher", choices=LAUNCHERS, default="mpiexec",
+                       help="how --np N starts the processes: mpiexec (MPI, the bundled "
+                            "one) or torchrun (torch.distributed with gloo)")
     add_arguments(train)
 
     sub.add_parser("info", help="versions, MPI library, native engine",
@@ -74,28 +86,66 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
         if args.np < 1:
             raise ValueError(f"`--np` must be >= 1, got {args.np}")
+        if args.data_parallel < 1:
+            raise ValueError(f"`--data-parallel` must be >= 1, got {args.data_parallel}")
+        if args.np % args.data_parallel and not launched():  # the job's size decides
+            raise ValueError(f"`--data-parallel` {args.data_parallel} must divide `--np` "
+                             f"{args.np} (N processes form R replicas of N/R ranks)")
         layers = RECIPES[args.model].n_layers
-        if args.np > layers and not args.serial:  # checked once here, not on N ranks
-            raise ValueError(f"`--np` must be <= {layers}, the number of residual layers "
-                             f"of {args.model} (each rank needs at least one), got "
-                             f"{args.np}")
+        per = args.np // args.data_parallel
+        if per > layers and not args.serial and not launched():  # once, not on N ranks
+            what = "`--np`" if args.data_parallel == 1 else \
+                "`--np` / `--data-parallel` (ranks per replica)"
+            raise ValueError(f"{what} must be <= {layers}, the number of residual layers "
+                             f"of {args.model} (each rank needs at least one), got {per}")
+        batch = args.batch_size or RECIPES[args.model].batch_size
+        if batch % args.data_parallel:
+            raise ValueError(f"the batch size {batch} must be divisible by "
+                             f"`--data-parallel` {args.data_parallel}")
         check_arguments(args)
     return args
 
 
+def under_torchrun() -> bool:
+    """True when torchrun (or another env:// launcher) started this process."""
+    return all(v in os.environ for v in _TORCH_ENV) and not any(v in os.environ
+                                                                 for v in _MPI_ENV)
+
+
 def under_mpi() -> bool:
     """True when this process is a rank of an MPI job (ours, or started by mpiexec/srun)."""
+    if under_torchrun():
+        return False
     return os.environ.get(LAUNCHED_ENV) == "1" or any(v in os.environ for v in _MPI_ENV)
 
 
-def launch(nprocs: int, argv: Sequence[str]) -> int:
-    """Run ``layerpar <argv>`` on ``nprocs`` ranks under mpiexec; return its exit status.
+def launched() -> bool:
+    """True inside a job of several processes (so `--np` must not launch again)."""
+    return under_mpi() or under_torchrun()
+
+
+def launch(nprocs: int, argv: Sequence[str], launcher: str = "mpiexec") -> int:
+    """Run ``layerpar <argv>`` on ``nprocs`` processes under mpiexec (or torchrun);
+    return its exit status.
 
     The job never outlives this launcher (`launch.run_job`): SIGTERM, SIGINT or SIGHUP
     here kill mpiexec and every rank first, and a SIGKILL here kills mpiexec through
     its parent-death signal, which takes the ranks with it.
     Raises FileNotFoundError when no mpiexec can be found.
     """
+    env = dict(os.environ)
+    env[LAUNCHED_ENV] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
+    if launcher == "torchrun":
+        # torchrun's agent hosts the rendezvous store and stops every worker when one
+        # fails; --standalone: one node, a free port
+        # (--np and --launcher stay here: torchrun's own parser would take --np)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nprocs), "-m", "layerpar.cli",
+               *_without(argv, "--np", "--launcher")]
+        code = run_job(cmd, env=env).returncode
+        assert code is not None
+        return 128 - code if code < 0 else code
     mpiexec = mpiexec_path()
     if mpiexec is None:
         raise FileNotFoundError(
@@ -104,19 +154,39 @@ def launch(nprocs: int, argv: Sequence[str]) -> int:
             f"--np 1")
     cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", "-m",
            "layerpar.cli", *argv]
-    env = dict(os.environ)
-    env[LAUNCHED_ENV] = "1"
-    env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the cores
     code = run_job(cmd, env=env).returncode
     assert code is not None  # run_job returns once the job has ended
     return 128 - code if code < 0 else code  # killed by signal s: 128 + s, as shells do
+
+
+def _without(argv: Sequence[str], *options: str) -> list[str]:
+    """`argv` without the given options and their values (``--opt V`` or ``--opt=V``)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in options:
+            skip = True
+        elif not any(a.startswith(o + "=") for o in options):
+            out.append(a)
+    return out
 
 
 def _train(args: argparse.Namespace) -> int:
     from .train import train_from_arguments
 
     comm: Any = None
-    if under_mpi():
+    if under_torchrun():
+        import datetime
+
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+        if dist.get_world_size() > 1:
+            comm = dist.group.WORLD
+    elif under_mpi():
         from mpi4py import MPI
 
         world = MPI.COMM_WORLD
@@ -175,9 +245,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(info())
         return 0
     if args.command == "train":
-        if args.np > 1 and not args.serial and not under_mpi():
+        if args.np > 1 and not args.serial and not launched():
             try:
-                return launch(args.np, argv)
+                return launch(args.np, argv, args.launcher)
             except FileNotFoundError as exc:
                 print(f"layerpar: error: {exc}", file=sys.stderr)
                 return 1

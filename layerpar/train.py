@@ -33,7 +33,7 @@ from .mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MGRITOptions
 from .ode import blocks
 from .ode.net import ODENet, Segment
 from .ode.rng import MAX_SEED
-from .parallel import LayerParallel
+from .parallel import LayerParallel, ProcessGrid
 
 __all__ = [
     "MODELS",
@@ -146,12 +146,15 @@ def threads_per_rank(comm: Any = None) -> int:
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
     local = 1
-    if comm is not None and comm.Get_size() > 1:
-        from mpi4py import MPI
+    if comm is not None and hasattr(comm, "Split_type"):
+        if comm.Get_size() > 1:
+            from mpi4py import MPI
 
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        local = node.Get_size()
-        node.Free()
+            node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+            local = node.Get_size()
+            node.Free()
+    elif comm is not None:  # a torch.distributed group: its launcher says how many here
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, cores // local)
 
 
@@ -209,6 +212,7 @@ def train(
     dtype: torch.dtype = torch.float32,
     n_layers: Optional[int] = None,
     width: Optional[int] = None,
+    data_parallel: int = 1,
 ) -> dict[str, Any]:
     """Train the Peaks or digits network and return what happened.
 
@@ -224,6 +228,12 @@ def train(
     progress: a progress bar on rank 0's stderr, when that is a terminal.
     dtype: parameter and data dtype (torch.float32 or torch.float64).
     n_layers, width: override the number of residual layers / the width (channels).
+    data_parallel: replicas R of a `ProcessGrid` over ``comm`` (R x L processes; the
+        layer-parallel model of each replica spans L = size / R ranks).  Every process
+        draws the same global batches; each replica trains on its share
+        (`ProcessGrid.shard`) and gradients are averaged, so results equal training on
+        the global batch.  ``comm`` may be an mpi4py communicator or a
+        torch.distributed process group.
 
     Returns a dict: ``val_acc``, ``val_loss``, ``train_loss`` and ``train_acc`` (last
     epoch), ``ms_per_batch`` (one optimisation step: forward, backward, update,
@@ -253,13 +263,30 @@ def train(
     for name, o in (("fwd", fwd), ("bwd", bwd)):
         if not isinstance(o, MGRITOptions):
             raise TypeError(f"`{name}` must be an MGRITOptions, got {type(o).__name__}")
-    rank = comm.Get_rank() if comm is not None else 0
-    ranks = 1 if serial or comm is None else comm.Get_size()
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) \
+            or data_parallel < 1:
+        raise ValueError(f"`data_parallel` must be an int >= 1, got {data_parallel!r}")
+    rank, size = _rank_size(comm)
+    ranks = 1 if serial else size
+    if data_parallel > 1 and not serial:
+        if size % data_parallel:
+            raise ValueError(f"`data_parallel`={data_parallel} does not divide the {size} "
+                             "processes")
+        if batch_size % data_parallel:
+            raise ValueError(f"the batch size {batch_size} is not divisible by "
+                             f"`data_parallel`={data_parallel}")
 
     x_train, y_train, x_val, y_val = load_data(model_name, seed, dtype)
     torch.manual_seed(seed)  # same initial parameters on every rank
     net = build_net(model_name, n_layers, width).to(dtype)
-    model: nn.Module = net if serial else LayerParallel(net, comm, fwd, bwd)
+    grid: Optional[ProcessGrid] = None
+    if serial:
+        model: nn.Module = net
+    elif data_parallel > 1 or not (comm is None or hasattr(comm, "Split_type")):
+        grid = ProcessGrid(comm, data=data_parallel)
+        model = LayerParallel(net, None, fwd, bwd, grid=grid)
+    else:
+        model = LayerParallel(net, comm, fwd, bwd)
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x_train, y_train), batch_size=batch_size,
         shuffle=True, generator=torch.Generator().manual_seed(seed))
@@ -278,6 +305,8 @@ def train(
         fwd_it, fwd_res, bwd_it, bwd_res = [], [], [], []
         t_epoch = time.perf_counter()
         for b, (x, y) in enumerate(loader, 1):
+            if grid is not None:
+                x, y = grid.shard(x), grid.shard(y)
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             out = model(x)
@@ -297,6 +326,8 @@ def train(
                 bwd_it.append(it)
                 bwd_res += [] if res is None else [res]
             bar.update(b, f"loss {losses[-1]:.3f}")
+        if grid is not None and grid.data > 1:  # the global batch's figures
+            losses, correct, seen = _replica_totals(grid, losses, correct, seen)
         batch_losses += losses
         val_loss, val_acc = _evaluate(model, x_val, y_val)
         record = {
@@ -311,7 +342,8 @@ def train(
 
     last = history[-1]
     result: dict[str, Any] = {
-        "model": model_name, "serial": serial, "ranks": ranks, "epochs": epochs,
+        "model": model_name, "serial": serial, "ranks": ranks,
+        "data_parallel": 1 if serial else data_parallel, "epochs": epochs,
         "batch_size": batch_size, "lr": lr, "seed": seed, "dtype": str(dtype),
         "fwd": None if serial else fwd, "bwd": None if serial else bwd,
         "val_acc": last["val_acc"], "val_loss": last["val_loss"],
@@ -321,10 +353,34 @@ def train(
         "bwd_iters": last["bwd_iters"], "bwd_res": last["bwd_res"],
         "history": history, "batch_losses": batch_losses, "module": model,
     }
+    if grid is not None and isinstance(model, LayerParallel) and model._averager is not None:
+        result["allreduce_ms_per_batch"] = 1000.0 * model._averager.total_seconds / total_steps
     result["summary"] = format_summary(result)
     if rank == 0:
         print(result["summary"], flush=True)
     return result
+
+
+def _rank_size(comm: Any) -> tuple[int, int]:
+    """(rank, size) of an mpi4py communicator, a torch.distributed group or None."""
+    if comm is None:
+        return 0, 1
+    if hasattr(comm, "Get_rank"):
+        return comm.Get_rank(), comm.Get_size()
+    import torch.distributed as dist
+
+    return dist.get_rank(comm), dist.get_world_size(comm)
+
+
+def _replica_totals(grid: ProcessGrid, losses: list[float], correct: int,
+                    seen: int) -> tuple[list[float], int, int]:
+    """An epoch's per-batch losses averaged over the replicas, and the correct and seen
+    counts summed: the figures of the global batches (one exchange per epoch)."""
+    got = grid.world.allgather_object((grid.data_rank, losses, correct, seen),
+                                      "the epoch's training figures")
+    per = {d: (ls, c, n) for d, ls, c, n in got}  # a replica's layer ranks agree
+    mean = [sum(v[0][b] for v in per.values()) / len(per) for b in range(len(losses))]
+    return mean, sum(v[1] for v in per.values()), sum(v[2] for v in per.values())
 
 
 def _evaluate(model: nn.Module, x: Tensor, y: Tensor) -> tuple[float, float]:
@@ -356,7 +412,8 @@ def format_summary(result: dict[str, Any]) -> str:
     else:
         parts.append(f"fwd iters {result['fwd_iters']:g} (res {_fmt_res(result['fwd_res'])})")
         parts.append(f"bwd iters {result['bwd_iters']:g} (res {_fmt_res(result['bwd_res'])})")
-    parts.append(f"ranks {result['ranks']}")
+    data = result.get("data_parallel", 1)
+    parts.append(f"ranks {result['ranks']}" + (f" (data {data})" if data > 1 else ""))
     return " | ".join(parts)
 
 
@@ -364,7 +421,7 @@ _SUMMARY = re.compile(
     r"^(?P<model>\w+): val_acc (?P<val_acc>[\d.]+) \| train_loss (?P<train_loss>[\d.naif]+)"
     r" \| (?P<ms_per_batch>[\d.]+) ms/batch \| (?:(?P<serial>serial)|fwd iters "
     r"(?P<fwd_iters>[\d.]+) \(res (?P<fwd_res>\S+)\) \| bwd iters (?P<bwd_iters>[\d.]+) "
-    r"\(res (?P<bwd_res>\S+)\)) \| ranks (?P<ranks>\d+)$")
+    r"\(res (?P<bwd_res>\S+)\)) \| ranks (?P<ranks>\d+)(?: \(data (?P<data>\d+)\))?$")
 
 
 def parse_summary(text: str) -> dict[str, Any]:
@@ -381,7 +438,8 @@ def parse_summary(text: str) -> dict[str, Any]:
             return {"model": g["model"], "val_acc": float(g["val_acc"]),
                     "train_loss": float(g["train_loss"]),
                     "ms_per_batch": float(g["ms_per_batch"]), "serial": bool(g["serial"]),
-                    **num, "ranks": int(g["ranks"])}
+                    **num, "ranks": int(g["ranks"]),
+                    "data_parallel": int(g["data"]) if g["data"] else 1}
     raise ValueError(f"`text` holds no training summary line: {text[-500:]!r}")
 
 
@@ -466,4 +524,5 @@ def train_from_arguments(model_name: str, args: argparse.Namespace,
         torch.set_num_threads(threads_per_rank(comm))
     return train(model_name, serial=args.serial, epochs=args.epochs,
                  batch_size=args.batch_size, lr=args.lr, seed=args.seed, fwd=fwd, bwd=bwd,
-                 comm=comm, progress=not args.no_progress, dtype=dtype_from_arguments(args))
+                 comm=comm, progress=not args.no_progress, dtype=dtype_from_arguments(args),
+                 data_parallel=getattr(args, "data_parallel", 1))

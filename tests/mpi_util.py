@@ -94,6 +94,12 @@ def run_spawned(script: Union[Path, str], nprocs: int, *args: object,
     return _communicate(cmd, env, timeout, "spawned job")
 
 
+def run_command(cmd: list, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run a command (e.g. ``layerpar train ... --np 4``) under the same timeout rule."""
+    return _communicate([str(c) for c in cmd], dict(os.environ, OMP_NUM_THREADS="1"),
+                        timeout, "command")
+
+
 def _communicate(cmd: list, env: dict, timeout: float,
                  what: str) -> subprocess.CompletedProcess:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

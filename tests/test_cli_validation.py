@@ -10,6 +10,7 @@ Measurements are replaced by a function that fails the test if called.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -154,3 +155,43 @@ def test_bench_bad_value_before_any_measurement(argv: list[str], flag: str,
         bench.main(argv)
     assert info.value.code == 2
     assert f"error: `{flag}`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--np", "4", "--data-parallel", "3"], "`--data-parallel` 3 must divide `--np` 4"),
+    (["--np", "4", "--data-parallel", "0"], "`--data-parallel` must be >= 1"),
+    (["--np", "2", "--data-parallel", "2", "--batch-size", "5"],
+     "the batch size 5 must be divisible by `--data-parallel` 2"),
+    (["--np", "66", "--data-parallel", "2"],
+     "`--np` / `--data-parallel` (ranks per replica) must be <= 32"),
+])
+def test_train_data_parallel_values(argv: list[str], message: str,
+                                    capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["train", "peaks", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_train_launcher_choices(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        cli.parse_args(["train", "peaks", "--launcher", "srun"])
+    assert "invalid choice: 'srun'" in capsys.readouterr().err
+    assert cli.parse_args(["train", "peaks", "--launcher", "torchrun"]).launcher == "torchrun"
+
+
+def test_torchrun_workers_do_not_get_the_launch_options() -> None:
+    argv = ["train", "peaks", "--np", "4", "--launcher=torchrun", "--data-parallel", "2"]
+    assert cli._without(argv, "--np", "--launcher") == ["train", "peaks",
+                                                        "--data-parallel", "2"]
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"data_parallel": 0}, "`data_parallel` must be an int >= 1"),
+    ({"data_parallel": True}, "`data_parallel` must be an int >= 1"),
+    ({"data_parallel": 2, "batch_size": 5}, "does not divide the 1 processes"),
+])
+def test_train_function_data_parallel(kw: dict, message: str) -> None:
+    from layerpar.train import train
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train("peaks", epochs=1, **kw)

@@ -8,14 +8,16 @@ does about a lost process shows).  The worker is `workers/lp_grid.py`.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from mpi_util import describe, run_mpi, run_spawned, run_torchrun
+from mpi_util import describe, run_command, run_mpi, run_spawned, run_torchrun
 
 import layerpar
 from layerpar.mgrit.transport import make_transport
+from layerpar.train import parse_summary
 
 WORKERS = Path(__file__).parent / "workers"
 LINE = re.compile(r"RANK (\d+) ([A-Za-z]+?)(?=:| |$|RANK )", re.MULTILINE)
@@ -132,3 +134,18 @@ def test_sampler_gives_each_replica_an_equal_disjoint_shard() -> None:
         shards.append(list(s))
     assert [len(s) for s in shards] == [3, 3, 3]
     assert len(set(sum(shards, []))) == 9
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_layerpar_train_data_parallel_equals_one_replica(launcher: str) -> None:
+    """`layerpar train peaks --np 4 --data-parallel 2` trains exactly as `--np 2` (the
+    same global batches, float64, inexact MGRIT: each sample's trajectory is its own)."""
+    base = [sys.executable, "-m", "layerpar.cli", "train", "peaks", "--epochs", "1",
+            "--float64", "--no-progress", "--launcher", launcher]
+    grid = run_command(base + ["--np", "4", "--data-parallel", "2"], timeout=240)
+    one = run_command(base + ["--np", "2"], timeout=240)
+    assert grid.returncode == 0 and one.returncode == 0, describe(grid) + describe(one)
+    a, b = parse_summary(grid.stdout), parse_summary(one.stdout)
+    assert (a["ranks"], a["data_parallel"], b["ranks"], b["data_parallel"]) == (4, 2, 2, 1)
+    assert a["val_acc"] == b["val_acc"] and a["train_loss"] == b["train_loss"], (a, b)

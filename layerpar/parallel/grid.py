@@ -10,6 +10,7 @@ gradients.  One error channel spans the world, so a failure anywhere stops all.
 """
 from __future__ import annotations
 
+import datetime
 from typing import Any, Optional
 
 from ..mgrit.transport import DEFAULT_TIMEOUT, Transport, check_timeout, make_transport
@@ -82,17 +83,33 @@ class ProcessGrid:
 
         ranks = dist.get_process_group_ranks(comm)
         L, R = self.layers, self.data
+        self._free = []
+        if R == 1:  # the layer group is the whole group
+            return comm, None
+        if L == 1:  # one layer rank per replica: no layer messages
+            return None, comm
+        # a group over the whole world is created by every process (names by creation
+        # order); over a subgroup by its members only (torch names such a group by its
+        # ranks and the number of groups the process has: its members must have created
+        # the same number of groups before)
+        local = len(ranks) != dist.get_world_size()
         backend = "nccl" if self.world.backend == "nccl" else "gloo"
+        kw: dict[str, Any] = {"backend": backend, "use_local_synchronization": local}
+        if self.timeout is not None:
+            kw["timeout"] = datetime.timedelta(seconds=self.timeout)
         mine_layer = mine_data = None
         for d in range(R):  # every process creates every group, in the same order
-            g = dist.new_group([ranks[d * L + q] for q in range(L)], backend=backend)
-            if d == self.data_rank:
-                mine_layer = g
+            members = [ranks[d * L + q] for q in range(L)]
+            if not local or d == self.data_rank:
+                g = dist.new_group(members, **kw)
+                if d == self.data_rank:
+                    mine_layer = g
         for q in range(L):
-            g = dist.new_group([ranks[d * L + q] for d in range(R)], backend=backend)
-            if q == self.layer_rank:
-                mine_data = g
-        self._free = []
+            members = [ranks[d * L + q] for d in range(R)]
+            if not local or q == self.layer_rank:
+                g = dist.new_group(members, **kw)
+                if q == self.layer_rank:
+                    mine_data = g
         return mine_layer, mine_data
 
     @property

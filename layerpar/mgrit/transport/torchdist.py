@@ -175,18 +175,20 @@ def default_store() -> Any:
     return c10d._get_default_store()
 
 
-def _new_group(ranks: list[int], backend: Optional[str], timeout: Optional[float]) -> Any:
-    kw: dict[str, Any] = {"use_local_synchronization": True}
-    if timeout is not None:
-        kw["timeout"] = datetime.timedelta(seconds=timeout)
-    return dist.new_group(ranks=ranks, backend=backend, **kw)
-
-
 class TorchTransport(Transport):
-    """Transport over a `torch.distributed` process group (duplicated, so messages
-    never meet the user's).  `errors`: a shared error channel (a process grid's); by
-    default the transport opens its own in the default store.  `timeout` also bounds
-    the duplicated groups' own operations (NCCL's watchdog aborts after it)."""
+    """Transport over a `torch.distributed` process group.
+
+    The group is used as it is, not duplicated: a duplicate would have to be created
+    by every process of the world (or named consistently by its members), which a
+    layer group of a grid cannot promise.  Collectives of one program run in program
+    order on every rank, so sharing the group with the user's own collectives is safe;
+    layerpar's point-to-point tags are >= 31000 (a user's own send/recv on the same
+    group must use other tags).  A NCCL-only group gets a gloo group for small
+    messages, which every process of the world must create at the same time (build
+    models on all processes together, as a `ProcessGrid` does).  `errors`: a shared
+    error channel (a process grid's); by default the transport opens its own in the
+    default store.  `timeout` bounds that extra gloo group's operations.
+    """
 
     def __init__(self, group: Any, *, errors: Optional[StoreErrors] = None,
                  timeout: Optional[float] = None) -> None:
@@ -197,12 +199,18 @@ class TorchTransport(Transport):
         name = str(dist.get_backend(group)).lower()
         self._nccl = "nccl" in name
         self.backend = "nccl" if self._nccl else "gloo"
-        self.group = _new_group(ranks, "nccl" if self._nccl else "gloo", timeout)
-        # small objects, host-side reductions, staged tensors
-        self.cpu_group = _new_group(ranks, "gloo", timeout) if self._nccl else self.group
+        self.group = group
+        # small objects, host-side reductions, staged tensors: gloo
+        self.cpu_group = group
+        self._made: list = []
+        if self._nccl and "gloo" not in name and "cpu" not in name:
+            kw: dict[str, Any] = {}
+            if timeout is not None:
+                kw["timeout"] = datetime.timedelta(seconds=timeout)
+            self.cpu_group = dist.new_group(ranks=ranks, backend="gloo", **kw)
+            self._made.append(self.cpu_group)
         self._global = ranks
-        super().__init__(len(ranks), dist.get_rank(self.group))
-        self._own_errors = errors is None
+        super().__init__(len(ranks), dist.get_rank(group))
         if errors is None:
             tag = torch.randint(0, 2**62, (1,), dtype=torch.int64) if self.group_rank == 0 \
                 else torch.zeros(1, dtype=torch.int64)
@@ -405,13 +413,13 @@ class TorchTransport(Transport):
         return [bytes(o[:int(s)].numpy()) for o, s in zip(outs, sizes)]
 
     def close(self) -> None:
-        """Release the duplicated process groups (collective)."""
+        """Forget outstanding requests; release a gloo group made for a NCCL group."""
         if self._state["closed"]:
             return
         self._state["closed"] = True
         self.cancel_all()
         if self._state["broken"] is None and self._errors.broken is None:
-            for g in {id(self.group): self.group, id(self.cpu_group): self.cpu_group}.values():
+            for g in self._made:
                 try:
                     dist.destroy_process_group(g)
                 except Exception:  # noqa: BLE001 - already gone with the default group

@@ -1,0 +1,181 @@
+"""Data x layer parallelism on the same processes: which split of N processes is fastest.
+
+    python -m layerpar.bench grid [--np 4] [--launcher mpiexec|torchrun|both]
+                                  [--quick] [--repeats K] [--csv PATH]
+
+Starts one job of N processes per launcher (mpiexec: mpi4py; torchrun:
+torch.distributed with gloo).  Inside it, every split R x L of the N processes
+(R replicas of a layer-parallel model over L ranks: N x 1, ..., 1 x N) trains the
+same net on the same global batches, interleaved batch by batch so that drifts of
+the machine hit every split alike.  Rows: time per batch (the slowest process's,
+median over batches), and the gradient average's part of it (time spent starting
+and waiting for the replicas' reductions, slowest process), with N x 1 and 1 x N as
+the pure data- and pure layer-parallel ends.
+
+The net: a dense ODE-net (width 16, 256 layers; --quick: 64), global batch 128,
+MGRIT 3 levels, cfactor 4, 2 forward / 1 backward iterations, fixed counts (tol 0),
+float32, one thread per process.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Optional
+
+__all__ = ["main"]
+
+
+def _splits(n: int) -> list[tuple[int, int]]:
+    return [(r, n // r) for r in range(n, 0, -1) if n % r == 0]
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One process of the job: time every split, print one JSON line on rank 0."""
+    import torch
+    from torch import nn
+
+    import layerpar
+    from layerpar.ode import blocks
+
+    torch.set_num_threads(1)
+    if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        comm: Any = dist.group.WORLD
+        launcher = "torchrun"
+    else:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        launcher = "mpiexec"
+    width, batch = 16, 128
+    fwd = layerpar.MGRITOptions(max_levels=3, cfactor=4, max_iter=2, tol=0.0)
+    bwd = fwd.replace(max_iter=1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, width, generator=g)
+    y = torch.randint(0, 4, (batch,), generator=g)
+    runs = []
+    for R, L in _splits(args.np):
+        grid = layerpar.ProcessGrid(comm, data=R, layers=L)
+        torch.manual_seed(0)
+        net = layerpar.ODENet(open=nn.Linear(width, width),
+                              steps=lambda k: blocks.Dense(width, activation="tanh"),
+                              n_steps=args.layers, t_final=1.0,
+                              close=nn.Linear(width, 4))
+        model = layerpar.LayerParallel(net, None, fwd, bwd, grid=grid)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        runs.append({"R": R, "L": L, "grid": grid, "model": model, "opt": opt,
+                     "x": grid.shard(x), "y": grid.shard(y), "times": [], "reduce": []})
+    world = runs[0]["grid"].world
+    for rep in range(args.repeats + 2):  # two warm-up rounds
+        for run in runs:
+            model, opt = run["model"], run["opt"]
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(run["x"]), run["y"]).backward()
+            opt.step()
+            dt = time.perf_counter() - t0
+            ar = model._averager.last_seconds if model._averager is not None else 0.0
+            got = world.allgather_object((dt, ar), "a benchmark batch's times")
+            if rep >= 2:
+                run["times"].append(max(t for t, _ in got))
+                run["reduce"].append(max(a for _, a in got))
+    if world.group_rank == 0:
+        for run in runs:
+            ms = 1000 * statistics.median(run["times"])
+            ar = 1000 * statistics.median(run["reduce"])
+            print("GRIDBENCH " + json.dumps({
+                "launcher": launcher, "processes": args.np, "data": run["R"],
+                "layers": run["L"], "net_layers": args.layers,
+                "ms_per_batch": round(ms, 2), "min_ms": round(1000 * min(run["times"]), 2),
+                "allreduce_ms": round(ar, 3), "allreduce_share": round(ar / ms, 4)}),
+                flush=True)
+    for run in runs:
+        run["model"].close()
+
+
+def _launch(launcher: str, n: int, argv: list[str], timeout: float) -> list[dict]:
+    from .launch import mpiexec_path, run_job
+
+    worker = [sys.executable, "-m", "layerpar.gridbench", "--worker", *argv]
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(n), "-m", "layerpar.gridbench", "--worker", *argv]
+    else:
+        mpiexec = mpiexec_path()
+        if mpiexec is None:
+            raise FileNotFoundError("no mpiexec found (pip install \"layerpar[mpich]\")")
+        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", *worker[1:]]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MPIR_CVAR_CH4_PROGRESS_THROTTLE="1")
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out:
+        status = run_job(cmd, env=env, timeout=timeout, stdout=out)
+        out.seek(0)
+        text = out.read()
+    if status.returncode != 0:
+        raise RuntimeError(f"{launcher} job failed (status {status.returncode}"
+                           f"{', timed out' if status.timed_out else ''}):\n{text[-3000:]}")
+    return [json.loads(line.split("GRIDBENCH ", 1)[1]) for line in text.splitlines()
+            if "GRIDBENCH " in line]
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = (f"{'launcher':<9} {'grid R x L':>10} {'ms/batch':>9} {'min ms':>8} "
+            f"{'allreduce ms':>12} {'share':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['launcher']:<9} {str(r['data']) + ' x ' + str(r['layers']):>10} "
+                     f"{r['ms_per_batch']:>9.1f} {r['min_ms']:>8.1f} "
+                     f"{r['allreduce_ms']:>12.2f} {100 * r['allreduce_share']:>5.1f}%")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m layerpar.bench grid",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--np", type=int, default=4, help="processes (default 4)")
+    p.add_argument("--launcher", choices=("mpiexec", "torchrun", "both"), default="both")
+    p.add_argument("--quick", action="store_true", help="64 layers, 3 repeats")
+    p.add_argument("--repeats", type=int, default=None, help="timed batches (default 10)")
+    p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per job")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--procs", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.np < 1:
+        p.error(f"`--np` must be >= 1, got {args.np}")
+    if args.repeats is not None and args.repeats < 1:
+        p.error(f"`--repeats` must be >= 1, got {args.repeats}")
+    args.layers = args.layers or (64 if args.quick else 256)
+    args.repeats = args.repeats or (3 if args.quick else 10)
+    if args.worker:  # (--procs: torchrun's own parser would take --np)
+        args.np = args.procs
+        _worker(args)
+        return 0
+    inner = ["--procs", str(args.np), "--layers", str(args.layers), "--repeats",
+             str(args.repeats)]
+    launchers = ["mpiexec", "torchrun"] if args.launcher == "both" else [args.launcher]
+    rows = [r for lau in launchers for r in _launch(lau, args.np, inner, args.timeout)]
+    print(f"layerpar.bench grid: {args.np} processes, dense ODE-net {args.layers} layers "
+          f"x width 16, global batch 128, 3 levels cf 4, 2/1 iterations, 1 thread each, "
+          f"median of {args.repeats} batches")
+    print(format_rows(rows))
+    if args.csv:
+        with open(args.csv, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
