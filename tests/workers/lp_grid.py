@@ -158,7 +158,7 @@ def case_inexact():
                   max(rel(sd4[k], sd2[k]) for k in sd2))
         if not err <= 1e-10:
             raise AssertionError(f"2x2 differs from 1x2: {err:.2e}; {losses4} {losses2}")
-        return f"err={err:.1e} losses={['%.6f' % v for v in losses4]}"
+        return f"err={err:.1e} losses={[f'{v:.6f}' for v in losses4]}"
     return "idle"
 
 
