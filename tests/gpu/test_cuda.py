@@ -131,3 +131,48 @@ def test_capture_refuses_what_a_graph_cannot_do() -> None:
     model = layerpar.LayerParallel(make().cuda(), None, *FIXED, check_finite=False)
     with pytest.raises(ValueError, match="`x` must be a CUDA tensor"):
         capture_step(model, torch.optim.SGD(model.parameters(), lr=0.01), ce, x.cpu(), y)
+
+
+def test_nccl_single_rank_step_keeps_cuda_tensors_on_the_device(tmp_path) -> None:
+    """torch.distributed with NCCL (one process, one GPU): a fixed-iteration training
+    step over the NCCL group makes no host-device synchronisation, and the transport's
+    device collectives (gradient reduction, broadcast) run on the device."""
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        pytest.skip("torch built without NCCL")
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        from layerpar.mgrit.transport import make_transport
+
+        make, shape = nets()["dense"]
+        torch.manual_seed(0)
+        net = make().cuda()
+        ref = layerpar.LayerParallel(copy.deepcopy(net), None, *FIXED, check_finite=False)
+        model = layerpar.LayerParallel(net, dist.group.WORLD, *FIXED, check_finite=False)
+        assert model.transport.backend == "nccl"
+        x = torch.randn(*shape, device="cuda")
+        assert rel(model(x).detach(), ref(x).detach()) <= 1e-6  # the same model
+        y = torch.randint(0, 5, (shape[0],), device="cuda")
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=True)
+
+        def step() -> None:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        step()
+        torch.cuda.synchronize()
+        tr = make_transport(dist.group.WORLD)
+        g = torch.ones(1000, device="cuda")
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+            tr.allreduce_start(g).wait()
+            got = tr.bcast_tensor(g, 0, g.shape, g.dtype, g.device)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert got.device.type == "cuda" and float(got.sum()) == 1000.0
+    finally:
+        dist.destroy_process_group()

@@ -10,7 +10,8 @@ Correctness cases compare with the serial oracle (float64, <= 1e-10 relative):
   inexact   3 levels, cf 4, 2/1 iterations, tol 0: 2x2 equals 1x2 with the same
             global batch (losses of five steps and the final parameters)
   resume    2x2 with Adam, checkpoint, resume on 4x1 and on 1x4 = uninterrupted 2x2
-  correct   the three above in one job
+  solve     solve() over the whole group = the serial solve
+  correct   the four above in one job
 Failure cases (each rank reports the exception it ended with):
   raise_one_rank, raise_in_layer, options_differ, grid_not_divide, shapes_differ, sigkill
 """
@@ -196,10 +197,29 @@ def case_resume():
     return " ".join(f"{k}={v:.1e}" for k, v in errs.items())
 
 
+def case_solve():
+    """`solve()` over the whole group (an mpi4py communicator or a torch.distributed
+    process group) equals the serial solve: final state, iterations, residuals."""
+    from layerpar.mgrit import solve
+
+    def step(u, t0, t1, level):
+        return u / (1 + (t1 - t0))
+
+    opts = layerpar.MGRITOptions(max_levels=3, cfactor=4, tol=1e-10, max_iter=20)
+    u0 = torch.ones(3, dtype=torch.float64)
+    par = solve(step, u0, n_steps=64, t_final=1.0, options=opts, comm=comm)
+    ser = solve(step, u0, n_steps=64, t_final=1.0, options=opts, comm=None)
+    err = rel(par.final_state, ser.final_state)
+    hist = max(abs(a - b) / b for a, b in zip(par.residual_history, ser.residual_history))
+    if not (err <= 1e-12 and par.iterations == ser.iterations and hist <= 1e-10):
+        raise AssertionError(f"solve differs: {err} {par.iterations} {ser.iterations} {hist}")
+    return f"iterations={par.iterations} err={err:.1e}"
+
+
 def case_correct():
-    """exact, inexact and resume in one job (one start-up instead of three)."""
+    """exact, inexact, resume and solve in one job (one start-up instead of four)."""
     return " | ".join(f"{name}: {globals()[f'case_{name}']()}"
-                      for name in ("exact", "inexact", "resume"))
+                      for name in ("exact", "inexact", "resume", "solve"))
 
 
 def case_raise_one_rank():
