@@ -30,6 +30,7 @@ from ..ode.net import ODENet, Segment
 from ..ode.rng import DROPOUT_TYPES as _DROPOUT
 from ..ode.rng import draw_seed
 from . import checkpoint
+from .adaptive import AccuracyController, apply_iterations, as_policy
 from .batched import structure
 from .direct import direct_backward_started
 from .grads import GradDelivery
@@ -192,7 +193,7 @@ class LayerParallel(nn.Module):
                  state_dict: Optional[dict[str, Tensor]] = None,
                  batched: bool = True, check_finite: bool = True,
                  timeout: Optional[float] = DEFAULT_TIMEOUT, check_inputs: int = 10,
-                 grid: Optional[ProcessGrid] = None) -> None:
+                 grid: Optional[ProcessGrid] = None, accuracy: Any = None) -> None:
         super().__init__()
         if grid is not None:
             if not isinstance(grid, ProcessGrid):
@@ -232,6 +233,7 @@ class LayerParallel(nn.Module):
             for name, flag in (("batched", batched), ("check_finite", check_finite)):
                 if not isinstance(flag, bool):
                     raise TypeError(f"`{name}` must be a bool, got {type(flag).__name__}")
+            policy = as_policy(accuracy)
             if coarsening not in COARSENINGS:
                 raise ValueError(f"`coarsening` must be one of {COARSENINGS}, got "
                                  f"{coarsening!r}")
@@ -246,6 +248,7 @@ class LayerParallel(nn.Module):
                    **{f"backward_options.{k}": v for k, v in backward_options.key().items()},
                    "coarsening": coarsening, "batched": batched, "check_finite": check_finite,
                    "timeout": timeout, "check_inputs": check_inputs,
+                   **({"accuracy": None} if policy is None else policy.key()),
                    **{f"layers.{k}": _fingerprint(m) for k, m in enumerate(net.layers)}}
         except Exception as exc:  # noqa: BLE001 - re-raised identically on every rank
             err = exc
@@ -307,6 +310,36 @@ class LayerParallel(nn.Module):
             any(isinstance(m, _DROPOUT) for m in net.modules())
         self.last_forward: list[SolveStats] = []
         self.last_backward: list[SolveStats] = []
+        # adaptive accuracy (see layerpar.parallel.adaptive); the policy was agreed
+        self.accuracy: Optional[AccuracyController] = None
+        if accuracy is not None and accuracy is not False:
+            pol = as_policy(accuracy)
+            assert pol is not None
+            self.accuracy = AccuracyController(pol, options.max_iter,
+                                               backward_options.max_iter)
+        self._checking = False  # inside check_gradients: no adaptive dispatch
+        self._via_twin = False  # the last pass ran on the exact twin
+
+    @property
+    def last_forward(self) -> list[SolveStats]:
+        """Per segment, what the last forward pass's solves reached."""
+        twin = self.__dict__.get("_exact_twin")
+        return twin.last_forward if self._via_twin and twin is not None else self._last_fwd
+
+    @last_forward.setter
+    def last_forward(self, value: list[SolveStats]) -> None:
+        self._last_fwd = value
+
+    @property
+    def last_backward(self) -> list[SolveStats]:
+        """Per segment, what the last backward pass's adjoint solves reached."""
+        twin = self.__dict__.get("_exact_twin")
+        return twin.last_backward if self._via_twin and twin is not None else \
+            self._last_bwd
+
+    @last_backward.setter
+    def last_backward(self, value: list[SolveStats]) -> None:
+        self._last_bwd = value
 
     # -- helpers ------------------------------------------------------------------------------
     @property
@@ -540,6 +573,58 @@ class LayerParallel(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Layer-parallel forward pass; pass the same `x` on every rank."""
+        if self.accuracy is not None and not self._checking:
+            return self._forward_adaptive(x)
+        self._via_twin = False
+        return self._forward_once(x)
+
+    def _forward_adaptive(self, x: Tensor) -> Tensor:
+        """A forward pass under adaptive accuracy (`layerpar.parallel.adaptive`): MGRIT
+        with the controller's iteration counts, or exact propagation on the twin; a
+        pass that stalls or diverges is recomputed exactly, in the same batch."""
+        ctl = self.accuracy
+        assert ctl is not None
+        batch = self._batch + 1
+        if ctl.exact and batch % ctl.policy.probe_every == 0:  # is MGRIT usable again?
+            apply_iterations(self)
+            try:
+                with torch.no_grad():
+                    self._forward_once(x)
+                why = ctl.stalled(self.last_forward)
+            except DivergenceError as exc:
+                why = str(exc)
+            if why is None:
+                ctl.to_mgrit(batch, "a probe's forward residual shrinks again")
+            else:
+                self._batch -= 1  # the probe was not a batch of its own
+        if ctl.exact:
+            return self._forward_exact(x)
+        apply_iterations(self)
+        self._via_twin = False
+        try:
+            y = self._forward_once(x)
+        except DivergenceError as exc:
+            ctl.to_exact(self._batch, str(exc).split(":")[0])
+            return self._forward_exact(x, again=True)
+        why = ctl.stalled(self.last_forward)
+        if why is not None:
+            ctl.to_exact(self._batch, why)
+            del y
+            return self._forward_exact(x, again=True)
+        return y
+
+    def _forward_exact(self, x: Tensor, again: bool = False) -> Tensor:
+        """This batch on the exact twin (same ranks, same parameter tensors)."""
+        from .accuracy import _exact_twin
+
+        twin = _exact_twin(self)
+        twin.train(self.training)
+        if not again:
+            self._batch += 1
+        self._via_twin = True
+        return twin(x)
+
+    def _forward_once(self, x: Tensor) -> Tensor:
         if self._closed:
             raise RuntimeError("this LayerParallel was closed (close() released its "
                                "communicator); build a new one to run again")
@@ -601,7 +686,17 @@ class LayerParallel(nn.Module):
         inexact solves' iterations and residuals), identical on every rank.
         """
         from .accuracy import check_gradients
-        return check_gradients(self, x, y, loss_fn)
+
+        checking, self._checking = self._checking, True
+        try:
+            if self.accuracy is not None:
+                apply_iterations(self)  # measure MGRIT as the controller runs it
+            got = check_gradients(self, x, y, loss_fn)
+        finally:
+            self._checking = checking
+        if self.accuracy is not None:
+            self.accuracy.observe_check(self._batch, got)
+        return got
 
     # -- portability ------------------------------------------------------------------------------
     def gather_state_dict(self) -> dict[str, Tensor]:

@@ -102,6 +102,8 @@ class SegmentRunner:
                                       what=f"backward MGRIT {name}", defer_norms=defer_b)
         self.fapp.deferred = self.fsession.deferred
         self.bapp.deferred = self.bsession.deferred
+        self.fwd_options = fwd.replace(final_fc_relax=True)
+        self.bwd_options = bwd.replace(final_fc_relax=True)
         # per-batch state
         self.seed: Optional[int] = None
         self.rng_layers: set[int] = set()
@@ -124,6 +126,15 @@ class SegmentRunner:
         self.batched_grads: dict[int, list[tuple[Tensor, Tensor]]] = {}
         # averages gradients over a process grid's replicas (set by LayerParallel)
         self.averager: Optional[Any] = None
+
+    def set_iterations(self, fwd: int, bwd: int) -> None:
+        """Forward / adjoint MGRIT iterations from the next pass on (adaptive accuracy)."""
+        if fwd != self.fwd_options.max_iter:
+            self.fwd_options = self.fwd_options.replace(max_iter=fwd)
+            self.fsession.core.set_options(**self.fwd_options.engine_kwargs())
+        if bwd != self.bwd_options.max_iter:
+            self.bwd_options = self.bwd_options.replace(max_iter=bwd)
+            self.bsession.core.set_options(**self.bwd_options.engine_kwargs())
 
     # -- the propagator -------------------------------------------------------------------
     def phi(self, u: Tensor, a: int, b: int, *, update_stats: bool) -> Tensor:

@@ -1,0 +1,227 @@
+"""Adaptive accuracy: MGRIT iteration counts managed against a bound on gradient error.
+
+`LayerParallel(..., accuracy=AccuracyPolicy())` (or ``accuracy=True``) hands the
+forward and adjoint iteration counts to an `AccuracyController`:
+
+- **Measured gradient error.**  Each `check_gradients` result (the training loop runs
+  one every `check_every` batches; `layerpar train --adaptive` does) is compared with
+  the bound: cosine < `min_cosine` or relative error > `max_rel_error` raises the
+  iteration count of the solve that is worse off (the forward one when the output's
+  own error exceeds half the bound, else the adjoint one); a check with ample room
+  (both a quarter of the bound) lowers the larger count by one, never below 1.
+- **Stalls and divergence.**  After every inexact forward pass the residual history is
+  read: a forward solve whose residual does not shrink (reduction factor per
+  iteration >= `stall_factor`) or becomes non-finite switches the model to *exact
+  propagation*, and the batch is recomputed exactly (a rate needs two measured
+  residuals, see `AccuracyPolicy.stall_factor`): a sequential solve on the same
+  ranks (the model's exact twin, `LayerParallel._twin`), with the same parameter
+  tensors, so the optimizer and its state carry on unchanged.  The same happens when
+  the iteration counts would exceed `max_iters`.
+- **Back to MGRIT.**  While exact, every `probe_every` batches one inexact forward
+  pass (no graph) is tried; once its residual shrinks again, MGRIT resumes with the
+  iteration counts it had.
+
+Every decision is taken from values that are identical on every rank (reduced
+residual norms, the reduced gradient check), so all ranks decide alike without a
+message.  Each change is logged (`controller.log`: batch, what, why).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from ..mgrit.options import MGRITOptions
+
+if TYPE_CHECKING:
+    from ..mgrit.session import SolveStats
+    from .accuracy import GradientCheck
+    from .model import LayerParallel
+
+__all__ = ["AccuracyController", "AccuracyEvent", "AccuracyPolicy", "as_policy"]
+
+
+def _number(value: Any, name: str, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+            value) or value > hi or value < lo or (lo_open and value == lo):
+        side = "(" if lo_open else "["
+        raise ValueError(f"`accuracy.{name}` must be a number in {side}{lo}, {hi}], got "
+                         f"{value!r}")
+    return float(value)
+
+
+def _count(value: Any, name: str, lo: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"`accuracy.{name}` must be an int >= {lo}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class AccuracyPolicy:
+    """The bound and the knobs of adaptive accuracy (see the module docstring).
+
+    min_cosine: smallest acceptable cosine between inexact and exact gradients.
+    max_rel_error: largest acceptable relative error of the full parameter gradient.
+    check_every: batches between gradient checks (run by the training loop).
+    max_iters: largest forward/adjoint iteration count before switching to exact.
+    stall_factor: a forward residual that shrinks by less than this per iteration on
+        average ((r_k / r_1)^(1/(k-1)) >= stall_factor) means MGRIT stalls.  Measured
+        here: Peaks 0.2, a well-posed dense net 0.05, a net with 15x its stable step
+        size 0.72.  A rate needs two measured residuals: with `skip` (the default) 3
+        or more forward iterations, without it 2 or more; otherwise only non-finite
+        residuals and the gradient checks can switch to exact propagation.
+    probe_every: batches between tries of MGRIT while propagating exactly.
+    """
+
+    min_cosine: float = 0.99
+    max_rel_error: float = 0.05
+    check_every: int = 10
+    max_iters: int = 8
+    stall_factor: float = 0.5
+    probe_every: int = 20
+
+    def __post_init__(self) -> None:
+        _number(self.min_cosine, "min_cosine", -1.0, 1.0)
+        _number(self.max_rel_error, "max_rel_error", 0.0, math.inf, lo_open=True)
+        _count(self.check_every, "check_every")
+        _count(self.max_iters, "max_iters")
+        _number(self.stall_factor, "stall_factor", 0.0, math.inf, lo_open=True)
+        _count(self.probe_every, "probe_every")
+
+    def key(self) -> dict[str, Any]:
+        """The fields, for the agreement between ranks."""
+        return {f"accuracy.{k}": v for k, v in asdict(self).items()}
+
+
+def as_policy(accuracy: Any) -> Optional[AccuracyPolicy]:
+    """`accuracy` as a policy: None/False (off), True (the default bound) or a policy."""
+    if accuracy is None or accuracy is False:
+        return None
+    if accuracy is True:
+        return AccuracyPolicy()
+    if isinstance(accuracy, AccuracyPolicy):
+        return accuracy
+    raise TypeError(f"`accuracy` must be None, a bool or an AccuracyPolicy, got "
+                    f"{type(accuracy).__name__}")
+
+
+@dataclass(frozen=True)
+class AccuracyEvent:
+    """One decision: at which batch, what changed, and why."""
+
+    batch: int
+    action: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"batch {self.batch}: {self.action} ({self.reason})"
+
+
+def _rate(history: list[float]) -> Optional[float]:
+    """Mean residual reduction factor per iteration (None with fewer than 2 values);
+    inf when a value is not finite."""
+    if len(history) < 2:
+        return None
+    if not all(math.isfinite(v) for v in history):
+        return math.inf
+    if history[0] <= 0:
+        return 0.0
+    return (max(history[-1], 0.0) / history[0]) ** (1.0 / (len(history) - 1))
+
+
+@dataclass
+class AccuracyController:
+    """The state of adaptive accuracy on one model (identical on every rank)."""
+
+    policy: AccuracyPolicy
+    fwd_iters: int
+    bwd_iters: int
+    exact: bool = False
+    log: list[AccuracyEvent] = field(default_factory=list)
+    last_check: Optional[GradientCheck] = None
+    _room: int = 0  # consecutive checks with ample room
+
+    def _event(self, batch: int, action: str, reason: str) -> None:
+        self.log.append(AccuracyEvent(batch, action, reason))
+
+    def stalled(self, stats: list[SolveStats]) -> Optional[str]:
+        """Why the forward solves of a pass stalled or diverged (None if they did not)."""
+        for k, s in enumerate(stats):
+            rate = _rate(list(s["residual_history"]))
+            if rate is not None and rate >= self.policy.stall_factor:
+                what = "diverged" if rate > 1.0 else "stalled"
+                return (f"forward MGRIT of segment {k} {what}: residual reduction "
+                        f"{rate:.3g} per iteration >= {self.policy.stall_factor:g}")
+        return None
+
+    def to_exact(self, batch: int, reason: str) -> None:
+        if not self.exact:
+            self.exact = True
+            self._event(batch, "switch to exact propagation", reason)
+
+    def to_mgrit(self, batch: int, reason: str) -> None:
+        if self.exact:
+            self.exact = False
+            self._event(batch, f"back to MGRIT ({self.fwd_iters}/{self.bwd_iters} "
+                               "iterations)", reason)
+
+    def observe_check(self, batch: int, check: GradientCheck) -> None:
+        """Adjust the iteration counts from a measured gradient error."""
+        self.last_check = check
+        p = self.policy
+        cos, err = check.cosine, check.param_grad_error
+        bad = not (cos >= p.min_cosine and err <= p.max_rel_error)
+        if self.exact:  # the check measured MGRIT as it would run now
+            if not bad and not any(math.isnan(r) for r in (cos, err)):
+                self.to_mgrit(batch, f"a gradient check within the bound: cosine "
+                                     f"{cos:.4f}, relative error {err:.3g}")
+            return
+        if bad:
+            self._room = 0
+            why = (f"cosine {cos:.4f} (bound {p.min_cosine:g}), relative error {err:.3g} "
+                   f"(bound {p.max_rel_error:g})")
+            fwd_first = check.output_error > p.max_rel_error / 2
+            if fwd_first and self.fwd_iters < p.max_iters:
+                self.fwd_iters += 1
+                self._event(batch, f"forward iterations -> {self.fwd_iters}", why)
+            elif self.bwd_iters < p.max_iters:
+                self.bwd_iters += 1
+                self._event(batch, f"adjoint iterations -> {self.bwd_iters}", why)
+            elif self.fwd_iters < p.max_iters:
+                self.fwd_iters += 1
+                self._event(batch, f"forward iterations -> {self.fwd_iters}", why)
+            else:
+                self.to_exact(batch, f"{why} at {p.max_iters} iterations")
+            return
+        ample = 1.0 - cos <= (1.0 - p.min_cosine) / 4 and err <= p.max_rel_error / 4
+        self._room = self._room + 1 if ample else 0
+        if self._room >= 2 and max(self.fwd_iters, self.bwd_iters) > 1:
+            self._room = 0
+            why = f"room: cosine {cos:.4f}, relative error {err:.3g} in two checks"
+            if self.fwd_iters >= self.bwd_iters:
+                self.fwd_iters -= 1
+                self._event(batch, f"forward iterations -> {self.fwd_iters}", why)
+            else:
+                self.bwd_iters -= 1
+                self._event(batch, f"adjoint iterations -> {self.bwd_iters}", why)
+
+    def options(self, fwd: MGRITOptions, bwd: MGRITOptions) -> tuple[MGRITOptions,
+                                                                     MGRITOptions]:
+        """The model's options with the current iteration counts."""
+        return fwd.replace(max_iter=self.fwd_iters), bwd.replace(max_iter=self.bwd_iters)
+
+    def summary(self) -> str:
+        mode = "exact" if self.exact else f"MGRIT {self.fwd_iters}/{self.bwd_iters}"
+        check = "" if self.last_check is None else \
+            f", last check cos {self.last_check.cosine:.4f} err " \
+            f"{self.last_check.param_grad_error:.3g}"
+        return f"{mode}{check}, {len(self.log)} change(s)"
+
+
+def apply_iterations(model: LayerParallel) -> None:
+    """Give the model's segment solves the controller's iteration counts."""
+    ctl = model.accuracy
+    assert ctl is not None
+    fwd, bwd = ctl.options(model.options, model.backward_options)
+    for runner in model._runners.values():
+        runner.set_iterations(fwd.max_iter, bwd.max_iter)

@@ -1,0 +1,180 @@
+"""Adaptive accuracy (`LayerParallel(accuracy=...)`): iteration counts follow the measured
+gradient error, a stalled or diverging MGRIT solve switches to exact propagation within
+the batch (and training then equals serial training), and MGRIT resumes once it
+converges again.  Decisions are identical on every rank (`workers/lp_adaptive.py`)."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from mpi_util import describe, rank_lines, run_mpi
+
+import layerpar
+from layerpar.ode import blocks
+from layerpar.parallel.adaptive import AccuracyPolicy
+
+WORKERS = Path(__file__).parent / "workers"
+FWD = layerpar.MGRITOptions(max_levels=3, cfactor=4, max_iter=2, tol=0.0)
+BWD = FWD.replace(max_iter=1)
+FWD3 = FWD.replace(max_iter=3)
+
+BAD_POLICY = [
+    ("min_cosine", 1.5), ("min_cosine", math.nan), ("min_cosine", "0.9"),
+    ("max_rel_error", 0.0), ("max_rel_error", -1.0), ("max_rel_error", math.inf),
+    ("check_every", 0), ("check_every", 2.0), ("check_every", True),
+    ("max_iters", 0), ("max_iters", None),
+    ("stall_factor", 0.0), ("stall_factor", math.nan),
+    ("probe_every", 0), ("probe_every", 1.5),
+]
+
+
+@pytest.mark.parametrize("name, value", BAD_POLICY)
+def test_bad_policy_values_name_the_field(name: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"`accuracy\.{name}`"):
+        AccuracyPolicy(**{name: value})
+
+
+def test_every_policy_field_has_bad_values_tested() -> None:
+    assert {f.name for f in dataclasses.fields(AccuracyPolicy)} == {n for n, _ in BAD_POLICY}
+
+
+def test_accuracy_argument_is_checked() -> None:
+    with pytest.raises(TypeError, match="`accuracy` must be None, a bool or an "
+                                        "AccuracyPolicy, got str"):
+        layerpar.LayerParallel(net(), None, FWD, BWD, accuracy="on")
+    assert layerpar.LayerParallel(net(), None, FWD, BWD, accuracy=True).accuracy.policy \
+        == AccuracyPolicy()
+    assert layerpar.LayerParallel(net(), None, FWD, BWD, accuracy=False).accuracy is None
+
+
+def net(n: int = 32, width: int = 4, t_final: float = 1.0, scale: float = 1.0,
+        activation: str = "tanh"):
+    torch.manual_seed(0)
+    m = layerpar.ODENet(open=torch.nn.Linear(3, width),
+                        steps=lambda k: blocks.Dense(width, activation=activation), n_steps=n,
+                        t_final=t_final, close=torch.nn.Linear(width, 5)).double()
+    with torch.no_grad():
+        for _, seg in m.segments:
+            for b in seg.blocks:
+                b.linear.weight.mul_(scale)
+    return m
+
+
+def data(step: int):
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(16, 3, generator=g, dtype=torch.float64),
+            torch.randint(0, 5, (16,), generator=g))
+
+
+def sgd_steps(model, steps, first=0):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for k in range(first, first + steps):
+        x, y = data(k)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_stalling_solve_switches_to_exact_in_the_same_batch() -> None:
+    """A large step size (T = 60 over 32 layers, weights x3) makes MGRIT crawl (the
+    residual shrinks by 0.72 per iteration): the first batch is recomputed exactly,
+    and training then equals serial training to round-off.  3 forward iterations: the
+    rate needs two measured residuals (skip)."""
+    serial = net(t_final=60.0, scale=3.0)
+    model = layerpar.LayerParallel(copy.deepcopy(serial), None, FWD3, BWD, accuracy=True)
+    got = sgd_steps(model, 4)
+    want = sgd_steps(serial, 4)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-12, (got, want)
+    sd, ref = model.gather_state_dict(), serial.state_dict()
+    assert max(float((sd[k] - ref[k]).norm() / ref[k].norm()) for k in ref) <= 1e-12
+    log = model.accuracy.log
+    assert model.accuracy.exact and len(log) == 1 and log[0].batch == 1, log
+    assert "switch to exact" in log[0].action and "forward MGRIT of segment 0 stalled" \
+        in log[0].reason
+    # the train loop's figures come from the pass that ran (the twin's sequential solve)
+    assert model.last_forward[0]["iterations"] == 1 and model.last_forward[0]["n_levels"] == 1
+
+
+def test_mgrit_resumes_once_it_converges_again() -> None:
+    model = layerpar.LayerParallel(net(t_final=60.0, scale=3.0), None,
+                                   FWD3, BWD, accuracy=AccuracyPolicy(probe_every=3))
+    sgd_steps(model, 1)
+    assert model.accuracy.exact
+    with torch.no_grad():  # the network becomes benign (as training might make it)
+        for p in model.parameters():
+            p.mul_(0.01)
+    sgd_steps(model, 3, first=1)  # batch 3 probes MGRIT: it converges now
+    assert not model.accuracy.exact
+    assert "back to MGRIT" in model.accuracy.log[-1].action
+    assert model.accuracy.log[-1].batch == 3
+    assert model.last_forward[0]["n_levels"] == 3
+
+
+def test_a_diverging_solve_switches_to_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward MGRIT solve whose residual becomes non-finite (simulated: the engine
+    session reports it, as it does for a NaN norm on every rank) is recomputed exactly
+    in the same batch; the exact pass's output is the serial one."""
+    from layerpar.mgrit import session
+
+    serial = net()
+    model = layerpar.LayerParallel(copy.deepcopy(serial), None, FWD, BWD, accuracy=True)
+    real = session.EngineSession.drive
+    calls = []
+
+    def drive(self, **kw):
+        calls.append(self.what)
+        if len(calls) == 1:
+            raise layerpar.mgrit.DivergenceError(
+                f"{self.what} residual became nan in iteration 2: non-finite values")
+        return real(self, **kw)
+
+    monkeypatch.setattr(session.EngineSession, "drive", drive)
+    x, _ = data(0)
+    out = model(x)
+    assert model.accuracy.exact and "residual became nan" in model.accuracy.log[0].reason
+    with torch.no_grad():
+        assert float((out - serial(x)).norm() / serial(x).norm()) <= 1e-13
+
+
+def test_measured_error_raises_then_lowers_iterations() -> None:
+    x, y = data(0)
+    loss = torch.nn.functional.cross_entropy
+    strict = layerpar.LayerParallel(net(t_final=4.0), None, FWD.replace(max_iter=1),
+                                    BWD, accuracy=AccuracyPolicy(min_cosine=0.999999,
+                                                                 max_rel_error=1e-4))
+    first = strict.check_gradients(x, y, loss)
+    for _ in range(12):
+        if strict.accuracy.exact:
+            break
+        check = strict.check_gradients(x, y, loss)
+        if check.cosine >= 0.999999 and check.param_grad_error <= 1e-4:
+            break
+    ctl = strict.accuracy
+    assert ctl.fwd_iters + ctl.bwd_iters > 2, ctl.log
+    assert check.param_grad_error < first.param_grad_error
+    assert all("iterations ->" in e.action for e in ctl.log), ctl.log
+    loose = layerpar.LayerParallel(net(), None, FWD.replace(max_iter=3), BWD.replace(
+        max_iter=2), accuracy=AccuracyPolicy(min_cosine=-1.0, max_rel_error=1e9))
+    for _ in range(2):
+        loose.check_gradients(x, y, loss)
+    assert (loose.accuracy.fwd_iters, loose.accuracy.bwd_iters) == (2, 2), loose.accuracy.log
+    assert "room" in loose.accuracy.log[-1].reason
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_decisions_are_the_same_on_every_rank(nprocs: int) -> None:
+    proc = run_mpi(WORKERS / "lp_adaptive.py", nprocs, timeout=240)
+    lines = rank_lines(proc.stdout)
+    assert proc.returncode == 0 and sorted(lines) == list(range(nprocs)), describe(proc)
+    reports = {r: ls[-1] for r, ls in lines.items()}
+    assert all(r.startswith("OK") for r in reports.values()), describe(proc)
+    assert len(set(reports.values())) == 1, reports  # same log, same losses
