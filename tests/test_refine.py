@@ -310,9 +310,24 @@ def test_bad_arguments(kwargs, exc, match):
 
 @pytest.mark.parametrize("bad", [None, nn.Linear(2, 2), Segment(lambda n: Dense(2), 2)])
 def test_net_must_be_an_odenet(bad):
-    with pytest.raises(TypeError, match="`net` must be an ODENet, got"):
+    with pytest.raises(TypeError, match="`net` must be an ODENet or a LayerParallel, got"):
         refine(bad)
 
 
 def test_exported():
     assert layerpar.ode.refine is refine and "refine" in layerpar.ode.__all__
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [1, 2, 3])
+def test_layer_parallel_refines_on_its_ranks(nprocs: int) -> None:
+    """`refine(LayerParallel)` on 1-3 ranks (each receiving only the coarse layers its
+    fine block needs) equals the serial refinement of the gathered net."""
+    from pathlib import Path
+
+    from mpi_util import describe, rank_lines, run_mpi
+
+    proc = run_mpi(Path(__file__).parent / "workers" / "lp_refine.py", nprocs, timeout=120)
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == list(range(nprocs)), describe(proc)
+    assert all(ls[-1].startswith("OK") for ls in lines.values()), describe(proc)

@@ -99,6 +99,10 @@ def refine(net: ODENet, factor: int = 2, interpolation: str = "constant") -> ODE
       Integer buffers (batch norm's ``num_batches_tracked``) are taken as under
       ``"constant"``.
 
+    A `LayerParallel` is refined on its own ranks (`LayerParallel.refine`: each rank
+    receives only the coarse layers it needs from its neighbours) and a new
+    LayerParallel with the same options is returned (collective).
+
     Fine blocks are deep copies of coarse ones (same class, configuration, dtype,
     device, ``requires_grad`` and training mode) with the interpolated values;
     plain (non-Segment) layers are deep copies with identical values.  Nothing is
@@ -113,8 +117,11 @@ def refine(net: ODENet, factor: int = 2, interpolation: str = "constant") -> ODE
     interval but each step freezes them at its start time, which limits
     convergence to first order for any scheme.
     """
+    if type(net).__name__ == "LayerParallel" and hasattr(net, "refine"):
+        return net.refine(factor, interpolation)  # distributed: no gather (collective)
     if not isinstance(net, ODENet):
-        raise TypeError(f"`net` must be an ODENet, got {type(net).__name__}")
+        raise TypeError(f"`net` must be an ODENet or a LayerParallel, got "
+                        f"{type(net).__name__}")
     factor = _positive_int(factor, "factor")
     if not isinstance(interpolation, str) or interpolation not in INTERPOLATIONS:
         raise ValueError(

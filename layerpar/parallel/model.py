@@ -673,6 +673,14 @@ class LayerParallel(nn.Module):
         return LayerParallel(self._net, self._comm_arg, options, backward_options,
                              **self._init_kwargs)
 
+    def refine(self, factor: int = 2, interpolation: str = "constant") -> LayerParallel:
+        """This model with `factor` times the layers per segment, parameters interpolated
+        in time (`layerpar.ode.refine`): nested iteration on the same ranks, each rank
+        receiving only the layers it needs from its neighbours (collective)."""
+        from .refine import refine_parallel
+
+        return refine_parallel(self, factor, interpolation)
+
     def check_gradients(self, x: Tensor, y: Any,
                         loss_fn: Callable[[Tensor, Any], Tensor]) -> Any:
         """How far this model's (inexact) gradient of one batch is from the exact one.
