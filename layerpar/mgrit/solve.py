@@ -12,13 +12,7 @@ from .errors import ConvergenceError, DivergenceError
 from .grid import block_bounds
 from .options import MAX_STEPS, MGRITOptions
 from .session import EngineSession
-from .transport import (
-    DEFAULT_TIMEOUT,
-    MPITransport,
-    SerialTransport,
-    check_timeout,
-    make_transport,
-)
+from .transport import DEFAULT_TIMEOUT, Transport, check_timeout, make_transport
 
 StepFn = Callable[[torch.Tensor, float, float, int], torch.Tensor]
 BatchStepFn = Callable[[list, list, list, int], Sequence[torch.Tensor]]
@@ -202,7 +196,8 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
     u0: the initial condition (needed on rank 0; other ranks use its shape and dtype).
     n_steps, t_final, t_start: the fine grid t_i = t_start + (i/n_steps)(t_final - t_start).
     options: `MGRITOptions` (the same on every rank; checked).
-    comm: an mpi4py communicator, or None for a serial solve.
+    comm: an mpi4py communicator, a `torch.distributed` process group, or None for a
+        serial solve.
     init: initial guess init(t) at fine C-points (default: zeros shaped like `u0`).
     step_batch: optional batched propagator step_batch(us, t_starts, t_stops, level)
         returning the list of advanced states (independent intervals at once).
@@ -212,7 +207,7 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
     Returns an `MGRITResult` whose `final_state` (u at t_final) is broadcast to every rank.
     """
     options = MGRITOptions() if options is None else options
-    transport: SerialTransport | MPITransport = make_transport(comm)
+    transport: Transport = make_transport(comm)
     try:
         err: BaseException | None = None
         try:
