@@ -35,7 +35,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .loop import train_step
 from .mgrit import MGRITOptions, grid_time, solve
+from .nets import sequential_twin
 
 __all__ = ["BENCHMARKS", "BenchContext", "Row", "benchmark", "main", "run"]
 
@@ -173,17 +175,13 @@ def sequential_vs_one_level(ctx: BenchContext) -> list[Row]:
     ]
 
 
-def _train_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-    """What one timed batch is: forward, loss on every rank, backward."""
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-
-
 def _train_time(ctx: BenchContext, model: torch.nn.Module, x: torch.Tensor,
                 y: torch.Tensor) -> list[float]:
-    """Seconds per batch (forward + backward, loss on every rank) over the repeats."""
+    """Seconds per batch (`loop.train_step` without an optimiser: forward, loss on every
+    rank, backward) over the repeats."""
 
     def one() -> None:
-        _train_step(model, x, y)
+        train_step(model, x, y)
 
     reps = ctx.repeats
     ctx.repeats = max(reps, 7)
@@ -200,43 +198,13 @@ def _train_times_interleaved(ctx: BenchContext, models: list[torch.nn.Module],
     """Seconds per batch of each model, one rank, the models taking turns call by call,
     so that drifts of the machine (clock, cache, neighbours) hit all of them alike;
     ratios of these are what the targets are stated in."""
-
-    def one(model: torch.nn.Module) -> float:
-        t0 = time.perf_counter()
-        _train_step(model, x, y)
-        return time.perf_counter() - t0
-
     for m in models:
-        one(m)
+        train_step(m, x, y)
     times: list[list[float]] = [[] for _ in models]
     for _ in range(max(repeats, ctx.repeats)):
         for k, m in enumerate(models):
-            times[k].append(one(m))
+            times[k].append(train_step(m, x, y).seconds)
     return times
-
-
-def _plain_sequential(net: Any) -> torch.nn.Module:
-    """The ODENet as a plain PyTorch nn.Sequential of u + h*F(u) modules (same weights)."""
-    import copy
-
-    from .ode import Segment
-
-    class _Residual(torch.nn.Module):
-        def __init__(self, block: torch.nn.Module, h: float) -> None:
-            super().__init__()
-            self.block, self.h = block, h
-
-        def forward(self, u: torch.Tensor) -> torch.Tensor:
-            return torch.add(u, self.block(u), alpha=self.h)
-
-    mods: list[torch.nn.Module] = []
-    for layer in copy.deepcopy(net).layers:
-        if isinstance(layer, Segment):
-            h = (layer.t_final - layer.t_start) / layer.n_steps
-            mods.extend(_Residual(b, h) for b in layer.blocks)
-        else:
-            mods.append(layer)
-    return torch.nn.Sequential(*mods)
 
 
 def _layer_parallel_rows(ctx: BenchContext, name: str, make: Callable[[], Any],
@@ -252,7 +220,7 @@ def _layer_parallel_rows(ctx: BenchContext, name: str, make: Callable[[], Any],
         # the three serial cases take turns call by call (see _train_times_interleaved)
         lp1 = LayerParallel(copy.deepcopy(net), None)
         t_plain, t_oracle, t = _train_times_interleaved(
-            ctx, [_plain_sequential(net), copy.deepcopy(net), lp1], x, y)
+            ctx, [sequential_twin(copy.deepcopy(net)), copy.deepcopy(net), lp1], x, y)
         base = min(t_plain)
         rows.append(_row(ctx, name, "plain PyTorch nn.Sequential", 0, t_plain, "baseline"))
         rows.append(_row(ctx, name, "ODENet (serial oracle)", 0, t_oracle,
@@ -262,7 +230,7 @@ def _layer_parallel_rows(ctx: BenchContext, name: str, make: Callable[[], Any],
                          f"{statistics.median(t) / statistics.median(t_plain):.2f}x)"))
     elif ctx.rank == 0:
         base = min(_train_time(BenchContext(quick=ctx.quick, repeats=ctx.repeats),
-                               _plain_sequential(net), x, y))
+                               sequential_twin(copy.deepcopy(net)), x, y))
     else:
         base = float("nan")
     fwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=2)
@@ -281,8 +249,9 @@ def layer_parallel_training(ctx: BenchContext) -> list[Row]:
     """Time per batch (forward + backward) of the digits conv net and a deep narrow dense
     net: plain PyTorch, the serial oracle, LayerParallel exact (max_levels=1, 1 rank)
     and MGRIT 3 levels / cf 4 / 2 forward and 1 backward iterations."""
-    from .ode import ODENet, Segment
-    from .ode.blocks import Conv, Dense
+    from .nets import problem_net
+    from .ode import ODENet
+    from .ode.blocks import Dense
 
     torch.set_num_threads(1)
     n_dense = 64 if ctx.quick else 256
@@ -295,11 +264,8 @@ def layer_parallel_training(ctx: BenchContext) -> list[Row]:
                       steps=lambda k: Dense(32, activation="tanh"),
                       n_steps=n_dense, t_final=n_dense / 8, close=torch.nn.Linear(32, 10))
 
-    def digits() -> ODENet:
-        return ODENet(layers=[torch.nn.Conv2d(1, 8, 3, padding=1),
-                              Segment(lambda k: Conv(8, activation="relu"), 16, 2.0),
-                              torch.nn.AvgPool2d(2), torch.nn.Flatten(),
-                              torch.nn.Linear(8 * 4 * 4, 10)])
+    def digits() -> ODENet:  # the digits problem's net (8 channels), 16 layers
+        return problem_net("digits", n_layers=16)
 
     xi = torch.randn(50, 1, 8, 8, generator=g)
     yi = torch.randint(0, 10, (50,), generator=g)

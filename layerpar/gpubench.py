@@ -85,19 +85,19 @@ def losses_after(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps
 def bench_model(name: str, device: str, steps: int, lr: float = 0.05,
                 count_ops: bool = True) -> dict[str, Any]:
     """One CSV row: the three timings, speedups and the loss difference."""
-    from .bench import _plain_sequential
+    from .nets import sequential_twin
     from .parallel import LayerParallel, capture_step
 
-    make, kw = opcount.MODELS[name]
+    make, kw = opcount.CONFIGS[name]
     torch.manual_seed(0)
     net, x, y = make(**kw, device=device)
     net = net.to(device)
     fwd, bwd = opcount.mgrit_options(kw["n_steps"])
 
-    plain = _plain_sequential(net)
+    plain = sequential_twin(copy.deepcopy(net))
     opt = torch.optim.SGD(plain.parameters(), lr=1e-4, foreach=True)
     t_eager = time_cuda(opcount.train_step(plain, opt, x, y))
-    plain_g = _plain_sequential(net)
+    plain_g = sequential_twin(copy.deepcopy(net))
     opt_g = torch.optim.SGD(plain_g.parameters(), lr=1e-4, foreach=True)
     t_graph = time_cuda(graphed(opcount.train_step(plain_g, opt_g, x, y), opt_g))
 
@@ -111,7 +111,7 @@ def bench_model(name: str, device: str, steps: int, lr: float = 0.05,
     t_mgrit = time_cuda(lambda: captured(x, y))
 
     # loss after `steps` SGD steps from the same weights: eager serial vs captured MGRIT
-    loss_serial = losses_after(_plain_sequential(net), x, y, steps, lr)
+    loss_serial = losses_after(sequential_twin(copy.deepcopy(net)), x, y, steps, lr)
     lpl = LayerParallel(copy.deepcopy(net), None, fwd, bwd, check_finite=False)
     opt_l = torch.optim.SGD(lpl.parameters(), lr=lr, foreach=True)
     warm = min(3, steps)
@@ -142,8 +142,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     for m in models:
-        if m not in opcount.MODELS:
-            p.error(f"--models: unknown model {m!r}; choose from {sorted(opcount.MODELS)}")
+        if m not in opcount.CONFIGS:
+            p.error(f"--models: unknown model {m!r}; choose from {sorted(opcount.CONFIGS)}")
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if not torch.cuda.is_available():

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["MODELS", "OpsRow", "count_ops", "levels_for", "mgrit_options", "ops_rows",
+__all__ = ["CONFIGS", "OpsRow", "count_ops", "levels_for", "mgrit_options", "ops_rows",
            "train_step"]
 
 
@@ -48,15 +48,13 @@ def count_ops(fn: Callable[[], Any]) -> tuple[int, dict[str, int]]:
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
                y: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """One training batch as a closure: zero_grad, forward, cross-entropy, backward,
-    step.  Returns the loss (detached)."""
+    """One training batch (`layerpar.loop.train_step`: zero_grad, forward,
+    cross-entropy, backward, step) as a closure, to count or to capture.  The closure
+    returns the loss (detached)."""
+    from .loop import train_step as one_step
 
     def step() -> torch.Tensor:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
+        return one_step(model, x, y, opt).loss
 
     return step
 
@@ -111,7 +109,9 @@ def conv_model(n_steps: int = 256, channels: int = 16, batch: int = 64, size: in
     return net, x, y
 
 
-MODELS: dict[str, tuple[Callable[..., Any], dict[str, int]]] = {
+#: the counted configurations by name: (builder, its arguments); not the studies'
+#: synthetic models of the same names (`layerpar.nets.SYNTHETIC_MODELS`)
+CONFIGS: dict[str, tuple[Callable[..., Any], dict[str, int]]] = {
     "dense": (dense_model, {"n_steps": 1024, "width": 64, "batch": 256}),
     "conv": (conv_model, {"n_steps": 256, "channels": 16, "batch": 64, "size": 32}),
 }
@@ -138,17 +138,17 @@ def ops_rows(quick: bool = False, models: tuple[str, ...] = ("dense", "conv"),
     """Count serial and LayerParallel (1 rank) operations per training batch."""
     import copy
 
-    from .bench import _plain_sequential
+    from .nets import sequential_twin
     from .parallel import LayerParallel
 
     rows = []
     for name in models:
-        make, kw = MODELS[name]
+        make, kw = CONFIGS[name]
         kw = QUICK[name] if quick else kw
         torch.manual_seed(0)
         net, x, y = make(**kw, device=device)
         net = net.to(device)
-        plain = _plain_sequential(net)
+        plain = sequential_twin(copy.deepcopy(net))
         serial, _ = count_ops(train_step(plain, torch.optim.SGD(plain.parameters(), lr=1e-3,
                                                                  foreach=True), x, y))
         fwd, bwd = mgrit_options(kw["n_steps"])

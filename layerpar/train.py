@@ -6,7 +6,8 @@ networks the same way and print the same summary line.  `train` runs either the 
 `ODENet` with ordinary autograd (``serial=True``: the serial oracle) or a
 `LayerParallel` over ``comm`` (``comm=None``: one process, no MPI), which makes
 serial and layer-parallel runs directly comparable: same seed, same network, same data
-order, same optimiser and schedule.
+order, same optimiser and schedule.  The networks are `layerpar.nets`' problems; each
+step is `layerpar.loop.train_step`, the one the studies and benchmarks time.
 
 Every rank runs this loop in lockstep: it builds the same network (the global torch
 generator is seeded before building), iterates the same batches (the data loader has
@@ -20,18 +21,16 @@ import argparse
 import math
 import os
 import re
-import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Optional, TextIO
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
 from . import data
+from .loop import Progress, available_cores, train_steps
 from .mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MGRITOptions
-from .ode import blocks
-from .ode.net import ODENet, Segment
+from .nets import PROBLEMS, RECIPES, Recipe, positive_int, problem_name, problem_net
 from .ode.rng import MAX_SEED
 from .parallel import LayerParallel, ProcessGrid
 
@@ -52,75 +51,13 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Recipe:
-    """Defaults of one problem: network size and a training budget that works.
-
-    Both problems use Adam with cosine decay of the learning rate to zero over the
-    run: the decay makes the final accuracy settle instead of jumping from epoch to
-    epoch, so serial and layer-parallel runs can be compared at the end.
-    """
-
-    epochs: int
-    batch_size: int
-    lr: float
-    n_layers: int
-    width: int
-    t_final: float
-
-
-RECIPES: dict[str, Recipe] = {
-    # DESIGN.md: width 8, 32 layers u <- u + h tanh(K u + b), T = 5
-    "peaks": Recipe(epochs=20, batch_size=100, lr=0.02, n_layers=32, width=8, t_final=5.0),
-    # a small convolutional ODE-net on 1x8x8 images; width = channels
-    "digits": Recipe(epochs=8, batch_size=50, lr=0.01, n_layers=8, width=8, t_final=2.0),
-}
-MODELS = tuple(RECIPES)
+# the problems `train` trains (the choices of ``layerpar train``) and their builder, under
+# the names layerpar.train has always had; both live in layerpar.nets
+MODELS = PROBLEMS
+build_net = problem_net
 
 _PEAKS_TRAIN, _PEAKS_VAL = 5000, 200
 _DIGITS_VAL = 297
-
-
-def _model_name(model_name: Any) -> str:
-    if model_name not in RECIPES:
-        raise ValueError(f"`model_name` must be one of {list(MODELS)}, got {model_name!r}")
-    return model_name
-
-
-def _positive(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"`{name}` must be a positive int, got {value}")
-    return value
-
-
-def build_net(model_name: str, n_layers: Optional[int] = None,
-              width: Optional[int] = None) -> ODENet:
-    """The `ODENet` of a problem, with fresh parameters from the global torch generator.
-
-    peaks: Linear(2, w) -> n residual layers u <- u + h tanh(K u + b) on [0, 5] ->
-    Linear(w, 5) (DESIGN.md: w = 8, n = 32).
-    digits: Conv2d(1, c, 3) -> n residual layers u <- u + h relu(conv3x3(u)) on [0, 2]
-    -> 2x2 average pooling -> Linear(16 c, 10) (c = 8, n = 8).
-    Seed the global generator first (``torch.manual_seed``) to build the same network
-    on every rank.
-    """
-    recipe = RECIPES[_model_name(model_name)]
-    n = recipe.n_layers if n_layers is None else _positive(n_layers, "n_layers")
-    w = recipe.width if width is None else _positive(width, "width")
-    if model_name == "peaks":
-        return ODENet(open=nn.Linear(2, w),
-                      steps=lambda k: blocks.Dense(w, activation="tanh"),
-                      n_steps=n, t_final=recipe.t_final,
-                      close=nn.Linear(w, data.PEAKS_CLASSES))
-    return ODENet(layers=[
-        nn.Conv2d(1, w, 3, padding=1),
-        Segment(lambda k: blocks.Conv(w, activation="relu"), n, recipe.t_final),
-        nn.AvgPool2d(2),
-        nn.Flatten(),
-        nn.Linear(w * 4 * 4, 10),
-    ])
 
 
 def load_data(model_name: str, seed: int = 0,
@@ -130,7 +67,7 @@ def load_data(model_name: str, seed: int = 0,
     peaks: 5000 training and 200 validation points; digits: 1500 training and 297
     validation images.
     """
-    if _model_name(model_name) == "peaks":
+    if problem_name(model_name) == "peaks":
         return data.peaks(_PEAKS_TRAIN, _PEAKS_VAL, seed=seed, dtype=dtype)
     return data.digits(_DIGITS_VAL, seed=seed, dtype=dtype)
 
@@ -141,10 +78,7 @@ def threads_per_rank(comm: Any = None) -> int:
     The cores this process may use, divided by the number of ranks of ``comm`` on the
     same node (all of them if ``comm`` is None); at least 1.
     """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
+    cores = available_cores()
     local = 1
     if comm is not None and hasattr(comm, "Split_type"):
         if comm.Get_size() > 1:
@@ -156,41 +90,6 @@ def threads_per_rank(comm: Any = None) -> int:
     elif comm is not None:  # a torch.distributed group: its launcher says how many here
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, cores // local)
-
-
-class _Progress:
-    """A dependency-free progress bar on stderr (only when stderr is a terminal)."""
-
-    def __init__(self, enabled: bool, total: int, label: str,
-                 stream: Optional[TextIO] = None) -> None:
-        stream = sys.stderr if stream is None else stream  # the current one, not import-time
-        self.enabled = enabled and stream.isatty()
-        self.total, self.label, self.stream = total, label, stream
-        self._last = 0.0
-
-    def update(self, done: int, note: str) -> None:
-        now = time.perf_counter()
-        if not self.enabled or (done < self.total and now - self._last < 0.1):
-            return
-        self._last = now
-        width = 24
-        fill = width * done // max(self.total, 1)
-        self.stream.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] "
-                          f"{done}/{self.total} {note}\x1b[K")
-        self.stream.flush()
-
-    def close(self, note: str) -> None:
-        if self.enabled:
-            self.stream.write(f"\r{self.label} {note}\x1b[K\n")
-            self.stream.flush()
-
-
-def _solve_stats(stats: list[dict]) -> tuple[int, Optional[float]]:
-    """Iterations (max over segments) and final residual (root-sum-square over segments;
-    None where no residual was measured, e.g. one iteration with `skip`)."""
-    iters = max((s["iterations"] for s in stats), default=0)
-    res = [s["residual_history"][-1] for s in stats if s["residual_history"]]
-    return iters, (math.sqrt(sum(r * r for r in res)) if res else None)
 
 
 def _mean(values: list[float]) -> Optional[float]:
@@ -243,12 +142,12 @@ def train(
     ``batch_losses`` (every step's loss), ``summary`` (the line rank 0 prints) and
     ``module`` (the trained ODENet or LayerParallel), plus the settings used.
     """
-    model_name = _model_name(model_name)
+    model_name = problem_name(model_name)
     recipe = RECIPES[model_name]
     if not isinstance(serial, bool):
         raise TypeError(f"`serial` must be a bool, got {type(serial).__name__}")
-    epochs = recipe.epochs if epochs is None else _positive(epochs, "epochs")
-    batch_size = recipe.batch_size if batch_size is None else _positive(batch_size,
+    epochs = recipe.epochs if epochs is None else positive_int(epochs, "epochs")
+    batch_size = recipe.batch_size if batch_size is None else positive_int(batch_size,
                                                                          "batch_size")
     lr = recipe.lr if lr is None else lr
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (
@@ -298,33 +197,23 @@ def train(
     batch_losses: list[float] = []
     step_time = 0.0
     for epoch in range(1, epochs + 1):
-        bar = _Progress(progress and rank == 0, len(loader),
-                        f"{model_name} epoch {epoch}/{epochs}")
+        bar = Progress(len(loader), f"{model_name} epoch {epoch}/{epochs}",
+                       enabled=progress and rank == 0)
         model.train()
         losses, correct, seen = [], 0, 0
         fwd_it, fwd_res, bwd_it, bwd_res = [], [], [], []
         t_epoch = time.perf_counter()
-        for b, (x, y) in enumerate(loader, 1):
-            if grid is not None:
-                x, y = grid.shard(x), grid.shard(y)
-            t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            out = model(x)
-            loss = nn.functional.cross_entropy(out, y)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            step_time += time.perf_counter() - t0
-            losses.append(loss.item())
-            correct += int((out.detach().argmax(1) == y).sum())
-            seen += len(y)
-            if isinstance(model, LayerParallel):
-                it, res = _solve_stats(model.last_forward)
-                fwd_it.append(it)
-                fwd_res += [] if res is None else [res]
-                it, res = _solve_stats(model.last_backward)
-                bwd_it.append(it)
-                bwd_res += [] if res is None else [res]
+        steps = train_steps(model, loader, optimizer, scheduler=schedule,
+                            shard=None if grid is None else grid.shard)
+        for b, step in enumerate(steps, 1):
+            step_time += step.seconds
+            losses.append(step.loss.item())
+            correct += int((step.output.detach().argmax(1) == step.target).sum())
+            seen += len(step.target)
+            for stats, its, res in ((step.fwd, fwd_it, fwd_res), (step.bwd, bwd_it, bwd_res)):
+                if stats is not None:
+                    its.append(stats.iterations)
+                    res += [] if stats.residual is None else [stats.residual]
             bar.update(b, f"loss {losses[-1]:.3f}")
         if grid is not None and grid.data > 1:  # the global batch's figures
             losses, correct, seen = _replica_totals(grid, losses, correct, seen)

@@ -18,7 +18,7 @@ import pytest
 
 from layerpar import bench, cli
 from layerpar.studies import cli as scale_cli
-from layerpar.studies import model as pmodel
+from layerpar.studies import perfmodel as pmodel
 from layerpar.studies import runner
 from layerpar.train import RECIPES, train
 

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from layerpar.studies import cli, runner
-from layerpar.studies import model as pmodel
+from layerpar.studies import perfmodel as pmodel
 from layerpar.studies.files import StudyFileError, append_line, read_jsonl
-from layerpar.studies.worker import config
+from layerpar.studies.runs import config
 
 GRID = {"ranks": [1], "layers": [4, 8], "width": 2, "batch": 2, "steps": 1, "warmup": 0,
         "diag_iters": 0}

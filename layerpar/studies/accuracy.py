@@ -5,8 +5,8 @@
 
 Training runs the forward and adjoint MGRIT solves with a few iterations, so the
 gradient the optimizer gets is not the network's gradient.  For the Peaks net and the
-digits conv net exactly as `layerpar.train` builds them (`build_net`, `load_data`), at
-initialisation and after a little serial training, this measures with
+digits conv net exactly as `layerpar.train` builds them (`layerpar.nets.problem_net`,
+`load_data`), at initialisation and after a little serial training, this measures with
 `LayerParallel.check_gradients` the relative error and the cosine of the inexact
 parameter gradient against the exact one, over forward iterations, backward
 iterations, levels and coarsening factors.  One rank and float64 (so that the numbers
@@ -145,8 +145,8 @@ def _names(name: str, text: Any, allowed: Sequence[str]) -> tuple[str, ...]:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """The `Settings` the options describe; ValueError naming the option otherwise."""
     from ..mgrit.options import ENGINE_INT_MAX, MAX_LEVELS
+    from ..nets import PROBLEMS
     from ..ode.rng import MAX_SEED
-    from ..train import MODELS
 
     base = _QUICK if getattr(args, "quick", False) else _NORMAL
 
@@ -166,7 +166,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise ValueError(f"`--threads` must be >= 1, got {args.threads}")
     if not 0 <= seed <= MAX_SEED:
         raise ValueError(f"`--seed` must be in [0, 2**64 - 1], got {seed}")
-    return Settings(models=_names("models", pick("models"), MODELS),
+    return Settings(models=_names("models", pick("models"), PROBLEMS),
                     states=_names("states", pick("states"), STATES),
                     fwd_iters=_ints("fwd_iters", pick("fwd_iters"), 1, ENGINE_INT_MAX),
                     bwd_iters=_ints("bwd_iters", pick("bwd_iters"), 1, ENGINE_INT_MAX),
@@ -200,11 +200,12 @@ def _state_net(model_name: str, state: str, s: Settings) -> tuple[Any, Optional[
     (trained only)."""
     import torch
 
-    from ..train import build_net, train
+    from ..nets import problem_net
+    from ..train import train
 
     if state == "init":
         torch.manual_seed(s.seed)
-        return build_net(model_name).double(), None
+        return problem_net(model_name).double(), None
     with contextlib.redirect_stdout(io.StringIO()):  # train() prints its summary line
         res = train(model_name, serial=True, epochs=s.train_epochs, seed=s.seed,
                     progress=False, dtype=torch.float64)
@@ -239,8 +240,9 @@ def _measure(s: Settings, log: Any) -> list[dict[str, Any]]:
 
     from ..mgrit.grid import build_levels
     from ..mgrit.options import MGRITOptions
+    from ..nets import RECIPES
     from ..parallel import LayerParallel
-    from ..train import RECIPES, load_data
+    from ..train import load_data
 
     rows: list[dict[str, Any]] = []
     for model_name in s.models:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from . import model as pmodel
+from . import perfmodel
 from .files import write_bytes
 
 __all__ = ["plot_all", "plot_breakdown", "plot_map", "plot_predicted", "plot_residuals",
@@ -202,7 +202,7 @@ def plot_predicted(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def plot_map(m: pmodel.ExtrapolationMap, path: Path) -> Path:
+def plot_map(m: perfmodel.ExtrapolationMap, path: Path) -> Path:
     """Two heat maps over ranks × layers: log2 speedup of MGRIT over serial, and log2 of
     pipeline time / MGRIT time; the contour at 1 marks where MGRIT wins."""
     plt = _plt()
@@ -252,9 +252,9 @@ def plot_map(m: pmodel.ExtrapolationMap, path: Path) -> Path:
 
 
 def plot_all(rows: Sequence[dict[str, Any]], out_dir: Union[str, Path],
-             fit: Optional[pmodel.Fit] = None, *,
-             map_ranks: Sequence[int] = pmodel.MAP_RANKS,
-             map_layers: Sequence[int] = pmodel.MAP_LAYERS) -> list[Path]:
+             fit: Optional[perfmodel.Fit] = None, *,
+             map_ranks: Sequence[int] = perfmodel.MAP_RANKS,
+             map_layers: Sequence[int] = perfmodel.MAP_LAYERS) -> list[Path]:
     """Write every plot of the study `rows` into `out_dir`; the paths written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -265,6 +265,6 @@ def plot_all(rows: Sequence[dict[str, Any]], out_dir: Union[str, Path],
              plot_breakdown(rows, out / "breakdown.png"),
              plot_residuals(rows, out / "residuals.png"),
              plot_predicted(rows, out / "predicted_vs_measured.png")]
-    m = pmodel.extrapolate(rows, fit, ranks=map_ranks, layers=map_layers)
+    m = perfmodel.extrapolate(rows, fit, ranks=map_ranks, layers=map_layers)
     paths.append(plot_map(m, out / "model_map.png"))
     return paths

@@ -10,7 +10,7 @@ layers fixed, weak scaling (``"weak": True``) runs ``layers × ranks`` layers), 
 1. skips the runs whose settings are already rows of `out_csv` (resume);
 2. measures, in this process, the serial baseline of every model size
    (`worker.serial_baseline`: plain PyTorch, best thread count) and the per-step
-   costs the performance model needs (`model.measure_costs`);
+   costs the performance model needs (`perfmodel.measure_costs`);
 3. measures message latency and bandwidth with a two-rank ping-pong under mpiexec;
 4. launches ``mpiexec -n P python -m mpi4py -m layerpar.studies.worker`` once per
    rank count (the mpiexec beside ``sys.executable``, else the one on PATH), under a
@@ -38,11 +38,13 @@ from pathlib import Path
 from typing import Any, Optional, TextIO, Union
 
 from ..launch import mpiexec_path, run_job
+from ..loop import Progress, available_cores
 from ..mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MAX_STEPS
 from ..ode.rng import MAX_SEED
-from . import model as pmodel
+from . import perfmodel
 from .files import StudyFileError, check_output_dir, read_jsonl, write_text
-from .worker import DEFAULTS, MODELS, available_cores, config, serial_baseline
+from .runs import DEFAULTS, SYNTHETIC_MODELS, config
+from .worker import serial_baseline
 
 __all__ = ["COLUMNS", "KEY_COLUMNS", "REQUIRED_COLUMNS", "StudyFileError", "StudyResult",
            "check_output_dir", "expand_grid", "mpiexec_path", "read_rows", "run_study"]
@@ -60,7 +62,7 @@ EXTRA_COLUMNS = [
     "bwd_comm_idle_seconds", "serial_variant", "fwd_batched", "bwd_batched", "fwd_seq", "bwd_seq",
     "predicted_forward_seconds", "predicted_backward_seconds",
     "predicted_comm_idle_seconds", "model_role", "model_rel_error",
-    *pmodel.COST_COLUMNS.values(), "call_overhead_s", "step_overhead_s", "batch_overhead_s",
+    *perfmodel.COST_COLUMNS.values(), "call_overhead_s", "step_overhead_s", "batch_overhead_s",
     "oversubscribed", "cores", "load_avg", "fwd_residual_history", "bwd_residual_history",
 ]
 COLUMNS = REQUIRED_COLUMNS + EXTRA_COLUMNS
@@ -220,8 +222,8 @@ def _check_row(path: Path, line: int, header: list[str], fields: list[str]) -> N
             continue
         v = row[c]
         if c == "model":
-            if v not in MODELS:
-                raise _bad(path, line, f"has `model` {v!r}, not one of {MODELS}")
+            if v not in SYNTHETIC_MODELS:
+                raise _bad(path, line, f"has `model` {v!r}, not one of {SYNTHETIC_MODELS}")
             continue
         try:
             f = float(v)
@@ -382,38 +384,6 @@ def run_pingpong(path: Path, quick: bool = False, timeout: float = 120) -> dict[
 
 
 # ------------------------------------------------------------------------------------------
-# progress
-# ------------------------------------------------------------------------------------------
-class _Progress:
-    """A dependency-free progress bar on a stream (a line per update off a terminal)."""
-
-    def __init__(self, total: int, enabled: bool, stream: TextIO = sys.stderr) -> None:
-        self.total, self.enabled, self.stream = total, enabled, stream
-        self.tty = stream.isatty()
-        self.done = 0
-        self.t0 = time.monotonic()
-
-    def show(self, done: int, note: str) -> None:
-        if not self.enabled:
-            return
-        self.done = done
-        width = 24
-        fill = width * done // max(self.total, 1)
-        line = (f"study [{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} "
-                f"{time.monotonic() - self.t0:6.0f}s {note}")
-        if self.tty:
-            self.stream.write("\r" + line + "\x1b[K")
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
-# ------------------------------------------------------------------------------------------
 # the study
 # ------------------------------------------------------------------------------------------
 @dataclass
@@ -422,7 +392,7 @@ class StudyResult:
     the files written, and how many runs were launched / skipped / failed."""
 
     rows: list[dict[str, Any]]
-    fit: pmodel.Fit
+    fit: perfmodel.Fit
     csv_path: Path
     files: list[Path] = field(default_factory=list)
     launched: int = 0
@@ -445,11 +415,11 @@ def _num(row: dict[str, Any], col: str) -> float:
         return float("nan")
 
 
-def _finish_row(raw: dict[str, Any], serial: dict[str, Any], costs: pmodel.Costs,
+def _finish_row(raw: dict[str, Any], serial: dict[str, Any], costs: perfmodel.Costs,
                 cores: int) -> dict[str, Any]:
     row = dict(raw)
     row.update(serial)
-    row.update(pmodel.costs_to_row(costs))
+    row.update(perfmodel.costs_to_row(costs))
     sp = row["serial_seconds_per_batch"] / row["seconds_per_batch"]
     row["speedup"] = sp
     row["efficiency"] = sp / (int(row["ranks"]) * int(row["threads"]))
@@ -461,19 +431,19 @@ def _finish_row(raw: dict[str, Any], serial: dict[str, Any], costs: pmodel.Costs
     return row
 
 
-def _apply_model(rows: list[dict[str, Any]]) -> tuple[pmodel.Fit, dict[str, Any]]:
+def _apply_model(rows: list[dict[str, Any]]) -> tuple[perfmodel.Fit, dict[str, Any]]:
     """Fit on every depth but the deepest, validate on the deepest (one depth: fit on
     all); predict all rows (in place)."""
     usable = [r for r in rows if math.isfinite(_num(r, "seconds_per_batch"))]
     if not usable:
-        return pmodel.NO_FIT, {}
+        return perfmodel.NO_FIT, {}
     deepest = max(int(_num(r, "layers")) for r in usable)
     fit_rows = [r for r in usable if int(_num(r, "layers")) < deepest] or usable
-    f = pmodel.fit(fit_rows)
+    f = perfmodel.fit(fit_rows)
     fit_ids = {id(r) for r in fit_rows}
     table = []
     for r in rows:
-        p = pmodel.predict_row(r, f)
+        p = perfmodel.predict_row(r, f)
         m = _num(r, "seconds_per_batch")
         role = "fit" if id(r) in fit_ids else "validate"
         err = (p.seconds_per_batch - m) / m
@@ -528,13 +498,13 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
               out_dir: Optional[Union[str, Path]] = None, timeout_per_run: float = 900.0,
               progress: bool = True, plots: bool = True,
               serial_threads: Optional[Sequence[int]] = None, quick_pingpong: bool = False,
-              map_ranks: Sequence[int] = pmodel.MAP_RANKS,
-              map_layers: Sequence[int] = pmodel.MAP_LAYERS,
+              map_ranks: Sequence[int] = perfmodel.MAP_RANKS,
+              map_layers: Sequence[int] = perfmodel.MAP_LAYERS,
               stream: TextIO = sys.stderr) -> StudyResult:
     """Run the study `grid`, writing one row per run to `out_csv` (resumable).
 
     grid: lists or scalars for ranks, threads, layers, levels, cfactor, fwd_iters,
-        bwd_iters, model, width, batch; scalars for the other `worker.DEFAULTS`
+        bwd_iters, model, width, batch; scalars for the other `runs.DEFAULTS`
         (steps, warmup, lr, seed, ...); ``weak: True`` for weak scaling.
     out_dir: where the ping-pong, worker output, model.json and plots go (default:
         the CSV's folder).
@@ -566,26 +536,27 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
               for ranks in {int(r["ranks"]) for r in todo}}
     if todo:
         _read_pingpong(out_dir / "pingpong.json")
-    result = StudyResult(rows=[], fit=pmodel.NO_FIT,
+    result = StudyResult(rows=[], fit=perfmodel.NO_FIT,
                          csv_path=out_csv, skipped=len(runs) - len(todo))
     cores = available_cores()
-    bar = _Progress(len(todo), progress, stream)
+    bar = Progress(len(todo), "study", enabled=progress, stream=stream, lines=True,
+                   clock=True, interval=0.0)
     if todo:
-        bar.show(0, "serial baselines and step costs")
+        bar.update(0, "serial baselines and step costs")
         serial: dict[tuple, dict[str, Any]] = {}
         for r in existing:  # reuse baselines measured before
             if math.isfinite(_num(r, "serial_seconds_per_batch")):
                 serial.setdefault(_key(r, _SERIAL_KEY), {
                     c: r[c] for c in ("serial_seconds_per_batch", "serial_threads",
                                       "serial_variant", "serial_loss")})
-        costs: dict[tuple, pmodel.Costs] = {}
+        costs: dict[tuple, perfmodel.Costs] = {}
         for r in todo:
             sk, ck = _key(r, _SERIAL_KEY), _key(r, _COST_KEY)
             if sk not in serial:
                 serial[sk] = serial_baseline(r, serial_threads)
             if ck not in costs:
-                costs[ck] = pmodel.measure_costs(r, int(r["threads"]))
-        bar.show(0, "ping-pong")  # also at one rank: the model's extrapolation needs it
+                costs[ck] = perfmodel.measure_costs(r, int(r["threads"]))
+        bar.update(0, "ping-pong")  # also at one rank: the model's extrapolation needs it
         pp = run_pingpong(out_dir / "pingpong.json", quick=quick_pingpong)
         alpha = float(pp.get("alpha_s", 0.0))
         beta = float(pp.get("beta_Bps", math.inf))
@@ -606,9 +577,9 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
                 n = (sum(1 for _ in jsonl.open()) - start) if jsonl.exists() else 0
                 if n != seen[0]:
                     seen[0] = n
-                    bar.show(base + n, f"ranks={ranks}")
+                    bar.update(base + n, f"ranks={ranks}")
 
-            bar.show(n_done, f"launching {len(group)} run(s) on {ranks} rank(s)")
+            bar.update(n_done, f"launching {len(group)} run(s) on {ranks} rank(s)")
             job = _launch(ranks, ["layerpar.studies.worker", f"@{cfg_path}"],
                           timeout_per_run * len(group) + 60, threads, poll)
             result.launched += len(group)
@@ -630,7 +601,7 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
                     f"{' (timed out, killed)' if job.timed_out else ''}: "
                     f"{job.stderr.strip()[-1500:]}")
             n_done += len(group)
-            bar.show(n_done, f"ranks={ranks} done")
+            bar.update(n_done, f"ranks={ranks} done")
     bar.close()
     rows = [_typed(r) for r in read_rows(out_csv)]
     f, summary = _apply_model(rows)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 
 from ..mgrit.grid import block_bounds, build_levels, reversed_bounds
 from ..mgrit.options import MGRITOptions
+from .runs import app_flags  # the flags `count_steps` and `predict` take, per app
 
 __all__ = ["Costs", "ExtrapolationMap", "Fit", "Prediction", "app_flags", "count_steps",
            "extrapolate",
@@ -155,7 +156,7 @@ def measure_costs(cfg: dict, threads: int = 1, budget: float = 0.05,
                   batch_of: Optional[int] = None) -> Costs:
     """Measure the per-step costs of the study model `cfg` in this process.
 
-    Builds the network of `cfg` (`layerpar.studies.worker.build_net`) and times its
+    Builds the network of `cfg` (`layerpar.studies.runs.build_study_net`) and times its
     residual steps the ways the layer-parallel apps run them, each as one step and as
     `batch_of` independent steps of distinct layers in one call (default: the
     fine-grid batch of one rank, layers / cfactor, clamped to 16..256): forward
@@ -172,14 +173,14 @@ def measure_costs(cfg: dict, threads: int = 1, budget: float = 0.05,
     from ..mgrit.solve import vec_sum
     from ..ode import blocks as blocks_mod
     from ..ode.net import Segment
-    from .worker import build_net, config, input_shape
+    from .runs import build_study_net, config, input_shape
 
     cfg = config(cfg, strict=False)
     m = batch_of or min(256, max(16, int(cfg["layers"]) // int(cfg["cfactor"])))
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        net = build_net(cfg)
+        net = build_study_net(cfg)
         seg = next(layer for layer in net.layers if isinstance(layer, Segment))
         scheme = seg.scheme
         blks = [seg.blocks[k % seg.n_steps] for k in range(m)]
@@ -608,13 +609,6 @@ def count_steps(n_steps: int, n_ranks: int, options: MGRITOptions, *,
     s = simulate_solve(n_steps, n_ranks, options, iterations=iterations, bounds=bounds,
                        batched=batched, seq=seq)
     return s.step_counts, s.batch_counts
-
-
-def app_flags(app: Any) -> tuple[bool, bool]:
-    """(batched, seq) for an engine app, as the engine decides: whether it has a
-    ``step_batch`` / ``step_seq`` that is not None."""
-    return (getattr(app, "step_batch", None) is not None,
-            getattr(app, "step_seq", None) is not None)
 
 
 # ------------------------------------------------------------------------------------------

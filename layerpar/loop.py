@@ -1,0 +1,186 @@
+"""One training step and one training loop for every front door, and their progress bar.
+
+`train_step` is what one batch is, wherever layerpar trains or times training
+(``layerpar train`` and the examples through `layerpar.train.train`, the scaling
+studies' workers and serial baseline, ``python -m layerpar.bench``, the operation
+counts and the GPU benchmark): zero the gradients, forward, loss, backward, the
+optimiser's step and the learning-rate schedule's.  It works on any module that maps
+inputs to logits: a serial `ODENet`, its `layerpar.nets.sequential_twin`, or a
+`LayerParallel`.  It returns a `Step`: the loss, the output, the time of the forward
+part and of the rest, and, for a `LayerParallel`, that pass's MGRIT reports, read
+(`Step.fwd`, `Step.bwd`) only when asked, since reading residuals may wait for the
+device.  `train_steps` runs it over a sequence of batches.
+
+`Progress` is the progress bar of ``layerpar train`` and ``layerpar scale``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, TextIO
+
+from torch import Tensor, nn
+
+__all__ = ["Progress", "SolveSummary", "Step", "available_cores", "summarize",
+           "train_step", "train_steps"]
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class SolveSummary:
+    """One pass's MGRIT solves (all segments) in three numbers.
+
+    iterations: the most any segment did.
+    residual: root-sum-square of the segments' final residual norms; None where none
+        was measured (e.g. one iteration with `skip`).
+    comm_idle_seconds: the engines' ``wait`` and ``reduce`` timers, summed over segments
+        (communication and idle time of this rank).
+    """
+
+    iterations: int
+    residual: Optional[float]
+    comm_idle_seconds: float
+
+
+def summarize(stats: Sequence[Any]) -> SolveSummary:
+    """The `SolveSummary` of ``model.last_forward`` or ``model.last_backward``."""
+    res = [s["residual_history"][-1] for s in stats if s["residual_history"]]
+    return SolveSummary(
+        iterations=max((s["iterations"] for s in stats), default=0),
+        residual=math.sqrt(sum(r * r for r in res)) if res else None,
+        comm_idle_seconds=sum(s["timings"]["wait"] + s["timings"]["reduce"] for s in stats))
+
+
+@dataclass
+class Step:
+    """What one `train_step` did.
+
+    loss: the loss, detached.  output: the model's output (its graph already used).
+    target: the labels the loss was computed against.
+    seconds: the whole step; forward_seconds: zero_grad, forward and loss;
+    backward_seconds: backward, optimiser and schedule steps.
+    fwd_stats, bwd_stats: the model's ``last_forward`` / ``last_backward`` after this
+    step (a `LayerParallel`), else None; `fwd` / `bwd` summarise them.
+    """
+
+    loss: Tensor
+    output: Tensor
+    target: Tensor
+    seconds: float
+    forward_seconds: float
+    backward_seconds: float
+    fwd_stats: Optional[list] = None
+    bwd_stats: Optional[list] = None
+
+    @property
+    def fwd(self) -> Optional[SolveSummary]:
+        """The forward solves' `SolveSummary` (None without MGRIT)."""
+        return None if self.fwd_stats is None else summarize(self.fwd_stats)
+
+    @property
+    def bwd(self) -> Optional[SolveSummary]:
+        """The adjoint solves' `SolveSummary` (None without MGRIT)."""
+        return None if self.bwd_stats is None else summarize(self.bwd_stats)
+
+
+def train_step(model: nn.Module, x: Tensor, y: Tensor,
+               optimizer: Optional[Any] = None, *, scheduler: Optional[Any] = None,
+               loss_fn: LossFn = nn.functional.cross_entropy) -> Step:
+    """One optimisation step of `model` on the batch (x, y).
+
+    With an `optimizer`: its gradients are zeroed (set to None) first and it steps
+    after the backward pass, then the `scheduler` (if any).  Without one, only
+    forward, loss and backward run (gradients accumulate): what a benchmark times.
+    Adds no tensor operation and no host synchronisation of its own beyond detaching
+    the loss, so it can be counted (`layerpar.opcount`) and captured in a CUDA graph.
+    """
+    t0 = time.perf_counter()
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    out = model(x)
+    loss = loss_fn(out, y)
+    t1 = time.perf_counter()
+    loss.backward()
+    if optimizer is not None:
+        optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    t2 = time.perf_counter()
+    return Step(loss.detach(), out, y, t2 - t0, t1 - t0, t2 - t1,
+                getattr(model, "last_forward", None), getattr(model, "last_backward", None))
+
+
+def train_steps(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]],
+                optimizer: Optional[Any] = None, *, scheduler: Optional[Any] = None,
+                loss_fn: LossFn = nn.functional.cross_entropy,
+                shard: Optional[Callable[[Tensor], Tensor]] = None,
+                before: Optional[Callable[[], None]] = None) -> Iterator[Step]:
+    """`train_step` over `batches`, one `Step` per batch as it finishes.
+
+    shard: applied to inputs and labels first (e.g. `ProcessGrid.shard`: a replica's
+    share of the global batch).  before: called before each step, untimed (e.g. a
+    barrier).  What the caller does with a step before asking for the next one is
+    not timed either.
+    """
+    for x, y in batches:
+        if shard is not None:
+            x, y = shard(x), shard(y)
+        if before is not None:
+            before()
+        yield train_step(model, x, y, optimizer, scheduler=scheduler, loss_fn=loss_fn)
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask; all of them off Linux)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class Progress:
+    """A dependency-free progress bar: ``label [#####.......] done/total note``.
+
+    On a terminal it redraws one line, at most once per `interval` seconds (the last
+    update always shows).  Off a terminal it writes one line per update with
+    ``lines=True`` (long steps, worth a log), and nothing otherwise.  `clock` adds
+    the seconds since the bar was made.  Disabled (`enabled` False) it writes nothing.
+    """
+
+    def __init__(self, total: int, label: str, *, enabled: bool = True,
+                 stream: Optional[TextIO] = None, lines: bool = False, clock: bool = False,
+                 interval: float = 0.1) -> None:
+        self.stream = sys.stderr if stream is None else stream  # the current one
+        self.tty = self.stream.isatty()
+        self.enabled = enabled and (self.tty or lines)
+        self.total, self.label, self.clock, self.interval = total, label, clock, interval
+        self.t0 = time.monotonic()
+        self._last = -math.inf
+
+    def update(self, done: int, note: str) -> None:
+        """Show `done` of `total` with a `note`."""
+        now = time.monotonic()
+        if not self.enabled or (done < self.total and now - self._last < self.interval):
+            return
+        self._last = now
+        width = 24
+        fill = width * done // max(self.total, 1)
+        line = f"{self.label} [{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} "
+        if self.clock:
+            line += f"{now - self.t0:6.0f}s "
+        line += note
+        self.stream.write("\r" + line + "\x1b[K" if self.tty else line + "\n")
+        self.stream.flush()
+
+    def close(self, note: str = "") -> None:
+        """End the bar's line on a terminal; with a `note`, replace the bar by it."""
+        if not (self.enabled and self.tty):
+            return
+        self.stream.write(f"\r{self.label} {note}\x1b[K\n" if note else "\n")
+        self.stream.flush()

@@ -1,0 +1,171 @@
+"""Every network the front doors build, in one place, and the plain-PyTorch twin of one.
+
+Two families, with names that say which:
+
+- **problems** (`PROBLEMS`: "peaks", "digits"): the bundled learning problems that
+  ``layerpar train``, the examples and the accuracy study train, each with a `Recipe`
+  (network size and a training budget that works); `problem_net` builds them.
+- **synthetic models** (`SYNTHETIC_MODELS`: "dense", "conv"): the scaling studies'
+  networks of any depth, width and batch on random data (`layerpar.studies.runs`
+  picks their sizes from a study's settings); `synthetic_net` builds them.
+
+`sequential_twin` turns an `ODENet` into plain PyTorch (an ``nn.Sequential`` of
+``u + h F(u)`` modules sharing its blocks): the serial baseline of the studies and
+the benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import data
+from .ode import blocks
+from .ode.net import ODENet, Segment
+
+__all__ = ["PROBLEMS", "RECIPES", "Recipe", "SYNTHETIC_MODELS", "problem_net",
+           "sequential_twin", "synthetic_input_shape", "synthetic_net"]
+
+
+# ------------------------------------------------------------------------------------------
+# problems: peaks, digits
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Recipe:
+    """Defaults of one problem: network size and a training budget that works.
+
+    Both problems use Adam with cosine decay of the learning rate to zero over the
+    run: the decay makes the final accuracy settle instead of jumping from epoch to
+    epoch, so serial and layer-parallel runs can be compared at the end.
+    """
+
+    epochs: int
+    batch_size: int
+    lr: float
+    n_layers: int
+    width: int
+    t_final: float
+
+
+RECIPES: dict[str, Recipe] = {
+    # DESIGN.md: width 8, 32 layers u <- u + h tanh(K u + b), T = 5
+    "peaks": Recipe(epochs=20, batch_size=100, lr=0.02, n_layers=32, width=8, t_final=5.0),
+    # a small convolutional ODE-net on 1x8x8 images; width = channels
+    "digits": Recipe(epochs=8, batch_size=50, lr=0.01, n_layers=8, width=8, t_final=2.0),
+}
+PROBLEMS = tuple(RECIPES)
+
+
+def problem_name(name: Any) -> str:
+    """`name` if it is one of `PROBLEMS`, else ValueError naming ``model_name``."""
+    if name not in RECIPES:
+        raise ValueError(f"`model_name` must be one of {list(PROBLEMS)}, got {name!r}")
+    return name
+
+
+def positive_int(value: Any, name: str) -> int:
+    """`value` if it is an int >= 1; TypeError / ValueError naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value}")
+    return value
+
+
+def problem_net(model_name: str, n_layers: Optional[int] = None,
+                width: Optional[int] = None) -> ODENet:
+    """The `ODENet` of a problem, with fresh parameters from the global torch generator.
+
+    peaks: Linear(2, w) -> n residual layers u <- u + h tanh(K u + b) on [0, 5] ->
+    Linear(w, 5) (DESIGN.md: w = 8, n = 32).
+    digits: Conv2d(1, c, 3) -> n residual layers u <- u + h relu(conv3x3(u)) on [0, 2]
+    -> 2x2 average pooling -> Linear(16 c, 10) (c = 8, n = 8).
+    Seed the global generator first (``torch.manual_seed``) to build the same network
+    on every rank.
+    """
+    recipe = RECIPES[problem_name(model_name)]
+    n = recipe.n_layers if n_layers is None else positive_int(n_layers, "n_layers")
+    w = recipe.width if width is None else positive_int(width, "width")
+    if model_name == "peaks":
+        return ODENet(open=nn.Linear(2, w),
+                      steps=lambda k: blocks.Dense(w, activation="tanh"),
+                      n_steps=n, t_final=recipe.t_final,
+                      close=nn.Linear(w, data.PEAKS_CLASSES))
+    return ODENet(layers=[
+        nn.Conv2d(1, w, 3, padding=1),
+        Segment(lambda k: blocks.Conv(w, activation="relu"), n, recipe.t_final),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(w * 4 * 4, 10),
+    ])
+
+
+# ------------------------------------------------------------------------------------------
+# synthetic models: dense, conv (the scaling studies)
+# ------------------------------------------------------------------------------------------
+SYNTHETIC_MODELS = ("dense", "conv")
+
+
+def synthetic_net(model: str, layers: int, width: int, classes: int,
+                  t_final: float) -> ODENet:
+    """A study network, with fresh parameters from the global torch generator.
+
+    dense: `layers` steps u <- u + h tanh(K u + b) on [0, t_final] of `width`
+    features -> Linear(width, classes).  conv: the same with 3x3 convolutions of
+    `width` channels (tanh) -> global average pooling -> Linear(width, classes).
+    No opening layer: the input is the ODE state (`synthetic_input_shape`).
+    """
+    if model not in SYNTHETIC_MODELS:
+        raise ValueError(f"`model` must be one of {SYNTHETIC_MODELS}, got {model!r}")
+    steps: Callable[[int], nn.Module]
+    if model == "dense":
+        def steps(n: int) -> nn.Module:
+            return blocks.Dense(width, activation="tanh")
+        close: nn.Module = nn.Linear(width, classes)
+    else:
+        def steps(n: int) -> nn.Module:
+            return blocks.Conv(width, activation="tanh")
+        close = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes))
+    return ODENet(steps=steps, n_steps=layers, t_final=t_final, close=close)
+
+
+def synthetic_input_shape(model: str, batch: int, width: int,
+                          image: int) -> tuple[int, ...]:
+    """Shape of one input batch of a `synthetic_net` (= the ODE state): (batch, width),
+    or (batch, width, image, image) for conv."""
+    return (batch, width) if model == "dense" else (batch, width, image, image)
+
+
+# ------------------------------------------------------------------------------------------
+# the plain-PyTorch twin
+# ------------------------------------------------------------------------------------------
+class _Residual(nn.Module):
+    """u + dt * F(u) with the block F of one layer (forward Euler, as the ODENet's)."""
+
+    def __init__(self, block: nn.Module, dt: float) -> None:
+        super().__init__()
+        self.block = block
+        self.dt = dt
+
+    def forward(self, u: Tensor) -> Tensor:
+        return torch.add(u, self.block(u), alpha=self.dt)
+
+
+def sequential_twin(net: ODENet) -> nn.Sequential:
+    """`net` as a plain ``nn.Sequential`` of residual modules u + h F(u) that share its
+    blocks and plain layers (same weights, the same step sizes as the ODENet takes);
+    forward Euler segments only.  Pass ``copy.deepcopy(net)`` for a twin with weights
+    of its own."""
+    mods: list[nn.Module] = []
+    for layer in net.layers:
+        if isinstance(layer, Segment):
+            if layer.scheme.name != "euler":
+                raise ValueError("sequential_twin needs forward Euler segments")
+            mods += [_Residual(layer.blocks[n], layer.time(n + 1) - layer.time(n))
+                     for n in range(layer.n_steps)]
+        else:
+            mods.append(layer)
+    return nn.Sequential(*mods)
