@@ -77,6 +77,7 @@ class Step:
     backward_seconds: float
     fwd_stats: Optional[list] = None
     bwd_stats: Optional[list] = None
+    input: Optional[Tensor] = None  # the batch's input (a gradient check may reuse it)
 
     @property
     def fwd(self) -> Optional[SolveSummary]:
@@ -113,7 +114,8 @@ def train_step(model: nn.Module, x: Tensor, y: Tensor,
         scheduler.step()
     t2 = time.perf_counter()
     return Step(loss.detach(), out, y, t2 - t0, t1 - t0, t2 - t1,
-                getattr(model, "last_forward", None), getattr(model, "last_backward", None))
+                getattr(model, "last_forward", None), getattr(model, "last_backward", None),
+                x)
 
 
 def train_steps(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]],

@@ -22,7 +22,7 @@ import math
 import os
 import re
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -31,8 +31,11 @@ from . import data
 from .loop import Progress, available_cores, train_steps
 from .mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MGRITOptions
 from .nets import PROBLEMS, RECIPES, Recipe, positive_int, problem_name, problem_net
+from .ode.net import ODENet
+from .ode.refine import refine
 from .ode.rng import MAX_SEED
 from .parallel import LayerParallel, ProcessGrid
+from .parallel.adaptive import AccuracyPolicy, as_policy
 
 __all__ = [
     "MODELS",
@@ -112,6 +115,10 @@ def train(
     n_layers: Optional[int] = None,
     width: Optional[int] = None,
     data_parallel: int = 1,
+    adaptive: Union[bool, AccuracyPolicy] = False,
+    check_every: int = 0,
+    nested: int = 0,
+    nested_epochs: int = 2,
 ) -> dict[str, Any]:
     """Train the Peaks or digits network and return what happened.
 
@@ -133,6 +140,17 @@ def train(
         (`ProcessGrid.shard`) and gradients are averaged, so results equal training on
         the global batch.  ``comm`` may be an mpi4py communicator or a
         torch.distributed process group.
+    adaptive: adaptive accuracy (`LayerParallel(accuracy=...)`: True for the default
+        bound, or an `AccuracyPolicy`): iteration counts follow the gradient error
+        measured every `check_every` batches (default: the policy's), exact
+        propagation where MGRIT stalls.  Decisions go to ``accuracy_log``.
+    check_every: measure the gradient error (`LayerParallel.check_gradients`) on every
+        K-th batch (0: never, unless adaptive); the last one is shown in the progress
+        bar, each epoch's record and ``checks``.
+    nested: nested iteration (Cyr et al. 2019): train nets with n/2^K, ..., n/2 layers
+        first, `nested_epochs` epochs each, refining (`refine`, factor 2, piecewise
+        constant) onto the next; then the n-layer net trains `epochs` epochs.  Each
+        epoch's record says its ``layers``.
 
     Returns a dict: ``val_acc``, ``val_loss``, ``train_loss`` and ``train_acc`` (last
     epoch), ``ms_per_batch`` (one optimisation step: forward, backward, update,
@@ -165,6 +183,15 @@ def train(
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) \
             or data_parallel < 1:
         raise ValueError(f"`data_parallel` must be an int >= 1, got {data_parallel!r}")
+    policy = as_policy(adaptive)
+    check_every = _count(check_every, "check_every")
+    nested = _count(nested, "nested")
+    nested_epochs = positive_int(nested_epochs, "nested_epochs")
+    if serial and (policy is not None or check_every):
+        raise ValueError("`adaptive` and `check_every` need a layer-parallel run (they "
+                         "compare MGRIT with exact propagation), not `serial`")
+    if policy is not None and not check_every:
+        check_every = policy.check_every
     rank, size = _rank_size(comm)
     ranks = 1 if serial else size
     if data_parallel > 1 and not serial:
@@ -176,58 +203,86 @@ def train(
                              f"`data_parallel`={data_parallel}")
 
     x_train, y_train, x_val, y_val = load_data(model_name, seed, dtype)
+    n_fine = RECIPES[model_name].n_layers if n_layers is None else n_layers
+    if nested and (n_fine % 2 ** nested or n_fine // 2 ** nested < max(1, size // max(
+            data_parallel, 1)) and not serial):
+        raise ValueError(f"`nested`={nested}: the net's {n_fine} layers must halve "
+                         f"{nested} time(s) and still give each rank at least one layer")
     torch.manual_seed(seed)  # same initial parameters on every rank
-    net = build_net(model_name, n_layers, width).to(dtype)
+    net = build_net(model_name, n_fine // 2 ** nested, width).to(dtype)
     grid: Optional[ProcessGrid] = None
     if serial:
         model: nn.Module = net
     elif data_parallel > 1 or not (comm is None or hasattr(comm, "Split_type")):
         grid = ProcessGrid(comm, data=data_parallel)
-        model = LayerParallel(net, None, fwd, bwd, grid=grid)
+        model = LayerParallel(net, None, fwd, bwd, grid=grid, accuracy=policy)
     else:
-        model = LayerParallel(net, comm, fwd, bwd)
+        model = LayerParallel(net, comm, fwd, bwd, accuracy=policy)
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x_train, y_train), batch_size=batch_size,
         shuffle=True, generator=torch.Generator().manual_seed(seed))
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)  # this rank's parameters
-    total_steps = epochs * len(loader)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
 
     history: list[dict[str, Any]] = []
     batch_losses: list[float] = []
+    checks: list[dict[str, Any]] = []
     step_time = 0.0
-    for epoch in range(1, epochs + 1):
-        bar = Progress(len(loader), f"{model_name} epoch {epoch}/{epochs}",
-                       enabled=progress and rank == 0)
-        model.train()
-        losses, correct, seen = [], 0, 0
-        fwd_it, fwd_res, bwd_it, bwd_res = [], [], [], []
-        t_epoch = time.perf_counter()
-        steps = train_steps(model, loader, optimizer, scheduler=schedule,
-                            shard=None if grid is None else grid.shard)
-        for b, step in enumerate(steps, 1):
-            step_time += step.seconds
-            losses.append(step.loss.item())
-            correct += int((step.output.detach().argmax(1) == step.target).sum())
-            seen += len(step.target)
-            for stats, its, res in ((step.fwd, fwd_it, fwd_res), (step.bwd, bwd_it, bwd_res)):
-                if stats is not None:
-                    its.append(stats.iterations)
-                    res += [] if stats.residual is None else [stats.residual]
-            bar.update(b, f"loss {losses[-1]:.3f}")
-        if grid is not None and grid.data > 1:  # the global batch's figures
-            losses, correct, seen = _replica_totals(grid, losses, correct, seen)
-        batch_losses += losses
-        val_loss, val_acc = _evaluate(model, x_val, y_val)
-        record = {
-            "epoch": epoch, "train_loss": sum(losses) / len(losses),
-            "train_acc": correct / seen, "val_loss": val_loss, "val_acc": val_acc,
-            "seconds": time.perf_counter() - t_epoch,
-            "fwd_iters": _mean(fwd_it), "fwd_res": _mean(fwd_res),
-            "bwd_iters": _mean(bwd_it), "bwd_res": _mean(bwd_res),
-        }
-        history.append(record)
-        bar.close(f"train_loss {record['train_loss']:.3f} | val_acc {val_acc:.3f}")
+    total_steps = 0
+    batch = 0  # over all levels: names a check or an adaptive decision
+    stages = [(n_fine // 2 ** k, nested_epochs) for k in range(nested, 0, -1)]
+    stages.append((n_fine, epochs))
+    for stage, (layers, stage_epochs) in enumerate(stages):
+        if stage:  # nested iteration: the trained net, refined, goes on training
+            model = (refine(model, 2) if isinstance(model, (ODENet, LayerParallel))
+                     else model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr)  # this rank's parameters
+        steps_here = stage_epochs * len(loader)
+        total_steps += steps_here
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps_here)
+        for epoch in range(1, stage_epochs + 1):
+            label = f"{model_name} epoch {epoch}/{stage_epochs}" + (
+                f" ({layers} layers)" if nested else "")
+            bar = Progress(len(loader), label, enabled=progress and rank == 0)
+            model.train()
+            losses, correct, seen = [], 0, 0
+            fwd_it, fwd_res, bwd_it, bwd_res = [], [], [], []
+            t_epoch = time.perf_counter()
+            steps = train_steps(model, loader, optimizer, scheduler=schedule,
+                                shard=None if grid is None else grid.shard)
+            for b, step in enumerate(steps, 1):
+                batch += 1
+                step_time += step.seconds
+                losses.append(step.loss.item())
+                correct += int((step.output.detach().argmax(1) == step.target).sum())
+                seen += len(step.target)
+                for stats, its, res in ((step.fwd, fwd_it, fwd_res),
+                                        (step.bwd, bwd_it, bwd_res)):
+                    if stats is not None:
+                        its.append(stats.iterations)
+                        res += [] if stats.residual is None else [stats.residual]
+                if check_every and batch % check_every == 0:
+                    got = model.check_gradients(step.input, step.target,  # type: ignore
+                                                nn.functional.cross_entropy)
+                    checks.append({"batch": batch, "layers": layers,
+                                   "cosine": got.cosine,
+                                   "rel_error": got.param_grad_error})
+                bar.update(b, _bar_note(losses[-1], fwd_res, bwd_res, checks))
+            if grid is not None and grid.data > 1:  # the global batch's figures
+                losses, correct, seen = _replica_totals(grid, losses, correct, seen)
+            batch_losses += losses
+            val_loss, val_acc = _evaluate(model, x_val, y_val)
+            record = {
+                "epoch": len(history) + 1, "layers": layers,
+                "train_loss": sum(losses) / len(losses),
+                "train_acc": correct / seen, "val_loss": val_loss, "val_acc": val_acc,
+                "seconds": time.perf_counter() - t_epoch,
+                "fwd_iters": _mean(fwd_it), "fwd_res": _mean(fwd_res),
+                "bwd_iters": _mean(bwd_it), "bwd_res": _mean(bwd_res),
+                "grad_cosine": checks[-1]["cosine"] if checks else None,
+                "grad_error": checks[-1]["rel_error"] if checks else None,
+            }
+            history.append(record)
+            bar.close(f"train_loss {record['train_loss']:.3f} | val_acc {val_acc:.3f} | "
+                      + _bar_note(None, fwd_res, bwd_res, checks))
 
     last = history[-1]
     result: dict[str, Any] = {
@@ -241,13 +296,42 @@ def train(
         "fwd_iters": last["fwd_iters"], "fwd_res": last["fwd_res"],
         "bwd_iters": last["bwd_iters"], "bwd_res": last["bwd_res"],
         "history": history, "batch_losses": batch_losses, "module": model,
+        "checks": checks, "nested": nested,
+        "seconds": sum(r["seconds"] for r in history),
+        "accuracy_log": [] if getattr(model, "accuracy", None) is None else
+        [str(e) for e in model.accuracy.log],  # type: ignore[union-attr]
     }
     if grid is not None and isinstance(model, LayerParallel) and model._averager is not None:
         result["allreduce_ms_per_batch"] = 1000.0 * model._averager.total_seconds / total_steps
     result["summary"] = format_summary(result)
     if rank == 0:
+        for line in result["accuracy_log"]:
+            print(f"{model_name}: adaptive accuracy: {line}", flush=True)
+        if checks:
+            c = checks[-1]
+            print(f"{model_name}: last gradient check (batch {c['batch']}): cosine "
+                  f"{c['cosine']:.4f}, relative error {c['rel_error']:.3g}", flush=True)
         print(result["summary"], flush=True)
     return result
+
+
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"`{name}` must be an int >= 0, got {value!r}")
+    return value
+
+
+def _bar_note(loss: Optional[float], fwd_res: list, bwd_res: list, checks: list) -> str:
+    """The progress bar's note: loss, the residuals reached, the last gradient check."""
+    parts = [] if loss is None else [f"loss {loss:.3f}"]
+    if fwd_res:
+        parts.append(f"fwd res {fwd_res[-1]:.1e}")
+    if bwd_res:
+        parts.append(f"bwd res {bwd_res[-1]:.1e}")
+    if checks:
+        parts.append(f"grad err {checks[-1]['rel_error']:.2g} (cos "
+                     f"{checks[-1]['cosine']:.3f})")
+    return " | ".join(parts)
 
 
 def _rank_size(comm: Any) -> tuple[int, int]:
@@ -359,6 +443,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="train the plain ODENet with autograd (the serial oracle)")
     t.add_argument("--float64", action="store_true", help="train in double precision")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = parser.add_argument_group("accuracy")
+    a.add_argument("--check-every", type=int, default=0, metavar="K",
+                   help="measure the gradient error against exact propagation every K "
+                        "batches (0: never)")
+    a.add_argument("--adaptive", action="store_true",
+                   help="adaptive accuracy: MGRIT iterations follow the measured gradient "
+                        "error (cosine >= 0.99, relative error <= 5%%), exact propagation "
+                        "where MGRIT stalls")
+    a.add_argument("--nested", type=int, default=0, metavar="K",
+                   help="nested iteration: train K coarser nets (n/2^K ... n/2 layers) "
+                        "first, refining each onto the next")
+    a.add_argument("--nested-epochs", type=int, default=2, metavar="E",
+                   help="epochs of each coarser net (default 2)")
     return parser
 
 
@@ -367,7 +464,10 @@ def check_arguments(args: argparse.Namespace) -> None:
     checks = [("--levels", args.levels, 1), ("--cfactor", args.cfactor, 2),
               ("--fwd-iters", args.fwd_iters, 1), ("--bwd-iters", args.bwd_iters, 1),
               ("--nrelax", args.nrelax, 0), ("--epochs", args.epochs, 1),
-              ("--batch-size", args.batch_size, 1), ("--seed", args.seed, 0)]
+              ("--batch-size", args.batch_size, 1), ("--seed", args.seed, 0),
+              ("--check-every", getattr(args, "check_every", 0), 0),
+              ("--nested", getattr(args, "nested", 0), 0),
+              ("--nested-epochs", getattr(args, "nested_epochs", 1), 1)]
     for flag, value, lo in checks:
         if value is not None and value < lo:
             raise ValueError(f"`{flag}` must be >= {lo}, got {value}")
@@ -386,6 +486,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"`--tol` must be a finite number >= 0, got {args.tol}")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         raise ValueError(f"`--lr` must be a positive number, got {args.lr}")
+    if args.serial and (getattr(args, "adaptive", False) or getattr(args, "check_every", 0)):
+        raise ValueError("`--adaptive` and `--check-every` compare MGRIT with exact "
+                         "propagation: not with `--serial`")
 
 
 def options_from_arguments(args: argparse.Namespace) -> tuple[MGRITOptions, MGRITOptions]:
@@ -414,4 +517,6 @@ def train_from_arguments(model_name: str, args: argparse.Namespace,
     return train(model_name, serial=args.serial, epochs=args.epochs,
                  batch_size=args.batch_size, lr=args.lr, seed=args.seed, fwd=fwd, bwd=bwd,
                  comm=comm, progress=not args.no_progress, dtype=dtype_from_arguments(args),
-                 data_parallel=getattr(args, "data_parallel", 1))
+                 data_parallel=getattr(args, "data_parallel", 1),
+                 adaptive=args.adaptive, check_every=args.check_every, nested=args.nested,
+                 nested_epochs=args.nested_epochs)

@@ -696,12 +696,14 @@ class LayerParallel(nn.Module):
         from .accuracy import check_gradients
 
         checking, self._checking = self._checking, True
+        batch = self._batch  # the check's passes are not training batches
         try:
             if self.accuracy is not None:
                 apply_iterations(self)  # measure MGRIT as the controller runs it
             got = check_gradients(self, x, y, loss_fn)
         finally:
             self._checking = checking
+            self._batch = batch
         if self.accuracy is not None:
             self.accuracy.observe_check(self._batch, got)
         return got
