@@ -22,6 +22,7 @@ import torch
 from mpi_util import describe, mpi_available, run_mpi
 
 from layerpar import MGRITOptions, cli
+from layerpar.parallel.adaptive import AccuracyPolicy
 from layerpar.train import add_arguments, check_arguments, format_summary, parse_summary, train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +84,8 @@ def test_summary_line_round_trip() -> None:
 @pytest.mark.parametrize("flag, value", [
     ("--levels", "0"), ("--levels", "31"), ("--cfactor", "1"), ("--fwd-iters", "0"),
     ("--bwd-iters", "0"), ("--nrelax", "-1"), ("--epochs", "0"), ("--batch-size", "0"),
-    ("--seed", "-1"), ("--tol", "-1"), ("--lr", "0"), ("--np", "0")])
+    ("--seed", "-1"), ("--tol", "-1"), ("--lr", "0"), ("--np", "0"),
+    ("--check-every", "-1"), ("--nested", "-1"), ("--nested-epochs", "0")])
 def test_bad_cli_values_name_their_option(flag: str, value: str,
                                           capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(ValueError, match=f"`{flag}`"):
@@ -105,6 +107,32 @@ def test_train_rejects_bad_arguments() -> None:
         train("peaks", serial=True, epochs=0)
     with pytest.raises(ValueError, match="`lr`"):
         train("peaks", serial=True, lr=-1.0)
+
+
+def test_accuracy_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="`--adaptive` and `--check-every`"):
+        cli.parse_args(["train", "peaks", "--serial", "--adaptive"])
+    with pytest.raises(ValueError, match="`check_every` must be an int >= 0"):
+        train("peaks", check_every=-2)
+    with pytest.raises(ValueError, match="`adaptive` and `check_every` need"):
+        train("peaks", serial=True, check_every=5)
+    with pytest.raises(TypeError, match="`accuracy` must be None, a bool or an"):
+        train("peaks", adaptive="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`nested`=6: the net's 32 layers must halve"):
+        train("peaks", nested=6)
+
+
+def test_checks_nesting_and_adaptive_decisions_reach_the_results() -> None:
+    """--check-every records the gradient error per epoch; --nested trains 8 then 16
+    layers (the refined net carries on); --adaptive logs its decisions."""
+    got = train("peaks", epochs=1, n_layers=16, nested=1, nested_epochs=1, check_every=25,
+                progress=False, adaptive=AccuracyPolicy(
+                    check_every=25, min_cosine=0.9999))
+    assert [r["layers"] for r in got["history"]] == [8, 16]
+    assert len(got["checks"]) == 4 and all(-1 <= c["cosine"] <= 1 for c in got["checks"])
+    assert got["history"][-1]["grad_error"] == got["checks"][-1]["rel_error"]
+    assert got["module"]._runners[1].n == 16
+    assert got["accuracy_log"] and "iterations ->" in got["accuracy_log"][0]
 
 
 def test_missing_mpiexec_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
