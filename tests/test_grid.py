@@ -103,11 +103,11 @@ def test_one_process_grid() -> None:
 
 
 @pytest.mark.parametrize("kw, err, text", [
-    ({"data": 0}, ValueError, "`data` must be >= 1"),
-    ({"data": 1.5}, TypeError, "`data` must be an int"),
+    ({"data": 0}, ValueError, "`data` must be a positive int"),
+    ({"data": 1.5}, TypeError, "`data` must be a positive int"),
     ({"data": 2}, ValueError, "`data`=2 x `layers`=0"),
     ({"data": 1, "layers": 2}, ValueError, "does not match the 1 processes"),
-    ({"layers": True}, TypeError, "`layers` must be an int"),
+    ({"layers": True}, TypeError, "`layers` must be a positive int"),
     ({"timeout": -1}, ValueError, "`timeout` must be a positive"),
 ])
 def test_grid_arguments_are_checked(kw: dict, err: type, text: str) -> None:

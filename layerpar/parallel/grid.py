@@ -14,16 +14,9 @@ import datetime
 from typing import Any, Optional
 
 from ..mgrit.transport import DEFAULT_TIMEOUT, Transport, check_timeout, make_transport
+from ..ode.blocks import _positive_int
 
 __all__ = ["ProcessGrid"]
-
-
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"`{name}` must be >= 1, got {value}")
-    return value
 
 
 class ProcessGrid:
