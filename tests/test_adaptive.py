@@ -29,6 +29,7 @@ BAD_POLICY = [
     ("max_iters", 0), ("max_iters", None),
     ("stall_factor", 0.0), ("stall_factor", math.nan),
     ("probe_every", 0), ("probe_every", 1.5),
+    ("prefer_cheaper", 1), ("prefer_cheaper", "yes"),
 ]
 
 
@@ -149,7 +150,8 @@ def test_measured_error_raises_then_lowers_iterations() -> None:
     loss = torch.nn.functional.cross_entropy
     strict = layerpar.LayerParallel(net(t_final=4.0), None, FWD.replace(max_iter=1),
                                     BWD, accuracy=AccuracyPolicy(min_cosine=0.999999,
-                                                                 max_rel_error=1e-4))
+                                                                 max_rel_error=1e-4,
+                                                                 prefer_cheaper=False))
     first = strict.check_gradients(x, y, loss)
     for _ in range(12):
         if strict.accuracy.exact:
@@ -162,11 +164,44 @@ def test_measured_error_raises_then_lowers_iterations() -> None:
     assert check.param_grad_error < first.param_grad_error
     assert all("iterations ->" in e.action for e in ctl.log), ctl.log
     loose = layerpar.LayerParallel(net(), None, FWD.replace(max_iter=3), BWD.replace(
-        max_iter=2), accuracy=AccuracyPolicy(min_cosine=-1.0, max_rel_error=1e9))
+        max_iter=2), accuracy=AccuracyPolicy(min_cosine=-1.0, max_rel_error=1e9,
+                                             prefer_cheaper=False))
     for _ in range(2):
         loose.check_gradients(x, y, loss)
     assert (loose.accuracy.fwd_iters, loose.accuracy.bwd_iters) == (2, 2), loose.accuracy.log
     assert "room" in loose.accuracy.log[-1].reason
+
+
+def test_exact_propagation_is_chosen_where_it_is_cheaper(monkeypatch) -> None:
+    """A check above the bound where exact propagation timed no slower than MGRIT
+    switches to exact (for cost: no residual probes); a later check that finds MGRIT
+    within the bound and cheaper brings it back."""
+    from layerpar.parallel import accuracy
+
+    x, y = data(0)
+    loss = torch.nn.functional.cross_entropy
+    model = layerpar.LayerParallel(net(t_final=4.0), None, FWD, BWD, accuracy=True)
+    real = accuracy.check_gradients
+    times = {"inexact": 2.0, "exact": 1.0}
+
+    def timed(*args, **kw):
+        got = real(*args, **kw)
+        return dataclasses.replace(got, inexact_seconds=times["inexact"],
+                                   exact_seconds=times["exact"])
+
+    monkeypatch.setattr(accuracy, "check_gradients", timed)
+    model.check_gradients(x, y, loss)
+    ctl = model.accuracy
+    assert ctl.exact and ctl.exact_for_cost and "cheaper here" in ctl.log[-1].reason
+    for _ in range(25):  # no probe brings MGRIT back while it is dearer
+        model(x)
+    assert ctl.exact
+    times.update(inexact=0.5)
+    model.check_gradients(x, y, loss)
+    assert ctl.exact  # cheaper now, but still outside the bound
+    ctl.policy = AccuracyPolicy(min_cosine=-1.0, max_rel_error=1e9)
+    model.check_gradients(x, y, loss)
+    assert not ctl.exact and "back to MGRIT" in ctl.log[-1].action
 
 
 @pytest.mark.mpi

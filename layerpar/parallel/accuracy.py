@@ -17,8 +17,9 @@ would draw), batch-norm running statistics are put back, and so are
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -60,6 +61,10 @@ class GradientCheck:
     bwd_iterations: tuple[int, ...]
     fwd_residuals: tuple[Optional[float], ...]
     bwd_residuals: tuple[Optional[float], ...]
+    #: seconds of the inexact and of the exact forward + backward pass (the slowest
+    #: rank's, so the same on every rank): which of the two is cheaper here
+    inexact_seconds: float = field(default=0.0, compare=False)
+    exact_seconds: float = field(default=0.0, compare=False)
 
     def __str__(self) -> str:
         def res(values: Sequence[Optional[float]]) -> str:
@@ -177,14 +182,18 @@ def check_gradients(model: LayerParallel, x: Tensor, y: Any,
             torch.cuda.set_rng_state_all(rng_cuda)
 
     try:
+        t0 = time.perf_counter()
         out_i, loss_i, gx_i, gp_i = _grads(model, x, y, loss_fn, params)
+        t_inexact = time.perf_counter() - t0
         fwd_it, fwd_res = _final(model.last_forward)
         bwd_it, bwd_res = _final(model.last_backward)
         put_rng_back()  # the same dropout masks in both solves
         with torch.no_grad():
             for b, s in zip(buffers, saved_buffers):
                 b.copy_(s)  # and the same batch-norm statistics
+        t0 = time.perf_counter()
         out_e, loss_e, gx_e, gp_e = _grads(twin, x, y, loss_fn, params)
+        t_exact = time.perf_counter() - t0
     finally:
         put_rng_back()
         with torch.no_grad():
@@ -207,14 +216,16 @@ def check_gradients(model: LayerParallel, x: Tensor, y: Any,
     local = (seg_d2, seg_e2, d2, e2, i2, dot,
              _sq(out_i.to(torch.float64) - out_e.to(torch.float64)), _sq(out_e),
              abs(float(loss_i) - float(loss_e)), abs(float(loss_e)),
-             _sq(gx_i.to(torch.float64) - gx_e.to(torch.float64)), _sq(gx_e))
+             _sq(gx_i.to(torch.float64) - gx_e.to(torch.float64)), _sq(gx_e),
+             t_inexact, t_exact)
     model.transport.set_context(f"batch {model._batch}, gradient check")
     got = model.transport.allgather_object(local, "check_gradients' error norms")
     # summed in rank order, so every rank computes the same numbers
     seg_d2 = [sum(g[0][s] for g in got) for s in range(n_segments)]
     seg_e2 = [sum(g[1][s] for g in got) for s in range(n_segments)]
     d2, e2, i2, dot = (sum(g[k] for g in got) for k in (2, 3, 4, 5))
-    o_d2, o_e2, l_d, l_e, x_d2, x_e2 = got[0][6:]
+    o_d2, o_e2, l_d, l_e, x_d2, x_e2 = got[0][6:12]
+    t_inexact, t_exact = (max(g[k] for g in got) for k in (12, 13))
     if i2 > 0.0 and e2 > 0.0:
         cosine = max(-1.0, min(1.0, dot / math.sqrt(i2 * e2)))
     else:
@@ -227,4 +238,5 @@ def check_gradients(model: LayerParallel, x: Tensor, y: Any,
         param_grad_error=_rel(d2, e2),
         cosine=cosine,
         fwd_iterations=fwd_it, bwd_iterations=bwd_it,
-        fwd_residuals=fwd_res, bwd_residuals=bwd_res)
+        fwd_residuals=fwd_res, bwd_residuals=bwd_res,
+        inexact_seconds=t_inexact, exact_seconds=t_exact)

@@ -17,9 +17,14 @@ forward and adjoint iteration counts to an `AccuracyController`:
   ranks (the model's exact twin, `LayerParallel._twin`), with the same parameter
   tensors, so the optimizer and its state carry on unchanged.  The same happens when
   the iteration counts would exceed `max_iters`.
+- **Cost.**  A gradient check also times the inexact and the exact pass (the slowest
+  rank's).  Where MGRIT at the current counts is no faster than exact propagation and
+  the bound needs (or already took) more iterations, the model switches to exact
+  propagation: it is then both cheaper and exact.
 - **Back to MGRIT.**  While exact, every `probe_every` batches one inexact forward
   pass (no graph) is tried; once its residual shrinks again, MGRIT resumes with the
-  iteration counts it had.
+  iteration counts it had.  A gradient check that finds MGRIT within the bound and
+  cheaper than exact propagation also brings it back.
 
 Every decision is taken from values that are identical on every rank (reduced
 residual norms, the reduced gradient check), so all ranks decide alike without a
@@ -70,7 +75,10 @@ class AccuracyPolicy:
         size 0.72.  A rate needs two measured residuals: with `skip` (the default) 3
         or more forward iterations, without it 2 or more; otherwise only non-finite
         residuals and the gradient checks can switch to exact propagation.
-    probe_every: batches between tries of MGRIT while propagating exactly.
+    probe_every: batches between tries of MGRIT while propagating exactly (after a
+        stall; after a switch for cost, the gradient checks decide).
+    prefer_cheaper: switch to exact propagation where a gradient check finds it no
+        slower than MGRIT at the iteration counts the bound needs.
     """
 
     min_cosine: float = 0.99
@@ -79,8 +87,12 @@ class AccuracyPolicy:
     max_iters: int = 8
     stall_factor: float = 0.5
     probe_every: int = 20
+    prefer_cheaper: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prefer_cheaper, bool):
+            raise ValueError(f"`accuracy.prefer_cheaper` must be a bool, got "
+                             f"{self.prefer_cheaper!r}")
         _number(self.min_cosine, "min_cosine", -1.0, 1.0)
         _number(self.max_rel_error, "max_rel_error", 0.0, math.inf, lo_open=True)
         _count(self.check_every, "check_every")
@@ -137,6 +149,7 @@ class AccuracyController:
     fwd_iters: int
     bwd_iters: int
     exact: bool = False
+    exact_for_cost: bool = False  # exact because it was cheaper (not for a stall)
     log: list[AccuracyEvent] = field(default_factory=list)
     last_check: Optional[GradientCheck] = None
     _room: int = 0  # consecutive checks with ample room
@@ -154,9 +167,9 @@ class AccuracyController:
                         f"{rate:.3g} per iteration >= {self.policy.stall_factor:g}")
         return None
 
-    def to_exact(self, batch: int, reason: str) -> None:
+    def to_exact(self, batch: int, reason: str, for_cost: bool = False) -> None:
         if not self.exact:
-            self.exact = True
+            self.exact, self.exact_for_cost = True, for_cost
             self._event(batch, "switch to exact propagation", reason)
 
     def to_mgrit(self, batch: int, reason: str) -> None:
@@ -171,10 +184,18 @@ class AccuracyController:
         p = self.policy
         cos, err = check.cosine, check.param_grad_error
         bad = not (cos >= p.min_cosine and err <= p.max_rel_error)
+        cheaper = check.inexact_seconds < check.exact_seconds
+        cost = (f"MGRIT {1000 * check.inexact_seconds:.1f} ms vs exact "
+                f"{1000 * check.exact_seconds:.1f} ms per pass")
         if self.exact:  # the check measured MGRIT as it would run now
-            if not bad and not any(math.isnan(r) for r in (cos, err)):
+            if not bad and cheaper and not any(math.isnan(r) for r in (cos, err)):
                 self.to_mgrit(batch, f"a gradient check within the bound: cosine "
-                                     f"{cos:.4f}, relative error {err:.3g}")
+                                     f"{cos:.4f}, relative error {err:.3g}; {cost}")
+            return
+        if p.prefer_cheaper and not cheaper and (bad or self.fwd_iters + self.bwd_iters > 2):
+            # more iterations would only cost more: exact propagation is cheaper and exact
+            self.to_exact(batch, f"exact propagation is cheaper here: {cost}",
+                          for_cost=True)
             return
         if bad:
             self._room = 0

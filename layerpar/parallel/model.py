@@ -585,7 +585,8 @@ class LayerParallel(nn.Module):
         ctl = self.accuracy
         assert ctl is not None
         batch = self._batch + 1
-        if ctl.exact and batch % ctl.policy.probe_every == 0:  # is MGRIT usable again?
+        if ctl.exact and not ctl.exact_for_cost and batch % ctl.policy.probe_every == 0:
+            # after a stall: is MGRIT usable again?
             apply_iterations(self)
             try:
                 with torch.no_grad():
