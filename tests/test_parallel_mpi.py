@@ -43,6 +43,10 @@ LINE = re.compile(r"RANK (\d+) ([A-Za-z]+?)(?=:| |$|RANK )", re.MULTILINE)
 CASES = {
     "layers_lt_ranks": ("ValueError", "RemoteError", "each rank needs at least one layer"),
     "options_differ": ("RankMismatchError", "RankMismatchError", "differ between ranks"),
+    "accuracy_differs": ("RankMismatchError", "RankMismatchError",
+                         "`accuracy.min_cosine`: rank 0 has 0.99, rank 1 has 0.9"),
+    "accuracy_bad_on_one_rank": ("TypeError", "RemoteError",
+                                 "`accuracy` must be None, a bool or an AccuracyPolicy"),
     "factory_fails_on_one_rank": ("RuntimeError", "RemoteError", "factory exploded"),
     "shape_mismatch_between_segments": ("RuntimeError", "RemoteError", "shapes cannot be"),
     "input_differs": ("RankMismatchError", "RankMismatchError", "input differs"),

@@ -37,6 +37,17 @@ def case_options_differ():
     layerpar.LayerParallel(net(), comm, opts)
 
 
+def case_accuracy_differs():
+    from layerpar.parallel.adaptive import AccuracyPolicy
+
+    policy = AccuracyPolicy() if rank != 1 else AccuracyPolicy(min_cosine=0.9)
+    layerpar.LayerParallel(net(), comm, OPTS, accuracy=policy)
+
+
+def case_accuracy_bad_on_one_rank():
+    layerpar.LayerParallel(net(), comm, OPTS, accuracy=True if rank != 2 else "on")
+
+
 def case_factory_fails_on_one_rank():
     def factory():
         if rank == comm.size - 1:
