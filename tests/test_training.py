@@ -127,7 +127,7 @@ def test_checks_nesting_and_adaptive_decisions_reach_the_results() -> None:
     layers (the refined net carries on); --adaptive logs its decisions."""
     got = train("peaks", epochs=1, n_layers=16, nested=1, nested_epochs=1, check_every=25,
                 progress=False, adaptive=AccuracyPolicy(
-                    check_every=25, min_cosine=0.9999))
+                    check_every=25, min_cosine=0.9999, prefer_cheaper=False))
     assert [r["layers"] for r in got["history"]] == [8, 16]
     assert len(got["checks"]) == 4 and all(-1 <= c["cosine"] <= 1 for c in got["checks"])
     assert got["history"][-1]["grad_error"] == got["checks"][-1]["rel_error"]

@@ -157,6 +157,13 @@ class AccuracyController:
     def _event(self, batch: int, action: str, reason: str) -> None:
         self.log.append(AccuracyEvent(batch, action, reason))
 
+    def check_due(self, batch: int) -> bool:
+        """Whether the training loop should measure the gradient error at `batch`:
+        every `check_every` batches under MGRIT, 5 times less often while exact
+        (a check then only asks whether MGRIT has become usable and cheaper)."""
+        every = self.policy.check_every * (5 if self.exact else 1)
+        return batch % every == 0
+
     def stalled(self, stats: list[SolveStats]) -> Optional[str]:
         """Why the forward solves of a pass stalled or diverged (None if they did not)."""
         for k, s in enumerate(stats):
