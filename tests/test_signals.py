@@ -153,9 +153,10 @@ def test_ctrl_c_on_scale_stops_its_worker_job(tmp_path: Path, cleanup: list) -> 
     out = tmp_path / f"study-{secrets.token_hex(6)}"  # the marker: in the job's argv
     cleanup.append(str(out))
     # enough steps that the worker job (several times slower than the in-process
-    # serial baseline measured first) is still running when Ctrl-C comes
+    # serial baseline measured first) is still running when Ctrl-C comes, also on a
+    # loaded machine, where finding its processes takes longer (300 steps once ended first)
     cmd = [sys.executable, "-m", "layerpar.cli", "scale", "--quick", "--ranks", "2",
-           "--layers", "32", "--steps", "300", "--serial-threads", "1", "--no-plots",
+           "--layers", "32", "--steps", "1000", "--serial-threads", "1", "--no-plots",
            "--no-progress", "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=_env())
