@@ -158,8 +158,12 @@ def test_ctrl_c_on_scale_stops_its_worker_job(tmp_path: Path, cleanup: list) -> 
     cmd = [sys.executable, "-m", "layerpar.cli", "scale", "--quick", "--ranks", "2",
            "--layers", "32", "--steps", "1000", "--serial-threads", "1", "--no-plots",
            "--no-progress", "--out", str(out)]
+    # SIGINT as at an interactive prompt: a shell that starts the test run in the
+    # background (`make test &`) hands SIGINT down ignored, and the launcher keeps an
+    # ignored signal ignored (as it must: nohup), so this Ctrl-C would never arrive
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=_env())
+                            start_new_session=True, env=_env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # mpiexec and both ranks of the worker job (not the ping-pong job before it)
         _wait_for(str(out), "layerpar.studies.worker", proc, count=3, timeout=120)
