@@ -311,12 +311,8 @@ class LayerParallel(nn.Module):
         self.last_forward: list[SolveStats] = []
         self.last_backward: list[SolveStats] = []
         # adaptive accuracy (see layerpar.parallel.adaptive); the policy was agreed
-        self.accuracy: Optional[AccuracyController] = None
-        if accuracy is not None and accuracy is not False:
-            pol = as_policy(accuracy)
-            assert pol is not None
-            self.accuracy = AccuracyController(pol, options.max_iter,
-                                               backward_options.max_iter)
+        self.accuracy: Optional[AccuracyController] = None if policy is None else \
+            AccuracyController(policy, options.max_iter, backward_options.max_iter)
         self._checking = False  # inside check_gradients: no adaptive dispatch
         self._via_twin = False  # the last pass ran on the exact twin
 

@@ -13,7 +13,8 @@
   directly.
 - **The error channel** is a key in the job's rendezvous store (the TCPStore that
   torchrun or ``init_process_group`` created): a failing rank writes its message
-  there; a waiting rank reads it within ~10 ms and raises `RemoteError`.  It works
+  there; a waiting rank looks at it at least every 10 ms (one store round trip) and
+  raises `RemoteError`.  It works
   under gloo and NCCL alike and reaches every rank of a process grid.
 - **A rank that dies** (SIGKILL): gloo closes its connections, so a rank waiting for
   it gets an error at once, raises `RankLostError` naming it (when it waited for that
@@ -25,7 +26,6 @@
 from __future__ import annotations
 
 import datetime
-import os
 import queue
 import threading
 import time
@@ -99,7 +99,7 @@ class StoreErrors:
 
     def census(self) -> Optional[list[int]]:
         """Post a census query and return the world ranks that did not answer within
-        `CENSUS_SECONDS` (every waiting rank answers within ~10 ms); None when another
+        `CENSUS_SECONDS` (a waiting rank looks every 10 ms); None when another
         rank posted a failure or a census first (`poll` then reads it)."""
         try:
             if self.store.compare_set(self.key, "", f"{self.rank}\n{self.QUERY}").decode(
@@ -424,13 +424,3 @@ class TorchTransport(Transport):
                     dist.destroy_process_group(g)
                 except Exception:  # noqa: BLE001 - already gone with the default group
                     pass
-
-
-def torch_group_size() -> int:
-    """World size of the default process group (1 when not initialized)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def launched_by_torchrun() -> bool:
-    """True inside a process that torchrun (or another env:// launcher) started."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
