@@ -267,10 +267,10 @@ def train(
                     got = model.check_gradients(step.input, step.target,  # type: ignore
                                                 nn.functional.cross_entropy)
                     checks.append({"batch": batch, "layers": layers, "exact": exact,
-                                   "cosine": 1.0 if exact else got.cosine,
-                                   "rel_error": 0.0 if exact else got.param_grad_error,
-                                   "mgrit_cosine": got.cosine,
-                                   "mgrit_rel_error": got.param_grad_error})
+                                   "cosine": 1.0 if exact else got.cos,
+                                   "rel_error": 0.0 if exact else got.error,
+                                   "mgrit_cosine": got.cos,
+                                   "mgrit_rel_error": got.error})
                 bar.update(b, _bar_note(losses[-1], fwd_res, bwd_res, checks))
             if grid is not None and grid.data > 1:  # the global batch's figures
                 losses, correct, seen = _replica_totals(grid, losses, correct, seen)

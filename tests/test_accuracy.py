@@ -88,6 +88,30 @@ def test_inexact_solves_report_a_clear_error(one_rank: dict[str, Any]) -> None:
     assert len(one_rank["conv 2seg inexact L3 cf2 1/1"]["check"]["segment_grad_errors"]) == 2
 
 
+def test_frozen_parameters_are_not_reported_as_a_perfect_gradient() -> None:
+    """Every parameter frozen: no parameter gradient is compared, and the report says
+    so (NaN, not error 0 / cosine 1); the input gradient's error is what `error` and
+    `cos` (what the adaptive bound checks) then give."""
+    torch.manual_seed(0)
+    net = worker.dense_net(16).double()
+    model = layerpar.LayerParallel(net, None, worker.INEXACT)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.tensor([0, 1, 2, 3, 4, 0])
+    c = model.check_gradients(x, y, F.cross_entropy)
+    assert c.n_params_compared == 0 and c.compared == "input"
+    assert math.isnan(c.param_grad_error) and math.isnan(c.cosine)
+    assert c.input_grad_error > 1e-3  # the inexact input gradient is off
+    assert c.error == c.input_grad_error and c.cos == c.input_cosine < 1 - 1e-6
+    assert "no trainable parameter: parameter gradients not compared" in str(c)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    c = model.check_gradients(x, y, F.cross_entropy)
+    assert c.compared == "parameters" and c.error == c.param_grad_error
+    assert c.n_params_compared == sum(p.numel() for p in model.parameters())
+    model.close()
+
+
 def test_bad_arguments_name_the_argument(one_rank: dict[str, Any]) -> None:
     msgs = one_rank["bad arguments"]
     assert len(msgs) == 7 and msgs[-1].startswith("RuntimeError")

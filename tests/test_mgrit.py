@@ -373,6 +373,34 @@ def test_solve_leaves_inputs_unchanged_and_shares_u0() -> None:
     assert result.states[0] is u0  # immutable states are shared, never copied
 
 
+def test_solve_final_state_differentiable_in_u0() -> None:
+    """A u0 that requires grad gives a differentiable final state (one rank), whose
+    gradient is that of the computed result: exact for a sequential solve, within the
+    tolerance for a converged multilevel one (forward Euler on u' = -u)."""
+    n, dt = 16, 1.0 / 16
+    exact = (1 - dt) ** n
+    for opts, tol in ((MGRITOptions(max_levels=1), 1e-15),
+                      (MGRITOptions(max_levels=3, cfactor=2, tol=1e-13, max_iter=50), 1e-10)):
+        u0 = torch.ones(3, dtype=torch.float64, requires_grad=True)
+        res = solve(lambda u, a, b, level: u * (1 - (b - a)), u0, n, 1.0, opts)
+        assert res.final_state.requires_grad
+        res.final_state.sum().backward()
+        assert torch.allclose(u0.grad, torch.full_like(u0, exact), rtol=tol, atol=0), u0.grad
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_solve_refuses_a_step_that_modifies_its_input(batched: bool) -> None:
+    def bad(u: torch.Tensor, a: float, b: float, level: int) -> torch.Tensor:
+        u.mul_(1 - (b - a))  # in place: the engine's stored state changes under it
+        return u
+
+    step_batch = (lambda us, a, b, level: [bad(u, x, y, level) for u, x, y in zip(us, a, b)]) \
+        if batched else None
+    with pytest.raises(ValueError, match="modified its input state in place"):
+        solve(bad, torch.ones(3), 16, 1.0, MGRITOptions(max_levels=3, cfactor=2, max_iter=5),
+              step_batch=step_batch)
+
+
 # --- 8. work counters -----------------------------------------------------------------------
 
 

@@ -82,9 +82,17 @@ def vec_sum(alpha: float, x: torch.Tensor, beta: float, y: torch.Tensor) -> torc
 def vec_norm_sq(states: list[torch.Tensor]) -> float:
     """Sum of squared 2-norms, accumulated in float64 and read back once."""
     if len(states) == 1:
-        return float(torch.linalg.vector_norm(states[0], dtype=torch.float64) ** 2)
-    norms = torch.stack([torch.linalg.vector_norm(s, dtype=torch.float64) for s in states])
+        return float(torch.linalg.vector_norm(states[0].detach(), dtype=torch.float64) ** 2)
+    norms = torch.stack([torch.linalg.vector_norm(s.detach(), dtype=torch.float64)
+                         for s in states])
     return float(torch.dot(norms, norms))
+
+
+def _modified_input(who: str) -> None:
+    raise ValueError(
+        f"`{who}` modified its input state in place; MGRIT keeps and reuses states (they "
+        "are shared, never copied), so a step must return a new tensor and leave its "
+        "input unchanged (write `u = u + ...`, not `u += ...`)")
 
 
 class _SolveApp:
@@ -103,7 +111,10 @@ class _SolveApp:
 
     def step(self, u: torch.Tensor, f: Optional[torch.Tensor], ts: float, te: float, is_: int,
              ie: int, level: int, final: int) -> torch.Tensor:
+        version = u._version
         out = self._user_step(u, ts, te, level)
+        if u._version != version:
+            _modified_input("step")
         if type(out) is not torch.Tensor or out.shape != self._shape or out.dtype is not \
                 self._dtype:
             _check_state(out, self.u0, "step")  # raises with the full story
@@ -113,7 +124,10 @@ class _SolveApp:
 
     def step_batch(self, us: list, fs: Optional[list], ts: list, te: list, is_: list, ie: list,
                    level: int, final: int) -> list:
+        versions = [u._version for u in us]
         outs = list(self._user_batch(us, ts, te, level))  # type: ignore[misc]
+        if any(u._version != v for u, v in zip(us, versions)):
+            _modified_input("step_batch")
         if len(outs) != len(us):
             raise ValueError(f"`step_batch` returned {len(outs)} states for {len(us)} inputs")
         for k, o in enumerate(outs):
@@ -128,7 +142,10 @@ class _SolveApp:
         step, shape, dtype = self._user_step, self._shape, self._dtype
         outs = []
         for k in range(len(ts)):
-            u = step(u, ts[k], te[k], level)
+            version, u_in = u._version, u
+            u = step(u_in, ts[k], te[k], level)
+            if u_in._version != version:
+                _modified_input("step")
             if type(u) is not torch.Tensor or u.shape != shape or u.dtype is not dtype or \
                     self._cuda:
                 _check_state(u, self.u0, "step")
@@ -205,6 +222,11 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
         unbounded); on expiry `TimeoutError` names what was waited for and the rank.
 
     Returns an `MGRITResult` whose `final_state` (u at t_final) is broadcast to every rank.
+    Where `u0` requires grad, the solve is recorded as any torch computation: on one
+    rank `final_state` is differentiable with respect to `u0` and to whatever `step`
+    reads (the gradient of the computed result, iterations included); on several ranks
+    the last rank's `final_state` carries its own part of the graph, and the others
+    hold received values.
     """
     options = MGRITOptions() if options is None else options
     transport: Transport = make_transport(comm)

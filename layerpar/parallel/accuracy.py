@@ -49,6 +49,11 @@ class GradientCheck:
     trainable parameters, plain layers included.  Iterations and final residual
     norms are those of the inexact solve, per segment (a residual is None where none
     was measured, e.g. one iteration with `skip`, or a sequential solve).
+
+    `n_params_compared` counts the parameter values compared (all ranks).  Where it is
+    0 (every parameter frozen) the parameter errors and cosine are NaN, not a perfect
+    score, and `compared` says "input": `error` and `cos`, what a bound is checked
+    against, are then the input gradient's.
     """
 
     output_error: float
@@ -65,15 +70,38 @@ class GradientCheck:
     #: rank's, so the same on every rank): which of the two is cheaper here
     inexact_seconds: float = field(default=0.0, compare=False)
     exact_seconds: float = field(default=0.0, compare=False)
+    n_params_compared: int = 0
+    input_cosine: float = 1.0
+
+    @property
+    def compared(self) -> str:
+        """"parameters" (the gradient the optimizer uses), or "input" where no
+        parameter requires grad."""
+        return "parameters" if self.n_params_compared > 0 else "input"
+
+    @property
+    def error(self) -> float:
+        """Relative error of the compared gradient (see `compared`)."""
+        return self.param_grad_error if self.n_params_compared > 0 else \
+            self.input_grad_error
+
+    @property
+    def cos(self) -> float:
+        """Cosine between the inexact and the exact compared gradient."""
+        return self.cosine if self.n_params_compared > 0 else self.input_cosine
 
     def __str__(self) -> str:
         def res(values: Sequence[Optional[float]]) -> str:
             return ",".join("n/a" if v is None else f"{v:.1e}" for v in values)
 
         segs = ",".join(f"{e:.1e}" for e in self.segment_grad_errors)
-        return (f"gradient check: param grad rel. error {self.param_grad_error:.2e} "
-                f"(cos {self.cosine:.6f}; per segment {segs}) | input grad "
-                f"{self.input_grad_error:.2e} | output {self.output_error:.2e} | loss "
+        params = (f"param grad rel. error {self.param_grad_error:.2e} (cos "
+                  f"{self.cosine:.6f}; per segment {segs}; {self.n_params_compared} values)"
+                  if self.n_params_compared else
+                  "no trainable parameter: parameter gradients not compared")
+        return (f"gradient check: {params} | input grad "
+                f"{self.input_grad_error:.2e} (cos {self.input_cosine:.6f}) | output "
+                f"{self.output_error:.2e} | loss "
                 f"{self.loss_error:.2e} | fwd iters "
                 f"{','.join(map(str, self.fwd_iterations))} (res {res(self.fwd_residuals)})"
                 f" | bwd iters {','.join(map(str, self.bwd_iterations))} "
@@ -120,6 +148,13 @@ def _rel(d2: float, e2: float) -> float:
     if e2 > 0.0:
         return math.sqrt(d2 / e2)
     return 0.0 if d2 == 0.0 else math.inf
+
+
+def _cosine(dot: float, a2: float, b2: float) -> float:
+    """dot / (|a| |b|), clipped to [-1, 1]; 1 where both are zero, 0 where one is."""
+    if a2 > 0.0 and b2 > 0.0:
+        return max(-1.0, min(1.0, dot / math.sqrt(a2 * b2)))
+    return 1.0 if a2 == b2 else 0.0
 
 
 def _final(stats: list[SolveStats]) -> tuple[tuple[int, ...], tuple[Optional[float], ...]]:
@@ -213,11 +248,13 @@ def check_gradients(model: LayerParallel, x: Tensor, y: Any,
         if s is not None:
             seg_d2[s] += pd2
             seg_e2[s] += pe2
+    gx_i64, gx_e64 = gx_i.detach().to(torch.float64), gx_e.detach().to(torch.float64)
+    x_cos = _cosine(float(torch.sum(gx_i64 * gx_e64)), _sq(gx_i64), _sq(gx_e64))
     local = (seg_d2, seg_e2, d2, e2, i2, dot,
              _sq(out_i.to(torch.float64) - out_e.to(torch.float64)), _sq(out_e),
              abs(float(loss_i) - float(loss_e)), abs(float(loss_e)),
              _sq(gx_i.to(torch.float64) - gx_e.to(torch.float64)), _sq(gx_e),
-             t_inexact, t_exact)
+             t_inexact, t_exact, sum(p.numel() for p in params))
     model.transport.set_context(f"batch {model._batch}, gradient check")
     got = model.transport.allgather_object(local, "check_gradients' error norms")
     # summed in rank order, so every rank computes the same numbers
@@ -226,17 +263,17 @@ def check_gradients(model: LayerParallel, x: Tensor, y: Any,
     d2, e2, i2, dot = (sum(g[k] for g in got) for k in (2, 3, 4, 5))
     o_d2, o_e2, l_d, l_e, x_d2, x_e2 = got[0][6:12]
     t_inexact, t_exact = (max(g[k] for g in got) for k in (12, 13))
-    if i2 > 0.0 and e2 > 0.0:
-        cosine = max(-1.0, min(1.0, dot / math.sqrt(i2 * e2)))
-    else:
-        cosine = 1.0 if i2 == e2 else 0.0
+    n_params = sum(g[14] for g in got)
+    nan = math.nan
     return GradientCheck(
         output_error=_rel(o_d2, o_e2),
         loss_error=_rel(l_d * l_d, l_e * l_e),
         input_grad_error=_rel(x_d2, x_e2),
-        segment_grad_errors=tuple(_rel(a, b) for a, b in zip(seg_d2, seg_e2)),
-        param_grad_error=_rel(d2, e2),
-        cosine=cosine,
+        segment_grad_errors=tuple(_rel(a, b) if n_params else nan
+                                  for a, b in zip(seg_d2, seg_e2)),
+        param_grad_error=_rel(d2, e2) if n_params else nan,
+        cosine=_cosine(dot, i2, e2) if n_params else nan,
+        n_params_compared=n_params, input_cosine=x_cos,
         fwd_iterations=fwd_it, bwd_iterations=bwd_it,
         fwd_residuals=fwd_res, bwd_residuals=bwd_res,
         inexact_seconds=t_inexact, exact_seconds=t_exact)

@@ -190,7 +190,7 @@ class AccuracyController:
         """Adjust the iteration counts from a measured gradient error."""
         self.last_check = check
         p = self.policy
-        cos, err = check.cosine, check.param_grad_error
+        cos, err = check.cos, check.error
         bad = not (cos >= p.min_cosine and err <= p.max_rel_error)
         cheaper = check.inexact_seconds < check.exact_seconds
         cost = (f"MGRIT {1000 * check.inexact_seconds:.1f} ms vs exact "
@@ -242,8 +242,8 @@ class AccuracyController:
     def summary(self) -> str:
         mode = "exact" if self.exact else f"MGRIT {self.fwd_iters}/{self.bwd_iters}"
         check = "" if self.last_check is None else \
-            f", last check cos {self.last_check.cosine:.4f} err " \
-            f"{self.last_check.param_grad_error:.3g}"
+            f", last check cos {self.last_check.cos:.4f} err " \
+            f"{self.last_check.error:.3g}"
         return f"{mode}{check}, {len(self.log)} change(s)"
 
 

@@ -45,13 +45,13 @@ class AdjointApp(StateOps):
             # fewer operations than a one-row vectorised step
             lam, f = as_tensor(lam), None if f is None else as_tensor(f)
         if level == 0:
-            u_in, out, _ = r.records[a]
+            u_in, out, _ = r.tape.records[a]
             if final and r.sequential_adjoint:
                 res = r.chain_vjp(a, lam)
             elif final:
                 params = r.layer_params[a]
                 grads = torch.autograd.grad(out, [u_in, *params], lam, allow_unused=True)
-                r.param_grads[a] = grads[1:]
+                r.tape.param_grads[a] = grads[1:]
                 res = grads[0]
             else:
                 (res,) = torch.autograd.grad(out, u_in, lam, retain_graph=True)
@@ -80,12 +80,12 @@ class AdjointApp(StateOps):
             return unstack_rows(res)
         one_by_one = final and r.sequential_adjoint
         if level == 0 and not one_by_one:
-            heads = {r.chain_head[a] for a, _ in pairs}
+            heads = {r.tape.chain_head[a] for a, _ in pairs}
             one_by_one = len(heads) < len(pairs)
         if one_by_one:
             return [self.step(lam, None if fs is None else fs[k], ts[k], te[k], mas[k], mbs[k],
                               level, final) for k, lam in enumerate(lams)]
-        recs = [r.records[a][:2] if level == 0 else r.coarse_graph(a, b) for a, b in pairs]
+        recs = [r.tape.records[a][:2] if level == 0 else r.coarse_graph(a, b) for a, b in pairs]
         with_params = bool(final) and level == 0
         params = [p for a, _ in pairs for p in r.layer_params[a]] if with_params else []
         grads = torch.autograd.grad([o for _, o in recs], [u for u, _ in recs] + params, lams,
@@ -95,7 +95,7 @@ class AdjointApp(StateOps):
             off = len(recs)
             for a, _ in pairs:
                 k = len(r.layer_params[a])
-                r.param_grads[a] = grads[off:off + k]
+                r.tape.param_grads[a] = grads[off:off + k]
                 off += k
         if fs is not None:
             outs = [o if g is None else torch.add(o, g) for o, g in zip(outs, fs)]

@@ -217,6 +217,41 @@ class StateOps:
         return batched_norm_sq(states) if self.r.bb is not None else vec_norm_sq(states)
 
 
+def own_buffers(block: nn.Module) -> list[tuple[str, Tensor]]:
+    """The block's buffers other than batch-norm running statistics (which layerpar
+    moves once per batch itself, see bn_dropout.py)."""
+    skip = {id(t) for m in block.modules() if isinstance(m, _BN_TYPES)
+            for t in m.buffers(recurse=False)}
+    return [(n, t) for n, t in block.named_buffers() if id(t) not in skip]
+
+
+def buffer_versions(buffers: list[tuple[str, Tensor]]) -> list[int]:
+    return [t._version for _, t in buffers]
+
+
+def buffer_message(block: nn.Module, layer: int, segment: Optional[int],
+                   buffers: list[tuple[str, Tensor]], before: list[int]) -> str:
+    """Why a residual block that updates its own buffers in forward() is refused."""
+    names = [n for (n, t), v in zip(buffers, before) if t._version != v]
+    where = f"layer {layer}" + ("" if segment is None else f" of segment {segment}")
+    return (f"{where} ({type(block).__name__}) updates its buffer(s) {names} in forward(); "
+            "MGRIT evaluates a layer several times per batch (relaxation sweeps, coarse "
+            "levels, iterations), so such a buffer would not end with the values serial "
+            "training gives it. Keep forward() free of buffer updates (batch norm's "
+            "running statistics are handled by layerpar), or train this net serially "
+            "(one rank, max_levels=1)")
+
+
+def inplace_message(block: nn.Module, layer: int, segment: Optional[int]) -> str:
+    """Why a residual block that changes its input in place is refused."""
+    where = f"layer {layer}" + ("" if segment is None else f" of segment {segment}")
+    return (f"{where} ({type(block).__name__}) modified its input in place; a residual "
+            "block F must leave its input u unchanged, since MGRIT keeps and reuses the "
+            "states it steps and records them for the backward pass (u + h*F(u) needs "
+            "the u that came in). Use out-of-place operations in forward() (e.g. "
+            "`torch.relu(u)`, not `u.relu_()`)")
+
+
 def _describe(value: Any) -> str:
     """A plain attribute as text that is the same in every process: functions and
     classes by qualified name (their default repr holds a memory address)."""
@@ -360,6 +395,9 @@ class BatchedBlocks:
         g = torch.Generator(device=like.device).manual_seed(1234)
         v = torch.randn((len(layers), *like.shape), generator=g, dtype=like.dtype,
                         device=like.device)
+        version = v._version
+        bufs = own_buffers(self.blocks[layers[0]])
+        before = buffer_versions(bufs)
         try:
             with torch.no_grad():
                 p, b = self.stacked(layers)
@@ -369,6 +407,11 @@ class BatchedBlocks:
             return f"vmap failed: {type(exc).__name__}: {exc}"
         finally:
             self._stacked = {}
+        # not reasons to step layer by layer: errors
+        if v._version != version:
+            raise ValueError(inplace_message(self.proto, layers[0], None))
+        if buffer_versions(bufs) != before:
+            raise ValueError(buffer_message(self.proto, layers[0], None, bufs, before))
         if got.shape != want.shape:
             return f"the vectorised output has shape {tuple(got.shape)}, not {tuple(want.shape)}"
         tol = 1e-5 if like.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-12

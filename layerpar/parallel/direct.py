@@ -29,7 +29,7 @@ def direct_sweep(r: SegmentRunner, as_: list, bs: list) -> list:
     input's graph as plain PyTorch would: no per-step records, states kept with
     their graph.  A stretch not starting at 0 continues the previous one."""
     step, blocks, times, special = r.scheme.step, r.blocks, r.times, \
-        r.rng_layers
+        r.tape.rng_layers
     outs = []
     x = r.u0_graph if as_[0] == 0 else r.direct_out
     with torch.enable_grad():

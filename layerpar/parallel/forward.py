@@ -40,7 +40,7 @@ class ForwardApp(StateOps):
                               level, final) for k, u in enumerate(us)]
         pairs = tuple(zip(as_, bs))
         x = stack_rows(us)
-        if final and r.recording:
+        if final and r.tape.recording:
             y = r.record_batch(x, pairs)
         else:
             y = r.bb.step(x, pairs)
@@ -54,22 +54,22 @@ class ForwardApp(StateOps):
         if r.u0_graph is not None and final and f is None and level == 0:
             return direct_sweep(r, [a], [b])[0]
         if r.bb is not None:
-            if final and r.recording:  # recorded as a batch of one
+            if final and r.tape.recording:  # recorded as a batch of one
                 return self.step_batch([u], None if f is None else [f], [ts], [te], [a], [b],
                                        level, final)[0]
             u, f = as_tensor(u), None if f is None else as_tensor(f)
-        if final and r.recording:
-            prev = r.records.get(a - 1)
+        if final and r.tape.recording:
+            prev = r.tape.records.get(a - 1)
             with torch.enable_grad():
                 if prev is not None and u is prev[2]:
                     u_in = prev[1]  # continue the previous step's graph (a chain)
-                    r.chain_head[a] = r.chain_head[a - 1]
+                    r.tape.chain_head[a] = r.tape.chain_head[a - 1]
                 else:
                     u_in = u.detach().requires_grad_()
-                    r.chain_head[a] = a
+                    r.tape.chain_head[a] = a
                 out = r.phi(u_in, a, b, update_stats=True)
             det = out.detach()
-            r.records[a] = (u_in, out, det)
+            r.tape.records[a] = (u_in, out, det)
             return det if f is None else torch.add(det, f)
         elif final:
             out = r.phi(u, a, b, update_stats=True)
@@ -85,7 +85,7 @@ class ForwardApp(StateOps):
         if r.u0_graph is not None and final and fs is None and level == 0:
             return direct_sweep(r, as_, bs)
         outs = []
-        if not (final and r.recording and fs is None and level == 0):
+        if not (final and r.tape.recording and fs is None and level == 0):
             if r.bb is not None:
                 fs = as_tensors(fs, r.zero)
             for k in range(len(ts)):
@@ -93,18 +93,18 @@ class ForwardApp(StateOps):
                               level, final)
                 outs.append(u)
             return outs
-        prev = r.records.get(as_[0] - 1)
+        prev = r.tape.records.get(as_[0] - 1)
         with torch.enable_grad():
             if prev is not None and u is prev[2]:
-                x, head = prev[1], r.chain_head[as_[0] - 1]
+                x, head = prev[1], r.tape.chain_head[as_[0] - 1]
             else:
                 x, head = u.detach().requires_grad_(), as_[0]
             for a, b in zip(as_, bs):
                 x_in = x
                 x = r.phi(x_in, a, b, update_stats=True)
                 det = x.detach()
-                r.records[a] = (x_in, x, det)
-                r.chain_head[a] = head
+                r.tape.records[a] = (x_in, x, det)
+                r.tape.chain_head[a] = head
                 outs.append(det)
         return outs
 

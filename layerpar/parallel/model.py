@@ -37,6 +37,7 @@ from .grads import GradDelivery
 from .grid import ProcessGrid
 from .replicas import GradAverager
 from .runner import SegmentRunner
+from .tape import Tape
 
 _LINK_TAG = 31002
 
@@ -132,6 +133,7 @@ class _Context:
         self.x_shape: tuple[int, ...] = ()
         self.x_dtype = torch.float32
         self.direct = False  # recorded onto the caller's graph (see LayerParallel)
+        self.tapes: dict[int, Tape] = {}  # per segment layer: what its backward needs
 
 
 class LayerParallel(nn.Module):
@@ -471,9 +473,11 @@ class LayerParallel(nn.Module):
                 like = torch.empty(shape, dtype=dtype, device=x.device)
                 if size > 1:
                     runner.ghosts.sync(self.transport)
-                h, stats = runner.forward(h if rank == 0 else None, like, seed, record,
-                                          self.training, ctx.direct,
-                                          check_shapes=cached is None)
+                h, stats, tape = runner.forward(h if rank == 0 else None, like, seed,
+                                                record, self.training, ctx.direct,
+                                                check_shapes=cached is None)
+                if record and not ctx.direct:
+                    ctx.tapes[k] = tape
                 self.last_forward.append(stats)
                 holder = last
         shape, dtype = meta(h, holder)
@@ -546,17 +550,10 @@ class LayerParallel(nn.Module):
                     elif rank == size - 1:
                         g = self._recv(holder, shape, dtype, gy.device)
                     holder = size - 1
-                g, stats = runner.backward(g if rank == size - 1 else None, like)
+                g, stats, seg_grads = runner.backward(g if rank == size - 1 else None, like,
+                                                      ctx.tapes.pop(k))
                 self.last_backward.append(stats)
-                for n, pg in runner.param_grads.items():
-                    for p, gp in zip(runner.layer_params[n], pg):
-                        if gp is not None:
-                            grads[id(p)] = gp
-                for pairs in runner.batched_grads.values():
-                    for p, gp in pairs:
-                        grads[id(p)] = gp
-                runner.param_grads = {}
-                runner.batched_grads = {}
+                grads.update(seg_grads)
                 holder = 0
                 g_meta = (shape, dtype)
         self.last_backward.reverse()

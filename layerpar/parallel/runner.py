@@ -18,26 +18,24 @@ from ..ode.coarsening import coarse_block
 from ..ode.net import Segment
 from ..ode.rng import needs_rng
 from .adjoint import AdjointApp
-from .batched import BatchedBlocks, Row, as_tensor, stack_rows, unbatchable_reason, warn_once
+from .batched import (
+    BatchedBlocks,
+    Row,
+    as_tensor,
+    buffer_message,
+    buffer_versions,
+    inplace_message,
+    own_buffers,
+    stack_rows,
+    unbatchable_reason,
+    warn_once,
+)
 from .bn_dropout import batch_norms, layer_function
 from .forward import ForwardApp
 from .ghosts import Ghosts, needed_layers
+from .tape import BatchRecord, Tape
 
 __all__ = ["SegmentRunner"]
-
-
-class BatchRecord:
-    """One batched step of the final forward sweep, kept for the adjoint."""
-
-    __slots__ = ("x", "params", "y", "layers", "grads", "xd", "rows", "final_rows")
-
-    def __init__(self, x: Tensor, params: dict[str, Tensor], y: Tensor,
-                 layers: tuple[int, ...]) -> None:
-        self.x, self.params, self.y, self.layers = x, params, y, layers
-        self.grads: dict[str, Tensor] = {}  # stacked parameter gradients (final sweep)
-        self.xd: Optional[Tensor] = None  # x detached, when coarse steps read its rows
-        self.rows: Optional[tuple[Tensor, ...]] = None  # xd's rows, for lone coarse steps
-        self.final_rows = 0  # rows whose gradients the final adjoint sweep has added
 
 
 class SegmentRunner:
@@ -79,10 +77,6 @@ class SegmentRunner:
                 self.bb = BatchedBlocks(self.blocks, self.scheme, self.times)
             else:
                 warn_once(seg.blocks[self.owned[0]], why)
-        # batched final forward sweep: records of (input leaf, parameter leaves, output,
-        # layers); where[a] = (record, row) of layer a
-        self.brecords: list[BatchRecord] = []
-        self.where: dict[int, tuple[int, int]] = {}
         self.index_cache: dict[tuple, Tensor] = {}
         # fixed iteration counts: residual norms stay on the device during the solve
         defer_f = fwd.tol == 0.0 and fwd.rtol == 0.0
@@ -104,14 +98,10 @@ class SegmentRunner:
         self.bapp.deferred = self.bsession.deferred
         self.fwd_options = fwd.replace(final_fc_relax=True)
         self.bwd_options = bwd.replace(final_fc_relax=True)
-        # per-batch state
-        self.seed: Optional[int] = None
-        self.rng_layers: set[int] = set()
-        self.recording = False
-        # final forward sweep: layer -> (input, output with graph, detached output);
-        # consecutive layers form chains sharing one graph, chain_head[k] = first layer
-        self.records: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
-        self.chain_head: dict[int, int] = {}
+        # the pass being run: its forward records, or during a backward the records of
+        # the pass being differentiated (the autograd context owns it; see tape.py)
+        self.tape = Tape()
+        # the sequential adjoint's final sweep: one autograd call per chain (chain_vjp)
         self.chain_cache: dict[int, Tensor] = {}
         self.last_lam: Optional[Tensor] = None
         # direct mode (see LayerParallel): the segment input with its graph, which the
@@ -121,9 +111,6 @@ class SegmentRunner:
         # check every block keeps the state's shape (u + h F(u) would broadcast a
         # wrong one silently); done on the first pass for each input shape
         self.check_shapes = False
-        self.coarse_graphs: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
-        self.param_grads: dict[int, tuple] = {}
-        self.batched_grads: dict[int, list[tuple[Tensor, Tensor]]] = {}
         # averages gradients over a process grid's replicas (set by LayerParallel)
         self.averager: Optional[Any] = None
 
@@ -144,20 +131,35 @@ class SegmentRunner:
         else:
             f = coarse_block([self.blocks[k] for k in range(a, b)], 0, b - a, self.coarsening)
         dt = self.times[b] - self.times[a]
-        f = layer_function(f, a, self.seg_index, self.seed, a in self.rng_layers,
+        f = layer_function(f, a, self.seg_index, self.tape.seed, a in self.tape.rng_layers,
                            self.bn.get(a, []), update_stats)
-        if self.check_shapes:
+        if self.check_shapes:  # the first pass for each input shape
             unchecked = f
 
+            # buffers a block updates itself (direct mode is serial stepping: allowed)
+            bufs = own_buffers(self.blocks[a]) if self.u0_graph is None else []
+
             def f(v: Tensor) -> Tensor:
+                version, before = v._version, buffer_versions(bufs)
                 out = unchecked(v)
+                if v._version != version:
+                    raise ValueError(inplace_message(self.blocks[a], a, self.seg_index))
+                if buffer_versions(bufs) != before:
+                    raise ValueError(buffer_message(self.blocks[a], a, self.seg_index, bufs,
+                                                    before))
                 if out.shape != v.shape:
                     raise ValueError(
                         f"layer {a} of segment {self.seg_index} changed the state's shape "
                         f"from {tuple(v.shape)} to {tuple(out.shape)}; a residual block "
                         "must keep it")
                 return out
-        return self.scheme.step(f, u, dt)
+        try:
+            return self.scheme.step(f, u, dt)
+        except RuntimeError as exc:  # torch's words for it, when the input is a leaf
+            if "in-place operation" in str(exc):
+                raise ValueError(inplace_message(self.blocks[a], a, self.seg_index)) \
+                    from exc
+            raise
 
     def refresh_trainable(self) -> None:
         """Re-read which owned parameters require grad (the user may freeze some)."""
@@ -172,20 +174,20 @@ class SegmentRunner:
     def coarse_graph(self, a: int, b: int) -> tuple[Tensor, Tensor]:
         """(u_a as a leaf, forward coarse step a -> b with its graph), built once per
         backward pass and reused by every adjoint iteration."""
-        rec = self.coarse_graphs.get((a, b))
+        rec = self.tape.coarse_graphs.get((a, b))
         if rec is None:
             with torch.enable_grad():
                 if self.bb is None:
-                    u_a = self.records[a][0].detach().requires_grad_()
+                    u_a = self.tape.records[a][0].detach().requires_grad_()
                 else:  # a row of a detached record input: a leaf already
-                    rid, row = self.where[a]
-                    rec_a = self.brecords[rid]
+                    rid, row = self.tape.where[a]
+                    rec_a = self.tape.brecords[rid]
                     if rec_a.rows is None:  # one unbind per record, not a select per row
                         self.forward_state(a)
                         rec_a.rows = rec_a.xd.unbind(0)  # type: ignore[union-attr]
                     u_a = rec_a.rows[row].requires_grad_()
                 rec = (u_a, self.phi(u_a, a, b, update_stats=False))
-            self.coarse_graphs[(a, b)] = rec
+            self.tape.coarse_graphs[(a, b)] = rec
         return rec
 
     # -- batched records and adjoint steps (bb is not None) ------------------------------
@@ -204,10 +206,10 @@ class SegmentRunner:
             # another record: each layer's final step is recorded once): leaves as they are
             leaves = {n: t.requires_grad_(n in trainable) for n, t in stacked.items()}
             y = bb.step(xin, pairs, params=leaves)
-        rid = len(self.brecords)
-        self.brecords.append(BatchRecord(xin, leaves, y, layers))
+        rid = len(self.tape.brecords)
+        self.tape.brecords.append(BatchRecord(xin, leaves, y, layers))
         for k, a in enumerate(layers):
-            self.where[a] = (rid, k)
+            self.tape.where[a] = (rid, k)
         return y.detach()
 
     def trainable_names(self, layers: tuple[int, ...]) -> set[str]:
@@ -233,13 +235,13 @@ class SegmentRunner:
         gradients (accumulated per record).  One autograd call per record touched."""
         groups: dict[int, tuple[list[int], list[int]]] = {}
         for k, (a, _) in enumerate(pairs):
-            rid, row = self.where[a]
+            rid, row = self.tape.where[a]
             ks, rows = groups.setdefault(rid, ([], []))
             ks.append(k)
             rows.append(row)
         out: Optional[Tensor] = None
         for rid, (ks, rows) in groups.items():
-            rec = self.brecords[rid]
+            rec = self.tape.brecords[rid]
             n_rec = rec.y.shape[0]
             whole = len(groups) == 1 and len(rows) == n_rec
             if whole and rows == list(range(n_rec)):
@@ -282,20 +284,20 @@ class SegmentRunner:
         """Transposed Jacobians of coarse steps a -> b, linearised at the forward states
         u_a of the final sweep; the batched coarse graph is built once per backward pass
         and reused by every adjoint iteration."""
-        rec = self.coarse_graphs.get(pairs)  # type: ignore[call-overload]
+        rec = self.tape.coarse_graphs.get(pairs)  # type: ignore[call-overload]
         if rec is None:
             states = [self.forward_state(a) for a, _ in pairs]
             with torch.enable_grad():
                 x = stack_rows(states).detach().requires_grad_()
                 rec = (x, self.bb.step(x, pairs))  # type: ignore[union-attr]
-            self.coarse_graphs[pairs] = rec  # type: ignore[index]
+            self.tape.coarse_graphs[pairs] = rec  # type: ignore[index]
         (dx,) = torch.autograd.grad(rec[1], rec[0], lam, retain_graph=True)
         return dx
 
     def forward_state(self, a: int) -> Row:
         """u_a, the input of layer a in the final forward sweep (batched records)."""
-        rid, row = self.where[a]
-        rec = self.brecords[rid]
+        rid, row = self.tape.where[a]
+        rec = self.tape.brecords[rid]
         if rec.xd is None:
             rec.xd = rec.x.detach()
         return Row(rec.xd, row)
@@ -305,7 +307,7 @@ class SegmentRunner:
         name: no copy per layer), from the records of the final adjoint sweep."""
         bb = self.bb
         assert bb is not None
-        recs = [r for r in self.brecords if r.grads]
+        recs = [r for r in self.tape.brecords if r.grads]
         if not recs:
             return {}
         layers = [a for r in recs for a in r.layers]
@@ -345,17 +347,18 @@ class SegmentRunner:
         if a in self.chain_cache and lam is self.last_lam:
             res = self.chain_cache.pop(a)
         else:
-            head = self.chain_head[a]
+            head = self.tape.chain_head[a]
             layers = range(head, a + 1)
             params = [p for k in layers for p in self.layer_params[k]]
-            grads = torch.autograd.grad(self.records[a][1], [self.records[head][0], *params],
-                                        lam, allow_unused=True)
+            records = self.tape.records
+            grads = torch.autograd.grad(records[a][1], [records[head][0], *params], lam,
+                                        allow_unused=True)
             self.chain_cache = dict.fromkeys(layers, self.lam_zero)
             self.chain_cache[head] = grads[0]
             off = 1
             for k in layers:
                 n_p = len(self.layer_params[k])
-                self.param_grads[k] = grads[off:off + n_p]
+                self.tape.param_grads[k] = grads[off:off + n_p]
                 off += n_p
             res = self.chain_cache.pop(a)
         self.last_lam = res
@@ -364,24 +367,17 @@ class SegmentRunner:
     # -- per batch ----------------------------------------------------------------------------
     def forward(self, u0: Optional[Tensor], like: Tensor, seed: Optional[int],
                 record: bool, training: bool, direct: bool = False,
-                check_shapes: bool = False) -> tuple[Optional[Tensor], SolveStats]:
-        """MGRIT forward solve; returns (u_N on the last rank else None, stats).
+                check_shapes: bool = False) -> tuple[Optional[Tensor], SolveStats, Tape]:
+        """MGRIT forward solve; returns (u_N on the last rank else None, stats, the
+        pass's tape, which its backward needs: the caller keeps it with the pass).
 
         direct: one rank, sequential solve: record the steps onto u0's own graph and
         return u_N with its graph (PyTorch's engine then runs the backward)."""
         self.ghosts.set_training(training)
         if record and not direct:
             self.refresh_trainable()
-        self.seed = seed
-        self.rng_layers = {k for k, blk in self.blocks.items() if seed is not None
-                           and needs_rng(blk)}
-        self.recording = record
-        self.records = {}
-        self.chain_head = {}
-        self.brecords = []
-        self.where = {}
-        self.coarse_graphs = {}
-        self.param_grads = {}
+        self.tape = tape = Tape(record, seed, frozenset(
+            k for k, blk in self.blocks.items() if seed is not None and needs_rng(blk)))
         self.u0 = u0 if u0 is not None else like
         self.zero = torch.zeros_like(like)
         self.transport.set_template(like)
@@ -396,35 +392,50 @@ class SegmentRunner:
             assert u0 is not None
             self.u0_graph, self.u0 = u0, u0.detach()
         self.check_shapes = check_shapes
+        tape.bb = self.bb  # as recorded: the backward steps through the same path
+        tape.layer_params = self.layer_params
         try:
             stats = self.fsession.drive(lazy_history=not self.check_finite)
         finally:
             self.u0_graph = None
             self.check_shapes = False
+            self.tape = Tape()  # the pass's tape lives with the pass, not here
         last = self.transport.size - 1
         out = as_tensor(self.fsession.state(self.n)) if self.transport.rank == last else None
         if direct:
             out, self.direct_out = self.direct_out, None
-        return out, stats
+        return out, stats, tape
 
-    def backward(self, lam_n: Optional[Tensor], like: Tensor
-                 ) -> tuple[Optional[Tensor], SolveStats]:
-        """Adjoint MGRIT solve; returns (lambda_0 on rank 0 else None, stats)."""
+    def backward(self, lam_n: Optional[Tensor], like: Tensor, tape: Tape
+                 ) -> tuple[Optional[Tensor], SolveStats, dict[int, Tensor]]:
+        """Adjoint MGRIT solve of the pass that recorded `tape`; returns (lambda_0 on
+        rank 0 else None, stats, id(parameter) -> gradient of this rank's layers).
+        The tape's records are consumed."""
         self.lam_n = lam_n if lam_n is not None else like
         self.lam_zero = torch.zeros_like(like)
         self.rtransport.set_template(like)
-        stats = self.bsession.drive(lazy_history=not self.check_finite)
-        out = as_tensor(self.bsession.state(self.n)) if self.transport.rank == 0 else None
-        if self.bb is not None:
-            self.batched_grads = self.collect_batched_grads()
-        elif self.averager is not None:
-            self.averager.add(g for k in sorted(self.param_grads)
-                              for g in self.param_grads[k])
-        self.brecords = []
-        self.where = {}
-        self.records = {}
-        self.chain_head = {}
-        self.chain_cache = {}
-        self.last_lam = None
-        self.coarse_graphs = {}
-        return out, stats
+        current = self.bb, self.layer_params
+        self.bb, self.layer_params, self.tape = tape.bb, tape.layer_params, tape
+        try:
+            stats = self.bsession.drive(lazy_history=not self.check_finite)
+            out = as_tensor(self.bsession.state(self.n)) if self.transport.rank == 0 \
+                else None
+            grads: dict[int, Tensor] = {}
+            if self.bb is not None:
+                for pairs in self.collect_batched_grads().values():
+                    for p, gp in pairs:
+                        grads[id(p)] = gp
+            else:
+                if self.averager is not None:
+                    self.averager.add(g for k in sorted(tape.param_grads)
+                                      for g in tape.param_grads[k])
+                for k, pg in tape.param_grads.items():
+                    for p, gp in zip(self.layer_params[k], pg):
+                        if gp is not None:
+                            grads[id(p)] = gp
+        finally:
+            (self.bb, self.layer_params), self.tape = current, Tape()
+            self.chain_cache = {}
+            self.last_lam = None
+            tape.__init__()  # consumed: drop the records and their graphs
+        return out, stats, grads

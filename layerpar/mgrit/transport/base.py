@@ -269,10 +269,15 @@ class Transport:
         return self.complete(handle, what, peer)
 
     def bcast_state(self, state: Optional[torch.Tensor], root: int) -> torch.Tensor:
-        """Broadcast a state of the template's shape from engine rank `root`."""
-        return self.bcast_tensor(None if state is None else as_tensor_state(state),
-                                 self._map(root), self._shape, self._dtype, self._device,
-                                 "a broadcast state")
+        """Broadcast a state of the template's shape from engine rank `root`.  The root
+        keeps its own tensor, autograd graph included (a `solve()` whose `u0` requires
+        grad returns a differentiable final state where it was computed); the other
+        ranks receive its values."""
+        own = None if state is None else \
+            state if isinstance(state, torch.Tensor) else state.tensor()
+        got = self.bcast_tensor(None if own is None else own.detach(), self._map(root),
+                                self._shape, self._dtype, self._device, "a broadcast state")
+        return got if own is None else own
 
     # -- blocking point to point (group ranks) ----------------------------------------------------
     def send_tensor(self, t: torch.Tensor, dest: int, tag: int,

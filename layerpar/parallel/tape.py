@@ -1,0 +1,66 @@
+"""What one forward pass of one segment leaves for its backward pass: the tape.
+
+A tape belongs to the pass, not to the model: the autograd Function's context owns
+it (as torchdiffeq keeps its state in the Function's ``ctx`` and XBraid in one tape
+object).  So several forward passes before one backward, a ``no_grad`` forward
+between a forward and its backward, and the backward of an earlier pass after a
+later pass's, all behave as in plain PyTorch.  Dropping a pass's output drops its
+tape with its graph.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import Tensor
+
+__all__ = ["BatchRecord", "Tape"]
+
+
+class BatchRecord:
+    """One batched step of the final forward sweep, kept for the adjoint."""
+
+    __slots__ = ("x", "params", "y", "layers", "grads", "xd", "rows", "final_rows")
+
+    def __init__(self, x: Tensor, params: dict[str, Tensor], y: Tensor,
+                 layers: tuple[int, ...]) -> None:
+        self.x, self.params, self.y, self.layers = x, params, y, layers
+        self.grads: dict[str, Tensor] = {}  # stacked parameter gradients (final sweep)
+        self.xd: Optional[Tensor] = None  # x detached, when coarse steps read its rows
+        self.rows: Optional[tuple[Tensor, ...]] = None  # xd's rows, for lone coarse steps
+        self.final_rows = 0  # rows whose gradients the final adjoint sweep has added
+
+
+class Tape:
+    """One segment's records of one forward pass on this rank.
+
+    records: per-step path, layer a -> (input, output with its graph, detached
+        output); consecutive layers form chains sharing one graph, chain_head[a] being
+        the chain's first layer.
+    brecords / where: batched path, the records of the final sweep's vectorised steps
+        and, per layer, (record, row).
+    coarse_graphs: coarse steps linearised at the forward states, built at the first
+        adjoint iteration that needs one and reused by the others.
+    param_grads: per layer, what the final adjoint sweep produced (per-step path).
+    bb / layer_params: the vectorised steps the pass ran with (None: per-step) and the
+        parameters that required grad then; its backward uses the same.
+    seed / rng_layers: the pass's dropout seed and the layers that draw from it (a
+        coarse step rebuilt in the backward pass must draw the same masks).
+    """
+
+    __slots__ = ("recording", "seed", "rng_layers", "records", "chain_head", "brecords",
+                 "where", "coarse_graphs", "param_grads", "bb",
+                 "layer_params")
+
+    def __init__(self, recording: bool = False, seed: Optional[int] = None,
+                 rng_layers: frozenset[int] = frozenset()) -> None:
+        self.recording = recording
+        self.seed = seed
+        self.rng_layers = rng_layers
+        self.records: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        self.chain_head: dict[int, int] = {}
+        self.brecords: list[BatchRecord] = []
+        self.where: dict[int, tuple[int, int]] = {}
+        self.coarse_graphs: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self.param_grads: dict[int, tuple] = {}
+        self.bb: Optional[Any] = None  # the BatchedBlocks the pass stepped with, if any
+        self.layer_params: dict[int, list[Tensor]] = {}  # trainable, as the pass found them

@@ -1,0 +1,110 @@
+"""Passes that behave like PyTorch's: several forwards before one backward, a no_grad
+forward in between, backwards in any order, dropped outputs freeing their records,
+micro-batch accumulation.  Against the serial ODENet oracle, float64, converged MGRIT,
+batched and per-step cycles, at 1 rank in-process and at 2 and 3 ranks under MPI."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mpi_util import run_mpi
+
+import layerpar
+
+WORKERS = Path(__file__).parent / "workers"
+sys.path.insert(0, str(WORKERS))
+import lp_passes  # noqa: E402
+
+F64_CONVERGED = 1e-10
+
+
+def test_passes_match_serial_one_rank() -> None:
+    errs = lp_passes.run_cases(None)
+    assert len(errs) == 2 * len(lp_passes.CASES)
+    for case, err in errs.items():
+        assert err <= F64_CONVERGED, (case, err)
+
+
+def test_dropped_outputs_hold_no_memory() -> None:
+    # 90 more forwards whose outputs are dropped leave no more live tensors behind
+    assert lp_passes.dropped_outputs_growth(None) <= 0
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_passes_match_serial_mpi(nprocs: int, tmp_path: Path) -> None:
+    out = tmp_path / "passes.json"
+    proc = run_mpi(WORKERS / "lp_passes.py", nprocs, str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errs = json.loads(out.read_text())
+    assert errs.pop("tensor growth") <= 0
+    assert len(errs) == 2 * len(lp_passes.CASES)
+    for case, err in errs.items():
+        assert err <= F64_CONVERGED, (case, err)
+
+
+# --- blocks that break the residual-block contract are refused, naming the block -------
+
+class Counter(torch.nn.Module):
+    """Counts its calls in a buffer (a user's own running statistic)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.lin(u))
+
+
+class InPlace(torch.nn.Module):
+    """Changes its input in place (works serially, where u is not needed afterwards)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(u.mul_(0.5)))
+
+
+def _net(block: type) -> layerpar.ODENet:
+    torch.manual_seed(0)
+    return layerpar.ODENet(open=torch.nn.Linear(3, 4), steps=lambda k: block(), n_steps=8,
+                           t_final=1.0, close=torch.nn.Linear(4, 5))
+
+
+MGRIT = layerpar.MGRITOptions(max_levels=2, cfactor=2, max_iter=2)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("grad", [True, False])
+def test_block_updating_a_buffer_is_refused(batched: bool, grad: bool) -> None:
+    model = layerpar.LayerParallel(_net(Counter), None, MGRIT, batched=batched)
+    with torch.set_grad_enabled(grad), \
+            pytest.raises(ValueError, match=r"\(Counter\) updates its buffer\(s\) \['calls'\]"):
+        model(torch.randn(5, 3))
+
+
+def test_block_updating_a_buffer_keeps_serial_values_in_direct_mode() -> None:
+    net = _net(Counter)
+    model = layerpar.LayerParallel(_net(Counter), None)  # one rank, one level: serial
+    net(torch.randn(5, 3))
+    model(torch.randn(5, 3))
+    calls = [int(b.calls) for b in model.layers[1].blocks.values()]
+    assert calls == [int(b.calls) for b in net.layers[1].blocks] == [1] * 8
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("grad", [True, False])
+def test_block_changing_its_input_in_place_is_refused(batched: bool, grad: bool) -> None:
+    net = _net(InPlace)
+    net(torch.randn(5, 3))  # serially it runs
+    model = layerpar.LayerParallel(net, None, MGRIT, batched=batched)
+    with torch.set_grad_enabled(grad), \
+            pytest.raises(ValueError, match=r"\(InPlace\) modified its input in place"):
+        model(torch.randn(5, 3))

@@ -1,0 +1,139 @@
+"""MPI worker: passes that behave like PyTorch's (several forwards before a backward).
+
+Run: mpiexec -n P python -m mpi4py tests/workers/lp_passes.py OUT.json
+Every case is run on the serial ODENet oracle and on LayerParallel (batched and
+per-step cycles, converged MGRIT, float64); each rank compares its own parameter
+gradients and the input gradients; rank 0 writes the worst relative error per case.
+Also importable: `run_cases(comm)` runs the same on one process.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import sys
+import warnings
+
+import torch
+
+import layerpar
+from layerpar.mgrit import MGRITOptions
+from layerpar.ode import blocks
+
+CONVERGED = MGRITOptions(max_levels=3, cfactor=2, tol=1e-13, max_iter=50)
+ce = torch.nn.functional.cross_entropy
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / max(float(b.norm()), 1e-300))
+
+
+def net16() -> layerpar.ODENet:
+    torch.manual_seed(3)
+    return layerpar.ODENet(open=torch.nn.Linear(3, 4),
+                           steps=lambda k: blocks.Dense(4, activation="tanh"),
+                           n_steps=16, t_final=2.0, close=torch.nn.Linear(4, 5)).double()
+
+
+def _data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, 3, generator=g, dtype=torch.float64),
+            torch.randint(0, 5, (n,), generator=g))
+
+
+def _two_forwards(m: torch.nn.Module, xs: list) -> None:
+    (xa, ya), (xb, yb) = xs
+    (ce(m(xa), ya) + 0.5 * ce(m(xb), yb)).backward()
+
+
+def _no_grad_between(m: torch.nn.Module, xs: list) -> None:
+    (xa, ya), (xb, _) = xs
+    loss = ce(m(xa), ya)
+    with torch.no_grad():
+        m(xb)  # an evaluation batch between the forward and its backward
+    loss.backward()
+
+
+def _later_backward_first(m: torch.nn.Module, xs: list) -> None:
+    (xa, ya), (xb, yb) = xs
+    la = ce(m(xa), ya)
+    lb = ce(m(xb), yb)
+    lb.backward()
+    la.backward()
+
+
+def _micro_batches(m: torch.nn.Module, xs: list) -> None:
+    (x, y), _ = xs
+    for xi, yi in zip(x.chunk(4), y.chunk(4)):
+        (ce(m(xi), yi) / 4).backward()
+
+
+def _full_batch(m: torch.nn.Module, xs: list) -> None:
+    (x, y), _ = xs
+    ce(m(x), y).backward()
+
+
+CASES = {"two forwards, one backward": (_two_forwards, _two_forwards),
+         "no_grad forward between": (_no_grad_between, _no_grad_between),
+         "later backward first": (_later_backward_first, _later_backward_first),
+         # k micro-batches accumulated == one batch of k times the size (exact mode)
+         "4 micro-batches == one batch": (_micro_batches, _full_batch)}
+
+
+def run_cases(comm) -> dict[str, float]:
+    """Worst relative gradient error per case and cycle kind (this rank's layers)."""
+    out: dict[str, float] = {}
+    for name, (par_case, ser_case) in CASES.items():
+        for batched in (True, False):
+            net = net16()
+            ref = copy.deepcopy(net)
+            (xa, ya), (xb, yb) = _data(8, 0), _data(6, 1)
+            xr = [(xa.clone().requires_grad_(), ya), (xb.clone().requires_grad_(), yb)]
+            xp = [(xa.clone().requires_grad_(), ya), (xb.clone().requires_grad_(), yb)]
+            ser_case(ref, xr)
+            model = layerpar.LayerParallel(net, comm, CONVERGED, CONVERGED, batched=batched)
+            par_case(model, xp)
+            refp = dict(ref.named_parameters())
+            worst = max(rel(p.grad, refp[n].grad) for n, p in model.named_parameters())
+            if par_case is ser_case:  # the same inputs: their gradients too
+                worst = max(worst, rel(xp[0][0].grad, xr[0][0].grad))
+            out[f"{name}, batched={batched}"] = worst
+            model.close()
+    return out
+
+
+def tensors_alive() -> int:
+    gc.collect()
+    with warnings.catch_warnings():  # is_tensor on deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        return sum(1 for o in gc.get_objects() if torch.is_tensor(o))
+
+
+def dropped_outputs_growth(comm) -> int:
+    """Live tensors after 100 forwards whose outputs are dropped, minus after 10."""
+    model = layerpar.LayerParallel(net16(), comm, CONVERGED, CONVERGED)
+    x, _ = _data(8, 0)
+    counts = []
+    for k in range(100):
+        model(x)
+        if k in (9, 99):
+            counts.append(tensors_alive())
+    model.close()
+    return counts[1] - counts[0]
+
+
+def main() -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    errs = run_cases(comm)
+    errs["tensor growth"] = float(dropped_outputs_growth(comm))
+    got = comm.gather(errs, root=0)
+    if comm.rank == 0:
+        worst = {k: max(e[k] for e in got) for k in got[0]}
+        with open(sys.argv[1], "w") as f:
+            json.dump(worst, f)
+
+
+if __name__ == "__main__":
+    main()
