@@ -352,6 +352,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"`--repeats` must be >= 1, got {args.repeats}")
     if args.threads < 1:
         p.error(f"`--threads` must be >= 1, got {args.threads}")
+    names = [f.__name__ for f in BENCHMARKS]
+    unknown = [n for n in args.only or () if n not in names]
+    if unknown:
+        p.error(f"`--only` {', '.join(unknown)}: no such benchmark (choose from "
+                f"{', '.join(names)})")
     if args.csv is not None:
         import os
         folder = os.path.dirname(os.path.abspath(args.csv))

@@ -88,11 +88,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             raise ValueError(f"`--np` must be >= 1, got {args.np}")
         if args.data_parallel < 1:
             raise ValueError(f"`--data-parallel` must be >= 1, got {args.data_parallel}")
-        if args.np % args.data_parallel and not launched():  # the job's size decides
-            raise ValueError(f"`--data-parallel` {args.data_parallel} must divide `--np` "
-                             f"{args.np} (N processes form R replicas of N/R ranks)")
+        # inside a job (mpiexec, srun, torchrun) its size decides; every process checks
+        # it alike, before any message
+        nprocs = job_size() if launched() else args.np
+        if nprocs % args.data_parallel:
+            what = f"the job's processes ({nprocs})" if launched() else f"`--np` {nprocs}"
+            raise ValueError(f"`--data-parallel` {args.data_parallel} must divide {what} "
+                             "(N processes form R replicas of N/R ranks)")
         layers = RECIPES[args.model].n_layers
         per = args.np // args.data_parallel
+        ranks = 1 if args.serial else nprocs // args.data_parallel
+        nested = max(0, args.nested)
+        if nested and (layers % 2 ** nested or layers // 2 ** nested < ranks):
+            raise ValueError(f"`--nested` {nested}: {args.model}'s {layers} layers must "
+                             f"halve {nested} time(s) and still give each of the {ranks} "
+                             f"rank(s) per replica at least one layer")
         if per > layers and not args.serial and not launched():  # once, not on N ranks
             what = "`--np`" if args.data_parallel == 1 else \
                 "`--np` / `--data-parallel` (ranks per replica)"
@@ -117,6 +127,22 @@ def under_mpi() -> bool:
     if under_torchrun():
         return False
     return os.environ.get(LAUNCHED_ENV) == "1" or any(v in os.environ for v in _MPI_ENV)
+
+
+def job_size() -> int:
+    """The number of processes of the job this process belongs to, from its launcher's
+    environment (1 outside a job; the size as MPI reports it where no variable says)."""
+    for var in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"):
+        if var in os.environ and (var != "WORLD_SIZE" or under_torchrun()):
+            try:
+                return int(os.environ[var])
+            except ValueError:
+                pass
+    if under_mpi():
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.Get_size()
+    return 1
 
 
 def launched() -> bool:

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from . import data
 from .loop import Progress, available_cores, train_steps
 from .mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MGRITOptions
+from .mgrit.transport import DEFAULT_TIMEOUT
 from .nets import PROBLEMS, RECIPES, Recipe, positive_int, problem_name, problem_net
 from .ode.net import ODENet
 from .ode.refine import refine
@@ -119,6 +120,7 @@ def train(
     check_every: int = 0,
     nested: int = 0,
     nested_epochs: int = 2,
+    timeout: Optional[float] = DEFAULT_TIMEOUT,
 ) -> dict[str, Any]:
     """Train the Peaks or digits network and return what happened.
 
@@ -132,6 +134,7 @@ def train(
     fwd, bwd: MGRIT options of the forward and adjoint solves (default: 3 levels,
         coarsening factor 4, 2 forward and 1 backward iteration: inexact training).
     progress: a progress bar on rank 0's stderr, when that is a terminal.
+    timeout: seconds any one wait for another rank may take (`LayerParallel`'s).
     dtype: parameter and data dtype (torch.float32 or torch.float64).
     n_layers, width: override the number of residual layers / the width (channels).
     data_parallel: replicas R of a `ProcessGrid` over ``comm`` (R x L processes; the
@@ -215,9 +218,10 @@ def train(
         model: nn.Module = net
     elif data_parallel > 1 or not (comm is None or hasattr(comm, "Split_type")):
         grid = ProcessGrid(comm, data=data_parallel)
-        model = LayerParallel(net, None, fwd, bwd, grid=grid, accuracy=policy)
+        model = LayerParallel(net, None, fwd, bwd, grid=grid, accuracy=policy,
+                              timeout=timeout)
     else:
-        model = LayerParallel(net, comm, fwd, bwd, accuracy=policy)
+        model = LayerParallel(net, comm, fwd, bwd, accuracy=policy, timeout=timeout)
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x_train, y_train), batch_size=batch_size,
         shuffle=True, generator=torch.Generator().manual_seed(seed))
@@ -456,6 +460,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="train the plain ODENet with autograd (the serial oracle)")
     t.add_argument("--float64", action="store_true", help="train in double precision")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
+                   help=f"seconds any one wait for another rank may take before the job "
+                        f"stops with a message naming it (default {DEFAULT_TIMEOUT:g})")
     a = parser.add_argument_group("accuracy")
     a.add_argument("--check-every", type=int, default=0, metavar="K",
                    help="measure the gradient error against exact propagation every K "
@@ -495,6 +502,9 @@ def check_arguments(args: argparse.Namespace) -> None:
                             ("--seed", args.seed, MAX_SEED)]:
         if value > hi:
             raise ValueError(f"`{flag}` must be <= {hi}, got {value}")
+    timeout = getattr(args, "timeout", DEFAULT_TIMEOUT)
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"`--timeout` must be a positive number of seconds, got {timeout}")
     if not (math.isfinite(args.tol) and args.tol >= 0):
         raise ValueError(f"`--tol` must be a finite number >= 0, got {args.tol}")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
@@ -532,4 +542,5 @@ def train_from_arguments(model_name: str, args: argparse.Namespace,
                  comm=comm, progress=not args.no_progress, dtype=dtype_from_arguments(args),
                  data_parallel=getattr(args, "data_parallel", 1),
                  adaptive=args.adaptive, check_every=args.check_every, nested=args.nested,
-                 nested_epochs=args.nested_epochs)
+                 nested_epochs=args.nested_epochs,
+                 timeout=getattr(args, "timeout", DEFAULT_TIMEOUT))

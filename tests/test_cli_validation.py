@@ -195,3 +195,56 @@ def test_train_function_data_parallel(kw: dict, message: str) -> None:
 
     with pytest.raises(ValueError, match=re.escape(message)):
         train("peaks", epochs=1, **kw)
+
+
+# --- late failures turned into one line before any process starts (issue 16, item 9) ----
+
+
+def test_train_nested_beyond_the_layers(capsys: pytest.CaptureFixture) -> None:
+    layers = RECIPES["peaks"].n_layers  # 32: halves 5 times to 1 layer
+    cli.parse_args(["train", "peaks", "--nested", "3", "--np", "4"])  # 4 layers, 4 ranks
+    for argv in (["--nested", "4", "--np", "4"], ["--nested", "6"]):
+        with pytest.raises(ValueError, match=rf"`--nested` {argv[1]}: peaks's {layers} "):
+            cli.parse_args(["train", "peaks", *argv])
+        assert cli.main(["train", "peaks", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "`--nested`" in err, err
+
+
+def test_train_data_parallel_not_dividing_a_torchrun_job(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    # a process that a bare torchrun started: the job's size (WORLD_SIZE) decides
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29500"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(var, value)
+    for var in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match=r"`--data-parallel` 2 must divide the job's "
+                                         r"processes \(3\)"):
+        cli.parse_args(["train", "peaks", "--data-parallel", "2"])
+    assert cli.main(["train", "peaks", "--data-parallel", "2"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    cli.parse_args(["train", "peaks", "--data-parallel", "3", "--batch-size", "60"])
+
+
+def test_train_timeout_flag(capsys: pytest.CaptureFixture) -> None:
+    assert cli.parse_args(["train", "peaks", "--timeout", "30"]).timeout == 30.0
+    for bad in ("0", "-1", "nan", "inf"):
+        assert cli.main(["train", "peaks", "--timeout", bad]) == 2
+        assert "`--timeout` must be a positive number" in capsys.readouterr().err
+
+
+def test_bench_only_an_unknown_benchmark(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench._ops_main(["--only", "bogus"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "`--only` bogus: no such benchmark" in err
+
+
+def test_accuracy_policy_bound_message() -> None:
+    from layerpar.parallel.adaptive import AccuracyPolicy
+
+    with pytest.raises(ValueError, match=r"max_rel_error` must be a finite number in "
+                                         r"\(0.0, inf\), got inf"):
+        AccuracyPolicy(max_rel_error=float("inf"))

@@ -50,7 +50,8 @@ def _number(value: Any, name: str, lo: float, hi: float, *, lo_open: bool = Fals
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
             value) or value > hi or value < lo or (lo_open and value == lo):
         side = "(" if lo_open else "["
-        raise ValueError(f"`accuracy.{name}` must be a number in {side}{lo}, {hi}], got "
+        rng = f"{side}{lo}, inf)" if hi == math.inf else f"{side}{lo}, {hi}]"
+        raise ValueError(f"`accuracy.{name}` must be a finite number in {rng}, got "
                          f"{value!r}")
     return float(value)
 
