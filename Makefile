@@ -10,7 +10,7 @@ NP     ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo 
 
 NATIVE := $(wildcard layerpar/_native/*.c layerpar/_native/*.h layerpar/_native/*.pyx layerpar/_native/*.pxd)
 
-.PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid train lint clean
+.PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-paths train lint clean
 
 setup: $(VENV)/.installed
 
@@ -39,6 +39,10 @@ bench: build
 
 bench-ops: build
 	$(BIN)/python -m layerpar.bench ops --csv docs/bench/ops.csv
+
+# batched="auto" (the default) against vectorised and per-step cycles (docs/bench/paths.*)
+bench-paths: build
+	$(BIN)/python -m layerpar.bench paths --ranks 1 2 --csv docs/bench/paths.csv | tee docs/bench/paths.txt
 
 # data x layer splits of 4 processes, under mpiexec and torchrun (docs/bench/grid.*)
 bench-grid: build

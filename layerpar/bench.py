@@ -333,6 +333,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from . import gpubench
 
         return gpubench.main(argv[1:])
+    if argv[:1] == ["paths"]:
+        from . import pathbench
+
+        return pathbench.main(argv[1:])
     if argv[:1] == ["grid"]:
         from . import gridbench
 

@@ -105,29 +105,10 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _launch(launcher: str, n: int, argv: list[str], timeout: float) -> list[dict]:
-    from .launch import mpiexec_path, run_job
+    from .launch import run_worker_job
 
-    worker = [sys.executable, "-m", "layerpar.gridbench", "--worker", *argv]
-    if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(n), "-m", "layerpar.gridbench", "--worker", *argv]
-    else:
-        mpiexec = mpiexec_path()
-        if mpiexec is None:
-            raise FileNotFoundError("no mpiexec found (pip install \"layerpar[mpich]\")")
-        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", *worker[1:]]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MPIR_CVAR_CH4_PROGRESS_THROTTLE="1")
-    import tempfile
-
-    with tempfile.TemporaryFile("w+") as out:
-        status = run_job(cmd, env=env, timeout=timeout, stdout=out)
-        out.seek(0)
-        text = out.read()
-    if status.returncode != 0:
-        raise RuntimeError(f"{launcher} job failed (status {status.returncode}"
-                           f"{', timed out' if status.timed_out else ''}):\n{text[-3000:]}")
-    return [json.loads(line.split("GRIDBENCH ", 1)[1]) for line in text.splitlines()
-            if "GRIDBENCH " in line]
+    return run_worker_job("layerpar.gridbench", n, ["--worker", *argv], marker="GRIDBENCH",
+                          launcher=launcher, timeout=timeout)
 
 
 def format_rows(rows: list[dict]) -> str:

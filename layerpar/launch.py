@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Optional, Union
 
-__all__ = ["JobStatus", "kill_job", "mpiexec_path", "run_job"]
+__all__ = ["JobStatus", "kill_job", "mpiexec_path", "run_job", "run_worker_job"]
 
 # signals a launcher forwards to its job (as a kill) before handling them itself
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -183,3 +183,35 @@ def run_job(cmd: Sequence[str], *, env: Optional[dict[str, str]] = None,
         os.kill(os.getpid(), status.interrupted_by)
         time.sleep(0.1)  # a Python-level handler (KeyboardInterrupt) runs here
     return status
+
+
+def run_worker_job(module: str, nprocs: int, argv: Sequence[str], *, marker: str,
+                   launcher: str = "mpiexec", timeout: Optional[float] = None
+                   ) -> list[dict[str, Any]]:
+    """Run ``python -m <module> <argv>`` on `nprocs` processes (mpiexec, with the
+    worker under ``python -m mpi4py``, or torchrun) and return the JSON objects its
+    processes printed on lines ``<marker> {...}``.  One thread per process (they share
+    the cores); a failed or timed-out job raises RuntimeError with its output's tail.
+    The benchmarks that launch their own jobs use this one command builder."""
+    import json
+    import tempfile
+
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nprocs), "-m", module, *argv]
+    else:
+        mpiexec = mpiexec_path()
+        if mpiexec is None:
+            raise FileNotFoundError("no mpiexec found (pip install \"layerpar[mpich]\")")
+        cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", "-m", module,
+               *argv]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MPIR_CVAR_CH4_PROGRESS_THROTTLE="1")
+    with tempfile.TemporaryFile("w+") as out:
+        status = run_job(cmd, env=env, timeout=timeout, stdout=out)
+        out.seek(0)
+        text = out.read()
+    if status.returncode != 0:
+        raise RuntimeError(f"{launcher} job failed (status {status.returncode}"
+                           f"{', timed out' if status.timed_out else ''}):\n{text[-3000:]}")
+    return [json.loads(line.split(marker + " ", 1)[1]) for line in text.splitlines()
+            if marker + " " in line]

@@ -48,9 +48,9 @@ def test_batched_equals_per_step_path(dtype: torch.dtype, scheme: str) -> None:
                           n_steps=29, t_final=3.0, close=torch.nn.Linear(5, 4),
                           scheme=scheme).to(dtype)
     x, y = torch.randn(7, 3, dtype=dtype), torch.randint(0, 4, (7,))
-    mb = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT)
+    mb = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT, batched=True)
     ms = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT, batched=False)
-    assert mb._runners[1].bb is not None and ms._runners[1].bb is None
+    assert mb._runners[1].vectorised is not None and ms._runners[1].vectorised is None
     b, s = train(mb, x, y), train(ms, x, y)
     assert rel(b[0], s[0]) <= TOL[dtype] and rel(b[1], s[1]) <= TOL[dtype]
     for name in b[2]:
@@ -63,7 +63,7 @@ def test_gradients_are_rows_of_one_tensor_and_accumulate() -> None:
     tensor (no copy per layer); a second backward accumulates as serial code does."""
     torch.manual_seed(0)
     net = dense_net().double()
-    model = layerpar.LayerParallel(net, None, *INEXACT)
+    model = layerpar.LayerParallel(net, None, *INEXACT, batched=True)
     x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 4, (6,))
     _, _, g1 = train(model, x, y)
     g1 = {n: g.clone() for n, g in g1.items()}
@@ -76,7 +76,7 @@ def test_gradients_are_rows_of_one_tensor_and_accumulate() -> None:
 
 def test_hooks_and_retained_grads_are_honoured() -> None:
     torch.manual_seed(0)
-    model = layerpar.LayerParallel(dense_net().double(), None, *INEXACT)
+    model = layerpar.LayerParallel(dense_net().double(), None, *INEXACT, batched=True)
     p = model.layers[1].blocks["4"].linear.weight
     seen = []
     p.register_hook(lambda g: seen.append(g.clone()))
@@ -92,8 +92,8 @@ def test_blocks_that_cannot_be_vectorised_fall_back_with_one_warning() -> None:
                           steps=lambda k: blocks.Dense(5, activation=acts[k % 2]),
                           n_steps=12, t_final=2.0, close=torch.nn.Linear(5, 4)).double()
     with pytest.warns(UserWarning, match="Dense is not vectorised .*differ in structure"):
-        model = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT)
-    assert model._runners[1].bb is None
+        model = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT, batched=True)
+    assert model._runners[1].vectorised is None
     # and the per-step path it falls back to is still right
     ref = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT, batched=False)
     x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 4, (6,))
@@ -112,11 +112,11 @@ def test_a_block_whose_vmap_fails_falls_back_at_the_first_pass() -> None:
     torch.manual_seed(0)
     net = layerpar.ODENet(open=torch.nn.Linear(3, 5), steps=lambda k: Items(), n_steps=12,
                           t_final=2.0, close=torch.nn.Linear(5, 4)).double()
-    model = layerpar.LayerParallel(net, None, *INEXACT)
+    model = layerpar.LayerParallel(net, None, *INEXACT, batched=True)
     x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 4, (6,))
     with pytest.warns(UserWarning, match="Items is not vectorised .*vmap failed"):
         train(model, x, y)
-    assert model._runners[1].bb is None
+    assert model._runners[1].vectorised is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         train(model, x, y)  # once only
@@ -146,7 +146,7 @@ def test_operation_count_grows_with_levels_not_layers() -> None:
         torch.manual_seed(0)
         net, x, y = opcount.dense_model(n_steps=n, width=4, batch=2)
         fwd, bwd = opcount.mgrit_options(n)
-        lp = layerpar.LayerParallel(net, None, fwd, bwd)
+        lp = layerpar.LayerParallel(net, None, fwd, bwd, batched=True)
         opt = torch.optim.SGD(lp.parameters(), lr=1e-3, foreach=True)
         counts.append(opcount.count_ops(opcount.train_step(lp, opt, x, y))[0])
     first, second = counts[1] - counts[0], counts[2] - counts[1]

@@ -384,7 +384,7 @@ def test_forward_after_close_says_so() -> None:
     ({"check_inputs": -1}, "`check_inputs` must be an int >= 0"),
     ({"check_inputs": True}, "`check_inputs` must be an int >= 0"),
     ({"check_finite": 1}, "`check_finite` must be a bool"),
-    ({"batched": "yes"}, "`batched` must be a bool"),
+    ({"batched": "yes"}, "`batched` must be True, False or \"auto\""),
 ])
 def test_new_arguments_are_validated(kwargs: dict, match: str) -> None:
     with pytest.raises((TypeError, ValueError), match=match):

@@ -28,6 +28,12 @@ def test_passes_match_serial_one_rank() -> None:
         assert err <= F64_CONVERGED, (case, err)
 
 
+def test_auto_path_is_measured_and_equals_per_step() -> None:
+    (batched, t_vec, t_seq), err = lp_passes.auto_choice(None)
+    assert t_vec > 0 and t_seq > 0 and batched == (t_vec <= t_seq)
+    assert err <= 1e-12
+
+
 def test_dropped_outputs_hold_no_memory() -> None:
     # 90 more forwards whose outputs are dropped leave no more live tensors behind
     assert lp_passes.dropped_outputs_growth(None) <= 0
@@ -41,6 +47,9 @@ def test_passes_match_serial_mpi(nprocs: int, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     errs = json.loads(out.read_text())
     assert errs.pop("tensor growth") <= 0
+    # batched="auto" decides alike on every rank, and either path gives the same result
+    assert errs.pop("auto choices agree") is True
+    assert errs.pop("auto vs per-step") <= 1e-12
     assert len(errs) == 2 * len(lp_passes.CASES)
     for case, err in errs.items():
         assert err <= F64_CONVERGED, (case, err)

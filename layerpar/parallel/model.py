@@ -148,9 +148,13 @@ class LayerParallel(nn.Module):
         (`final_fc_relax` is always on: the final sweep records states and gradients).
     coarsening: parameter coarsening on coarse levels, "injection" or "average".
     state_dict: optional whole-network state dict to load before distributing.
-    batched: advance all independent intervals of a level in one vectorised step
-        (default; see `layerpar.parallel.batched`).  False steps layer by layer, as a
-        reference.  Blocks that cannot be vectorised fall back with one warning.
+    batched: "auto" (default): at the first pass for each input shape, time one
+        fine-level batch of steps (with their vector-Jacobian products) vectorised and
+        layer by layer, and run the faster (`cycle_paths` says what was chosen and
+        measured; logged on the "layerpar" logger).  True: always advance all
+        independent intervals of a level in one vectorised step (see
+        `layerpar.parallel.batched`); False: step layer by layer, as a reference.
+        Blocks that cannot be vectorised step layer by layer, with one warning.
     timeout: seconds any one wait for another rank may take (messages, reductions; default
         10 minutes; None: unbounded).  On expiry the waiting rank raises `TimeoutError`
         naming what it waited for, the rank, and the batch, and tells the others: a rank
@@ -193,7 +197,7 @@ class LayerParallel(nn.Module):
                  backward_options: Optional[MGRITOptions] = None, *,
                  coarsening: str = "injection",
                  state_dict: Optional[dict[str, Tensor]] = None,
-                 batched: bool = True, check_finite: bool = True,
+                 batched: Union[bool, str] = "auto", check_finite: bool = True,
                  timeout: Optional[float] = DEFAULT_TIMEOUT, check_inputs: int = 10,
                  grid: Optional[ProcessGrid] = None, accuracy: Any = None) -> None:
         super().__init__()
@@ -232,9 +236,12 @@ class LayerParallel(nn.Module):
                 raise ValueError(f"`check_inputs` must be an int >= 0 (batches whose input "
                                  f"and loss gradient are compared between ranks), got "
                                  f"{check_inputs!r}")
-            for name, flag in (("batched", batched), ("check_finite", check_finite)):
-                if not isinstance(flag, bool):
-                    raise TypeError(f"`{name}` must be a bool, got {type(flag).__name__}")
+            if not (isinstance(batched, bool) or batched == "auto"):
+                raise TypeError(f"`batched` must be True, False or \"auto\", got "
+                                f"{batched!r}")
+            if not isinstance(check_finite, bool):
+                raise TypeError(f"`check_finite` must be a bool, got "
+                                f"{type(check_finite).__name__}")
             policy = as_policy(accuracy)
             if coarsening not in COARSENINGS:
                 raise ValueError(f"`coarsening` must be one of {COARSENINGS}, got "
@@ -338,6 +345,12 @@ class LayerParallel(nn.Module):
     @last_backward.setter
     def last_backward(self, value: list[SolveStats]) -> None:
         self._last_bwd = value
+
+    @property
+    def cycle_paths(self) -> list[dict[tuple, Any]]:
+        """Per segment, input shape -> `PathChoice` (vectorised or per-step cycles, and
+        the seconds measured for each where ``batched="auto"`` chose)."""
+        return [{key[0]: c for key, c in r.paths.items()} for r in self._runners.values()]
 
     # -- helpers ------------------------------------------------------------------------------
     @property

@@ -6,7 +6,11 @@ vectorised, and what a forward pass leaves for its backward pass.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -38,11 +42,26 @@ from .tape import BatchRecord, Tape
 __all__ = ["SegmentRunner"]
 
 
+_log = logging.getLogger("layerpar")
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """Which cycle a segment runs for one input shape, and what was measured (seconds
+    of one fine-level batch of steps with their VJPs, summed over the ranks; None where
+    the choice was not measured)."""
+
+    batched: bool
+    vectorised_s: Optional[float]
+    per_step_s: Optional[float]
+
+
 class SegmentRunner:
     """One Segment on one rank: ownership, ghosts, and the forward/adjoint engines."""
 
     def __init__(self, seg: Segment, seg_index: int, transport: Any, fwd: MGRITOptions,
-                 bwd: MGRITOptions, coarsening: str, batched: bool = True) -> None:
+                 bwd: MGRITOptions, coarsening: str, batched: Union[bool, str] = "auto"
+                 ) -> None:
         self.seg = seg
         self.seg_index = seg_index
         self.n = n = seg.n_steps
@@ -69,12 +88,18 @@ class SegmentRunner:
         self.sequential_forward = len(build_levels(n, fwd)) == 1
         # vectorised steps (batched.py): for MGRIT in both directions with injection;
         # sequential solves have nothing to batch
+        # `vectorised`: the segment's BatchedBlocks where its blocks allow them; `bb`: the
+        # same where this pass uses them (per input: "auto" measures both paths at the
+        # first pass for an input shape, see choose_path), else None (per-step path)
+        self.vectorised: Optional[BatchedBlocks] = None
         self.bb: Optional[BatchedBlocks] = None
+        self.auto = batched == "auto"
+        self.paths: dict[tuple, PathChoice] = {}
         if batched and coarsening == "injection" and not self.sequential_forward \
                 and not self.sequential_adjoint:
             why = unbatchable_reason(list(self.blocks.values()))
             if why is None:
-                self.bb = BatchedBlocks(self.blocks, self.scheme, self.times)
+                self.vectorised = BatchedBlocks(self.blocks, self.scheme, self.times)
             else:
                 warn_once(seg.blocks[self.owned[0]], why)
         self.index_cache: dict[tuple, Tensor] = {}
@@ -160,6 +185,84 @@ class SegmentRunner:
                 raise ValueError(inplace_message(self.blocks[a], a, self.seg_index)) \
                     from exc
             raise
+
+    # -- which cycle: vectorised or per-step -------------------------------------------
+    def use_path(self, like: Tensor) -> Optional[BatchedBlocks]:
+        """The vectorised steps for this input, or None for the per-step path.
+
+        At the first pass for an input shape the vectorised evaluation is checked
+        against the blocks' own forward (`BatchedBlocks.probe`); with ``batched="auto"``
+        both paths are then timed (`choose_path`), since vectorising is not always
+        faster (under vmap a convolution becomes a grouped convolution, which runs
+        slower than ordinary ones on a CPU).  Collective then: every rank gets here at
+        the same pass (input shapes are agreed) and takes the same decision.
+        """
+        key = (tuple(like.shape), like.dtype, like.device)
+        got = self.paths.get(key)
+        if got is None:
+            bb = self.vectorised
+            assert bb is not None
+            why = bb.probe(like)
+            if why is not None:
+                warn_once(bb.proto, why)
+                self.vectorised = None
+                return None
+            got = self.choose_path(like) if self.auto else PathChoice(True, None, None)
+            self.paths[key] = got
+        return self.vectorised if got.batched else None
+
+    def choose_path(self, like: Tensor, repeats: int = 3) -> PathChoice:
+        """Time one fine-level batch of this rank's steps, each step with its
+        vector-Jacobian product (input and parameters, as the final sweeps need),
+        vectorised and one by one; the faster path (summed over ranks) wins."""
+        bb = self.vectorised
+        assert bb is not None
+        k = max(1, len(self.owned) // self.fwd_options.cfactor_at(0))
+        layers = tuple(self.owned[:k])
+        pairs = tuple((a, a + 1) for a in layers)
+        g = torch.Generator(device=like.device).manual_seed(4321)
+        x = torch.randn((k, *like.shape), generator=g, dtype=like.dtype, device=like.device)
+
+        def vectorised() -> None:
+            with torch.enable_grad():
+                stacked, _ = bb.stacked(layers)
+                leaves = {n: t.detach().requires_grad_() for n, t in stacked.items()}
+                xin = x.detach().requires_grad_()
+                y = bb.step(xin, pairs, params=leaves)
+                torch.autograd.grad(y, [xin, *leaves.values()], x)
+            bb.new_pass()
+
+        def per_step() -> None:
+            with torch.enable_grad():
+                for r, a in enumerate(layers):
+                    xin = x[r].detach().requires_grad_()
+                    y = self.phi(xin, a, a + 1, update_stats=False)
+                    torch.autograd.grad(y, [xin, *self.blocks[a].parameters()], x[r])
+
+        def seconds(fn: Callable[[], None]) -> float:
+            best = math.inf
+            for rep in range(repeats + 1):  # the first is a warm-up
+                if like.is_cuda:
+                    torch.cuda.synchronize(like.device)
+                t0 = time.perf_counter()
+                fn()
+                if like.is_cuda:
+                    torch.cuda.synchronize(like.device)
+                if rep:
+                    best = min(best, time.perf_counter() - t0)
+            return best
+
+        mine = (seconds(vectorised), seconds(per_step))
+        got = [mine] if self.transport.size == 1 else self.transport.allgather_object(
+            mine, "the timing of vectorised and per-step cycles")
+        t_vec, t_seq = sum(t for t, _ in got), sum(t for _, t in got)
+        choice = PathChoice(t_vec <= t_seq, t_vec, t_seq)
+        _log.info("layerpar: segment %d, input %s: %s (vectorised %.3g ms, per-step "
+                  "%.3g ms for %d steps with their VJPs, summed over %d rank(s))",
+                  self.seg_index, tuple(like.shape),
+                  "vectorised cycles" if choice.batched else "per-step cycles",
+                  1e3 * t_vec, 1e3 * t_seq, k, len(got))
+        return choice
 
     def refresh_trainable(self) -> None:
         """Re-read which owned parameters require grad (the user may freeze some)."""
@@ -381,13 +484,9 @@ class SegmentRunner:
         self.u0 = u0 if u0 is not None else like
         self.zero = torch.zeros_like(like)
         self.transport.set_template(like)
+        self.bb = self.vectorised if self.vectorised is None else self.use_path(like)
         if self.bb is not None:
             self.bb.new_pass()
-            if check_shapes:  # first pass for this input shape: is vmap right here?
-                why = self.bb.probe(like)
-                if why is not None:
-                    warn_once(self.bb.proto, why)
-                    self.bb = None
         if direct:
             assert u0 is not None
             self.u0_graph, self.u0 = u0, u0.detach()

@@ -46,8 +46,9 @@ def test_cuda_equals_cpu(name: str) -> None:
     x, y = torch.randn(*shape), torch.randint(0, 5, (shape[0],))
     got = {}
     for dev in ("cpu", "cuda"):
-        model = layerpar.LayerParallel(copy.deepcopy(net).to(dev), None, *FIXED)
-        assert model._runners[1].bb is not None
+        model = layerpar.LayerParallel(copy.deepcopy(net).to(dev), None, *FIXED,
+                                       batched=True)
+        assert model._runners[1].vectorised is not None
         xp = x.detach().clone().to(dev).requires_grad_()
         out = model(xp)
         torch.nn.functional.cross_entropy(out, y.to(dev)).backward()
