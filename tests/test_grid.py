@@ -43,6 +43,8 @@ def test_grids_match_serial_training(launcher: str) -> None:
 FAILURES = {
     "raise_in_layer": ("RuntimeError", "RemoteError", "a layer exploded on rank 3"),
     "options_differ": ("RankMismatchError", "RankMismatchError", "`options.max_iter`"),
+    "nan_one_replica": ("DivergenceError", "RemoteError",
+                        "data replica 1 (global ranks [2, 3])"),
     "grid_not_divide": ("ValueError", "ValueError", "does not match the 4 processes"),
     "shapes_differ": ("RankMismatchError", "RankMismatchError",
                       "the input differs between data replicas"),
@@ -59,6 +61,8 @@ def test_bad_input_raises_on_every_process(launcher: str, case: str) -> None:
     assert sorted(seen) == [0, 1, 2, 3], describe(proc)
     assert set(seen.values()) <= {local, remote} and local in seen.values(), describe(proc)
     assert proc.stdout.count(text) >= 4, describe(proc)
+    took = [float(t) for t in re.findall(r"took ([0-9.]+) s", proc.stdout)]
+    assert all(t < 20 for t in took), describe(proc)  # within seconds, not the timeout
 
 
 @pytest.mark.mpi

@@ -386,10 +386,21 @@ class LayerParallel(nn.Module):
     def _guard(self, fn: Callable[[], Any]) -> Any:
         """Run `fn`; an exception raised on this rank alone is sent to the others.
         Errors every rank raises by itself (same data, same check) are not sent: the
-        notice could overtake the other ranks' own, clearer error."""
+        notice could overtake the other ranks' own, clearer error.  A divergence in one
+        data replica is sent (naming the replica): the other replicas saw other data."""
         try:
             return fn()
-        except (RemoteError, RankMismatchError, DivergenceError):
+        except DivergenceError as exc:
+            grid = self.grid
+            if grid is None or grid.data == 1 or self.accuracy is not None:
+                raise  # the layer group's ranks all see it (adaptive accuracy recovers)
+            # the other replicas hold other data and would wait for this one's gradients
+            first = grid.data_rank * grid.layers
+            named = DivergenceError(f"data replica {grid.data_rank} (global ranks "
+                                    f"{list(range(first, first + grid.layers))}): {exc}")
+            self.transport.broadcast_error(named)
+            raise named from exc
+        except (RemoteError, RankMismatchError):
             raise
         except BaseException as exc:
             self.transport.broadcast_error(exc)

@@ -13,7 +13,8 @@ Correctness cases compare with the serial oracle (float64, <= 1e-10 relative):
   solve     solve() over the whole group = the serial solve
   correct   the four above in one job
 Failure cases (each rank reports the exception it ended with):
-  raise_one_rank, raise_in_layer, options_differ, grid_not_divide, shapes_differ, sigkill
+  raise_one_rank, raise_in_layer, nan_one_replica, options_differ, grid_not_divide,
+  shapes_differ, sigkill
 """
 import datetime
 import os
@@ -256,6 +257,24 @@ def case_raise_in_layer():
     nn.functional.cross_entropy(model(shard(x, grid)), shard(y, grid)).backward()
     Exploding.armed = True
     nn.functional.cross_entropy(model(shard(x, grid)), shard(y, grid)).backward()
+    return "no error"
+
+
+def case_nan_one_replica():
+    """Replica 1 gets a NaN in its batch: its ranks raise DivergenceError, and the
+    other replica's (which would wait for its gradients) learn of it within seconds."""
+    grid = layerpar.ProcessGrid(comm, data=2, layers=2, timeout=60)
+    model = layerpar.LayerParallel(net(), grid=grid, options=FWD.replace(max_levels=2,
+                                   cfactor=2), timeout=60)
+    x, y = data()
+    xs = shard(x, grid).clone()
+    if grid.data_rank == 1:
+        xs[0, 0] = float("nan")
+    t0 = time.perf_counter()
+    try:
+        nn.functional.cross_entropy(model(xs), shard(y, grid)).backward()
+    finally:
+        print(f"RANK {rank} took {time.perf_counter() - t0:.1f} s", flush=True)
     return "no error"
 
 
