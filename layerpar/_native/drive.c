@@ -139,7 +139,6 @@ int lpm_drive(lpm_core *c) {
     c->iterations = 0;
     c->converged = 0;
     c->nrnorms = 0;
-    c->ran = 1;
     for (int k = 0; k < LPM_NTIMERS; k++) c->timings[k] = 0.0;
     for (int l = 0; l < LPM_MAX_LEVELS; l++) c->step_count[l] = c->batch_count[l] = 0;
     double t = _lpm_now();

@@ -61,7 +61,7 @@ struct lpm_core {
     double *w_ts, *w_te;
     int *w_is, *w_ie, *w_idx;
     /* results of the last drive */
-    int iterations, converged, ran;
+    int iterations, converged;
     int nrnorms, cap_rnorms;
     double *rnorms;
     double timings[LPM_NTIMERS];

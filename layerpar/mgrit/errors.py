@@ -33,8 +33,9 @@ class DivergenceError(MGRITError, ArithmeticError):
 
 class RankLostError(RemoteError):
     """A rank's process is gone (killed, crashed): its connection closed while another
-    rank waited for it.  `rank` is its rank in the world, or None where the backend
-    does not say which one."""
+    rank waited for it, or a census of the rendezvous store found it missing.  `rank`
+    is its rank in the world, or -1 where the backend cannot say which one (the
+    message then reads "rank ?")."""
 
     PREFIX = "LOST "  # marks a lost rank on an error channel
 

@@ -40,7 +40,6 @@ class SolveStats:
     timings: dict[str, float] = field(default_factory=dict)
     step_counts: list[int] = field(default_factory=list)
     batch_counts: list[int] = field(default_factory=list)
-    direct: bool = False  # PyTorch's engine ran this pass (LayerParallel's direct mode)
     _history: Optional[list[float]] = field(default=None, repr=False)
     _lazy: Optional[Callable[[], list[float]]] = field(default=None, repr=False)
 

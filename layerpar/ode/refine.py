@@ -117,8 +117,11 @@ def refine(net: ODENet, factor: int = 2, interpolation: str = "constant") -> ODE
     interval but each step freezes them at its start time, which limits
     convergence to first order for any scheme.
     """
-    if type(net).__name__ == "LayerParallel" and hasattr(net, "refine"):
-        return net.refine(factor, interpolation)  # distributed: no gather (collective)
+    if not isinstance(net, ODENet) and isinstance(net, nn.Module) and callable(
+            getattr(net, "refine", None)):
+        # a distributed net refines itself (LayerParallel: on its own ranks, no gather;
+        # collective); ode never imports the parallel side
+        return net.refine(factor, interpolation)
     if not isinstance(net, ODENet):
         raise TypeError(f"`net` must be an ODENet or a LayerParallel, got "
                         f"{type(net).__name__}")

@@ -1,14 +1,29 @@
 """`LayerParallel`: an `ODENet` distributed over the ranks of a communicator.
 
-model.py      LayerParallel, its autograd Function, runners of the forward/adjoint solves
+model.py      LayerParallel (the nn.Module) and its autograd Function: the pass over
+              plain layers and segments, agreement between ranks, gradients out
+plan.py       Plan: which rank owns which layers on each level, ghosts, sends (printable)
+runner.py     one segment on one rank: the propagator, its two engine sessions, and
+              the choice of vectorised or per-step cycles
+tape.py       what one forward pass leaves for its backward pass (owned by the pass)
+forward.py    the forward solve's engine callbacks (steps, records of the final sweep)
+adjoint.py    the adjoint solve's engine callbacks (transposed Jacobians, gradients)
+direct.py     direct mode: one rank, sequential solves, PyTorch runs the backward
 batched.py    vectorised steps: a level's independent intervals advance in one call
+bn_dropout.py batch norm and dropout inside solves that evaluate a layer many times
+ghosts.py     read-only copies of neighbours' blocks that coarse steps use
 grads.py      parameter gradients delivered to `.grad` from stacked per-layer gradients
 capture.py    a whole training step captured in one CUDA graph and replayed
 grid.py       ProcessGrid: data replicas x layer ranks over one communicator
 replicas.py   gradients averaged over the replicas (bucketed, overlapped reductions)
+checkpoint.py state dicts and optimizer state gathered, loaded on any rank count
+accuracy.py   check_gradients: the inexact gradient against the exact one, measured
+adaptive.py   adaptive accuracy: iteration counts against a bound on gradient error
+refine.py     nested iteration on a LayerParallel (refinement in depth, in place)
 """
 from .capture import CapturedStep, capture_step
 from .grid import ProcessGrid
 from .model import LayerParallel
+from .plan import Plan
 
-__all__ = ["CapturedStep", "LayerParallel", "ProcessGrid", "capture_step"]
+__all__ = ["CapturedStep", "LayerParallel", "Plan", "ProcessGrid", "capture_step"]

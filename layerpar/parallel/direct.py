@@ -51,5 +51,5 @@ def direct_backward_started(model: LayerParallel, gy: Tensor) -> None:
         raise DivergenceError("the loss gradient is not finite (NaN or inf loss?)")
     model.last_backward = [
         SolveStats(iterations=1, converged=True, n_levels=1,
-                   timings=dict.fromkeys(fwd.timings, 0.0), direct=True, _history=[])
+                   timings=dict.fromkeys(fwd.timings, 0.0), _history=[])
         for fwd in model.last_forward]

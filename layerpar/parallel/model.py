@@ -35,6 +35,7 @@ from .batched import structure
 from .direct import direct_backward_started
 from .grads import GradDelivery
 from .grid import ProcessGrid
+from .plan import Plan
 from .replicas import GradAverager
 from .runner import SegmentRunner
 from .tape import Tape
@@ -308,7 +309,6 @@ class LayerParallel(nn.Module):
         # one rank, sequential forward and adjoint: see _forward_direct
         self._direct = size == 1 and self._averager is None and all(
             r.sequential_forward and r.sequential_adjoint for r in self._runners.values())
-        self._net_repr = repr(net)
         # what _twin needs to build the same model with other MGRIT options
         # (outside nn.Module's registry: the whole net is not this rank's submodule)
         self.__dict__["_net"], self._comm_arg = net, comm
@@ -345,6 +345,13 @@ class LayerParallel(nn.Module):
     @last_backward.setter
     def last_backward(self, value: list[SolveStats]) -> None:
         self._last_bwd = value
+
+    @property
+    def plan(self) -> Plan:
+        """Where everything runs: per segment, the layers and level points of each rank,
+        the ghost blocks and the states that cross ranks (`Plan`; print it)."""
+        return Plan.build(self._net, self.size, self.options, self.backward_options,
+                          self.coarsening)
 
     @property
     def cycle_paths(self) -> list[dict[tuple, Any]]:

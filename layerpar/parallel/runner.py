@@ -62,7 +62,6 @@ class SegmentRunner:
     def __init__(self, seg: Segment, seg_index: int, transport: Any, fwd: MGRITOptions,
                  bwd: MGRITOptions, coarsening: str, batched: Union[bool, str] = "auto"
                  ) -> None:
-        self.seg = seg
         self.seg_index = seg_index
         self.n = n = seg.n_steps
         self.coarsening = coarsening
