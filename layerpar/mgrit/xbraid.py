@@ -15,6 +15,7 @@ engine, and is refused by name rather than done differently:
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,7 +46,7 @@ def check_engine(engine: Any) -> str:
 def xbraid_available() -> bool:
     """Whether the XBraid engine was built (XBRAID_DIR at build time)."""
     try:
-        from .._native import _xbraid  # noqa: F401
+        importlib.import_module("layerpar._native._xbraid")
     except ImportError:
         return False
     return True

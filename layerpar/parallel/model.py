@@ -286,7 +286,7 @@ class LayerParallel(nn.Module):
                         f"{self.transport.size} ranks: each rank needs at least one layer")
             if engine == "xbraid":
                 _check_xbraid(self.transport, net, options, backward_options, batched,
-                              grid is not None, accuracy)
+                              grid is not None, policy)
             key = {**{f"options.{k}": v for k, v in options.key().items()},
                    **{f"backward_options.{k}": v for k, v in backward_options.key().items()},
                    "coarsening": coarsening, "batched": batched, "check_finite": check_finite,

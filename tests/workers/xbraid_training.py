@@ -42,7 +42,7 @@ def main() -> None:
     worst = max(float((grads["xbraid"][n] - g).norm() / g.norm().clamp(min=1e-300))
                 for n, g in grads["native"].items())
     accs = []
-    for engine, m in models.items():
+    for m in models.values():
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         for b in range(5):
             opt.zero_grad()
