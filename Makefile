@@ -60,9 +60,16 @@ bench: build
 	$(BIN)/python -m layerpar.bench
 	$(BIN)/mpiexec -n 2 $(BIN)/python -m mpi4py -m layerpar.bench
 
-# both engines at the same settings (needs the XBraid engine: XBRAID_DIR)
+# both engines at the same settings, 1 and 2 ranks (needs the XBraid engine: XBRAID_DIR)
+ENGINES_1 := $(BIN)/python -m layerpar.bench engines --csv docs/bench/engines.csv
+ENGINES_2 := $(BIN)/mpiexec -n 2 $(BIN)/python -m mpi4py -m layerpar.bench engines \
+	--csv docs/bench/engines-np2.csv
 bench-engines: build
-	$(BIN)/python -m layerpar.bench engines --csv docs/bench/engines.csv | tee docs/bench/engines.txt
+	mkdir -p docs/bench
+	echo '$$ $(ENGINES_1)' > docs/bench/engines.txt
+	$(ENGINES_1) | tee -a docs/bench/engines.txt
+	echo '$$ $(ENGINES_2)' >> docs/bench/engines.txt
+	$(ENGINES_2) | tee -a docs/bench/engines.txt
 
 bench-ops: build
 	$(BIN)/python -m layerpar.bench ops --csv docs/bench/ops.csv

@@ -153,6 +153,13 @@ def test_refused_by_name() -> None:
         LayerParallel(net(), batched=True, engine="xbraid")
     with pytest.raises(ValueError, match="`accuracy`"):
         LayerParallel(net(), engine="xbraid", accuracy=True)
+    from layerpar.parallel.capture import capture_step
+
+    model = LayerParallel(net(), engine="xbraid")
+    with pytest.raises(ValueError, match="capture_step needs engine='native'"):
+        capture_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     torch.nn.functional.cross_entropy, torch.zeros(2, 2),
+                     torch.zeros(2, dtype=torch.long))
 
 
 def test_partitions() -> None:
