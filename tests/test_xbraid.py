@@ -6,7 +6,8 @@
   same iteration counts and residual histories within |dr| <= 1e-8 r + 1e-14.
 - Training: LayerParallel Peaks gradients (float64, per-step path) agree to 1e-12 at
   1, 2 and 3 ranks, and so does validation accuracy after a few SGD steps.
-- Errors: a callback raising on one rank under XBraid stops every rank with the error;
+- Errors: a callback raising on one rank under XBraid stops every rank with the error,
+  and so does a rank failing before its XBraid solve while the others enter theirs;
   what XBraid cannot do is refused by name; without a build, one error says how.
 
 The tests that run XBraid are skipped when the engine was not built (XBRAID_DIR).
@@ -106,6 +107,10 @@ def test_layer_parallel_training_agrees(nprocs: int) -> None:
         _, grad, _, acc_n, acc_x = lines[r][0].split()
         assert float(grad) <= 1e-12, describe(proc)
         assert acc_n == acc_x, describe(proc)
+        # rank 0 failed before the segment's solve: every rank stops with its error
+        want = "RuntimeError: opening layer failed on purpose"
+        assert lines[r][1] == ("early " + want if r == 0 else
+                               f"early RemoteError: rank 0 failed: {want}"), describe(proc)
 
 
 @needs_xbraid

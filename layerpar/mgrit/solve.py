@@ -240,7 +240,7 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
                         "t_final": float(t_final), "u0.shape": tuple(u0.shape),
                         "u0.dtype": str(u0.dtype), "init": init is not None,
                         "step_batch": step_batch is not None}
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, ImportError) as exc:  # ImportError: no XBraid build
             err, key = exc, None
         transport.agree(key, err, "solve() arguments (options, n_steps, times, u0 shape/dtype)")
         transport.timeout = timeout

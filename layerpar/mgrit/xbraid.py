@@ -110,7 +110,10 @@ class XBraidEngine:
     transport view, the adjoint's, gives a reversed communicator) and its messages
     never meet the transport's.  After each drive the ranks exchange whether a
     callback failed on one of them: that rank re-raises its exception and the others
-    raise `RemoteError` naming it, so nothing hangs.
+    raise `RemoteError` naming it.  Before each drive the ranks meet in a bounded,
+    error-aware exchange, so a rank that failed before its solve is reported too.  A
+    rank whose process dies inside braid_Drive cannot be noticed: XBraid's waits have
+    no time limit.
     """
 
     def __init__(self, n_steps: int, t_start: float, t_final: float, transport: Any,
@@ -150,6 +153,11 @@ class XBraidEngine:
         raised on another rank.  Returns 0 or NAN_ERROR, as `Core.drive`."""
         t = self.transport
         self.core.set_nbytes(nbytes(t._shape, t._dtype))
+        if t.size > 1:
+            # XBraid's own waits watch no error channel and have no time limit: enter
+            # braid_Drive only when every rank has come this far (this exchange is
+            # bounded and error-aware, so a rank that failed before it is reported)
+            t.allgather_object(None, "the start of an XBraid solve")
         code = self.core.drive()
         err = self.core.error
         if t.size > 1:

@@ -51,6 +51,19 @@ def main() -> None:
         with torch.no_grad():
             accs.append(float((m(xv).argmax(1) == yv).double().mean()))
     sys.stdout.write(f"RANK {comm.rank} grad {worst:.3e} acc {accs[0]} {accs[1]}\n")
+    # rank 0 fails before the segment's solve (in the opening layer) while the others
+    # enter it: they must learn of it instead of waiting in XBraid
+    model = models["xbraid"]
+    if comm.rank == 0:
+        def broken(x):
+            raise RuntimeError("opening layer failed on purpose")
+
+        model.layers[0].forward = broken
+    try:
+        loss_fn(model(xt[:10]), yt[:10]).backward()
+        sys.stdout.write(f"RANK {comm.rank} early none\n")
+    except Exception as exc:  # noqa: BLE001 - reported per rank
+        sys.stdout.write(f"RANK {comm.rank} early {type(exc).__name__}: {exc}\n")
     sys.stdout.flush()
 
 
