@@ -8,9 +8,23 @@ TORCH  ?= torch==2.13.0
 # local MPI ranks for `make train`: one per core, at most 4
 NP     ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
-NATIVE := $(wildcard layerpar/_native/*.c layerpar/_native/*.h layerpar/_native/*.pyx layerpar/_native/*.pxd)
+NATIVE := $(wildcard layerpar/_native/*.c layerpar/_native/*.h layerpar/_native/_core.pyx layerpar/_native/lpm.pxd)
 
-.PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-paths train lint clean
+# Optional XBraid engine (engine="xbraid"), built from an XBraid source tree, never
+# vendored: `XBRAID_DIR=/path/to/xbraid make build` compiles its libbraid.a with the
+# venv's mpicc (if not built yet) and our wrapper against it.  In a checkout with
+# ../shared/xbraid beside it (CI), a copy of that tree in build/xbraid is used.
+ifeq ($(origin XBRAID_DIR),undefined)
+ifneq ($(wildcard $(CURDIR)/../shared/xbraid/braid/braid.h),)
+XBRAID_DIR := $(CURDIR)/build/xbraid
+XBRAID_FROM := $(abspath $(CURDIR)/../shared/xbraid)
+endif
+endif
+XBRAID_DIR ?=
+XBRAID_BUILT := $(if $(XBRAID_DIR),$(VENV)/.built-xbraid)
+
+.PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-engines bench-paths \
+	train lint clean
 
 setup: $(VENV)/.installed
 
@@ -18,13 +32,22 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)" "setuptools>=68" "Cython>=3" wheel
-	$(BIN)/python -m pip install -q --no-build-isolation -e ".[mpich,test,examples,studies]"
+	XBRAID_DIR= $(BIN)/python -m pip install -q --no-build-isolation -e ".[mpich,test,examples,studies]"
 	touch $@ $(VENV)/.built
 
 # rebuild the native engine when its sources change
-build: $(VENV)/.built
+build: $(VENV)/.built $(XBRAID_BUILT)
 $(VENV)/.built: $(VENV)/.installed $(NATIVE)
-	$(BIN)/python -m pip install -q --no-build-isolation --no-deps -e .
+	XBRAID_DIR= $(BIN)/python -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+# the XBraid engine (only with XBRAID_DIR); the native one is rebuilt beside it
+$(VENV)/.built-xbraid: $(VENV)/.built layerpar/_native/_xbraid.pyx layerpar/_native/braid_h.pxd
+ifneq ($(XBRAID_FROM),)
+	test -f build/xbraid/braid/braid.h || (mkdir -p build && cp -r $(XBRAID_FROM) build/xbraid)
+endif
+	PATH="$(abspath $(BIN)):$$PATH" XBRAID_DIR="$(XBRAID_DIR)" \
+		$(BIN)/python -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 test: build
@@ -36,6 +59,17 @@ test-fast: build
 bench: build
 	$(BIN)/python -m layerpar.bench
 	$(BIN)/mpiexec -n 2 $(BIN)/python -m mpi4py -m layerpar.bench
+
+# both engines at the same settings, 1 and 2 ranks (needs the XBraid engine: XBRAID_DIR)
+ENGINES_1 := $(BIN)/python -m layerpar.bench engines --csv docs/bench/engines.csv
+ENGINES_2 := $(BIN)/mpiexec -n 2 $(BIN)/python -m mpi4py -m layerpar.bench engines \
+	--csv docs/bench/engines-np2.csv
+bench-engines: build
+	mkdir -p docs/bench
+	echo '$$ $(ENGINES_1)' > docs/bench/engines.txt
+	$(ENGINES_1) | tee -a docs/bench/engines.txt
+	echo '$$ $(ENGINES_2)' >> docs/bench/engines.txt
+	$(ENGINES_2) | tee -a docs/bench/engines.txt
 
 bench-ops: build
 	$(BIN)/python -m layerpar.bench ops --csv docs/bench/ops.csv
@@ -64,4 +98,5 @@ lint: setup
 	$(BIN)/ruff check layerpar tests examples
 
 clean:
-	rm -rf build *.egg-info layerpar/_native/_core.c layerpar/_native/*.so
+	rm -rf build *.egg-info layerpar/_native/_core.c layerpar/_native/_xbraid.c \
+		layerpar/_native/*.so $(VENV)/.built-xbraid

@@ -4,6 +4,7 @@
     python -m layerpar.bench ops [--quick]                  # operations per batch
     python -m layerpar.bench gpu [--csv PATH]               # one GPU (layerpar.gpubench)
     python -m layerpar.bench grid [--np 4] [--csv PATH]     # data x layer splits (gridbench)
+    python -m layerpar.bench engines [--quick] [--csv PATH] # native engine vs XBraid
     mpiexec -n 2 python -m mpi4py -m layerpar.bench        # the same at 2 ranks
 
 It reports numbers and asserts nothing.  Rows:
@@ -274,6 +275,98 @@ def layer_parallel_training(ctx: BenchContext) -> list[Row]:
     return rows
 
 
+def engine_rows(ctx: BenchContext) -> list[Row]:
+    """Both MGRIT engines at the same settings (needs the XBraid engine, XBRAID_DIR).
+
+    `solve()` of a tanh layer on a float64 [32, 32] state (256 steps on [0, 1], 3
+    levels, cf 4, FCF, to tol 1e-10), and the time per training batch (forward +
+    backward, `train_step`) of LayerParallel on the Peaks net (32 layers, width 8,
+    batch 100; 3 levels, cf 4, 2 forward / 1 adjoint iterations), per-step path for
+    both (XBraid steps one layer per call) and the native engine's batched default
+    beside them."""
+    import copy
+
+    from .data import peaks
+    from .mgrit.xbraid import require_xbraid
+    from .nets import problem_net
+    from .parallel import LayerParallel
+
+    require_xbraid()
+    rows: list[Row] = []
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 32, generator=g, dtype=torch.float64) / 32 ** 0.5
+    u0 = torch.randn(32, 32, generator=g, dtype=torch.float64)
+
+    def step(u: torch.Tensor, ts: float, te: float, level: int) -> torch.Tensor:
+        return u + (te - ts) * torch.tanh(u @ w)
+
+    n = 64 if ctx.quick else 256
+    opts = MGRITOptions(max_levels=3, cfactor=4, tol=1e-10, max_iter=30)
+    base = None
+    for engine in ("native", "xbraid"):
+        times, res = ctx.time(lambda e=engine: solve(step, u0, n, 1.0, opts, ctx.comm,
+                                                     engine=e))
+        steps = int(ctx.sum(float(sum(res.step_counts))))
+        base = min(times) if base is None else base
+        rows.append(_row(ctx, f"solve() tanh 32x32, {n} steps, 3 levels cf 4", engine, steps,
+                         times, f"{res.iterations} iterations, {min(times) / base:.2f}x native"))
+    xt, yt, _, _ = peaks(500, 0, seed=0)
+    x, y = xt[:100], yt[:100]
+    torch.manual_seed(0)
+    net = problem_net("peaks")
+    fwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=2)
+    bwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=1)
+    cases = [("native, per step", dict(engine="native", batched=False)),
+             ("xbraid, per step", dict(engine="xbraid", batched=False)),
+             ("native, batched (its default)", dict(engine="native", batched=True))]
+    models = [LayerParallel(copy.deepcopy(net), ctx.comm, fwd, bwd, **kw) for _, kw in cases]
+    if ctx.size == 1:  # the models take turns call by call (see _train_times_interleaved)
+        per_model = _train_times_interleaved(ctx, models, x, y)
+    else:
+        per_model = [_train_time(ctx, m, x, y) for m in models]
+    base = min(per_model[0])
+    for (label, _), t in zip(cases, per_model):
+        rows.append(_row(ctx, "LayerParallel Peaks 32x8, batch 100, 3 levels cf 4, "
+                         "2 fwd / 1 bwd iters", label, 0, t,
+                         f"{min(t) / base:.2f}x native per step"))
+    return rows
+
+
+def _engines_main(argv: list[str]) -> int:
+    """`python -m layerpar.bench engines`: the native engine against XBraid."""
+    p = argparse.ArgumentParser(prog="python -m layerpar.bench engines",
+                                description=engine_rows.__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller solve, 3 repeats")
+    p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
+    args = p.parse_args(argv)
+    comm = None
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() > 1:
+        comm = MPI.COMM_WORLD
+    torch.set_num_threads(1)
+    ctx = BenchContext(quick=args.quick, repeats=3 if args.quick else 7, comm=comm)
+    rows = engine_rows(ctx)
+    if ctx.rank == 0:
+        print(f"layerpar.bench engines: {ctx.size} rank(s), torch {torch.__version__}, "
+              f"1 thread per rank, {ctx.repeats} repeats (LayerParallel at 1 rank: "
+              f"{max(21, ctx.repeats)}, interleaved)")
+        print(format_table(rows))
+        if args.csv:
+            _write_csv(args.csv, rows)
+    return 0
+
+
+def _write_csv(path: str, rows: list[Row]) -> None:
+    """The rows as CSV (with us_per_step)."""
+    with open(path, "w", newline="") as fh:
+        fields = list(asdict(rows[0])) + ["us_per_step"] if rows else []
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**asdict(r), "us_per_step": r.us_per_step})
+
+
 def run(ctx: BenchContext, only: Optional[list[str]] = None) -> list[Row]:
     """Run the registered benchmarks (or those named in `only`) and return their rows."""
     rows: list[Row] = []
@@ -337,6 +430,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         from . import pathbench
 
         return pathbench.main(argv[1:])
+    if argv[:1] == ["engines"]:
+        return _engines_main(argv[1:])
     if argv[:1] == ["grid"]:
         from . import gridbench
 
@@ -388,12 +483,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"python {sys.version.split()[0]}")
         print(format_table(rows))
         if args.csv:
-            with open(args.csv, "w", newline="") as fh:
-                fields = list(asdict(rows[0])) + ["us_per_step"] if rows else []
-                writer = csv.DictWriter(fh, fieldnames=fields)
-                writer.writeheader()
-                for r in rows:
-                    writer.writerow({**asdict(r), "us_per_step": r.us_per_step})
+            _write_csv(args.csv, rows)
     return 0
 
 

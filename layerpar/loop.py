@@ -40,12 +40,13 @@ class SolveSummary:
     residual: root-sum-square of the segments' final residual norms; None where none
         was measured (e.g. one iteration with `skip`).
     comm_idle_seconds: the engines' ``wait`` and ``reduce`` timers, summed over segments
-        (communication and idle time of this rank).
+        (communication and idle time of this rank); None where the engine does not
+        measure them (engine="xbraid": XBraid's messages are its own).
     """
 
     iterations: int
     residual: Optional[float]
-    comm_idle_seconds: float
+    comm_idle_seconds: Optional[float]
 
 
 def summarize(stats: Sequence[Any]) -> SolveSummary:
@@ -54,7 +55,8 @@ def summarize(stats: Sequence[Any]) -> SolveSummary:
     return SolveSummary(
         iterations=max((s["iterations"] for s in stats), default=0),
         residual=math.sqrt(sum(r * r for r in res)) if res else None,
-        comm_idle_seconds=sum(s["timings"]["wait"] + s["timings"]["reduce"] for s in stats))
+        comm_idle_seconds=None if any("wait" not in s["timings"] for s in stats) else
+        sum(s["timings"]["wait"] + s["timings"]["reduce"] for s in stats))
 
 
 @dataclass

@@ -31,6 +31,7 @@ from . import data
 from .loop import Progress, available_cores, train_steps
 from .mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MGRITOptions
 from .mgrit.transport import DEFAULT_TIMEOUT
+from .mgrit.xbraid import ENGINES
 from .nets import PROBLEMS, RECIPES, Recipe, positive_int, problem_name, problem_net
 from .ode.net import ODENet
 from .ode.refine import refine
@@ -121,6 +122,7 @@ def train(
     nested: int = 0,
     nested_epochs: int = 2,
     timeout: Optional[float] = DEFAULT_TIMEOUT,
+    engine: str = "native",
 ) -> dict[str, Any]:
     """Train the Peaks or digits network and return what happened.
 
@@ -154,6 +156,8 @@ def train(
         first, `nested_epochs` epochs each, refining (`refine`, factor 2, piecewise
         constant) onto the next; then the n-layer net trains `epochs` epochs.  Each
         epoch's record says its ``layers``.
+    engine: the MGRIT engine of `LayerParallel`, "native" or "xbraid" (XBraid itself,
+        when built; it steps layer by layer, so the per-step path is used).
 
     Returns a dict: ``val_acc``, ``val_loss``, ``train_loss`` and ``train_acc`` (last
     epoch), ``ms_per_batch`` (one optimisation step: forward, backward, update,
@@ -219,9 +223,10 @@ def train(
     elif data_parallel > 1 or not (comm is None or hasattr(comm, "Split_type")):
         grid = ProcessGrid(comm, data=data_parallel)
         model = LayerParallel(net, None, fwd, bwd, grid=grid, accuracy=policy,
-                              timeout=timeout)
+                              timeout=timeout, engine=engine)
     else:
-        model = LayerParallel(net, comm, fwd, bwd, accuracy=policy, timeout=timeout)
+        model = LayerParallel(net, comm, fwd, bwd, accuracy=policy, timeout=timeout,
+                              engine=engine)
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x_train, y_train), batch_size=batch_size,
         shuffle=True, generator=torch.Generator().manual_seed(seed))
@@ -449,6 +454,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tol", type=float, default=1e-9,
                    help="absolute residual tolerance (halts earlier if reached)")
     g.add_argument("--nrelax", type=int, default=1, help="relaxation sweeps (0: F, 1: FCF)")
+    g.add_argument("--engine", default="native", metavar="{native,xbraid}",
+                   help="MGRIT engine: layerpar's own (default) or XBraid itself (when "
+                        "built with XBRAID_DIR)")
     t = parser.add_argument_group("training")
     t.add_argument("--epochs", type=int, default=None, help="epochs (default: per problem)")
     t.add_argument("--batch-size", type=int, default=None,
@@ -509,6 +517,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"`--tol` must be a finite number >= 0, got {args.tol}")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         raise ValueError(f"`--lr` must be a positive number, got {args.lr}")
+    if getattr(args, "engine", "native") not in ENGINES:
+        raise ValueError(f"`--engine` must be one of {', '.join(ENGINES)}, got {args.engine!r}")
     if args.serial and (getattr(args, "adaptive", False) or getattr(args, "check_every", 0)):
         raise ValueError("`--adaptive` and `--check-every` compare MGRIT with exact "
                          "propagation: not with `--serial`")
@@ -543,4 +553,5 @@ def train_from_arguments(model_name: str, args: argparse.Namespace,
                  data_parallel=getattr(args, "data_parallel", 1),
                  adaptive=args.adaptive, check_every=args.check_every, nested=args.nested,
                  nested_epochs=args.nested_epochs,
-                 timeout=getattr(args, "timeout", DEFAULT_TIMEOUT))
+                 timeout=getattr(args, "timeout", DEFAULT_TIMEOUT),
+                 engine=getattr(args, "engine", "native"))

@@ -63,13 +63,23 @@ class EngineSession:
     what: how errors name this solve (e.g. "forward MGRIT ... of segment 0").
     defer_norms: keep residual norms on the device (needs tol = rtol = 0); the app's
         `norm_sq` then appends to `deferred` and returns 0.0.
+    engine: "native" (layerpar's C engine) or "xbraid" (XBraid itself, when built; see
+        `layerpar.mgrit.xbraid`: its partition is `xbraid_bounds`).
     """
 
     def __init__(self, n_steps: int, t_start: float, t_final: float, transport: Any,
                  bounds: Sequence[int], app: Any, options: MGRITOptions, *,
-                 what: str = "MGRIT", defer_norms: bool = False) -> None:
-        self.core = Core(n_steps, float(t_start), float(t_final), transport.rank,
-                         transport.size, list(bounds), app, transport)
+                 what: str = "MGRIT", defer_norms: bool = False,
+                 engine: str = "native") -> None:
+        self.engine = engine
+        self.core: Any
+        if engine == "xbraid":
+            from .xbraid import XBraidEngine
+
+            self.core = XBraidEngine(n_steps, t_start, t_final, transport, bounds, app)
+        else:
+            self.core = Core(n_steps, float(t_start), float(t_final), transport.rank,
+                             transport.size, list(bounds), app, transport)
         self.core.set_options(**options.engine_kwargs())
         self.core.set_defer_norms(defer_norms)
         self.transport = transport
@@ -120,6 +130,12 @@ class EngineSession:
             return hist
 
         return read
+
+    def close(self) -> None:
+        """Release what the engine holds beyond memory (XBraid's communicator)."""
+        close = getattr(self.core, "close", None)
+        if close is not None:
+            close()
 
     def state(self, i: int) -> Any:
         """The engine's state at fine point i (owned by this rank) after the solve."""

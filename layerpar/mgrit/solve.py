@@ -13,6 +13,7 @@ from .grid import block_bounds
 from .options import MAX_STEPS, MGRITOptions
 from .session import EngineSession
 from .transport import DEFAULT_TIMEOUT, Transport, check_timeout, make_transport
+from .xbraid import check_engine, check_options, require_xbraid, xbraid_bounds, xbraid_refusal
 
 StepFn = Callable[[torch.Tensor, float, float, int], torch.Tensor]
 BatchStepFn = Callable[[list, list, list, int], Sequence[torch.Tensor]]
@@ -201,11 +202,26 @@ def _validate(step: Any, u0: Any, n_steps: Any, t_start: Any, t_final: Any, opti
         raise TypeError(f"`options` must be an MGRITOptions, got {type(options).__name__}")
 
 
+def _check_engine(engine: Any, transport: Transport, options: MGRITOptions,
+                  step_batch: Any) -> None:
+    """What `engine` needs of the other arguments (raised before any message)."""
+    if check_engine(engine) != "xbraid":
+        return
+    require_xbraid()
+    why = xbraid_refusal(transport)
+    if why is not None:
+        raise ValueError(why)
+    if step_batch is not None:
+        raise ValueError("engine='xbraid' steps one state per call: `step_batch` (batched "
+                         "steps) needs engine='native'")
+    check_options(options, "options")
+
+
 def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
           options: Optional[MGRITOptions] = None, comm: Any = None,
           init: Optional[Callable[[float], torch.Tensor]] = None, *, t_start: float = 0.0,
           step_batch: Optional[BatchStepFn] = None,
-          timeout: Optional[float] = DEFAULT_TIMEOUT) -> MGRITResult:
+          timeout: Optional[float] = DEFAULT_TIMEOUT, engine: str = "native") -> MGRITResult:
     """Solve u_{i+1} = step(u_i, t_i, t_{i+1}, level) for i = 0..n_steps-1 with MGRIT.
 
     step: the propagator; called on coarse levels with longer intervals and their level.
@@ -220,6 +236,9 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
         returning the list of advanced states (independent intervals at once).
     timeout: seconds any one wait for another rank may take (default 10 minutes; None:
         unbounded); on expiry `TimeoutError` names what was waited for and the rank.
+    engine: "native" (default) or "xbraid": XBraid itself (when built, see
+        `layerpar.mgrit.xbraid`); it refuses `step_batch`, both `tol` and `rtol`, and
+        torch.distributed groups.  Its partition of the points (`states`) is XBraid's.
 
     Returns an `MGRITResult` whose `final_state` (u at t_final) is broadcast to every rank.
     Where `u0` requires grad, the solve is recorded as any torch computation: on one
@@ -236,23 +255,25 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
             _validate(step, u0, n_steps, t_start, t_final, options, init, step_batch,
                       transport.size)
             timeout = check_timeout(timeout)
-            key: Any = {**{f"options.{k}": v for k, v in options.key().items()},
+            _check_engine(engine, transport, options, step_batch)
+            key: Any = {"engine": engine, **{f"options.{k}": v for k, v in options.key().items()},
                         "timeout": timeout,
                         "n_steps": n_steps, "t_start": float(t_start),
                         "t_final": float(t_final), "u0.shape": tuple(u0.shape),
                         "u0.dtype": str(u0.dtype), "init": init is not None,
                         "step_batch": step_batch is not None}
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, ImportError) as exc:  # ImportError: no XBraid build
             err, key = exc, None
         transport.agree(key, err, "solve() arguments (options, n_steps, times, u0 shape/dtype)")
         transport.timeout = timeout
         transport.set_context("solve()")
 
         def run() -> MGRITResult | DivergenceError:
-            bounds = block_bounds(n_steps, transport.size)
+            bounds = (xbraid_bounds if engine == "xbraid" else block_bounds)(n_steps,
+                                                                              transport.size)
             app = _SolveApp(step, step_batch, u0, init)
             session = EngineSession(n_steps, t_start, t_final, transport, bounds, app, options,
-                                    what="MGRIT")
+                                    what="MGRIT", engine=engine)
             transport.set_template(u0)
             try:
                 stats = session.drive()
@@ -260,6 +281,8 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
                 # every rank sees the same allreduced NaN norm and raises this itself;
                 # broadcasting it (guarded) would race and turn it into RemoteError elsewhere
                 return exc
+            finally:
+                session.close()
             hist = stats.residual_history
             last = transport.size - 1
             final = transport.bcast_state(session.state(n_steps) if transport.rank == last

@@ -52,6 +52,10 @@ def capture_step(model: LayerParallel, optimizer: torch.optim.Optimizer,
     lives in the graph's memory and is rewritten by each replay."""
     if not isinstance(model, LayerParallel):
         raise TypeError(f"`model` must be a LayerParallel, got {type(model).__name__}")
+    if getattr(model, "engine", "native") != "native":
+        raise ValueError("capture_step needs engine='native': XBraid (engine='xbraid') reads "
+                         "every residual norm and steps from C callbacks, which a CUDA graph "
+                         "cannot capture")
     if not torch.cuda.is_available():
         raise RuntimeError("capture_step needs CUDA: no CUDA device is available")
     for name, t in (("x", x), ("y", y)):

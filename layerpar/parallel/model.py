@@ -25,6 +25,13 @@ from ..mgrit.errors import DivergenceError, RankMismatchError, RemoteError
 from ..mgrit.options import MGRITOptions
 from ..mgrit.session import SolveStats
 from ..mgrit.transport import DEFAULT_TIMEOUT, Transport, check_timeout, make_transport
+from ..mgrit.xbraid import (
+    check_engine,
+    check_options,
+    layer_partition_refusal,
+    require_xbraid,
+    xbraid_refusal,
+)
 from ..ode.coarsening import COARSENINGS
 from ..ode.net import ODENet, Segment
 from ..ode.rng import DROPOUT_TYPES as _DROPOUT
@@ -137,6 +144,30 @@ class _Context:
         self.tapes: dict[int, Tape] = {}  # per segment layer: what its backward needs
 
 
+def _check_xbraid(transport: Transport, net: ODENet, options: MGRITOptions,
+                  backward_options: MGRITOptions, batched: bool, grid: bool,
+                  accuracy: Any) -> None:
+    """What engine="xbraid" cannot do, refused by name (before any message)."""
+    require_xbraid()
+    why = xbraid_refusal(transport)
+    if why is not None:
+        raise ValueError(why)
+    if batched:
+        raise ValueError("engine='xbraid' steps one layer per call: `batched` steps need "
+                         "engine='native' (pass batched=False, or leave it unset)")
+    if grid:
+        raise ValueError("engine='xbraid' runs over an mpi4py communicator (`comm`), not a "
+                         "`grid` (use engine='native' for data x layer parallelism)")
+    if accuracy is not None:
+        raise ValueError("`accuracy` (adaptive iteration counts) needs engine='native'")
+    check_options(options, "options")
+    check_options(backward_options, "backward_options")
+    for _, seg in net.segments:
+        why = layer_partition_refusal(seg.n_steps, transport.size)
+        if why is not None:
+            raise ValueError(why)
+
+
 class LayerParallel(nn.Module):
     """Run an `ODENet` layer-parallel over the ranks of `comm` with MGRIT.
 
@@ -149,13 +180,17 @@ class LayerParallel(nn.Module):
         (`final_fc_relax` is always on: the final sweep records states and gradients).
     coarsening: parameter coarsening on coarse levels, "injection" or "average".
     state_dict: optional whole-network state dict to load before distributing.
-    batched: "auto" (default): at the first pass for each input shape, time one
-        fine-level batch of steps (with their vector-Jacobian products) vectorised and
-        layer by layer, and run the faster (`cycle_paths` says what was chosen and
-        measured; logged on the "layerpar" logger).  True: always advance all
+    batched: "auto" (default with the native engine): at the first pass for each input
+        shape, time one fine-level batch of steps (with their vector-Jacobian products)
+        vectorised and layer by layer, and run the faster (`cycle_paths` says what was
+        chosen and measured; logged on the "layerpar" logger).  True: always advance all
         independent intervals of a level in one vectorised step (see
         `layerpar.parallel.batched`); False: step layer by layer, as a reference.
         Blocks that cannot be vectorised step layer by layer, with one warning.
+    engine: "native" (default) or "xbraid": the MGRIT solves run through XBraid itself
+        (when built; `layerpar.mgrit.xbraid`).  XBraid steps layer by layer (True for
+        `batched` is refused), needs an mpi4py communicator, and partitions the layers
+        itself: each segment's layers must be divisible by the ranks.
     timeout: seconds any one wait for another rank may take (messages, reductions; default
         10 minutes; None: unbounded).  On expiry the waiting rank raises `TimeoutError`
         naming what it waited for, the rank, and the batch, and tells the others: a rank
@@ -198,9 +233,10 @@ class LayerParallel(nn.Module):
                  backward_options: Optional[MGRITOptions] = None, *,
                  coarsening: str = "injection",
                  state_dict: Optional[dict[str, Tensor]] = None,
-                 batched: Union[bool, str] = "auto", check_finite: bool = True,
+                 batched: Union[bool, str, None] = None, check_finite: bool = True,
                  timeout: Optional[float] = DEFAULT_TIMEOUT, check_inputs: int = 10,
-                 grid: Optional[ProcessGrid] = None, accuracy: Any = None) -> None:
+                 grid: Optional[ProcessGrid] = None, accuracy: Any = None,
+                 engine: str = "native") -> None:
         super().__init__()
         if grid is not None:
             if not isinstance(grid, ProcessGrid):
@@ -237,6 +273,9 @@ class LayerParallel(nn.Module):
                 raise ValueError(f"`check_inputs` must be an int >= 0 (batches whose input "
                                  f"and loss gradient are compared between ranks), got "
                                  f"{check_inputs!r}")
+            check_engine(engine)
+            if batched is None:
+                batched = "auto" if engine == "native" else False
             if not (isinstance(batched, bool) or batched == "auto"):
                 raise TypeError(f"`batched` must be True, False or \"auto\", got "
                                 f"{batched!r}")
@@ -254,9 +293,13 @@ class LayerParallel(nn.Module):
                     raise ValueError(
                         f"a segment has {seg.n_steps} layers but the communicator has "
                         f"{self.transport.size} ranks: each rank needs at least one layer")
+            if engine == "xbraid":
+                _check_xbraid(self.transport, net, options, backward_options, batched,
+                              grid is not None, policy)
             key = {**{f"options.{k}": v for k, v in options.key().items()},
                    **{f"backward_options.{k}": v for k, v in backward_options.key().items()},
                    "coarsening": coarsening, "batched": batched, "check_finite": check_finite,
+                   "engine": engine,
                    "timeout": timeout, "check_inputs": check_inputs,
                    **({"accuracy": None} if policy is None else policy.key()),
                    **{f"layers.{k}": _fingerprint(m) for k, m in enumerate(net.layers)}}
@@ -286,7 +329,8 @@ class LayerParallel(nn.Module):
         for k, layer in enumerate(net.layers):
             if isinstance(layer, Segment):
                 runner = SegmentRunner(layer, seg_index, self.transport, options,
-                                        backward_options, coarsening, batched)
+                                        backward_options, coarsening, batched,
+                                        engine=engine)
                 runner.averager = self._averager
                 self._runners[k] = runner
                 shards.append(_SegmentShard(layer, runner.owned))
@@ -307,12 +351,14 @@ class LayerParallel(nn.Module):
             r.check_finite = check_finite
         self._shape_cache: dict[tuple, list[tuple[tuple[int, ...], torch.dtype]]] = {}
         # one rank, sequential forward and adjoint: see _forward_direct
-        self._direct = size == 1 and self._averager is None and all(
+        self.engine = engine
+        self._direct = size == 1 and self._averager is None and engine == "native" and all(
             r.sequential_forward and r.sequential_adjoint for r in self._runners.values())
         # what _twin needs to build the same model with other MGRIT options
         # (outside nn.Module's registry: the whole net is not this rank's submodule)
         self.__dict__["_net"], self._comm_arg = net, comm
         self._init_kwargs = {"grid": grid, "coarsening": coarsening, "batched": batched,
+                             "engine": engine,
                              "check_finite": check_finite, "timeout": timeout,
                              "check_inputs": check_inputs}
         self._has_dropout = \

@@ -60,8 +60,8 @@ class SegmentRunner:
     """One Segment on one rank: ownership, ghosts, and the forward/adjoint engines."""
 
     def __init__(self, seg: Segment, seg_index: int, transport: Any, fwd: MGRITOptions,
-                 bwd: MGRITOptions, coarsening: str, batched: Union[bool, str] = "auto"
-                 ) -> None:
+                 bwd: MGRITOptions, coarsening: str, batched: Union[bool, str] = "auto",
+                 engine: str = "native") -> None:
         self.seg_index = seg_index
         self.n = n = seg.n_steps
         self.coarsening = coarsening
@@ -103,8 +103,9 @@ class SegmentRunner:
                 warn_once(seg.blocks[self.owned[0]], why)
         self.index_cache: dict[tuple, Tensor] = {}
         # fixed iteration counts: residual norms stay on the device during the solve
-        defer_f = fwd.tol == 0.0 and fwd.rtol == 0.0
-        defer_b = bwd.tol == 0.0 and bwd.rtol == 0.0
+        # (the native engine's: XBraid reads every norm)
+        defer_f = fwd.tol == 0.0 and fwd.rtol == 0.0 and engine == "native"
+        defer_b = bwd.tol == 0.0 and bwd.rtol == 0.0 and engine == "native"
         self.fapp = ForwardApp(self)
         self.bapp = AdjointApp(self)
         self.check_finite = True  # set by LayerParallel
@@ -112,12 +113,14 @@ class SegmentRunner:
         name = f"of segment {seg_index}"
         self.fsession = EngineSession(n, seg.t_start, seg.t_final, transport, self.bounds,
                                       self.fapp, fwd.replace(final_fc_relax=True),
-                                      what=f"forward MGRIT {name}", defer_norms=defer_f)
+                                      what=f"forward MGRIT {name}", defer_norms=defer_f,
+                                      engine=engine)
         self.rtransport = transport.reversed()
         self.bsession = EngineSession(n, seg.t_start, seg.t_final, self.rtransport,
                                       reversed_bounds(self.bounds), self.bapp,
                                       bwd.replace(final_fc_relax=True),
-                                      what=f"backward MGRIT {name}", defer_norms=defer_b)
+                                      what=f"backward MGRIT {name}", defer_norms=defer_b,
+                                      engine=engine)
         self.fapp.deferred = self.fsession.deferred
         self.bapp.deferred = self.bsession.deferred
         self.fwd_options = fwd.replace(final_fc_relax=True)
