@@ -51,3 +51,13 @@ def test_validate_command(capsys) -> None:
 def test_bad_model_is_named() -> None:
     with pytest.raises(ValueError, match="`model`"):
         gm.step_work("rnn", 1, 1)
+
+
+def test_bench_rows_have_the_models_prediction() -> None:
+    from layerpar import gpubench
+
+    assert gpubench.model_args("transformer") == ("transformer", 256, 16, 128, 64, 4)
+    assert gpubench.model_args("conv16") == ("conv", 1024, 16, 16, 16, 4)
+    p = gpubench.prediction("conv16", serial_ops=9242, mgrit_ops=800)
+    assert p.mgrit_graph > 0 and p.regime.endswith(")")
+    assert set(gpubench.ROWS) == {"dense", "conv", "conv16", "transformer"}
