@@ -33,7 +33,7 @@ def test_regimes_of_the_measured_nets() -> None:
 
 
 def test_predict_gpu_command(capsys) -> None:
-    assert studies_main(["predict-gpu", "--model", "transformer", "--layers", "16",
+    assert studies_main(["predict-gpu", "--model", "transformer", "--layers", "8",
                          "--width", "8", "--heads", "2", "--size", "3", "--batch", "2"]) == 0
     out = capsys.readouterr().out
     assert "predicted speedup" in out and "-bound" in out

@@ -3,13 +3,20 @@ with Triton's interpreter (TRITON_INTERPRET=1): every kernel on small odd shapes
 (odd channel counts, non-square images, one interval, batch 1), forward, state VJP,
 weight and bias gradients, float32 to 1e-5 relative; and a LayerParallel whose batched
 steps run the kernels, against the same model on the torch path.  Skipped, with the
-reason, where triton is not installed."""
+reason, where triton is not installed.
+
+The interpreter must be on before `triton` is first imported (triton's own library
+functions are decorated at import), and other tests in the same pytest process may have
+imported it already; so `test_kernels_under_the_interpreter` runs this file in a fresh
+process with TRITON_INTERPRET=1, where the kernel tests run (and are skipped here)."""
 from __future__ import annotations
 
 import copy
 import importlib
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,24 +30,30 @@ from layerpar.parallel import kernels
 pytestmark = pytest.mark.skipif(not kernels.triton_available(),
                                 reason="triton is not installed (pip install triton)")
 TOL = 1e-5
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreter run")
+def test_kernels_under_the_interpreter() -> None:
+    """Run the kernel tests of this file in a process with TRITON_INTERPRET=1."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(Path(__file__).resolve())],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
 
 
 @pytest.fixture(scope="module")
 def ts():
-    """The kernels module, (re)imported under the interpreter; the environment is
-    restored afterwards (the interpreted kernels stay as they are)."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        name = "layerpar.parallel.kernels.triton_steps"
-        mod = importlib.reload(sys.modules[name]) if name in sys.modules \
-            else importlib.import_module(name)
-        yield mod
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    """The kernels module, in the interpreter run only."""
+    if not INTERPRETED:
+        pytest.skip("runs in the interpreter process (test_kernels_under_the_interpreter)")
+    import triton
+
+    assert triton.knobs.runtime.interpret
+    return importlib.import_module("layerpar.parallel.kernels.triton_steps")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -120,6 +133,7 @@ def test_kernels_take_float32_only(ts) -> None:
                       torch.ones(1, dtype=torch.float64), "tanh")
 
 
+@pytest.mark.skipif(INTERPRETED, reason="runs in the parent process")
 def test_chooser_declines_what_it_cannot_do(monkeypatch) -> None:
     euler = layerpar.ode.schemes.ForwardEuler()
     assert kernels.fused_step_for(blocks.Dense(4), layerpar.ode.schemes.Heun(),
