@@ -82,13 +82,16 @@ bench-paths: build
 bench-grid: build
 	$(BIN)/python -m layerpar.bench grid --np 4 --csv docs/bench/grid.csv | tee docs/bench/grid.txt
 
-# On a GPU machine, with a Python that has a CUDA build of torch (and Cython):
-# builds the engine in place and writes docs/gpu/bench-gpu.csv.  GPU tests: tests/gpu.
+# On a GPU machine, with a Python that has a CUDA build of torch (and Cython, triton):
+# builds the engine in place and writes the issue's rows (a)-(d) to
+# docs/gpu/bench-gpu-rows.csv (docs/gpu/bench-gpu.csv: the earlier run the GPU model
+# is calibrated on).  GPU tests: tests/gpu.
 GPU_PYTHON ?= python3
 bench-gpu:
 	$(GPU_PYTHON) setup.py -q build_ext --inplace
 	mkdir -p docs/gpu
-	$(GPU_PYTHON) -m layerpar.bench gpu --csv docs/gpu/bench-gpu.csv
+	$(GPU_PYTHON) -m layerpar.bench gpu --models dense,conv,conv16,transformer \
+	    --csv docs/gpu/bench-gpu-rows.csv
 	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu
 
 train: build

@@ -18,8 +18,20 @@ One training batch is zero_grad, forward, cross-entropy, backward and an SGD ste
 
 Times are medians over repeats, measured with CUDA events.  `loss_rel_diff` compares
 the loss after `--steps` SGD steps (same initial weights, same batch) of MGRIT and of
-eager serial training.  Models: (a) dense ODE-net 1,024 layers x 64, batch 256;
-(b) conv ODE-net 256 layers x 16 channels, 32x32 images, batch 64.
+eager serial training.  Models (`layerpar.opcount.CONFIGS`): (a) dense ODE-net 1,024
+layers x 64, batch 256; (b) conv ODE-net 256 layers x 16 channels, 32x32 images, batch
+64; (c) conv16: 1,024 layers x 16 channels, 16x16, batch 16; (d) transformer: 256
+pre-norm transformer blocks, d = 128, 4 heads, sequence 64, batch 16.
+
+More serial baselines (columns after `serial_ops`): the eager and graph-captured serial
+step with ``cudnn.benchmark`` on, and the serial model under ``torch.compile``
+(``--no-compile`` skips it: compiling a thousand layers takes minutes);
+`best_serial_seconds` is the fastest of all serial variants and `speedup_vs_best`
+MGRIT's speedup over it.  `mgrit_torch_seconds_per_batch`: captured MGRIT with the
+fused Triton steps switched off (``LAYERPAR_TRITON=0``); `fused_steps` whether the
+first-use measurement chose the fused steps for any shape.  `predicted_*`: the GPU
+model (`layerpar.studies.gpumodel`, H100 constants) for this net and these operation
+counts, and `model_error` = (predicted - measured) / measured of the MGRIT time.
 """
 from __future__ import annotations
 
@@ -36,7 +48,16 @@ from . import opcount
 
 COLUMNS = ["device", "model", "layers", "seconds_per_batch", "eager_seconds_per_batch",
            "graph_seconds_per_batch", "speedup_vs_eager", "speedup_vs_graph",
-           "loss_rel_diff", "mgrit_eager_seconds_per_batch", "mgrit_ops", "serial_ops"]
+           "loss_rel_diff", "mgrit_eager_seconds_per_batch", "mgrit_ops", "serial_ops",
+           "cudnn_eager_seconds_per_batch", "cudnn_graph_seconds_per_batch",
+           "compile_seconds_per_batch", "best_serial_seconds", "best_serial",
+           "speedup_vs_best", "mgrit_torch_seconds_per_batch", "fused_steps", "regime",
+           "predicted_seconds_per_batch", "predicted_speedup_vs_graph", "model_error"]
+#: the issue's rows: model -> (label, target speedup over graph-captured serial)
+ROWS = {"dense": ("(a) dense 1024 x 64, batch 256", 15.0),
+        "conv": ("(b) conv 256 x 16 ch, 32x32, batch 64", 1.0),
+        "conv16": ("(c) conv 1024 x 16 ch, 16x16, batch 16", 3.0),
+        "transformer": ("(d) transformer 256 x d128, 4 heads, seq 64, batch 16", 2.0)}
 
 
 def time_cuda(fn: Callable[[], Any], warmup: int = 3, repeats: int = 15) -> float:
@@ -82,9 +103,68 @@ def losses_after(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps
         return float(torch.nn.functional.cross_entropy(model(x), y))
 
 
+def model_args(name: str) -> tuple[str, int, int, int, int, int]:
+    """(gpumodel kind, layers, batch, width, size, heads) of a CONFIGS net."""
+    kw = opcount.CONFIGS[name][1]
+    if name == "dense":
+        return "dense", kw["n_steps"], kw["batch"], kw["width"], 1, 4
+    if name == "transformer":
+        return "transformer", kw["n_steps"], kw["batch"], kw["d_model"], kw["seq"], kw["heads"]
+    return "conv", kw["n_steps"], kw["batch"], kw["channels"], kw["size"], 4
+
+
+def prediction(name: str, serial_ops: Optional[int] = None,
+               mgrit_ops: Optional[int] = None) -> Any:
+    """The GPU model's prediction (`gpumodel.predict_gpu`) for a CONFIGS net with the
+    MGRIT options of `opcount.mgrit_options`."""
+    from .studies.gpumodel import predict_gpu
+
+    kind, layers, batch, width, size, heads = model_args(name)
+    fwd, bwd = opcount.mgrit_options(layers)
+    return predict_gpu(kind, layers, batch, width, size, levels=fwd.max_levels,
+                       cfactor=fwd.cfactor, fwd_iters=fwd.max_iter, bwd_iters=bwd.max_iter,
+                       heads=heads, serial_ops=serial_ops, mgrit_ops=mgrit_ops)
+
+
+def _serial_time(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, graph: bool,
+                 compile: bool = False) -> float:
+    from .nets import sequential_twin
+
+    plain = sequential_twin(copy.deepcopy(net))
+    opt = torch.optim.SGD(plain.parameters(), lr=1e-4, foreach=True)
+    model = torch.compile(plain) if compile else plain
+    step = opcount.train_step(model, opt, x, y)
+    return time_cuda(graphed(step, opt) if graph else step)
+
+
+def _captured_mgrit(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, fwd: Any,
+                    bwd: Any, fused: bool) -> tuple[float, bool]:
+    """(seconds per captured MGRIT batch, whether fused steps were chosen anywhere)."""
+    import os
+
+    from .parallel import LayerParallel, capture_step
+
+    old = os.environ.get("LAYERPAR_TRITON")
+    os.environ["LAYERPAR_TRITON"] = "1" if fused else "0"
+    try:
+        lpc = LayerParallel(copy.deepcopy(net), None, fwd, bwd, check_finite=False)
+    finally:
+        if old is None:
+            os.environ.pop("LAYERPAR_TRITON")
+        else:
+            os.environ["LAYERPAR_TRITON"] = old
+    opt_c = torch.optim.SGD(lpc.parameters(), lr=1e-4, foreach=True)
+    captured = capture_step(lpc, opt_c, torch.nn.functional.cross_entropy, x, y)
+    t = time_cuda(lambda: captured(x, y))
+    used = any(any(getattr(getattr(r.bb, "fast", None), "choice", {}).values())
+               for r in lpc._runners.values() if r.bb is not None)
+    return t, used
+
+
 def bench_model(name: str, device: str, steps: int, lr: float = 0.05,
-                count_ops: bool = True) -> dict[str, Any]:
-    """One CSV row: the three timings, speedups and the loss difference."""
+                count_ops: bool = True, compile: bool = True) -> dict[str, Any]:
+    """One CSV row: the serial baselines, captured MGRIT (fused steps where faster, and
+    with them off), speedups, the loss difference and the model's prediction."""
     from .nets import sequential_twin
     from .parallel import LayerParallel, capture_step
 
@@ -128,6 +208,37 @@ def bench_model(name: str, device: str, steps: int, lr: float = 0.05,
            "loss_rel_diff": abs(loss_mgrit - loss_serial) / abs(loss_serial),
            "mgrit_eager_seconds_per_batch": t_mgrit_eager,
            "mgrit_ops": ops.mgrit_ops if ops else "", "serial_ops": ops.serial_ops if ops else ""}
+    # more serial baselines: cudnn.benchmark (eager, graph) and torch.compile
+    bench = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        serial = {"eager": t_eager, "graph": t_graph,
+                  "cudnn-eager": _serial_time(net, x, y, graph=False),
+                  "cudnn-graph": _serial_time(net, x, y, graph=True)}
+    finally:
+        torch.backends.cudnn.benchmark = bench
+    row["cudnn_eager_seconds_per_batch"] = serial["cudnn-eager"]
+    row["cudnn_graph_seconds_per_batch"] = serial["cudnn-graph"]
+    row["compile_seconds_per_batch"] = ""
+    if compile:
+        try:
+            serial["compile"] = row["compile_seconds_per_batch"] = _serial_time(
+                net, x, y, graph=False, compile=True)
+        except Exception as exc:  # noqa: BLE001 - a failed compile is reported, not fatal
+            print(f"layerpar.bench gpu: torch.compile of {name} failed: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr)
+    best = min(serial, key=serial.get)  # type: ignore[arg-type]
+    row["best_serial_seconds"], row["best_serial"] = serial[best], best
+    row["speedup_vs_best"] = serial[best] / t_mgrit
+    # the fused Triton steps: chosen per shape on first use; and the torch path alone
+    t_torch, _ = _captured_mgrit(net, x, y, fwd, bwd, fused=False)
+    _, used = _captured_mgrit(net, x, y, fwd, bwd, fused=True)
+    row["mgrit_torch_seconds_per_batch"], row["fused_steps"] = t_torch, used
+    pred = prediction(name, ops.serial_ops if ops else None, ops.mgrit_ops if ops else None)
+    row["regime"] = pred.regime
+    row["predicted_seconds_per_batch"] = pred.mgrit_graph
+    row["predicted_speedup_vs_graph"] = pred.speedup_vs_graph
+    row["model_error"] = (pred.mgrit_graph - t_mgrit) / t_mgrit
     return row
 
 
@@ -135,7 +246,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m layerpar.bench gpu",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
-    p.add_argument("--models", default="dense,conv", help="comma-separated: dense, conv")
+    p.add_argument("--models", default="dense,conv",
+                   help="comma-separated: dense, conv, conv16, transformer (rows a to d)")
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="skip the torch.compile serial baseline")
+    p.add_argument("--unmeasured", action="store_true",
+                   help="no GPU: write the rows with every measured column UNMEASURED and "
+                        "only the model's prediction (operation counts from the CPU)")
     p.add_argument("--steps", type=int, default=20, help="SGD steps for the loss check")
     p.add_argument("--cudnn-benchmark", action="store_true",
                    help="let cuDNN pick its fastest algorithms (for all three variants)")
@@ -146,6 +263,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             p.error(f"--models: unknown model {m!r}; choose from {sorted(opcount.CONFIGS)}")
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.unmeasured:
+        rows = [unmeasured_row(m) for m in models]
+        for r in rows:
+            print(f"{ROWS.get(r['model'], (r['model'],))[0]}: UNMEASURED; model predicts "
+                  f"{r['predicted_seconds_per_batch'] * 1e3:.2f} ms per batch, "
+                  f"{r['predicted_speedup_vs_graph']:.2f}x graph serial, {r['regime']}")
+        _write(args.csv, rows)
+        return 0
     if not torch.cuda.is_available():
         print("layerpar.bench gpu: no CUDA device here; run it on a GPU machine "
               "(make bench-gpu)", file=sys.stderr)
@@ -153,17 +278,48 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
-    rows = [bench_model(m, "cuda", args.steps) for m in models]
+    rows = [bench_model(m, "cuda", args.steps, compile=args.compile) for m in models]
     print(f"layerpar.bench gpu: torch {torch.__version__}, {rows[0]['device']}, "
           f"cudnn.benchmark={args.cudnn_benchmark}, fp32 (no TF32)")
     print("  ".join(f"{c}" for c in COLUMNS[1:]))
     for r in rows:
         print("  ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c])
                         for c in COLUMNS[1:]))
-    if args.csv:
-        with open(args.csv, "w", newline="") as fh:
+    for r in rows:
+        label, target = ROWS.get(r["model"], (r["model"], float("nan")))
+        print(f"{label}: {r['speedup_vs_graph']:.2f}x graph serial (target >= {target:g}x), "
+              f"{r['speedup_vs_best']:.2f}x best serial ({r['best_serial']}), loss diff "
+              f"{r['loss_rel_diff'] * 100:.2f}% (<= 2%), model "
+              f"{r['predicted_seconds_per_batch'] * 1e3:.2f} ms vs "
+              f"{r['seconds_per_batch'] * 1e3:.2f} ms measured "
+              f"({r['model_error'] * 100:+.0f}%)")
+    _write(args.csv, rows)
+    return 0
+
+
+def _write(path: Optional[str], rows: list[dict[str, Any]]) -> None:
+    if path:
+        with open(path, "w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=COLUMNS)
             w.writeheader()
             for r in rows:
                 w.writerow(r)
-    return 0
+
+
+def unmeasured_row(name: str) -> dict[str, Any]:
+    """A row for a machine without a GPU: measured columns UNMEASURED, operation counts
+    (CPU, `gpumodel.kernel_counts`: the same aten operations) and the model's
+    prediction."""
+    from .studies.gpumodel import kernel_counts
+
+    kind, layers, _, _, _, heads = model_args(name)
+    fwd, bwd = opcount.mgrit_options(layers)
+    s_ops, m_ops = kernel_counts(kind, layers, fwd.max_levels, fwd.cfactor, fwd.max_iter,
+                                 bwd.max_iter, heads)
+    pred = prediction(name, s_ops, m_ops)
+    row: dict[str, Any] = {c: "UNMEASURED" for c in COLUMNS}
+    row.update({"model": name, "layers": opcount.CONFIGS[name][1]["n_steps"],
+                "regime": pred.regime, "predicted_seconds_per_batch": pred.mgrit_graph,
+                "predicted_speedup_vs_graph": pred.speedup_vs_graph, "model_error": "",
+                "mgrit_ops": m_ops, "serial_ops": s_ops})
+    return row

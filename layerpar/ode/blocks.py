@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ACTIVATIONS", "get_activation", "Dense", "Conv"]
+__all__ = ["ACTIVATIONS", "get_activation", "Dense", "Conv", "Transformer"]
 
 
 def _identity(x: Tensor) -> Tensor:
@@ -118,3 +118,81 @@ class Conv(nn.Module):
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
+
+
+class Transformer(nn.Module):
+    """A pre-norm transformer block as a residual branch, on states [batch, seq, d_model]:
+
+        a = Attn(LN1(u)),   F(u) = a + MLP(LN2(u + a)),
+
+    so that u + F(u) is the usual pre-norm block u1 = u + Attn(LN1(u)),
+    u1 + MLP(LN2(u1)), and u + h·F(u) its ODE step.  Attn is multi-head self-attention
+    (``F.scaled_dot_product_attention``, ``heads`` heads, no mask; ``causal=True`` for
+    a causal mask); MLP is Linear(d, mlp_ratio·d), ``activation``, Linear back.
+    Layer-parallel cycles evaluate n layers at once with `forward_batched` (one call of
+    each operation for all n, attention included); ``torch.func.vmap`` over the block
+    gives the same result, but runs attention layer by layer on the CPU (no batching
+    rule for its fused kernel there).
+    """
+
+    def __init__(self, d_model: int, heads: int = 4, mlp_ratio: int = 4,
+                 activation: str = "gelu", causal: bool = False) -> None:
+        super().__init__()
+        d_model = _positive_int(d_model, "d_model")
+        heads = _positive_int(heads, "heads")
+        mlp_ratio = _positive_int(mlp_ratio, "mlp_ratio")
+        if d_model % heads:
+            raise ValueError(f"`d_model` ({d_model}) must be a multiple of `heads` ({heads})")
+        self._act = get_activation(activation)
+        self.activation = activation
+        self.heads = heads
+        self.causal = _bool(causal, "causal")
+        self.norm1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.fc1 = nn.Linear(d_model, mlp_ratio * d_model)
+        self.fc2 = nn.Linear(mlp_ratio * d_model, d_model)
+
+    def attention(self, u: Tensor) -> Tensor:
+        """Attn(LN1(u)) for u of shape [..., seq, d_model]."""
+        *lead, s, d = u.shape
+        q, k, v = self.qkv(self.norm1(u)).split(d, dim=-1)
+        shape = (*lead, s, self.heads, d // self.heads)
+        q, k, v = (t.reshape(shape).transpose(-3, -2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.proj(o.transpose(-3, -2).reshape(*lead, s, d))
+
+    def forward(self, u: Tensor) -> Tensor:
+        a = self.attention(u)
+        return a + self.fc2(self._act(self.fc1(self.norm2(u + a))))
+
+    def forward_batched(self, params: dict[str, Tensor], buffers: dict[str, Tensor],
+                        u: Tensor) -> Tensor:
+        """F for n layers at once: ``params`` stacked along a leading layer dimension,
+        ``u`` of shape [n, batch, seq, d_model]."""
+        n, d = u.shape[0], u.shape[-1]
+
+        def norm(v: Tensor, name: str) -> Tensor:
+            w, b = params[f"{name}.weight"], params[f"{name}.bias"]
+            eps = getattr(self, name).eps
+            return torch.addcmul(b.view(n, *[1] * (v.dim() - 2), d),
+                                 F.layer_norm(v, (d,), eps=eps),
+                                 w.view(n, *[1] * (v.dim() - 2), d))
+
+        def linear(v: Tensor, name: str) -> Tensor:
+            w, b = params[f"{name}.weight"], params[f"{name}.bias"]
+            flat = v.reshape(n, -1, v.shape[-1])
+            return torch.baddbmm(b.unsqueeze(1), flat, w.transpose(1, 2)).view(
+                *v.shape[:-1], w.shape[1])
+
+        qkv = linear(norm(u, "norm1"), "qkv")
+        q, k, v = qkv.split(d, dim=-1)
+        shape = (*u.shape[:-1], self.heads, d // self.heads)
+        q, k, v = (t.reshape(shape).transpose(-3, -2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        a = linear(o.transpose(-3, -2).reshape(u.shape), "proj")
+        return a + linear(self._act(linear(norm(u + a, "norm2"), "fc1")), "fc2")
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, activation={self.activation!r}, causal={self.causal}"

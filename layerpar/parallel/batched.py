@@ -36,6 +36,7 @@ from torch.func import functional_call, vmap
 from ..mgrit.solve import vec_norm_sq, vec_sum
 from ..ode.rng import needs_rng
 from ..ode.schemes import Scheme
+from .kernels import fused_step_for
 
 __all__ = ["BatchedBlocks", "Row", "StateOps", "as_tensor", "stack_rows", "structure",
            "unbatchable_reason"]
@@ -342,6 +343,7 @@ class BatchedBlocks:
             self.fn = vmap(one)
         self._stacked: dict[tuple, tuple[dict, dict]] = {}
         self._dt: dict[tuple, Tensor] = {}
+        self.fast = fused_step_for(self.proto, scheme)  # Triton step on CUDA (kernels/)
 
     def new_pass(self) -> None:
         """Parameters may have changed since the last pass: drop the stacked copies."""
@@ -386,7 +388,10 @@ class BatchedBlocks:
         def branch(v: Tensor) -> Tensor:
             return fn(p, b, v)
 
-        return self.scheme.step_many(branch, x, self.dt(pairs, x))
+        dt = self.dt(pairs, x)
+        if self.fast is not None:  # fused kernels where measured faster, else torch
+            return self.fast(x, p, dt, lambda: self.scheme.step_many(branch, x, dt))
+        return self.scheme.step_many(branch, x, dt)
 
     def probe(self, like: Tensor) -> Optional[str]:
         """Check the vectorised evaluation against the blocks' own forward on a random

@@ -4,6 +4,7 @@
         --cfactor 4 --fwd-iters 2 --bwd-iters 1 --threads 1 --out DIR
     python -m layerpar.studies --quick --out /tmp/study        # the same, stand-alone
     python -m layerpar.studies accuracy --out DIR      # gradient accuracy (studies/accuracy.py)
+    python -m layerpar.studies predict-gpu --model conv ...   # GPU model (studies/gpumodel.py)
 
 Every grid option takes a comma-separated list (``--levels 2,3 --cfactor 2,4``).
 ``--weak`` runs ``layers × ranks`` layers per run (weak scaling).  Results go to
@@ -210,4 +211,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .accuracy import main as accuracy_main
 
         return accuracy_main(argv[1:])
+    if argv[:1] == ["predict-gpu"]:
+        from .gpumodel import main as gpu_main
+
+        return gpu_main(argv[1:])
     return run(build_parser().parse_args(argv))
