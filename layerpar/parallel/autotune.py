@@ -153,6 +153,9 @@ def choose(table: list[Measurement], ranks: int) -> tuple[Measurement, str]:
         else:
             why = (f"every MGRIT setting tried is slower than {what} "
                    f"({1e3 * exact.seconds:.1f} ms per pass)")
+        if ranks > 1:
+            why += ("; at one rank exact propagation is plain serial autograd, without "
+                    "messages: run this net on one rank")
         return best, why
     return best, (f"fastest within the bound: {1e3 * best.seconds:.1f} ms per pass, "
                   f"{exact.seconds / best.seconds:.2f}x {what} "
