@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from mpi_util import WORKERS, rank_lines, run_mpi
 
 from layerpar import cli, data
 from layerpar.nets import problem_net
@@ -27,8 +28,6 @@ from layerpar.parallel import LayerParallel
 from layerpar.parallel import autotune as at
 from layerpar.parallel.adaptive import AccuracyPolicy
 from layerpar.parallel.autotune import Candidate, Measurement, choose
-
-from mpi_util import WORKERS, rank_lines, run_mpi
 
 
 def _m(c: Candidate, s: float, err: float | None, ok: bool) -> Measurement:

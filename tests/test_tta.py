@@ -1,6 +1,7 @@
 """The time-to-accuracy benchmark (``python -m layerpar.bench tta``), tiny: serial
 and ``--auto`` at 2 ranks on an 8-layer Peaks net for one epoch, each in a process of
-its own (the serial baseline's thread count given, not probed), then the CSVs, the plot and the README table; and its bad values."""
+its own (the serial baseline's thread count given, not probed), then the CSVs, the
+plot and the README table; and its bad values."""
 from __future__ import annotations
 
 import csv

@@ -18,8 +18,7 @@ import torch
 from mpi4py import MPI
 
 from layerpar.nets import problem_net
-from layerpar.parallel import LayerParallel
-from layerpar.parallel import autotune
+from layerpar.parallel import LayerParallel, autotune
 from layerpar.parallel.autotune import choose
 
 comm = MPI.COMM_WORLD
