@@ -203,21 +203,24 @@ def expected_seconds(case: Case, step: float, steps_per_epoch: int) -> float:
 
 
 def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any = print,
-             probe: Optional[tuple[int, dict[int, float], int]] = None
-             ) -> tuple[list[Run], float, dict[int, float]]:
+             probe: Optional[tuple[int, dict[int, float], int]] = None,
+             device: str = "cpu") -> tuple[list[Run], float, dict[int, float]]:
     """Serial (best thread count) and ``--auto`` at `nprocs` ranks on `case`: the runs,
     the target accuracy and the serial step time per thread count (`probe`: what
-    `best_threads` measured, if it already ran)."""
+    `best_threads` measured, if it already ran).  On ``device="cuda"`` both train on
+    the GPU (serial eagerly; the thread probe is still the host's)."""
     threads, per, _ = best_threads(case) if probe is None else probe
+    dev = ["--device", device]
     say(f"[{case.key}] {case.label}: serial step "
         + ", ".join(f"{1e3 * s:.1f} ms at {k} thread(s)" for k, s in per.items())
         + f" -> serial baseline at {threads} thread(s)")
     runs = []
-    got, wall = _launch(case, ["--serial"], 1, threads, timeout)
-    runs.append(Run(f"serial ({threads} thr)", 1, threads, got["history"], "serial autograd",
-                    wall))
+    got, wall = _launch(case, ["--serial", *dev], 1, threads, timeout)
+    where = "" if device == "cpu" else f", {device}"
+    runs.append(Run(f"serial ({threads} thr{where})", 1, threads, got["history"],
+                    "serial autograd", wall))
     say(f"[{case.key}]   serial: {got['summary']} ({wall:.0f} s wall)")
-    got, wall = _launch(case, ["--auto"], nprocs, 1, timeout)
+    got, wall = _launch(case, ["--auto", *dev], nprocs, 1, timeout)
     runs.append(Run(f"auto ({nprocs} ranks)", nprocs, 1, got["history"],
                     got["auto_choice"] or "?", wall, got["auto_log"] + got["accuracy_log"]))
     say(f"[{case.key}]   auto: {got['summary']} ({wall:.0f} s wall)")
@@ -228,7 +231,10 @@ def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any 
 
 
 def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str,
-           smoke: bool, load: str) -> None:
+           smoke: bool, load: str, device: str = "cpu") -> None:
+    import torch
+
+    gpu_name = torch.cuda.get_device_name() if device == "cuda" else ""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "tta.csv", "w", newline="") as fh:
         w = csv.writer(fh)
@@ -291,7 +297,8 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
     md += [f"Command: `{command}`", "",
            f"Machine: {platform.machine()}, {os.cpu_count()} CPUs visible, python "
            f"{platform.python_version()}, torch {__import__('torch').__version__}; load "
-           f"average at the start {load}.", "",
+           f"average at the start {load}; device {device}"
+           + (f" ({gpu_name})" if gpu_name else "") + ".", "",
            "Target: serial's best validation accuracy minus 0.5 points. Seconds are "
            "training seconds from the first batch (auto-tuning and gradient checks "
            "included, evaluation excluded); `time_vs_serial` is seconds to target over "
@@ -322,6 +329,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out", default="docs/tta", help="folder for CSV, plot and README")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds any one training may take")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where both methods train (cuda: one GPU, use --np 1)")
     args = p.parse_args(argv)
     table = SMOKE if args.smoke else CASES
     keys = [k.strip() for k in args.cases.split(",") if k.strip()]
@@ -352,9 +361,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"layerpar.bench tta: expect about {total / 60:.0f} min in all (time budgets "
           f"in the cases' options shorten it)", flush=True)
     for k in keys:
-        runs, target, _ = run_case(table[k], args.np, args.timeout, probe=probes[k])
+        runs, target, _ = run_case(table[k], args.np, args.timeout, probe=probes[k],
+                                   device=args.device)
         results.append((table[k], runs, target))
-        _write(out, results, command.strip(), args.smoke, load)  # after every case
+        _write(out, results, command.strip(), args.smoke, load, args.device)
         print(f"[{k}] target {target:.4f}: " + "; ".join(
             f"{r.method} {r.to_target(target)[0]} s" for r in runs), flush=True)
     print(f"layerpar.bench tta: {len(keys)} case(s) in {time.perf_counter() - t0:.0f} s; "
