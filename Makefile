@@ -10,7 +10,8 @@ NP     ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo 
 
 NATIVE := $(wildcard layerpar/_native/*.c layerpar/_native/*.h layerpar/_native/*.pyx layerpar/_native/*.pxd)
 
-.PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid train lint clean
+.PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-tta \
+	bench-tta-smoke bench-tta-gpu study-cpu-16core train lint clean
 
 setup: $(VENV)/.installed
 
@@ -43,6 +44,26 @@ bench-ops: build
 # data x layer splits of 4 processes, under mpiexec and torchrun (docs/bench/grid.*)
 bench-grid: build
 	$(BIN)/python -m layerpar.bench grid --np 4 --csv docs/bench/grid.csv | tee docs/bench/grid.txt
+
+# time to accuracy, serial vs --auto at 2 ranks, cases a-d (docs/tta; it prints its
+# own estimate first); the smoke run checks the pipeline in a few minutes (its figures
+# are not a measurement)
+TTA_NP ?= 2
+bench-tta: build
+	$(BIN)/python -m layerpar.bench tta --np $(TTA_NP) --out docs/tta
+bench-tta-smoke: build
+	$(BIN)/python -m layerpar.bench tta --smoke --np 2 --out docs/tta/smoke
+
+# Not measured yet (no such machine lent so far): time to accuracy on one GPU, case a;
+# on a 16-core machine, the per-batch scaling study at 1-16 ranks and time to accuracy
+# at 16 ranks
+bench-tta-gpu:
+	$(GPU_PYTHON) setup.py -q build_ext --inplace
+	$(GPU_PYTHON) -m layerpar.bench tta --device cuda --np 1 --cases a --out docs/tta/gpu
+study-cpu-16core: build
+	$(BIN)/layerpar scale --ranks 1,2,4,8,16 --layers 1024 --width 32 --batch 128 \
+	    --levels 3 --cfactor 4 --fwd-iters 1 --bwd-iters 1 --out docs/studies/cpu-16core
+	$(BIN)/python -m layerpar.bench tta --np 16 --cases a --out docs/tta/cpu-16core
 
 # On a GPU machine, with a Python that has a CUDA build of torch (and Cython):
 # builds the engine in place and writes docs/gpu/bench-gpu.csv.  GPU tests: tests/gpu.
