@@ -120,7 +120,7 @@ def train(
     arch: Optional[str] = None,
     t_final: Optional[float] = None,
     device: str = "cpu",
-    auto: bool = False,
+    auto: Union[bool, AccuracyPolicy] = False,
     target_acc: Optional[float] = None,
     time_budget: Optional[float] = None,
 ) -> dict[str, Any]:
@@ -162,8 +162,9 @@ def train(
         counts: tol = 0, no adaptive accuracy, no auto, no nested iteration), else run
         eagerly; ``step_mode`` says which, and why.
     auto: MGRIT settings chosen by measurement (``LayerParallel(options="auto")``,
-        tuned on the first batch with this loss, then watched by the adaptive policy
-        ``adaptive``, default bound); the candidate table goes to ``auto_log``.
+        tuned on the first batch with this loss, then watched by the adaptive policy:
+        ``adaptive``'s, the policy given as ``auto``, or the default bound); the
+        candidate table goes to ``auto_log``.
     target_acc: stop once the validation accuracy reaches it; ``time_to_target`` is
         the training time until then (None: not reached).
     time_budget: stop training after this many seconds (checked after every batch).
@@ -208,13 +209,19 @@ def train(
     if serial and (policy is not None or check_every):
         raise ValueError("`adaptive` and `check_every` need a layer-parallel run (they "
                          "compare MGRIT with exact propagation), not `serial`")
+    bound = auto if isinstance(auto, AccuracyPolicy) else None
+    if bound is not None:
+        auto = True
     if not isinstance(auto, bool):
-        raise TypeError(f"`auto` must be a bool, got {type(auto).__name__}")
+        raise TypeError(f"`auto` must be a bool or an AccuracyPolicy, got "
+                        f"{type(auto).__name__}")
     if auto and (serial or data_parallel > 1 or nested):
         raise ValueError("`auto` needs a layer-parallel run without data parallelism or "
                          "nested iteration")
     if auto and policy is None:
         policy = as_policy(True)
+    elif auto and bound is not None:
+        policy = bound
     if device not in DEVICES:
         raise ValueError(f"`device` must be one of {DEVICES}, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -656,6 +663,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "and gradient error of a few candidates; the fastest within the "
                         "bound, exact/serial where nothing parallel pays), then watched "
                         "by the adaptive policy")
+    a.add_argument("--max-grad-error", type=float, default=None, metavar="E",
+                   help="the bound of --adaptive and --auto: largest relative gradient "
+                        "error (default 0.05)")
+    a.add_argument("--min-cosine", type=float, default=None, metavar="C",
+                   help="the bound of --adaptive and --auto: smallest cosine between "
+                        "inexact and exact gradients (default 0.99)")
     n = parser.add_argument_group("network, device and stopping")
     n.add_argument("--model", dest="arch", default=None, choices=("dense", "conv"),
                    help="architecture (mnist1d: dense or conv; default: per problem)")
@@ -709,6 +722,16 @@ def check_arguments(args: argparse.Namespace) -> None:
         if value is not None and not (math.isfinite(value) and 0 < value <= hi):
             what = "in (0, 1]" if hi == 1.0 else "a finite number > 0"
             raise ValueError(f"`{flag}` must be {what}, got {value}")
+    bound = _bound(args)
+    if bound and not (getattr(args, "adaptive", False) or getattr(args, "auto", False)):
+        raise ValueError(f"`--{next(iter(bound)).replace('_', '-').replace('rel-', 'grad-')}"
+                         "` sets the bound of `--adaptive` or `--auto`: give one of them")
+    if bound:
+        try:
+            AccuracyPolicy(**bound)
+        except ValueError as exc:
+            flag = "--max-grad-error" if "max_rel_error" in str(exc) else "--min-cosine"
+            raise ValueError(f"`{flag}`: {exc}") from None
     device = getattr(args, "device", "cpu")
     if device not in DEVICES:
         raise ValueError(f"`--device` must be one of {list(DEVICES)}, got {device!r}")
@@ -721,6 +744,14 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.serial and (getattr(args, "adaptive", False) or getattr(args, "check_every", 0)):
         raise ValueError("`--adaptive` and `--check-every` compare MGRIT with exact "
                          "propagation: not with `--serial`")
+
+
+def _bound(args: argparse.Namespace) -> dict[str, float]:
+    """The accuracy bound given by ``--max-grad-error`` / ``--min-cosine`` (as
+    `AccuracyPolicy` fields; empty: the default bound)."""
+    got = {"max_rel_error": getattr(args, "max_grad_error", None),
+           "min_cosine": getattr(args, "min_cosine", None)}
+    return {k: v for k, v in got.items() if v is not None}
 
 
 def options_from_arguments(args: argparse.Namespace) -> tuple[MGRITOptions, MGRITOptions]:
@@ -750,10 +781,13 @@ def train_from_arguments(model_name: str, args: argparse.Namespace,
                  batch_size=args.batch_size, lr=args.lr, seed=args.seed, fwd=fwd, bwd=bwd,
                  comm=comm, progress=not args.no_progress, dtype=dtype_from_arguments(args),
                  data_parallel=getattr(args, "data_parallel", 1),
-                 adaptive=args.adaptive, check_every=args.check_every, nested=args.nested,
+                 adaptive=AccuracyPolicy(**_bound(args)) if args.adaptive and _bound(args)
+                 else args.adaptive, check_every=args.check_every, nested=args.nested,
                  nested_epochs=args.nested_epochs, n_layers=getattr(args, "layers", None),
                  width=getattr(args, "width", None), arch=getattr(args, "arch", None),
                  t_final=getattr(args, "t_final", None),
-                 device=getattr(args, "device", "cpu"), auto=getattr(args, "auto", False),
+                 device=getattr(args, "device", "cpu"),
+                 auto=AccuracyPolicy(**_bound(args)) if getattr(args, "auto", False)
+                 and _bound(args) else getattr(args, "auto", False),
                  target_acc=getattr(args, "target_acc", None),
                  time_budget=getattr(args, "time_budget", None))

@@ -68,12 +68,10 @@ CASES: dict[str, Case] = {
 #: the same cases shrunk, to check the pipeline in a minute or two (not a measurement
 #: of time to accuracy: too short for anything to converge)
 SMOKE: dict[str, Case] = {
-    "a": Case("a", "mnist1d", "MNIST-1D dense, 128 layers x 32, T=1 (smoke)", 2,
-              ("--model", "dense", "--layers", "128", "--width", "32", "--t-final", "1",
-               "--time-budget", "8")),
+    "a": Case("a", "mnist1d", "MNIST-1D dense, 128 layers x 32, T=1 (smoke)", 1,
+              ("--model", "dense", "--layers", "128", "--width", "32", "--t-final", "1")),
     "b": Case("b", "mnist1d", "MNIST-1D conv, 32 layers x 8 ch, T=1 (smoke)", 1,
-              ("--model", "conv", "--layers", "32", "--width", "8", "--t-final", "1",
-               "--time-budget", "8")),
+              ("--model", "conv", "--layers", "32", "--width", "8", "--t-final", "1")),
     "c": Case("c", "digits", "digits (smoke: 2 epochs)", 2),
     "d": Case("d", "peaks", "Peaks (smoke: 2 epochs)", 2),
 }
@@ -196,18 +194,20 @@ def best_threads(case: Case, batches: int = 4) -> tuple[int, dict[int, float], i
     return min(per, key=lambda k: (per[k], k)), per, -(-len(x) // batch)
 
 
-def expected_seconds(case: Case, step: float, steps_per_epoch: int) -> float:
-    """A rough duration of `run_case` from the best serial step time: the serial run,
-    and a layer-parallel run assumed no slower, each with evaluation (~10 %)."""
-    return 2 * 1.1 * step * steps_per_epoch * case.epochs
+def expected_seconds(case: Case, step: float, steps_per_epoch: int, runs: int = 3) -> float:
+    """A rough duration of `run_case` from the best serial step time: `runs` trainings
+    (serial and the auto runs, assumed no slower), each with evaluation (~10 %)."""
+    return runs * 1.1 * step * steps_per_epoch * case.epochs
 
 
 def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any = print,
              probe: Optional[tuple[int, dict[int, float], int]] = None,
-             device: str = "cpu") -> tuple[list[Run], float, dict[int, float]]:
-    """Serial (best thread count) and ``--auto`` at `nprocs` ranks on `case`: the runs,
-    the target accuracy and the serial step time per thread count (`probe`: what
-    `best_threads` measured, if it already ran).  On ``device="cuda"`` both train on
+             device: str = "cpu", bounds: tuple[Optional[float], ...] = (None,)
+             ) -> tuple[list[Run], float, dict[int, float]]:
+    """Serial (best thread count) and ``--auto`` at `nprocs` ranks on `case`, once per
+    gradient-error bound in `bounds` (``--max-grad-error``; None: the default bound):
+    the runs, the target accuracy and the serial step time per thread count (`probe`:
+    what `best_threads` measured, if it already ran).  On ``device="cuda"`` both train on
     the GPU (serial eagerly; the thread probe is still the host's)."""
     threads, per, _ = best_threads(case) if probe is None else probe
     dev = ["--device", device]
@@ -220,12 +220,15 @@ def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any 
     runs.append(Run(f"serial ({threads} thr{where})", 1, threads, got["history"],
                     "serial autograd", wall))
     say(f"[{case.key}]   serial: {got['summary']} ({wall:.0f} s wall)")
-    got, wall = _launch(case, ["--auto", *dev], nprocs, 1, timeout)
-    runs.append(Run(f"auto ({nprocs} ranks)", nprocs, 1, got["history"],
-                    got["auto_choice"] or "?", wall, got["auto_log"] + got["accuracy_log"]))
-    say(f"[{case.key}]   auto: {got['summary']} ({wall:.0f} s wall)")
-    for line in got["auto_log"]:
-        say(f"[{case.key}]     {line}")
+    for bound in bounds:
+        extra = [] if bound is None else ["--max-grad-error", repr(bound)]
+        got, wall = _launch(case, ["--auto", *dev, *extra], nprocs, 1, timeout)
+        name = f"auto ({nprocs} ranks" + ("" if bound is None else f", err<={bound:g}") + ")"
+        runs.append(Run(name, nprocs, 1, got["history"], got["auto_choice"] or "?", wall,
+                        got["auto_log"] + got["accuracy_log"]))
+        say(f"[{case.key}]   {name}: {got['summary']} ({wall:.0f} s wall)")
+        for line in got["auto_log"] + got["accuracy_log"]:
+            say(f"[{case.key}]     {line}")
     target = runs[0].best_acc - 0.005
     return runs, target, per
 
@@ -329,6 +332,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out", default="docs/tta", help="folder for CSV, plot and README")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds any one training may take")
+    p.add_argument("--bounds", default="default,0.15",
+                   help="one --auto run per gradient-error bound (--max-grad-error), "
+                        "'default' for the adaptive policy's (default: default,0.15)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where both methods train (cuda: one GPU, use --np 1)")
     args = p.parse_args(argv)
@@ -341,6 +347,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"`--np` must be >= 1, got {args.np}")
     if args.timeout is not None and not args.timeout > 0:
         p.error(f"`--timeout` must be > 0, got {args.timeout}")
+    try:
+        bounds = tuple(None if b.strip() == "default" else float(b)
+                       for b in args.bounds.split(","))
+    except ValueError:
+        bounds = ()
+    if not bounds or any(b is not None and not 0 < b < float("inf") for b in bounds):
+        p.error(f"`--bounds` must be 'default' or numbers > 0, comma-separated, got "
+                f"{args.bounds!r}")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         p.error(f"`--out` {args.out} is not a folder")
@@ -353,7 +367,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     total = 0.0
     for k in keys:
         threads, per, steps = probes[k]
-        est = expected_seconds(table[k], per[threads], steps)
+        est = expected_seconds(table[k], per[threads], steps, 1 + len(bounds))
         total += est
         print(f"[{k}] {table[k].label}: {steps} steps per epoch, best serial step "
               f"{1e3 * per[threads]:.1f} ms at {threads} thread(s): expect about "
@@ -362,7 +376,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"in the cases' options shorten it)", flush=True)
     for k in keys:
         runs, target, _ = run_case(table[k], args.np, args.timeout, probe=probes[k],
-                                   device=args.device)
+                                   device=args.device, bounds=bounds)
         results.append((table[k], runs, target))
         _write(out, results, command.strip(), args.smoke, load, args.device)
         print(f"[{k}] target {target:.4f}: " + "; ".join(

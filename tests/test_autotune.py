@@ -71,8 +71,8 @@ def _stiff_batch(t_final: float) -> tuple[LayerParallel, torch.Tensor, torch.Ten
     torch.manual_seed(0)
     net = problem_net("peaks", 32, 8, t_final=t_final).double()
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(50, 2, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 5, (50,), generator=g)
+    x = torch.randn(20, 2, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 5, (20,), generator=g)
     return net, x, y
 
 
@@ -167,7 +167,10 @@ def test_mnist1d_needs_no_network(monkeypatch: pytest.MonkeyPatch, tmp_path: Any
     (["--t-final", "0"], "--t-final"), (["--t-final", "inf"], "--t-final"),
     (["--layers", "0"], "--layers"), (["--width", "0"], "--width"),
     (["--device", "tpu"], "--device"), (["--model", "conv"], "--model"),
-    (["--auto", "--serial"], "--auto"), (["--np", "9", "--layers", "8"], "--np")])
+    (["--auto", "--serial"], "--auto"), (["--np", "9", "--layers", "8"], "--np"),
+    (["--max-grad-error", "0.1"], "--max-grad-error"),
+    (["--auto", "--max-grad-error", "0"], "--max-grad-error"),
+    (["--auto", "--min-cosine", "2"], "--min-cosine")])
 def test_train_bad_values(argv: list[str], flag: str, capsys: pytest.CaptureFixture) -> None:
     # peaks has only the dense architecture
     assert cli.main(["train", "peaks", *argv]) == 2

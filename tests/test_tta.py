@@ -44,7 +44,8 @@ def test_tta_tiny(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("argv,flag", [(["--cases", "z"], "--cases"),
                                        (["--np", "0"], "--np"),
-                                       (["--timeout", "0"], "--timeout")])
+                                       (["--timeout", "0"], "--timeout"),
+                                       (["--bounds", "x"], "--bounds")])
 def test_tta_bad_values(argv: list[str], flag: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         bench.main(["tta", *argv])
