@@ -24,7 +24,7 @@ XBRAID_DIR ?=
 XBRAID_BUILT := $(if $(XBRAID_DIR),$(VENV)/.built-xbraid)
 
 .PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-engines bench-paths \
-	train lint clean
+	bench-tta bench-tta-smoke bench-tta-gpu study-cpu-16core train lint clean
 
 setup: $(VENV)/.installed
 
@@ -82,6 +82,28 @@ bench-paths: build
 bench-grid: build
 	$(BIN)/python -m layerpar.bench grid --np 4 --csv docs/bench/grid.csv | tee docs/bench/grid.txt
 
+# time to accuracy, serial vs --auto at 2 ranks, cases a-d (docs/tta; it prints its
+# own estimate first); the smoke run checks the pipeline in a few minutes (its figures
+# are not a measurement)
+TTA_NP ?= 2
+bench-tta: build
+	$(BIN)/python -m layerpar.bench tta --np $(TTA_NP) --out docs/tta
+bench-tta-smoke: build
+	$(BIN)/python -m layerpar.bench tta --smoke --np 2 --out docs/tta/smoke
+
+# Not measured yet (no such machine lent so far): time to accuracy on one GPU, case a;
+# on a 16-core machine, the per-batch scaling study at 1-16 ranks and time to accuracy
+# at 16 ranks
+bench-tta-gpu:
+	$(GPU_PYTHON) setup.py -q build_ext --inplace
+	$(GPU_PYTHON) -m layerpar.bench tta --device cuda --np 1 --cases a --out docs/tta/gpu
+study-cpu-16core: build
+	$(BIN)/layerpar scale --ranks 1,2,4,8,16 --layers 1024 --width 32 --batch 128 \
+	    --levels 3 --cfactor 4 --fwd-iters 1 --bwd-iters 1 --out docs/studies/cpu-16core
+	$(BIN)/python -m layerpar.bench tta --np 16 --cases a --out docs/tta/cpu-16core
+
+# On a GPU machine, with a Python that has a CUDA build of torch (and Cython):
+# builds the engine in place and writes docs/gpu/bench-gpu.csv.  GPU tests: tests/gpu.
 # On a GPU machine, with a Python that has a CUDA build of torch (and Cython, triton):
 # builds the engine in place and writes the issue's rows (a)-(d) to
 # docs/gpu/bench-gpu-rows.csv (docs/gpu/bench-gpu.csv: the earlier run the GPU model

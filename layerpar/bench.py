@@ -5,6 +5,7 @@
     python -m layerpar.bench gpu [--csv PATH]               # one GPU (layerpar.gpubench)
     python -m layerpar.bench grid [--np 4] [--csv PATH]     # data x layer splits (gridbench)
     python -m layerpar.bench engines [--quick] [--csv PATH] # native engine vs XBraid
+    python -m layerpar.bench tta [--smoke] [--cases a,b,c,d] # time to accuracy (layerpar.tta)
     mpiexec -n 2 python -m mpi4py -m layerpar.bench        # the same at 2 ranks
 
 It reports numbers and asserts nothing.  Rows:
@@ -432,6 +433,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return pathbench.main(argv[1:])
     if argv[:1] == ["engines"]:
         return _engines_main(argv[1:])
+    if argv[:1] == ["tta"]:
+        from . import tta
+
+        return tta.main(argv[1:])
     if argv[:1] == ["grid"]:
         from . import gridbench
 

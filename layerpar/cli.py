@@ -1,7 +1,9 @@
 """The ``layerpar`` command.
 
-    layerpar train {peaks,digits} [--np N [--data-parallel R] [--launcher torchrun]]
-                   [--levels L --cfactor C --fwd-iters F ...]
+    layerpar train {peaks,digits,mnist1d} [--np N [--data-parallel R] [--launcher torchrun]]
+                   [--levels L --cfactor C --fwd-iters F ... | --auto]
+                   [--model dense|conv --layers N --width W --t-final T]
+                   [--device cpu|cuda] [--target-acc A] [--time-budget S]
     layerpar info
 
 ``train`` runs `layerpar.train.train`.  With ``--np N`` (N > 1) and not already inside
@@ -51,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     train = sub.add_parser(
-        "train", help="train the Peaks or digits network",
+        "train", help="train a bundled problem (peaks, digits, mnist1d)",
         description="Train a bundled problem serially or layer-parallel and print one "
                     "summary line (accuracy, time per batch, MGRIT iterations and "
                     "residuals).")
@@ -95,7 +97,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             what = f"the job's processes ({nprocs})" if launched() else f"`--np` {nprocs}"
             raise ValueError(f"`--data-parallel` {args.data_parallel} must divide {what} "
                              "(N processes form R replicas of N/R ranks)")
-        layers = RECIPES[args.model].n_layers
+        from .nets import ARCHITECTURES
+
+        if args.arch is not None and args.arch not in ARCHITECTURES[args.model]:
+            raise ValueError(f"`--model` must be one of {list(ARCHITECTURES[args.model])} "
+                             f"for {args.model}, got {args.arch!r}")
+        layers = args.layers or RECIPES[args.model].n_layers
         per = args.np // args.data_parallel
         ranks = 1 if args.serial else nprocs // args.data_parallel
         nested = max(0, args.nested)

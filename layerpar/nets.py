@@ -2,7 +2,8 @@
 
 Two families, with names that say which:
 
-- **problems** (`PROBLEMS`: "peaks", "digits"): the bundled learning problems that
+- **problems** (`PROBLEMS`: "peaks", "digits", "mnist1d"): the bundled learning problems
+  that
   ``layerpar train``, the examples and the accuracy study train, each with a `Recipe`
   (network size and a training budget that works); `problem_net` builds them.
 - **synthetic models** (`SYNTHETIC_MODELS`: "dense", "conv"): the scaling studies'
@@ -16,6 +17,7 @@ the benchmarks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -26,7 +28,7 @@ from . import data
 from .ode import blocks
 from .ode.net import ODENet, Segment
 
-__all__ = ["PROBLEMS", "RECIPES", "Recipe", "SYNTHETIC_MODELS", "problem_net",
+__all__ = ["ARCHITECTURES", "PROBLEMS", "RECIPES", "Recipe", "SYNTHETIC_MODELS", "problem_net",
            "sequential_twin", "synthetic_input_shape", "synthetic_net"]
 
 
@@ -55,7 +57,13 @@ RECIPES: dict[str, Recipe] = {
     "peaks": Recipe(epochs=20, batch_size=100, lr=0.02, n_layers=32, width=8, t_final=5.0),
     # a small convolutional ODE-net on 1x8x8 images; width = channels
     "digits": Recipe(epochs=8, batch_size=50, lr=0.01, n_layers=8, width=8, t_final=2.0),
+    # MNIST-1D (issue 20): a deep ODE-net, dense (width = features) or conv (channels)
+    "mnist1d": Recipe(epochs=10, batch_size=128, lr=3e-3, n_layers=256, width=32,
+                      t_final=1.0),
 }
+#: the architectures each problem can be built with (the first is its default)
+ARCHITECTURES: dict[str, tuple[str, ...]] = {
+    "peaks": ("dense",), "digits": ("conv",), "mnist1d": ("dense", "conv")}
 PROBLEMS = tuple(RECIPES)
 
 
@@ -76,27 +84,55 @@ def positive_int(value: Any, name: str) -> int:
 
 
 def problem_net(model_name: str, n_layers: Optional[int] = None,
-                width: Optional[int] = None) -> ODENet:
+                width: Optional[int] = None, *, arch: Optional[str] = None,
+                t_final: Optional[float] = None) -> ODENet:
     """The `ODENet` of a problem, with fresh parameters from the global torch generator.
 
     peaks: Linear(2, w) -> n residual layers u <- u + h tanh(K u + b) on [0, 5] ->
     Linear(w, 5) (DESIGN.md: w = 8, n = 32).
     digits: Conv2d(1, c, 3) -> n residual layers u <- u + h relu(conv3x3(u)) on [0, 2]
     -> 2x2 average pooling -> Linear(16 c, 10) (c = 8, n = 8).
+    mnist1d, arch "dense": Linear(40, w) -> n layers u <- u + h tanh(K u + b) on
+    [0, 1] -> Linear(w, 10) (w = 32, n = 256); arch "conv": the signal as one channel
+    -> Conv1d(1, c, 5) -> n layers u <- u + h relu(conv1d_3(u)) on [0, 1] ->
+    Linear(40 c, 10).  `arch` (default: the problem's first in `ARCHITECTURES`) and
+    `t_final` (default: the recipe's) override the recipe.
     Seed the global generator first (``torch.manual_seed``) to build the same network
     on every rank.
     """
     recipe = RECIPES[problem_name(model_name)]
     n = recipe.n_layers if n_layers is None else positive_int(n_layers, "n_layers")
     w = recipe.width if width is None else positive_int(width, "width")
+    archs = ARCHITECTURES[model_name]
+    arch = archs[0] if arch is None else arch
+    if arch not in archs:
+        raise ValueError(f"`arch` must be one of {list(archs)} for {model_name}, got "
+                         f"{arch!r}")
+    t = recipe.t_final if t_final is None else t_final
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (
+            math.isfinite(t) and t > 0):
+        raise ValueError(f"`t_final` must be a positive finite number, got {t!r}")
+    t = float(t)
+    if model_name == "mnist1d" and arch == "dense":
+        return ODENet(open=nn.Linear(data.MNIST1D_LENGTH, w),
+                      steps=lambda k: blocks.Dense(w, activation="tanh"),
+                      n_steps=n, t_final=t, close=nn.Linear(w, data.MNIST1D_CLASSES))
+    if model_name == "mnist1d":
+        return ODENet(layers=[
+            nn.Unflatten(1, (1, data.MNIST1D_LENGTH)),
+            nn.Conv1d(1, w, 5, padding=2),
+            Segment(lambda k: blocks.Conv1d(w, activation="relu"), n, t),
+            nn.Flatten(),
+            nn.Linear(w * data.MNIST1D_LENGTH, data.MNIST1D_CLASSES),
+        ])
     if model_name == "peaks":
         return ODENet(open=nn.Linear(2, w),
                       steps=lambda k: blocks.Dense(w, activation="tanh"),
-                      n_steps=n, t_final=recipe.t_final,
+                      n_steps=n, t_final=t,
                       close=nn.Linear(w, data.PEAKS_CLASSES))
     return ODENet(layers=[
         nn.Conv2d(1, w, 3, padding=1),
-        Segment(lambda k: blocks.Conv(w, activation="relu"), n, recipe.t_final),
+        Segment(lambda k: blocks.Conv(w, activation="relu"), n, t),
         nn.AvgPool2d(2),
         nn.Flatten(),
         nn.Linear(w * 4 * 4, 10),

@@ -61,20 +61,18 @@ __all__ = [
 MODELS = PROBLEMS
 build_net = problem_net
 
-_PEAKS_TRAIN, _PEAKS_VAL = 5000, 200
-_DIGITS_VAL = 297
+DEVICES = ("cpu", "cuda")
 
 
 def load_data(model_name: str, seed: int = 0,
               dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(x_train, y_train, x_val, y_val) of a problem, deterministic given ``seed``.
+    """(x_train, y_train, x_val, y_val) of a problem, deterministic given ``seed``
+    (`layerpar.data.splits`).
 
     peaks: 5000 training and 200 validation points; digits: 1500 training and 297
-    validation images.
+    validation images; mnist1d: 16,000 training and 4,000 validation signals.
     """
-    if problem_name(model_name) == "peaks":
-        return data.peaks(_PEAKS_TRAIN, _PEAKS_VAL, seed=seed, dtype=dtype)
-    return data.digits(_DIGITS_VAL, seed=seed, dtype=dtype)
+    return data.splits(problem_name(model_name), seed=seed, dtype=dtype)
 
 
 def threads_per_rank(comm: Any = None) -> int:
@@ -123,10 +121,16 @@ def train(
     nested_epochs: int = 2,
     timeout: Optional[float] = DEFAULT_TIMEOUT,
     engine: str = "native",
+    arch: Optional[str] = None,
+    t_final: Optional[float] = None,
+    device: str = "cpu",
+    auto: Union[bool, AccuracyPolicy] = False,
+    target_acc: Optional[float] = None,
+    time_budget: Optional[float] = None,
 ) -> dict[str, Any]:
     """Train the Peaks or digits network and return what happened.
 
-    model_name: "peaks" or "digits" (see `build_net`, `load_data`).
+    model_name: "peaks", "digits" or "mnist1d" (see `build_net`, `load_data`).
     serial: train the plain `ODENet` with ordinary autograd (the serial oracle);
         ``comm`` then only decides which rank prints.  Otherwise the net is wrapped
         in `LayerParallel` over ``comm`` (None: one process without MPI).
@@ -158,6 +162,21 @@ def train(
         epoch's record says its ``layers``.
     engine: the MGRIT engine of `LayerParallel`, "native" or "xbraid" (XBraid itself,
         when built; it steps layer by layer, so the per-step path is used).
+    arch, t_final: the architecture ("dense" or "conv" for mnist1d) and the final time
+        of the ODE segment (default: the problem's; `layerpar.nets.problem_net`).
+    device: "cpu" or "cuda".  On CUDA a layer-parallel step is captured in a CUDA
+        graph (`capture_step`) where the settings allow it (one rank, fixed iteration
+        counts: tol = 0, no adaptive accuracy, no auto, no nested iteration), else run
+        eagerly; ``step_mode`` says which, and why.
+    auto: MGRIT settings chosen by measurement (``LayerParallel(options="auto")``,
+        tuned on the first batch with this loss, then watched by the adaptive policy:
+        ``adaptive``'s, the policy given as ``auto``, or the default bound); the
+        candidate table goes to ``auto_log``.
+    target_acc: stop once the validation accuracy reaches it; ``time_to_target`` is
+        the training time until then (None: not reached).
+    time_budget: stop training after this many seconds (checked after every batch).
+    Times (``train_seconds`` in each epoch's record, ``time_to_target``) count from
+    the first batch, with tuning and gradient checks, without evaluation.
 
     Returns a dict: ``val_acc``, ``val_loss``, ``train_loss`` and ``train_acc`` (last
     epoch), ``ms_per_batch`` (one optimisation step: forward, backward, update,
@@ -197,7 +216,30 @@ def train(
     if serial and (policy is not None or check_every):
         raise ValueError("`adaptive` and `check_every` need a layer-parallel run (they "
                          "compare MGRIT with exact propagation), not `serial`")
-    if policy is not None and not check_every:
+    bound = auto if isinstance(auto, AccuracyPolicy) else None
+    if bound is not None:
+        auto = True
+    if not isinstance(auto, bool):
+        raise TypeError(f"`auto` must be a bool or an AccuracyPolicy, got "
+                        f"{type(auto).__name__}")
+    if auto and (serial or data_parallel > 1 or nested):
+        raise ValueError("`auto` needs a layer-parallel run without data parallelism or "
+                         "nested iteration")
+    if auto and policy is None:
+        policy = as_policy(True)
+    elif auto and bound is not None:
+        policy = bound
+    if device not in DEVICES:
+        raise ValueError(f"`device` must be one of {DEVICES}, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("`device` 'cuda': CUDA is not available here")
+    for name, v, lo, hi in (("target_acc", target_acc, 0.0, 1.0),
+                            ("time_budget", time_budget, 0.0, math.inf)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not (lo < v <= hi)):
+            raise ValueError(f"`{name}` must be a number in ({lo:g}, {hi:g}], got {v!r}")
+    if policy is not None and not check_every and not auto:
+        # (under auto, the chosen setting's controller says when; exact needs none)
         check_every = policy.check_every
     rank, size = _rank_size(comm)
     ranks = 1 if serial else size
@@ -216,21 +258,42 @@ def train(
         raise ValueError(f"`nested`={nested}: the net's {n_fine} layers must halve "
                          f"{nested} time(s) and still give each rank at least one layer")
     torch.manual_seed(seed)  # same initial parameters on every rank
-    net = build_net(model_name, n_fine // 2 ** nested, width).to(dtype)
+    net = build_net(model_name, n_fine // 2 ** nested, width, arch=arch,
+                    t_final=t_final).to(device=device, dtype=dtype)
     grid: Optional[ProcessGrid] = None
+    step_mode = "eager"
+    capture = _capture_refusal(device, serial, auto, policy, check_every, nested, size,
+                               data_parallel, fwd, bwd)
+    if device == "cuda":
+        step_mode = "eager (not captured: " + capture + ")" if capture else "captured"
     if serial:
         model: nn.Module = net
     elif data_parallel > 1 or not (comm is None or hasattr(comm, "Split_type")):
         grid = ProcessGrid(comm, data=data_parallel)
         model = LayerParallel(net, None, fwd, bwd, grid=grid, accuracy=policy,
                               timeout=timeout, engine=engine)
+    elif auto:
+        model = LayerParallel(net, comm, "auto", accuracy=policy, timeout=timeout)
     else:
-        model = LayerParallel(net, comm, fwd, bwd, accuracy=policy, timeout=timeout,
+        model = LayerParallel(net, comm, fwd, bwd, accuracy=policy,
+                              check_finite=step_mode != "captured", timeout=timeout,
                               engine=engine)
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x_train, y_train), batch_size=batch_size,
         shuffle=True, generator=torch.Generator().manual_seed(seed))
 
+    to_device = None if device == "cpu" else (lambda t: t.to(device, non_blocking=True))
+    shard = grid.shard if grid is not None else to_device
+    x_val, y_val = x_val.to(device), y_val.to(device)
+    clock = _Clock(model if isinstance(model, LayerParallel) else None)
+    time_to_target: Optional[float] = None
+    epochs_to_target: Optional[int] = None
+    stop = False
+    if auto:  # tune on the first batch, with the training loss; the time counts
+        assert isinstance(model, LayerParallel)
+        x0, y0 = _first_batch(loader)
+        with clock:
+            model.tune(x0.to(device), y0.to(device), nn.functional.cross_entropy)
     history: list[dict[str, Any]] = []
     batch_losses: list[float] = []
     checks: list[dict[str, Any]] = []
@@ -243,11 +306,24 @@ def train(
         if stage:  # nested iteration: the trained net, refined, goes on training
             model = (refine(model, 2) if isinstance(model, (ODENet, LayerParallel))
                      else model)
-        optimizer = torch.optim.Adam(model.parameters(), lr=lr)  # this rank's parameters
+        # this rank's parameters; a captured step reads the learning rate from a tensor
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr) if step_mode != "captured" \
+            else torch.optim.Adam(model.parameters(), lr=torch.tensor(lr, device=device),
+                                  capturable=True)
         steps_here = stage_epochs * len(loader)
-        total_steps += steps_here
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps_here)
+        captured = None
+        if step_mode == "captured":
+            from .parallel.capture import capture_step
+
+            x0, y0 = _first_batch(loader)
+            with clock:  # capture's warm-up steps train too: counted in the time
+                captured = capture_step(model, optimizer,  # type: ignore[arg-type]
+                                        nn.functional.cross_entropy, x0.to(device),
+                                        y0.to(device))
         for epoch in range(1, stage_epochs + 1):
+            if stop:
+                break
             label = f"{model_name} epoch {epoch}/{stage_epochs}" + (
                 f" ({layers} layers)" if nested else "")
             bar = Progress(len(loader), label, enabled=progress and rank == 0)
@@ -255,14 +331,18 @@ def train(
             losses, correct, seen = [], 0, 0
             fwd_it, fwd_res, bwd_it, bwd_res = [], [], [], []
             t_epoch = time.perf_counter()
+            clock.start()
             steps = train_steps(model, loader, optimizer, scheduler=schedule,
-                                shard=None if grid is None else grid.shard)
+                                shard=shard) if captured is None else \
+                _captured_steps(captured, loader, schedule, shard)
             for b, step in enumerate(steps, 1):
                 batch += 1
+                total_steps += 1
                 step_time += step.seconds
                 losses.append(step.loss.item())
-                correct += int((step.output.detach().argmax(1) == step.target).sum())
-                seen += len(step.target)
+                if step.output is not None:
+                    correct += int((step.output.detach().argmax(1) == step.target).sum())
+                    seen += len(step.target)
                 for stats, its, res in ((step.fwd, fwd_it, fwd_res),
                                         (step.bwd, bwd_it, bwd_res)):
                     if stats is not None:
@@ -281,6 +361,10 @@ def train(
                                    "mgrit_cosine": got.cos,
                                    "mgrit_rel_error": got.error})
                 bar.update(b, _bar_note(losses[-1], fwd_res, bwd_res, checks))
+                if time_budget is not None and clock.over(time_budget):
+                    stop = True
+                    break
+            clock.stop()
             if grid is not None and grid.data > 1:  # the global batch's figures
                 losses, correct, seen = _replica_totals(grid, losses, correct, seen)
             batch_losses += losses
@@ -288,8 +372,9 @@ def train(
             record = {
                 "epoch": len(history) + 1, "layers": layers,
                 "train_loss": sum(losses) / len(losses),
-                "train_acc": correct / seen, "val_loss": val_loss, "val_acc": val_acc,
-                "seconds": time.perf_counter() - t_epoch,
+                "train_acc": correct / seen if seen else math.nan, "val_loss": val_loss,
+                "val_acc": val_acc, "seconds": time.perf_counter() - t_epoch,
+                "train_seconds": clock.seconds, "batches": batch,
                 "fwd_iters": _mean(fwd_it), "fwd_res": _mean(fwd_res),
                 "bwd_iters": _mean(bwd_it), "bwd_res": _mean(bwd_res),
                 "grad_cosine": checks[-1]["cosine"] if checks else None,
@@ -298,8 +383,14 @@ def train(
             history.append(record)
             bar.close(f"train_loss {record['train_loss']:.3f} | val_acc {val_acc:.3f} | "
                       + _bar_note(None, fwd_res, bwd_res, checks))
+            if target_acc is not None and time_to_target is None and val_acc >= target_acc:
+                time_to_target, epochs_to_target = clock.seconds, record["epoch"]
+                stop = True
+        if stop:
+            break
 
     last = history[-1]
+    tuner = getattr(model, "_auto", None)
     result: dict[str, Any] = {
         "model": model_name, "serial": serial, "ranks": ranks,
         "data_parallel": 1 if serial else data_parallel, "epochs": epochs,
@@ -315,11 +406,22 @@ def train(
         "seconds": sum(r["seconds"] for r in history),
         "accuracy_log": [] if getattr(model, "accuracy", None) is None else
         [str(e) for e in model.accuracy.log],  # type: ignore[union-attr]
+        "device": device, "step_mode": step_mode, "arch": arch, "t_final": t_final,
+        "train_seconds": clock.seconds, "target_acc": target_acc,
+        "time_to_target": time_to_target, "epochs_to_target": epochs_to_target,
+        "auto": auto, "auto_log": [] if tuner is None else
+        [line for r in tuner.results for line in r.lines()],
+        "auto_choice": None if tuner is None or not tuner.results else
+        tuner.results[-1].choice.candidate.name(size),
     }
     if grid is not None and isinstance(model, LayerParallel) and model._averager is not None:
         result["allreduce_ms_per_batch"] = 1000.0 * model._averager.total_seconds / total_steps
     result["summary"] = format_summary(result)
     if rank == 0:
+        if device == "cuda":
+            print(f"{model_name}: step on cuda: {step_mode}", flush=True)
+        for line in result["auto_log"]:
+            print(f"{model_name}: {line}", flush=True)
         for line in result["accuracy_log"]:
             print(f"{model_name}: adaptive accuracy: {line}", flush=True)
         if checks:
@@ -332,6 +434,86 @@ def train(
                   flush=True)
         print(result["summary"], flush=True)
     return result
+
+
+def _capture_refusal(device: str, serial: bool, auto: bool, policy: Any, check_every: int,
+                     nested: int, size: int, data_parallel: int, fwd: MGRITOptions,
+                     bwd: MGRITOptions) -> str:
+    """Why a training step on `device` cannot be captured in a CUDA graph ("" if it
+    can: `layerpar.parallel.capture_step`'s conditions)."""
+    if device != "cuda":
+        return "not on CUDA"
+    if serial:
+        return "the serial oracle runs eagerly"
+    if auto or policy is not None or check_every:
+        return "auto/adaptive settings change between batches"
+    if nested:
+        return "nested iteration changes the net"
+    if size > 1 or data_parallel > 1:
+        return "messages between ranks go through the host"
+    if fwd.tol or fwd.rtol or bwd.tol or bwd.rtol:
+        return "a residual tolerance is read on the host (use --tol 0)"
+    return ""
+
+
+class _Clock:
+    """Training time: summed over the spans it runs (a ``with`` block, or `start` to
+    `stop`), evaluation left out.  With a `LayerParallel`, `over` agrees between
+    ranks (rank 0's clock decides), so every rank stops after the same batch."""
+
+    def __init__(self, model: Optional[LayerParallel]) -> None:
+        self.model, self.seconds, self._t0 = model, 0.0, None
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def __enter__(self) -> _Clock:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def now(self) -> float:
+        return self.seconds + (0.0 if self._t0 is None else time.perf_counter() - self._t0)
+
+    def over(self, budget: float) -> bool:
+        late = self.now() >= budget
+        if self.model is not None and self.model.size > 1:
+            late = bool(self.model.transport.bcast_object(late, root=0))
+        return late
+
+
+def _first_batch(loader: Any) -> tuple[Tensor, Tensor]:
+    """The loader's next first batch, leaving its shuffling generator as it was (so
+    the epochs see the same batches, in the same order, as without this peek)."""
+    gen = loader.generator
+    state = None if gen is None else gen.get_state()
+    x, y = next(iter(loader))
+    if gen is not None:
+        gen.set_state(state)
+    return x, y
+
+
+def _captured_steps(captured: Any, loader: Any, schedule: Any, to_device: Any) -> Any:
+    """`Step`s of a captured CUDA-graph step (no output: the loss only)."""
+    from .loop import Step
+
+    for x, y in loader:
+        if to_device is not None:
+            x, y = to_device(x), to_device(y)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = captured(x, y)
+        schedule.step()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        yield Step(loss.detach().clone(), None, y, dt, dt, 0.0)  # type: ignore[arg-type]
 
 
 def _count(value: Any, name: str) -> int:
@@ -409,6 +591,9 @@ def format_summary(result: dict[str, Any]) -> str:
         parts.append(f"bwd iters {result['bwd_iters']:g} (res {_fmt_res(result['bwd_res'])})")
     data = result.get("data_parallel", 1)
     parts.append(f"ranks {result['ranks']}" + (f" (data {data})" if data > 1 else ""))
+    if result.get("target_acc") is not None:
+        ttt = result.get("time_to_target")
+        parts.append("time_to_target " + ("not reached" if ttt is None else f"{ttt:.2f}"))
     return " | ".join(parts)
 
 
@@ -416,7 +601,8 @@ _SUMMARY = re.compile(
     r"^(?P<model>\w+): val_acc (?P<val_acc>[\d.]+) \| train_loss (?P<train_loss>[\d.naif]+)"
     r" \| (?P<ms_per_batch>[\d.]+) ms/batch \| (?:(?P<serial>serial)|fwd iters "
     r"(?P<fwd_iters>[\d.]+) \(res (?P<fwd_res>\S+)\) \| bwd iters (?P<bwd_iters>[\d.]+) "
-    r"\(res (?P<bwd_res>\S+)\)) \| ranks (?P<ranks>\d+)(?: \(data (?P<data>\d+)\))?$")
+    r"\(res (?P<bwd_res>\S+)\)) \| ranks (?P<ranks>\d+)(?: \(data (?P<data>\d+)\))?"
+    r"(?: \| time_to_target (?P<ttt>not reached|[\d.]+))?$")
 
 
 def parse_summary(text: str) -> dict[str, Any]:
@@ -434,7 +620,10 @@ def parse_summary(text: str) -> dict[str, Any]:
                     "train_loss": float(g["train_loss"]),
                     "ms_per_batch": float(g["ms_per_batch"]), "serial": bool(g["serial"]),
                     **num, "ranks": int(g["ranks"]),
-                    "data_parallel": int(g["data"]) if g["data"] else 1}
+                    "data_parallel": int(g["data"]) if g["data"] else 1,
+                    "time_to_target": None if g["ttt"] in (None, "not reached")
+                    else float(g["ttt"]), "target_reached": g["ttt"] not in
+                    (None, "not reached")}
     raise ValueError(f"`text` holds no training summary line: {text[-500:]!r}")
 
 
@@ -484,6 +673,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "first, refining each onto the next")
     a.add_argument("--nested-epochs", type=int, default=2, metavar="E",
                    help="epochs of each coarser net (default 2)")
+    a.add_argument("--auto", action="store_true",
+                   help="MGRIT settings chosen by measurement on the first batch (time "
+                        "and gradient error of a few candidates; the fastest within the "
+                        "bound, exact/serial where nothing parallel pays), then watched "
+                        "by the adaptive policy")
+    a.add_argument("--max-grad-error", type=float, default=None, metavar="E",
+                   help="the bound of --adaptive and --auto: largest relative gradient "
+                        "error (default 0.05)")
+    a.add_argument("--min-cosine", type=float, default=None, metavar="C",
+                   help="the bound of --adaptive and --auto: smallest cosine between "
+                        "inexact and exact gradients (default 0.99)")
+    n = parser.add_argument_group("network, device and stopping")
+    n.add_argument("--model", dest="arch", default=None, choices=("dense", "conv"),
+                   help="architecture (mnist1d: dense or conv; default: per problem)")
+    n.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="residual layers (default: per problem)")
+    n.add_argument("--width", type=int, default=None, metavar="W",
+                   help="width: features (dense) or channels (conv)")
+    n.add_argument("--t-final", type=float, default=None, metavar="T",
+                   help="final time of the ODE (step size = T / layers)")
+    n.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    n.add_argument("--target-acc", type=float, default=None, metavar="A",
+                   help="stop once the validation accuracy reaches A (in (0, 1]); the "
+                        "summary then gives time_to_target")
+    n.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="stop training after S seconds (evaluation not counted)")
     return parser
 
 
@@ -495,7 +710,9 @@ def check_arguments(args: argparse.Namespace) -> None:
               ("--batch-size", args.batch_size, 1), ("--seed", args.seed, 0),
               ("--check-every", getattr(args, "check_every", 0), 0),
               ("--nested", getattr(args, "nested", 0), 0),
-              ("--nested-epochs", getattr(args, "nested_epochs", 1), 1)]
+              ("--nested-epochs", getattr(args, "nested_epochs", 1), 1),
+              ("--layers", getattr(args, "layers", None), 1),
+              ("--width", getattr(args, "width", None), 1)]
     for flag, value, lo in checks:
         if value is not None and value < lo:
             raise ValueError(f"`{flag}` must be >= {lo}, got {value}")
@@ -519,9 +736,42 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"`--lr` must be a positive number, got {args.lr}")
     if getattr(args, "engine", "native") not in ENGINES:
         raise ValueError(f"`--engine` must be one of {', '.join(ENGINES)}, got {args.engine!r}")
+    for flag, value, hi in (("--t-final", getattr(args, "t_final", None), math.inf),
+                            ("--target-acc", getattr(args, "target_acc", None), 1.0),
+                            ("--time-budget", getattr(args, "time_budget", None), math.inf)):
+        if value is not None and not (math.isfinite(value) and 0 < value <= hi):
+            what = "in (0, 1]" if hi == 1.0 else "a finite number > 0"
+            raise ValueError(f"`{flag}` must be {what}, got {value}")
+    bound = _bound(args)
+    if bound and not (getattr(args, "adaptive", False) or getattr(args, "auto", False)):
+        raise ValueError(f"`--{next(iter(bound)).replace('_', '-').replace('rel-', 'grad-')}"
+                         "` sets the bound of `--adaptive` or `--auto`: give one of them")
+    if bound:
+        try:
+            AccuracyPolicy(**bound)
+        except ValueError as exc:
+            flag = "--max-grad-error" if "max_rel_error" in str(exc) else "--min-cosine"
+            raise ValueError(f"`{flag}`: {exc}") from None
+    device = getattr(args, "device", "cpu")
+    if device not in DEVICES:
+        raise ValueError(f"`--device` must be one of {list(DEVICES)}, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("`--device` cuda: CUDA is not available on this machine")
+    if getattr(args, "auto", False) and (args.serial or getattr(args, "nested", 0)
+                                         or getattr(args, "data_parallel", 1) > 1):
+        raise ValueError("`--auto` chooses layer-parallel settings: not with `--serial`, "
+                         "`--nested` or `--data-parallel`")
     if args.serial and (getattr(args, "adaptive", False) or getattr(args, "check_every", 0)):
         raise ValueError("`--adaptive` and `--check-every` compare MGRIT with exact "
                          "propagation: not with `--serial`")
+
+
+def _bound(args: argparse.Namespace) -> dict[str, float]:
+    """The accuracy bound given by ``--max-grad-error`` / ``--min-cosine`` (as
+    `AccuracyPolicy` fields; empty: the default bound)."""
+    got = {"max_rel_error": getattr(args, "max_grad_error", None),
+           "min_cosine": getattr(args, "min_cosine", None)}
+    return {k: v for k, v in got.items() if v is not None}
 
 
 def options_from_arguments(args: argparse.Namespace) -> tuple[MGRITOptions, MGRITOptions]:
@@ -551,7 +801,15 @@ def train_from_arguments(model_name: str, args: argparse.Namespace,
                  batch_size=args.batch_size, lr=args.lr, seed=args.seed, fwd=fwd, bwd=bwd,
                  comm=comm, progress=not args.no_progress, dtype=dtype_from_arguments(args),
                  data_parallel=getattr(args, "data_parallel", 1),
-                 adaptive=args.adaptive, check_every=args.check_every, nested=args.nested,
-                 nested_epochs=args.nested_epochs,
+                 adaptive=AccuracyPolicy(**_bound(args)) if args.adaptive and _bound(args)
+                 else args.adaptive, check_every=args.check_every, nested=args.nested,
+                 nested_epochs=args.nested_epochs, n_layers=getattr(args, "layers", None),
+                 width=getattr(args, "width", None), arch=getattr(args, "arch", None),
+                 t_final=getattr(args, "t_final", None),
+                 device=getattr(args, "device", "cpu"),
+                 auto=AccuracyPolicy(**_bound(args)) if getattr(args, "auto", False)
+                 and _bound(args) else getattr(args, "auto", False),
+                 target_acc=getattr(args, "target_acc", None),
+                 time_budget=getattr(args, "time_budget", None),
                  timeout=getattr(args, "timeout", DEFAULT_TIMEOUT),
                  engine=getattr(args, "engine", "native"))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ACTIVATIONS", "get_activation", "Dense", "Conv", "Transformer"]
+__all__ = ["ACTIVATIONS", "get_activation", "Dense", "Conv", "Conv1d", "Transformer"]
 
 
 def _identity(x: Tensor) -> Tensor:
@@ -196,3 +196,22 @@ class Transformer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, activation={self.activation!r}, causal={self.causal}"
+class Conv1d(nn.Module):
+    """F(u) = act(conv1d(u)) on signals [batch, channels, length]: a shape-preserving
+    1-D convolution (stride 1, "same" padding), e.g. for MNIST-1D."""
+
+    def __init__(self, channels: int, kernel_size: int = 3, activation: str = "relu",
+                 bias: bool = True) -> None:
+        super().__init__()
+        channels = _positive_int(channels, "channels")
+        kernel_size = _positive_int(kernel_size, "kernel_size")
+        self._act = get_activation(activation)
+        self.activation = activation
+        self.conv = nn.Conv1d(channels, channels, kernel_size, padding="same",
+                              bias=_bool(bias, "bias"))
+
+    def forward(self, u: Tensor) -> Tensor:
+        return self._act(self.conv(u))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"

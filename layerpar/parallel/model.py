@@ -38,6 +38,7 @@ from ..ode.rng import DROPOUT_TYPES as _DROPOUT
 from ..ode.rng import draw_seed
 from . import checkpoint
 from .adaptive import AccuracyController, apply_iterations, as_policy
+from .autotune import AutoTuner
 from .batched import structure
 from .direct import direct_backward_started
 from .grads import GradDelivery
@@ -178,6 +179,10 @@ class LayerParallel(nn.Module):
         for one rank.
     options / backward_options: `MGRITOptions` of the forward and adjoint solves
         (`final_fc_relax` is always on: the final sweep records states and gradients).
+        ``options="auto"`` (with no `backward_options`): settings chosen by
+        measurement on the first batch (`layerpar.parallel.autotune`; `tune` runs it
+        with the caller's loss), then watched by the adaptive policy (`accuracy`, or
+        the default bound).
     coarsening: parameter coarsening on coarse levels, "injection" or "average".
     state_dict: optional whole-network state dict to load before distributing.
     batched: "auto" (default with the native engine): at the first pass for each input
@@ -251,11 +256,20 @@ class LayerParallel(nn.Module):
             self._data_transport = None
             world = self.transport
         self.grid = grid
+        auto = isinstance(options, str) and options == "auto"
+        auto_err = None
+        if auto:
+            if backward_options is not None:
+                auto_err = TypeError("`backward_options` must be None with "
+                                     "options='auto' (both are chosen by measurement)")
+            options = None
         options = MGRITOptions(max_levels=1) if options is None else options
         backward_options = options if backward_options is None else backward_options
-        err: Optional[BaseException] = None
+        err: Optional[BaseException] = auto_err
         key: Any = None
         try:
+            if auto_err is not None:
+                raise auto_err
             if not isinstance(net, ODENet):
                 if not callable(net):
                     raise TypeError(f"`net` must be an ODENet or a factory returning one, got "
@@ -266,7 +280,9 @@ class LayerParallel(nn.Module):
                                     "not an ODENet")
             for name, o in (("options", options), ("backward_options", backward_options)):
                 if not isinstance(o, MGRITOptions):
-                    raise TypeError(f"`{name}` must be an MGRITOptions, got {type(o).__name__}")
+                    raise TypeError(f"`{name}` must be an MGRITOptions"
+                                    + (" or 'auto'" if name == "options" else "")
+                                    + f", got {o!r}")
             timeout = check_timeout(timeout)
             if isinstance(check_inputs, bool) or not isinstance(check_inputs, int) \
                     or check_inputs < 0:
@@ -302,6 +318,7 @@ class LayerParallel(nn.Module):
                    "engine": engine,
                    "timeout": timeout, "check_inputs": check_inputs,
                    **({"accuracy": None} if policy is None else policy.key()),
+                   "auto": auto,
                    **{f"layers.{k}": _fingerprint(m) for k, m in enumerate(net.layers)}}
         except Exception as exc:  # noqa: BLE001 - re-raised identically on every rank
             err = exc
@@ -370,10 +387,19 @@ class LayerParallel(nn.Module):
             AccuracyController(policy, options.max_iter, backward_options.max_iter)
         self._checking = False  # inside check_gradients: no adaptive dispatch
         self._via_twin = False  # the last pass ran on the exact twin
+        # options="auto": the settings chosen by measurement run on a twin
+        self._auto: Optional[AutoTuner] = None
+        if auto:
+            from .adaptive import AccuracyPolicy
+
+            self._auto = AutoTuner(policy or AccuracyPolicy())
+            self.accuracy = None  # the chosen setting's controller, once tuned
 
     @property
     def last_forward(self) -> list[SolveStats]:
         """Per segment, what the last forward pass's solves reached."""
+        if self._auto is not None and self._auto.chosen is not None:
+            return self._auto.chosen.last_forward
         twin = self.__dict__.get("_exact_twin")
         return twin.last_forward if self._via_twin and twin is not None else self._last_fwd
 
@@ -384,6 +410,8 @@ class LayerParallel(nn.Module):
     @property
     def last_backward(self) -> list[SolveStats]:
         """Per segment, what the last backward pass's adjoint solves reached."""
+        if self._auto is not None and self._auto.chosen is not None:
+            return self._auto.chosen.last_backward
         twin = self.__dict__.get("_exact_twin")
         return twin.last_backward if self._via_twin and twin is not None else \
             self._last_bwd
@@ -643,6 +671,8 @@ class LayerParallel(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Layer-parallel forward pass; pass the same `x` on every rank."""
+        if self._auto is not None and not self._checking:
+            return self._auto.forward(self, x)
         if self.accuracy is not None and not self._checking:
             return self._forward_adaptive(x)
         self._via_twin = False
@@ -766,6 +796,8 @@ class LayerParallel(nn.Module):
         """
         from .accuracy import check_gradients
 
+        if self._auto is not None and self._auto.chosen is not None and not self._checking:
+            return self._auto.check(self, x, y, loss_fn)
         checking, self._checking = self._checking, True
         batch = self._batch  # the check's passes are not training batches
         try:
@@ -778,6 +810,14 @@ class LayerParallel(nn.Module):
         if self.accuracy is not None:
             self.accuracy.observe_check(self._batch, got)
         return got
+
+    def tune(self, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor]) -> Any:
+        """With ``options="auto"``: measure the candidate settings on this batch with
+        this loss and choose (collective; see `layerpar.parallel.autotune`).  Returns
+        the `TuneResult` (candidate table and choice), identical on every rank."""
+        if self._auto is None:
+            raise RuntimeError("tune() needs a LayerParallel built with options='auto'")
+        return self._auto.tune(self, x, y, loss_fn)
 
     # -- portability ------------------------------------------------------------------------------
     def gather_state_dict(self) -> dict[str, Tensor]:
@@ -811,6 +851,8 @@ class LayerParallel(nn.Module):
         (MPI has a limited number of communicators).  The model cannot run afterwards.
         """
         self._closed = True
+        if self._auto is not None:
+            self._auto.close()
         if "_exact_twin" in self.__dict__:  # the exact twin of check_gradients
             self.__dict__.pop("_exact_twin").close()
         self.transport.close()

@@ -1,0 +1,392 @@
+"""Time to accuracy: serial training against layer-parallel training with ``--auto``.
+
+    python -m layerpar.bench tta [--cases a,b,c,d] [--np 2] [--out docs/tta]
+    python -m layerpar.bench tta --smoke            # every case shrunk: a minute or two
+
+For each case, the best serial training on this machine (plain `ODENet` with
+autograd, at the torch thread count that runs a batch fastest here: each count from 1
+to the cores this process may use, in powers of two, is timed on a few batches) and
+layer-parallel training with settings chosen by measurement (``layerpar train --auto
+--np N``) train the same network from the same seed: same data split, batch order,
+initial weights, optimiser (Adam) and learning-rate schedule (cosine over the run).
+Both record validation accuracy after every epoch against their training seconds
+(from the first batch, with the auto-tuning and gradient checks, without
+evaluation).  The target is serial's best validation accuracy minus half a point;
+each method's seconds and epochs to the target, final accuracy and chosen settings
+are reported.
+
+Cases (the issue's): (a) MNIST-1D dense ODE-net, 1,024 layers, width 32, t_final 1;
+(b) MNIST-1D conv ODE-net, 256 layers, 16 channels; (c) digits; (d) Peaks, as
+bundled.  Writes ``tta.csv`` (every epoch), ``summary.csv`` (one row per method),
+``tta.png`` (accuracy against seconds, one line per method) and ``README.md``
+(the table and the exact command) under ``--out``.
+
+Each training runs in a process of its own (`worker`, the serial one with
+``OMP_NUM_THREADS`` set to the chosen count, the parallel one under mpiexec with one
+thread per rank), so neither inherits the other's state.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["CASES", "SMOKE", "Case", "best_threads", "main", "run_case", "worker"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One network and training budget (the arguments of ``layerpar train``)."""
+
+    key: str
+    problem: str
+    label: str
+    epochs: int
+    args: tuple[str, ...] = ()  # more ``layerpar train`` options (--model, --layers ...)
+
+    def train_args(self) -> list[str]:
+        return [self.problem, "--epochs", str(self.epochs), *self.args]
+
+
+CASES: dict[str, Case] = {
+    "a": Case("a", "mnist1d", "MNIST-1D dense, 1024 layers x 32, T=1", 8,
+              ("--model", "dense", "--layers", "1024", "--width", "32", "--t-final", "1")),
+    "b": Case("b", "mnist1d", "MNIST-1D conv, 256 layers x 16 ch, T=1", 6,
+              ("--model", "conv", "--layers", "256", "--width", "16", "--t-final", "1")),
+    "c": Case("c", "digits", "digits (bundled: conv, 8 layers)", 8),
+    "d": Case("d", "peaks", "Peaks (bundled: 32 layers x 8, T=5)", 20),
+}
+#: the same cases shrunk, to check the pipeline in a minute or two (not a measurement
+#: of time to accuracy: too short for anything to converge)
+SMOKE: dict[str, Case] = {
+    "a": Case("a", "mnist1d", "MNIST-1D dense, 128 layers x 32, T=1 (smoke)", 1,
+              ("--model", "dense", "--layers", "128", "--width", "32", "--t-final", "1")),
+    "b": Case("b", "mnist1d", "MNIST-1D conv, 32 layers x 8 ch, T=1 (smoke)", 1,
+              ("--model", "conv", "--layers", "32", "--width", "8", "--t-final", "1")),
+    "c": Case("c", "digits", "digits (smoke: 2 epochs)", 2),
+    "d": Case("d", "peaks", "Peaks (smoke: 2 epochs)", 2),
+}
+
+
+@dataclass
+class Run:
+    """One training: its per-epoch history and what it chose."""
+
+    method: str
+    ranks: int
+    threads: int
+    history: list[dict[str, Any]]
+    settings: str
+    wall_seconds: float
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def best_acc(self) -> float:
+        return max(r["val_acc"] for r in self.history)
+
+    @property
+    def final_acc(self) -> float:
+        return self.history[-1]["val_acc"]
+
+    def to_target(self, target: float) -> tuple[Optional[float], Optional[int]]:
+        """(training seconds, epochs) until the validation accuracy first reached
+        `target` (None, None if it never did)."""
+        for r in self.history:
+            if r["val_acc"] >= target:
+                return r["train_seconds"], r["epoch"]
+        return None, None
+
+
+def worker(argv: list[str]) -> int:
+    """``python -m layerpar.tta worker OUT.json PROBLEM [train options]``: train (on
+    the ranks of the MPI job, if any) and write the history as JSON from rank 0."""
+    from . import cli
+    from .train import train_from_arguments
+
+    out, rest = argv[0], argv[1:]
+    args = cli.parse_args(["train", *rest])
+    comm = None
+    if cli.under_mpi():
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_size() > 1:
+            comm = MPI.COMM_WORLD
+    res = train_from_arguments(args.model, args, comm)
+    if comm is None or comm.Get_rank() == 0:
+        keep = {k: res[k] for k in ("history", "auto_log", "auto_choice", "accuracy_log",
+                                    "ranks", "summary", "step_mode", "train_seconds")}
+        keep["history"] = [{k: v for k, v in r.items() if isinstance(v, (int, float, str))
+                            or v is None} for r in res["history"]]
+        keep["threads"] = __import__("torch").get_num_threads()
+        Path(out).write_text(json.dumps(keep))
+    return 0
+
+
+def _launch(case: Case, extra: list[str], nprocs: int, threads: int,
+            timeout: Optional[float]) -> tuple[dict[str, Any], float]:
+    """Run `worker` for `case` on `nprocs` processes; its JSON result and wall time."""
+    from .launch import mpiexec_path, run_job
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "run.json")
+        cmd = [sys.executable, "-m", "layerpar.tta", "worker", out, *case.train_args(),
+               *extra, "--no-progress"]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        if nprocs > 1:
+            mpiexec = mpiexec_path()
+            if mpiexec is None:
+                raise FileNotFoundError("no mpiexec found (pip install \"layerpar[mpich]\")")
+            cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", *cmd[1:]]
+        t0 = time.perf_counter()
+        with open(os.path.join(tmp, "log.txt"), "w+") as log:
+            status = run_job(cmd, env=env, timeout=timeout, stdout=log,
+                             stderr=subprocess.STDOUT)
+            log.seek(0)
+            text = log.read()
+        wall = time.perf_counter() - t0
+        if status.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"{' '.join(cmd)} failed (exit {status.returncode}, timed "
+                               f"out {status.timed_out}):\n{text[-3000:]}")
+        return json.loads(Path(out).read_text()), wall
+
+
+def best_threads(case: Case, batches: int = 4) -> tuple[int, dict[int, float], int]:
+    """The torch thread count at which a serial training step of `case` is fastest
+    here, the seconds per step at each count tried (1, 2, 4, ... up to the cores this
+    process may use): the best serial baseline on this machine; and the steps in one
+    epoch."""
+    import torch
+
+    from .loop import available_cores, train_step
+    from .nets import RECIPES
+    from .train import add_arguments, build_net, load_data
+
+    cores = available_cores()
+    counts = sorted({1, cores} | {2 ** k for k in range(1, 8) if 2 ** k < cores})
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    p.add_argument("problem")
+    a = p.parse_args(case.train_args())
+    x, y, _, _ = load_data(case.problem)
+    batch = a.batch_size or RECIPES[case.problem].batch_size
+    xb, yb = x[:batch], y[:batch]
+    before = torch.get_num_threads()
+    per: dict[int, float] = {}
+    try:
+        for k in counts:
+            torch.set_num_threads(k)
+            torch.manual_seed(0)
+            net = build_net(case.problem, a.layers, a.width, arch=a.arch, t_final=a.t_final)
+            opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+            train_step(net, xb, yb, opt)  # warm-up
+            per[k] = min(train_step(net, xb, yb, opt).seconds for _ in range(batches))
+    finally:
+        torch.set_num_threads(before)
+    return min(per, key=lambda k: (per[k], k)), per, -(-len(x) // batch)
+
+
+def expected_seconds(case: Case, step: float, steps_per_epoch: int, runs: int = 3) -> float:
+    """A rough duration of `run_case` from the best serial step time: `runs` trainings
+    (serial and the auto runs, assumed no slower), each with evaluation (~10 %)."""
+    return runs * 1.1 * step * steps_per_epoch * case.epochs
+
+
+def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any = print,
+             probe: Optional[tuple[int, dict[int, float], int]] = None,
+             device: str = "cpu", bounds: tuple[Optional[float], ...] = (None,)
+             ) -> tuple[list[Run], float, dict[int, float]]:
+    """Serial (best thread count) and ``--auto`` at `nprocs` ranks on `case`, once per
+    gradient-error bound in `bounds` (``--max-grad-error``; None: the default bound):
+    the runs, the target accuracy and the serial step time per thread count (`probe`:
+    what `best_threads` measured, if it already ran).  On ``device="cuda"`` both train on
+    the GPU (serial eagerly; the thread probe is still the host's)."""
+    threads, per, _ = best_threads(case) if probe is None else probe
+    dev = ["--device", device]
+    say(f"[{case.key}] {case.label}: serial step "
+        + ", ".join(f"{1e3 * s:.1f} ms at {k} thread(s)" for k, s in per.items())
+        + f" -> serial baseline at {threads} thread(s)")
+    runs = []
+    got, wall = _launch(case, ["--serial", *dev], 1, threads, timeout)
+    where = "" if device == "cpu" else f", {device}"
+    runs.append(Run(f"serial ({threads} thr{where})", 1, threads, got["history"],
+                    "serial autograd", wall))
+    say(f"[{case.key}]   serial: {got['summary']} ({wall:.0f} s wall)")
+    for bound in bounds:
+        extra = [] if bound is None else ["--max-grad-error", repr(bound)]
+        got, wall = _launch(case, ["--auto", *dev, *extra], nprocs, 1, timeout)
+        name = f"auto ({nprocs} ranks" + ("" if bound is None else f", err<={bound:g}") + ")"
+        runs.append(Run(name, nprocs, 1, got["history"], got["auto_choice"] or "?", wall,
+                        got["auto_log"] + got["accuracy_log"]))
+        say(f"[{case.key}]   {name}: {got['summary']} ({wall:.0f} s wall)")
+        for line in got["auto_log"] + got["accuracy_log"]:
+            say(f"[{case.key}]     {line}")
+    target = runs[0].best_acc - 0.005
+    return runs, target, per
+
+
+def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str,
+           smoke: bool, load: str, device: str = "cpu") -> None:
+    import torch
+
+    gpu_name = torch.cuda.get_device_name() if device == "cuda" else ""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "tta.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["case", "method", "ranks", "threads", "epoch", "train_seconds",
+                    "val_acc", "val_loss", "train_loss"])
+        for case, runs, _ in results:
+            for r in runs:
+                for h in r.history:
+                    w.writerow([case.key, r.method, r.ranks, r.threads, h["epoch"],
+                                f"{h['train_seconds']:.3f}", f"{h['val_acc']:.4f}",
+                                f"{h['val_loss']:.4f}", f"{h['train_loss']:.4f}"])
+    rows = []
+    for case, runs, target in results:
+        serial_s = runs[0].to_target(target)[0]
+        for r in runs:
+            s, e = r.to_target(target)
+            ratio = None if s is None or not serial_s else s / serial_s
+            rows.append([case.key, case.label, r.method, r.ranks, r.threads,
+                         f"{target:.4f}", "" if s is None else f"{s:.2f}",
+                         "" if e is None else str(e), f"{r.final_acc:.4f}",
+                         f"{r.best_acc:.4f}", "" if ratio is None else f"{ratio:.2f}",
+                         r.settings])
+    head = ["case", "label", "method", "ranks", "threads", "target", "seconds_to_target",
+            "epochs_to_target", "final_acc", "best_acc", "time_vs_serial", "settings"]
+    with open(out / "summary.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(head)
+        w.writerows(rows)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.4),
+                                 squeeze=False)
+        for ax, (case, runs, target) in zip(axes[0], results):
+            for r in runs:
+                ax.plot([h["train_seconds"] for h in r.history],
+                        [h["val_acc"] for h in r.history], marker="o", label=r.method)
+            ax.axhline(target, color="grey", ls="--", lw=0.8, label="target")
+            ax.set_title(f"({case.key}) {case.label}", fontsize=8)
+            ax.set_xlabel("training seconds (tuning included)")
+            ax.set_ylabel("validation accuracy")
+            ax.legend(fontsize=7)
+        if smoke:
+            fig.suptitle("SMOKE RUN on a shared, loaded machine: not a measurement",
+                         color="red", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out / "tta.png", dpi=110)
+        plt.close(fig)
+    except ImportError:
+        pass
+    md = ["# Time to accuracy (`python -m layerpar.bench tta`)", ""]
+    if smoke:
+        md += ["**SMOKE RUN** (`--smoke`: every case shrunk, a few epochs or seconds) on a "
+               "shared 2-core machine under load from other jobs "
+               f"(load average {load}). It checks the pipeline; its figures are not "
+               "a measurement of time to accuracy. The full run is `make bench-tta`.", ""]
+    md += [f"Command: `{command}`", "",
+           f"Machine: {platform.machine()}, {os.cpu_count()} CPUs visible, python "
+           f"{platform.python_version()}, torch {__import__('torch').__version__}; load "
+           f"average at the start {load}; device {device}"
+           + (f" ({gpu_name})" if gpu_name else "") + ".", "",
+           "Target: serial's best validation accuracy minus 0.5 points. Seconds are "
+           "training seconds from the first batch (auto-tuning and gradient checks "
+           "included, evaluation excluded); `time_vs_serial` is seconds to target over "
+           "serial's.", "",
+           "| " + " | ".join(head[:1] + head[2:]) + " |",
+           "|" + "---|" * (len(head) - 1)]
+    md += ["| " + " | ".join(str(c) for c in (r[:1] + r[2:])) + " |" for r in rows]
+    md += ["", "Cases: " + "; ".join(f"({c.key}) {c.label}, {c.epochs} epochs, "
+                                     f"`layerpar train {' '.join(c.train_args())}`"
+                                     for c, _, _ in results), "",
+           "What auto measured and chose:", ""]
+    for case, runs, _ in results:
+        for r in runs[1:]:
+            md += [f"({case.key}) {r.method}:", "", "```", *r.log, "```", ""]
+    md += ["![accuracy against seconds](tta.png)", ""]
+    (out / "README.md").write_text("\n".join(md))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Command line of ``python -m layerpar.bench tta``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(prog="python -m layerpar.bench tta",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default="a,b,c,d", help="which cases (default a,b,c,d)")
+    p.add_argument("--np", type=int, default=2, help="ranks of the layer-parallel runs")
+    p.add_argument("--smoke", action="store_true",
+                   help="every case shrunk (checks the pipeline; not a measurement)")
+    p.add_argument("--out", default="docs/tta", help="folder for CSV, plot and README")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds any one training may take")
+    p.add_argument("--bounds", default="default,0.15",
+                   help="one --auto run per gradient-error bound (--max-grad-error), "
+                        "'default' for the adaptive policy's (default: default,0.15)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where both methods train (cuda: one GPU, use --np 1)")
+    args = p.parse_args(argv)
+    table = SMOKE if args.smoke else CASES
+    keys = [k.strip() for k in args.cases.split(",") if k.strip()]
+    bad = [k for k in keys if k not in table]
+    if bad or not keys:
+        p.error(f"`--cases` must name cases among {sorted(table)}, got {args.cases!r}")
+    if args.np < 1:
+        p.error(f"`--np` must be >= 1, got {args.np}")
+    if args.timeout is not None and not args.timeout > 0:
+        p.error(f"`--timeout` must be > 0, got {args.timeout}")
+    try:
+        bounds = tuple(None if b.strip() == "default" else float(b)
+                       for b in args.bounds.split(","))
+    except ValueError:
+        bounds = ()
+    if not bounds or any(b is not None and not 0 < b < float("inf") for b in bounds):
+        p.error(f"`--bounds` must be 'default' or numbers > 0, comma-separated, got "
+                f"{args.bounds!r}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        p.error(f"`--out` {args.out} is not a folder")
+    load = " ".join(f"{v:.2f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") \
+        else "n/a"
+    command = "python -m layerpar.bench tta " + " ".join(argv)
+    results = []
+    t0 = time.perf_counter()
+    probes = {k: best_threads(table[k]) for k in keys}
+    total = 0.0
+    for k in keys:
+        threads, per, steps = probes[k]
+        est = expected_seconds(table[k], per[threads], steps, 1 + len(bounds))
+        total += est
+        print(f"[{k}] {table[k].label}: {steps} steps per epoch, best serial step "
+              f"{1e3 * per[threads]:.1f} ms at {threads} thread(s): expect about "
+              f"{est / 60:.1f} min", flush=True)
+    print(f"layerpar.bench tta: expect about {total / 60:.0f} min in all (time budgets "
+          f"in the cases' options shorten it)", flush=True)
+    for k in keys:
+        runs, target, _ = run_case(table[k], args.np, args.timeout, probe=probes[k],
+                                   device=args.device, bounds=bounds)
+        results.append((table[k], runs, target))
+        _write(out, results, command.strip(), args.smoke, load, args.device)
+        print(f"[{k}] target {target:.4f}: " + "; ".join(
+            f"{r.method} {r.to_target(target)[0]} s" for r in runs), flush=True)
+    print(f"layerpar.bench tta: {len(keys)} case(s) in {time.perf_counter() - t0:.0f} s; "
+          f"wrote {out}/tta.csv, summary.csv, tta.png, README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["worker"]:
+        sys.exit(worker(sys.argv[2:]))
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Settings chosen by measurement (issue 20): `LayerParallel(options="auto")`,
+``layerpar train --auto``, MNIST-1D offline, and the new ``layerpar train`` flags.
+
+- the choice is a pure function of the measured table: the fastest within the bound,
+  exact propagation where nothing else is;
+- a net where only exact propagation is within the bound gets exact propagation (the
+  clock is replaced by a fixed cost per candidate, so MGRIT is "faster" and only its
+  measured gradient error can rule it out);
+- at 2 ranks under mpiexec every rank holds the same table and choice, the gradient
+  errors are bit-identical from one tuning to the next, and a step through the
+  chosen setting matches the serial net;
+- MNIST-1D is generated with every socket connection refused;
+- bad values of the new flags: one line naming the flag, exit 2.
+"""
+from __future__ import annotations
+
+import math
+import socket
+from typing import Any
+
+import pytest
+import torch
+from mpi_util import WORKERS, rank_lines, run_mpi
+
+from layerpar import cli, data
+from layerpar.nets import problem_net
+from layerpar.parallel import LayerParallel
+from layerpar.parallel import autotune as at
+from layerpar.parallel.adaptive import AccuracyPolicy
+from layerpar.parallel.autotune import Candidate, Measurement, choose
+
+
+def _m(c: Candidate, s: float, err: float | None, ok: bool) -> Measurement:
+    return Measurement(c, s, err, None if err is None else 1.0 - err, ok)
+
+
+def test_choose_is_the_fastest_within_the_bound() -> None:
+    exact = _m(Candidate(1), 1.0, 0.0, True)
+    fast_bad = _m(Candidate(2, 4, 1, 1), 0.2, 0.3, False)
+    ok = _m(Candidate(2, 4, 2, 1), 0.4, 0.01, True)
+    ok_same = _m(Candidate(3, 4, 2, 1), 0.4, 0.02, True)  # a tie: the earlier one wins
+    slow = _m(Candidate(3, 8, 1, 1), 2.0, None, False)
+    table = [exact, fast_bad, ok, ok_same, slow]
+    got, why = choose(table, 2)
+    assert got is ok and "fastest within the bound" in why and "2.50x" in why
+    assert choose(list(table), 2)[0] is ok  # the same table, the same choice
+    # nothing of MGRIT's within the bound: exact, and it says why
+    got, why = choose([exact, fast_bad, slow], 2)
+    assert got is exact and "no MGRIT setting tried is within" in why
+    got, why = choose([exact, slow], 1)
+    assert got is exact and "slower than serial autograd" in why
+    got, why = choose([exact, _m(Candidate(2, 4, 1, 1), 1.5, 0.0, True)], 2)
+    assert got is exact and "no MGRIT setting pays" in why
+
+
+def _fixed_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every MGRIT candidate costs 0.1 s per iteration, exact propagation 1 s (after
+    running the passes as usual)."""
+    timed = at._time_passes
+
+    def fake(model: Any, m: Any, *args: Any, **kwargs: Any) -> float:
+        timed(model, m, *args[:4])
+        if m.options.max_levels == 1:
+            return 1.0
+        return 0.1 * (m.options.max_iter + m.backward_options.max_iter)
+
+    monkeypatch.setattr(at, "_time_passes", fake)
+
+
+def _stiff_batch(t_final: float) -> tuple[LayerParallel, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    net = problem_net("peaks", 32, 8, t_final=t_final).double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 2, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 5, (20,), generator=g)
+    return net, x, y
+
+
+def test_only_exact_within_the_bound_picks_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fixed_cost(monkeypatch)
+    net, x, y = _stiff_batch(20.0)  # step 0.6 with tanh layers: MGRIT far from converged
+    model = LayerParallel(net, None, "auto", accuracy=AccuracyPolicy(max_rel_error=1e-6))
+    got = model.tune(x, y, torch.nn.functional.cross_entropy)
+    mgrit = [m for m in got.table if not m.candidate.exact]
+    assert len(mgrit) >= 4 and all(m.rel_error is not None and m.rel_error > 1e-6
+                                   for m in mgrit), got.lines()
+    assert got.choice.candidate.exact and "no MGRIT setting tried is within" in got.reason
+    assert model.accuracy is None  # exact: nothing to watch
+    out = model(x)  # trains through the chosen setting: serial autograd, exact
+    torch.testing.assert_close(out, net(x), rtol=0, atol=0)
+    model.close()
+
+
+def test_within_the_bound_picks_mgrit_and_watches(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fixed_cost(monkeypatch)
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, "auto", accuracy=AccuracyPolicy(max_rel_error=0.05))
+    got = model.tune(x, y, torch.nn.functional.cross_entropy)
+    c = got.choice
+    assert not c.candidate.exact and c.within and c.rel_error <= 0.05, got.lines()
+    # the cheapest within the bound under the fixed cost
+    assert c.seconds == min(m.seconds for m in got.table if m.within)
+    assert model.accuracy is not None and model.accuracy.fwd_iters == c.candidate.fwd_iters
+    model(x).sum().backward()  # a training pass through the chosen setting
+    assert model.last_forward[0]["iterations"] == c.candidate.fwd_iters
+    model.close()
+
+
+def test_auto_refuses_backward_options() -> None:
+    net, _, _ = _stiff_batch(1.0)
+    with pytest.raises(TypeError, match="`backward_options` must be None"):
+        from layerpar.mgrit import MGRITOptions
+
+        LayerParallel(net, None, "auto", MGRITOptions())
+    with pytest.raises(TypeError, match="MGRITOptions or 'auto'"):
+        LayerParallel(net, None, "fast")
+
+
+@pytest.mark.mpi
+def test_auto_decides_alike_on_every_rank() -> None:
+    proc = run_mpi(WORKERS / "lp_autotune.py", 2, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == [0, 1], proc.stdout
+    assert lines[0] == lines[1], (lines[0], lines[1])  # tables, choices, errors: all equal
+    got = lines[0]
+    assert got.count("rechoose True") == 3
+    assert "errors_equal True" in got and "fake_tables_equal True" in got
+    errors = next(x for x in got if x.startswith("errors "))
+    assert int(errors.split()[1]) >= 4  # MGRIT candidates' errors were measured
+    step = next(x for x in got if x.startswith("step "))
+    assert float(step.split("grad_rel ")[1]) <= 0.05  # within the default bound
+
+
+# --- MNIST-1D offline -----------------------------------------------------------------------
+
+
+def test_mnist1d_needs_no_network(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("MNIST-1D tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refused)
+    monkeypatch.setattr(socket.socket, "connect_ex", refused)
+    monkeypatch.setattr(socket, "create_connection", refused)
+    first = data.mnist1d(num_samples=200, seed=3, cache=tmp_path)
+    assert [tuple(t.shape) for t in first] == [(160, 40), (160,), (40, 40), (40,)]
+    assert first[1].dtype == torch.int64 and set(first[1].tolist()) <= set(range(10))
+    assert len(list(tmp_path.iterdir())) == 1  # cached, keyed by the arguments
+    again = data.mnist1d(num_samples=200, seed=3, cache=tmp_path)  # from the cache
+    fresh = data.mnist1d(num_samples=200, seed=3, cache=None)  # generated again
+    for a, b, c in zip(first, again, fresh):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert not torch.equal(data.mnist1d(num_samples=200, seed=4, cache=None)[0], first[0])
+    train, val = data.loaders("mnist1d", 32, seed=3, num_samples=200, cache=tmp_path)
+    xb, yb = next(iter(train))
+    assert xb.shape == (32, 40) and len(val.dataset) == 40
+    net = problem_net("mnist1d", 4, 8, arch="conv")
+    assert net(xb).shape == (32, 10)
+
+
+# --- command line ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--target-acc", "0"], "--target-acc"), (["--target-acc", "1.5"], "--target-acc"),
+    (["--time-budget", "-1"], "--time-budget"), (["--time-budget", "nan"], "--time-budget"),
+    (["--t-final", "0"], "--t-final"), (["--t-final", "inf"], "--t-final"),
+    (["--layers", "0"], "--layers"), (["--width", "0"], "--width"),
+    (["--device", "tpu"], "--device"), (["--model", "conv"], "--model"),
+    (["--auto", "--serial"], "--auto"), (["--np", "9", "--layers", "8"], "--np"),
+    (["--max-grad-error", "0.1"], "--max-grad-error"),
+    (["--auto", "--max-grad-error", "0"], "--max-grad-error"),
+    (["--auto", "--min-cosine", "2"], "--min-cosine")])
+def test_train_bad_values(argv: list[str], flag: str, capsys: pytest.CaptureFixture) -> None:
+    # peaks has only the dense architecture
+    assert cli.main(["train", "peaks", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"`{flag}`" in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_train_cuda_without_cuda(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["train", "mnist1d", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "`--device` cuda" in err, err
+
+
+def test_train_target_and_summary(capsys: pytest.CaptureFixture) -> None:
+    """--target-acc stops training once reached and the summary says when."""
+    from layerpar.train import parse_summary, train
+
+    res = train("peaks", serial=True, epochs=3, n_layers=4, target_acc=0.2,
+                progress=False)
+    assert res["epochs_to_target"] == 1 and len(res["history"]) == 1
+    got = parse_summary(res["summary"])
+    assert got["target_reached"] and math.isclose(got["time_to_target"],
+                                                  round(res["time_to_target"], 2))
+    assert 0 < res["history"][0]["train_seconds"] <= res["history"][0]["seconds"]
+    res = train("peaks", serial=True, epochs=1, n_layers=4, target_acc=1.0,
+                progress=False)
+    assert res["time_to_target"] is None and "time_to_target not reached" in res["summary"]
+    assert parse_summary(res["summary"])["time_to_target"] is None
