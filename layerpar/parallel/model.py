@@ -35,7 +35,6 @@ from .batched import structure
 from .direct import direct_backward_started
 from .grads import GradDelivery
 from .grid import ProcessGrid
-from .replicas import GradAverager
 from .runner import SegmentRunner
 
 _LINK_TAG = 31002
@@ -262,8 +261,7 @@ class LayerParallel(nn.Module):
         if self._data_transport is not None:
             self._data_transport.timeout = timeout
         # gradients averaged over the replicas of a process grid (data parallelism)
-        self._averager = (GradAverager(self._data_transport)
-                          if self._data_transport is not None else None)
+        self._averager = grid.sync.averager() if grid is not None else None
         self._batch = 0  # forward passes so far: named in a TimeoutError
         self.check_inputs = check_inputs
         self.coarsening = coarsening
@@ -374,7 +372,12 @@ class LayerParallel(nn.Module):
         notice could overtake the other ranks' own, clearer error."""
         try:
             return fn()
-        except (RemoteError, RankMismatchError, DivergenceError):
+        except (RemoteError, RankMismatchError):
+            raise
+        except DivergenceError as exc:
+            # the other replicas of a grid (other data) do not raise it by themselves
+            if self.grid is not None and self.grid.data > 1:
+                self.transport.broadcast_error(exc)
             raise
         except BaseException as exc:
             self.transport.broadcast_error(exc)
