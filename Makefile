@@ -10,7 +10,7 @@ NP     ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo 
 
 NATIVE := $(wildcard layerpar/_native/*.c layerpar/_native/*.h layerpar/_native/*.pyx layerpar/_native/*.pxd)
 
-.PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid train lint clean
+.PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-sync train lint clean
 
 setup: $(VENV)/.installed
 
@@ -43,6 +43,9 @@ bench-ops: build
 # data x layer splits of 4 processes, under mpiexec and torchrun (docs/bench/grid.*)
 bench-grid: build
 	$(BIN)/python -m layerpar.bench grid --np 4 --csv docs/bench/grid.csv | tee docs/bench/grid.txt
+
+bench-sync: build
+	$(BIN)/python -m layerpar.bench sync --csv docs/sync/bench.csv | tee docs/sync/bench.txt
 
 # On a GPU machine, with a Python that has a CUDA build of torch (and Cython):
 # builds the engine in place and writes docs/gpu/bench-gpu.csv.  GPU tests: tests/gpu.

@@ -164,6 +164,30 @@ class _CheckedAverager(GradAverager):
                                   "(NaN or inf in some replica)")
 
 
+def _check_attached(strategy: SyncStrategy) -> None:
+    if strategy.model is None:
+        raise RuntimeError(f"sync='{strategy.name}' runs after each optimizer step: call "
+                           "grid.sync.attach(model, optimizer) before training (without it "
+                           "the replicas would drift apart silently)")
+
+
+class _AttachCheck:
+    """Lion Cub's stand-in for a gradient averager: nothing to average, but a backward
+    pass before `attach` raises."""
+
+    total_seconds = last_seconds = 0.0
+    bytes = 0
+
+    def __init__(self, strategy: SyncStrategy) -> None:
+        self.strategy = strategy
+
+    def add(self, tensors: Any) -> None:
+        pass
+
+    def finish(self) -> None:
+        _check_attached(self.strategy)
+
+
 class SyncStrategy:
     """Base class: how the replicas of a grid stay in step (see the module docstring).
 
@@ -314,6 +338,7 @@ class _PhaseAverager:
             cur.add(tensors)
 
     def finish(self) -> None:
+        _check_attached(self.strategy)
         cur, self._now = self._current(), None
         if cur is not None:
             cur.finish()
@@ -506,8 +531,9 @@ class LionCub(SyncStrategy):
     def key(self) -> dict[str, Any]:
         return {"sync": self.name, "momentum_every": self.momentum_every}
 
-    def averager(self) -> None:
-        return None  # the replicas exchange updates, not gradients
+    def averager(self) -> Any:
+        # the replicas exchange updates, not gradients
+        return None if self.data is None else _AttachCheck(self)
 
     def attach(self, model: Any, optimizer: torch.optim.Optimizer) -> SyncStrategy:
         if not isinstance(optimizer, Lion):
