@@ -152,3 +152,28 @@ def test_strategies_on_four_processes(launcher: str, nan: str) -> None:
             # every process raises: rank 2 (poisoned) its own error or the remote one
             assert m.group(1) in ("DivergenceError", "RemoteError"), detail
             assert float(m.group(2)) < 10.0, detail
+
+
+def test_summary_line_reports_sync_bytes() -> None:
+    from layerpar.train import format_summary, parse_summary
+
+    res = {"model": "peaks", "serial": False, "val_acc": 0.873, "train_loss": 0.321,
+           "ms_per_batch": 12.34, "fwd_iters": 2.0, "fwd_res": 0.031, "bwd_iters": 1.0,
+           "bwd_res": None, "ranks": 4, "data_parallel": 2, "sync_bytes": 1803.4}
+    line = format_summary(res)
+    assert "12.3 ms/batch | sync_bytes 1803 | fwd iters" in line
+    back = parse_summary(line)
+    assert back["sync_bytes"] == 1803 and back["data_parallel"] == 2
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["--data-parallel", "2", "--nodes", "3"], "`--nodes` must be >= 1 and divide"),
+    (["--data-parallel", "2", "--sync", "lioncub", "--optimizer", "adam"],
+     "`--sync lioncub` exchanges Lion updates"),
+    (["--data-parallel", "2", "--slow-link", "0"], "`--slow-link` must be a positive"),
+])
+def test_cli_sync_options_are_checked(argv: list, text: str) -> None:
+    from layerpar.cli import parse_args
+
+    with pytest.raises(ValueError, match=re.escape(text)):
+        parse_args(["train", "peaks", "--np", "4", *argv])
