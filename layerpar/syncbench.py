@@ -9,7 +9,7 @@ simulated nodes (``ProcessGrid(nodes=2)``: 2 processes per node), and each strat
 with momentum averaged every 64 batches) trains a dense ODE-net of 256 layers for K
 batches (default 64: Lion Cub's momentum average falls in the window; DASO's cycle of
 7 batches repeats), first without, then with the slow-link model (`SlowLink`: 1 Gbit/s,
-50 us, each process's inter-node operations delayed by latency + bytes / bandwidth).
+50 us; --gbits), each process's inter-node operations delayed by latency + bytes / bandwidth).
 
 Rows: bytes sent per process per batch (the grid's meter: what each process handed to
 the transport, averaged over processes and batches) by kind -- MGRIT's point-to-point
@@ -52,8 +52,9 @@ def _worker(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, width, generator=g)
     y = torch.randint(0, 4, (batch,), generator=g)
-    for R, L in GRIDS:
-        for link in (None, SlowLink(1e9, 50e-6)):
+    grids = [tuple(int(v) for v in g.split("x")) for g in args.grids.split(",")]
+    for R, L in grids:
+        for link in (None, SlowLink(args.gbits * 1e9, 50e-6)):
             for name in STRATEGIES:
                 sync: Any = {"allreduce": "allreduce", "daso": DASO(cycle=(4, 2, 1)),
                              "lioncub": LionCub(momentum_every=64)}[name]
@@ -85,7 +86,7 @@ def _worker(args: argparse.Namespace) -> None:
                 params = grid.world.allreduce_sum([float(n_params)])[0] / R
                 if grid.world.group_rank == 0:
                     row = {"grid": f"{R}x{L}", "sync": name,
-                           "link": "none" if link is None else "1Gbit/s+50us",
+                           "link": "none" if link is None else f"{args.gbits:g}Gbit/s+50us",
                            "params": int(params),
                            **{f"{k}_bytes": round(v / (R * L) / args.batches)
                               for k, v in zip(kinds, sums)},
@@ -145,6 +146,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--batches", type=int, default=None, help="batches per run (default 64)")
     p.add_argument("--width", type=int, default=128, help="width of the dense net (128)")
     p.add_argument("--batch", type=int, default=32, help="global batch (32)")
+    p.add_argument("--gbits", type=float, default=1.0,
+                   help="the slow link's bandwidth in Gbit/s (default 1)")
+    p.add_argument("--grids", default="2x2,4x1", help="R x L grids (default 2x2,4x1)")
     p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
     p.add_argument("--timeout", type=float, default=1800, help="seconds for the job")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -155,12 +159,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in ("batches", "width", "batch"):
         if getattr(args, name) < 1:
             p.error(f"`--{name}` must be >= 1")
+    if not args.gbits > 0:
+        p.error("`--gbits` must be > 0")
+    try:
+        shapes = [tuple(int(v) for v in g.split("x")) for g in args.grids.split(",")]
+    except ValueError:
+        p.error(f"`--grids` must be like 2x2,4x1, got {args.grids!r}")
+    if any(len(g) != 2 or g[0] * g[1] != 4 or g[0] % 2 for g in shapes):
+        p.error("`--grids`: R x L = 4 processes, R even (2 nodes)")
     if args.batch % 4:
         p.error("`--batch` must be divisible by 4 (the replicas of the 4x1 grid)")
     if args.worker:
         _worker(args)
         return 0
-    rows = _launch(["--layers", str(args.layers), "--batches", str(args.batches),
+    rows = _launch(["--gbits", str(args.gbits), "--grids", args.grids,
+                    "--layers", str(args.layers), "--batches", str(args.batches),
                     "--width", str(args.width), "--batch", str(args.batch)], args.timeout)
     print(f"layerpar.bench sync: 4 processes (mpiexec) in 2 simulated nodes, dense "
           f"ODE-net {args.layers} layers x width {args.width}, global batch {args.batch}, "

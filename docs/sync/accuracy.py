@@ -54,6 +54,14 @@ def main() -> int:
                              "sync_bytes": s["sync_bytes"],
                              "seconds": round(time.time() - t0, 1)})
                 print(rows[-1], flush=True)
+                write(rows)  # after every run: a cut-short study keeps what it has
+    print(write(rows))
+    return 0
+
+
+def write(rows: list[dict]) -> str:
+    """accuracy.csv (every run) and accuracy.txt (the table of the configurations
+    whose runs are all done); returns the table."""
     with open(HERE / "accuracy.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
@@ -65,6 +73,8 @@ def main() -> int:
         for sync, opt in CONFIGS:
             rs = [r for r in rows if r["model"] == model and r["sync"] == sync
                   and r["optimizer"] == opt]
+            if not rs or ("allreduce", opt) not in mean and sync != "allreduce":
+                continue
             mean[(sync, opt)] = statistics.mean(r["val_acc"] for r in rs)
             base = mean[("allreduce", opt)]
             lines.append(f"| {model} ({rs[0]['epochs']}) | {sync} | {opt} | "
@@ -74,8 +84,7 @@ def main() -> int:
                          f"{statistics.mean(r['sync_bytes'] for r in rs):.0f} |")
     text = "\n".join(lines)
     (HERE / "accuracy.txt").write_text(text + "\n")
-    print(text)
-    return 0
+    return text
 
 
 if __name__ == "__main__":
