@@ -127,8 +127,12 @@ def test_meter_counts_bytes_and_slow_link_delays() -> None:
     m.allreduce_start(t).wait()
     assert time.perf_counter() - t0 >= 0.03
     out = torch.empty(1, 5000)
-    m.allgather_start(t, out).wait()
-    assert meter == {"internode": 40_000}
+    t0 = time.perf_counter()
+    a, b = m.allgather_start(t, out), m.allreduce_start(t)  # one after the other
+    a.wait()
+    b.wait()
+    assert time.perf_counter() - t0 >= 0.06
+    assert meter == {"internode": 60_000}
     Metered(SerialTransport(), meter, "data").allreduce_start(t[:10]).wait()
     assert meter == {"internode": 40_000, "data": 40}
 

@@ -60,8 +60,10 @@ SYNCS = ("allreduce", "daso", "lioncub")
 
 
 class SlowLink:
-    """A slow link between nodes: an inter-node operation of n payload bytes completes
-    no earlier than ``latency + 8 n / bandwidth`` seconds after it started.
+    """A slow link between nodes: an inter-node operation of n payload bytes takes
+    ``latency + 8 n / bandwidth`` seconds of the link, and the operations of a process
+    use its link one after another (first come, first served): one completes no
+    earlier than that long after it started or after the previous one's end.
 
     bandwidth: bits per second (default 1 Gbit/s); latency: seconds (default 50 us).
     Work overlapped with the operation (DASO's non-blocking exchange) hides the delay,
@@ -75,9 +77,16 @@ class SlowLink:
         if bandwidth == 0:
             raise ValueError("`bandwidth` must be > 0 bits per second")
         self.bandwidth, self.latency = float(bandwidth), float(latency)
+        self._free_at = 0.0  # when this process's link is free again (perf_counter)
 
     def seconds(self, nbytes: int) -> float:
+        """The link time of `nbytes`."""
         return self.latency + 8.0 * nbytes / self.bandwidth
+
+    def reserve(self, nbytes: int) -> float:
+        """Queue `nbytes` on the link now; the time (perf_counter) they are through."""
+        self._free_at = max(time.perf_counter(), self._free_at) + self.seconds(nbytes)
+        return self._free_at
 
     def key(self) -> tuple[float, float]:
         return (self.bandwidth, self.latency)
@@ -114,7 +123,7 @@ class Metered:
 
     def _count(self, nbytes: int) -> float:
         self.meter[self.kind] = self.meter.get(self.kind, 0) + int(nbytes)
-        return time.perf_counter() + (self.link.seconds(nbytes) if self.link else 0.0)
+        return self.link.reserve(nbytes) if self.link else time.perf_counter()
 
     def allreduce_start(self, t: Tensor, what: str = "a gradient reduction") -> Any:
         ready = self._count(t.numel() * t.element_size())
