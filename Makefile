@@ -24,7 +24,7 @@ XBRAID_DIR ?=
 XBRAID_BUILT := $(if $(XBRAID_DIR),$(VENV)/.built-xbraid)
 
 .PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-engines bench-paths \
-	bench-tta bench-tta-smoke bench-tta-gpu study-cpu-16core train lint clean
+	bench-sync bench-tta bench-tta-smoke bench-tta-gpu study-cpu-16core train lint clean
 
 setup: $(VENV)/.installed
 
@@ -101,6 +101,8 @@ study-cpu-16core: build
 	$(BIN)/layerpar scale --ranks 1,2,4,8,16 --layers 1024 --width 32 --batch 128 \
 	    --levels 3 --cfactor 4 --fwd-iters 1 --bwd-iters 1 --out docs/studies/cpu-16core
 	$(BIN)/python -m layerpar.bench tta --np 16 --cases a --out docs/tta/cpu-16core
+bench-sync: build
+	$(BIN)/python -m layerpar.bench sync --csv docs/sync/bench.csv | tee docs/sync/bench.txt
 
 # On a GPU machine, with a Python that has a CUDA build of torch (and Cython):
 # builds the engine in place and writes docs/gpu/bench-gpu.csv.  GPU tests: tests/gpu.

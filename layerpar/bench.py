@@ -6,6 +6,7 @@
     python -m layerpar.bench grid [--np 4] [--csv PATH]     # data x layer splits (gridbench)
     python -m layerpar.bench engines [--quick] [--csv PATH] # native engine vs XBraid
     python -m layerpar.bench tta [--smoke] [--cases a,b,c,d] # time to accuracy (layerpar.tta)
+    python -m layerpar.bench sync [--csv PATH]              # replica sync (syncbench)
     mpiexec -n 2 python -m mpi4py -m layerpar.bench        # the same at 2 ranks
 
 It reports numbers and asserts nothing.  Rows:
@@ -441,6 +442,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from . import gridbench
 
         return gridbench.main(argv[1:])
+    if argv[:1] == ["sync"]:
+        from . import syncbench
+
+        return syncbench.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m layerpar.bench", description=__doc__.split(
         "\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes, 3 repeats")

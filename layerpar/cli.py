@@ -63,6 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data-parallel", type=int, default=1, metavar="R",
                        help="replicas (data parallelism): N processes form R replicas "
                             "of a layer-parallel model over N/R ranks each (default 1)")
+    train.add_argument("--sync", choices=("allreduce", "daso", "lioncub"),
+                       default="allreduce",
+                       help="how replicas stay in step: gradient all-reduce every batch "
+                            "(default), DASO (node-local averaging, parameters averaged "
+                            "between nodes every 4/2/1 batches, non-blocking) or Lion "
+                            "Cub (Lion with 1-bit updates, majority vote)")
+    train.add_argument("--nodes", type=int, default=None, metavar="K",
+                       help="group the replicas in K simulated nodes (default: as the "
+                            "launcher placed the processes)")
+    train.add_argument("--optimizer", choices=("adam", "lion"), default=None,
+                       help="adam (default) or lion (the default with --sync lioncub)")
+    train.add_argument("--slow-link", type=float, default=None, metavar="GBITS",
+                       help="model a link of GBITS Gbit/s (50 us latency) between nodes: "
+                            "inter-node exchanges of the replicas are delayed accordingly")
     train.add_argument("--launcher", choices=LAUNCHERS, default="mpiexec",
                        help="how --np N starts the processes: mpiexec (MPI, the bundled "
                             "one) or torchrun (torch.distributed with gloo)")
@@ -119,6 +133,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if batch % args.data_parallel:
             raise ValueError(f"the batch size {batch} must be divisible by "
                              f"`--data-parallel` {args.data_parallel}")
+        if args.nodes is not None and (args.nodes < 1 or args.data_parallel % args.nodes):
+            raise ValueError(f"`--nodes` must be >= 1 and divide `--data-parallel` "
+                             f"{args.data_parallel}, got {args.nodes}")
+        if args.sync == "lioncub" and args.optimizer == "adam":
+            raise ValueError("`--sync lioncub` exchanges Lion updates: not with "
+                             "`--optimizer adam`")
+        if args.slow_link is not None and not args.slow_link > 0:
+            raise ValueError(f"`--slow-link` must be a positive number of Gbit/s, got "
+                             f"{args.slow_link}")
         check_arguments(args)
     return args
 

@@ -36,7 +36,7 @@ from .nets import PROBLEMS, RECIPES, Recipe, positive_int, problem_name, problem
 from .ode.net import ODENet
 from .ode.refine import refine
 from .ode.rng import MAX_SEED
-from .parallel import LayerParallel, ProcessGrid
+from .parallel import DASO, LayerParallel, Lion, ProcessGrid, SlowLink
 from .parallel.adaptive import AccuracyPolicy, as_policy
 
 __all__ = [
@@ -127,6 +127,10 @@ def train(
     auto: Union[bool, AccuracyPolicy] = False,
     target_acc: Optional[float] = None,
     time_budget: Optional[float] = None,
+    sync: str = "allreduce",
+    nodes: Optional[int] = None,
+    optimizer: Optional[str] = None,
+    slow_link: Optional[float] = None,
 ) -> dict[str, Any]:
     """Train the Peaks or digits network and return what happened.
 
@@ -177,6 +181,15 @@ def train(
     time_budget: stop training after this many seconds (checked after every batch).
     Times (``train_seconds`` in each epoch's record, ``time_to_target``) count from
     the first batch, with tuning and gradient checks, without evaluation.
+    sync, nodes, slow_link: how the replicas stay in step (`ProcessGrid`'s `sync`:
+        "allreduce", "daso" with a tenth of the batches as warm-up and as cool-down,
+        "lioncub"), in how many (simulated) nodes (None: as launched), and a
+        `SlowLink` of that many Gbit/s (50 us latency) between nodes (None: none).
+        ``sync_bytes`` in the result and the summary: bytes each process sent for
+        the data dimension per batch, averaged over processes (``bytes_by_kind``:
+        every kind, including MGRIT's point-to-point messages).
+    optimizer: "adam" (default) or "lion" (`layerpar.parallel.Lion`, lr a third of
+        Adam's by default; "lioncub" needs it and is its default).
 
     Returns a dict: ``val_acc``, ``val_loss``, ``train_loss`` and ``train_acc`` (last
     epoch), ``ms_per_batch`` (one optimisation step: forward, backward, update,
@@ -193,6 +206,7 @@ def train(
     epochs = recipe.epochs if epochs is None else positive_int(epochs, "epochs")
     batch_size = recipe.batch_size if batch_size is None else positive_int(batch_size,
                                                                          "batch_size")
+    lr_given = lr is not None
     lr = recipe.lr if lr is None else lr
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (
             math.isfinite(lr) and lr > 0):
@@ -241,6 +255,23 @@ def train(
     if policy is not None and not check_every and not auto:
         # (under auto, the chosen setting's controller says when; exact needs none)
         check_every = policy.check_every
+    if sync not in ("allreduce", "daso", "lioncub"):
+        raise ValueError(f"`sync` must be 'allreduce', 'daso' or 'lioncub', got {sync!r}")
+    optimizer = ("lion" if sync == "lioncub" else "adam") if optimizer is None else optimizer
+    if optimizer not in ("adam", "lion"):
+        raise ValueError(f"`optimizer` must be 'adam' or 'lion', got {optimizer!r}")
+    if sync == "lioncub" and optimizer != "lion":
+        raise ValueError("`sync`='lioncub' exchanges Lion updates: use `optimizer`='lion'")
+    if nodes is not None:
+        nodes = positive_int(nodes, "nodes")
+        if data_parallel % nodes:
+            raise ValueError(f"`nodes`={nodes} must divide `data_parallel`={data_parallel}")
+    if slow_link is not None and (isinstance(slow_link, bool) or not isinstance(
+            slow_link, (int, float)) or not (math.isfinite(slow_link) and slow_link > 0)):
+        raise ValueError(f"`slow_link` must be a positive number of Gbit/s, got "
+                         f"{slow_link!r}")
+    if optimizer == "lion" and not lr_given:
+        lr = recipe.lr / 3  # Lion's steps are signs: it wants a smaller rate than Adam
     rank, size = _rank_size(comm)
     ranks = 1 if serial else size
     if data_parallel > 1 and not serial:
@@ -269,7 +300,9 @@ def train(
     if serial:
         model: nn.Module = net
     elif data_parallel > 1 or not (comm is None or hasattr(comm, "Split_type")):
-        grid = ProcessGrid(comm, data=data_parallel)
+        grid = ProcessGrid(comm, data=data_parallel, sync=_sync_strategy(
+            sync, (epochs + nested * nested_epochs) * -(-len(x_train) // batch_size)),
+            nodes=nodes, link=None if slow_link is None else SlowLink(slow_link * 1e9))
         model = LayerParallel(net, None, fwd, bwd, grid=grid, accuracy=policy,
                               timeout=timeout, engine=engine)
     elif auto:
@@ -307,18 +340,24 @@ def train(
             model = (refine(model, 2) if isinstance(model, (ODENet, LayerParallel))
                      else model)
         # this rank's parameters; a captured step reads the learning rate from a tensor
-        optimizer = torch.optim.Adam(model.parameters(), lr=lr) if step_mode != "captured" \
-            else torch.optim.Adam(model.parameters(), lr=torch.tensor(lr, device=device),
-                                  capturable=True)
+        if optimizer == "lion":
+            opt: torch.optim.Optimizer = Lion(model.parameters(), lr=lr)
+        elif step_mode != "captured":
+            opt = torch.optim.Adam(model.parameters(), lr=lr)
+        else:
+            opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(lr, device=device),
+                                   capturable=True)
+        if grid is not None and isinstance(model, LayerParallel):
+            grid.sync.attach(model, opt)
         steps_here = stage_epochs * len(loader)
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps_here)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps_here)
         captured = None
         if step_mode == "captured":
             from .parallel.capture import capture_step
 
             x0, y0 = _first_batch(loader)
             with clock:  # capture's warm-up steps train too: counted in the time
-                captured = capture_step(model, optimizer,  # type: ignore[arg-type]
+                captured = capture_step(model, opt,  # type: ignore[arg-type]
                                         nn.functional.cross_entropy, x0.to(device),
                                         y0.to(device))
         for epoch in range(1, stage_epochs + 1):
@@ -332,7 +371,7 @@ def train(
             fwd_it, fwd_res, bwd_it, bwd_res = [], [], [], []
             t_epoch = time.perf_counter()
             clock.start()
-            steps = train_steps(model, loader, optimizer, scheduler=schedule,
+            steps = train_steps(model, loader, opt, scheduler=schedule,
                                 shard=shard) if captured is None else \
                 _captured_steps(captured, loader, schedule, shard)
             for b, step in enumerate(steps, 1):
@@ -416,6 +455,9 @@ def train(
     }
     if grid is not None and isinstance(model, LayerParallel) and model._averager is not None:
         result["allreduce_ms_per_batch"] = 1000.0 * model._averager.total_seconds / total_steps
+    result["sync"], result["optimizer"] = sync, optimizer
+    if grid is not None:
+        result.update(_sync_bytes(grid, total_steps))
     result["summary"] = format_summary(result)
     if rank == 0:
         if device == "cuda":
@@ -574,6 +616,24 @@ def _fmt_res(res: Optional[float]) -> str:
     return "n/a" if res is None else f"{res:.1e}"
 
 
+def _sync_strategy(sync: str, total_batches: int) -> Any:
+    """The grid's strategy for `train`: DASO with a tenth of the batches as warm-up and
+    as cool-down (synchronous all-reduce), the others by name."""
+    if sync != "daso":
+        return sync
+    edge = total_batches // 10
+    return DASO(warmup=edge, cooldown=edge, total_batches=total_batches)
+
+
+def _sync_bytes(grid: ProcessGrid, batches: int) -> dict[str, Any]:
+    """Bytes sent per process per batch, averaged over the grid's processes
+    (collective): ``sync_bytes`` (the data dimension) and ``bytes_by_kind``."""
+    kinds = ("p2p", "data", "internode")
+    sums = grid.world.allreduce_sum([float(grid.meter.get(k, 0)) for k in kinds])
+    per = {k: v / grid.world_size / max(batches, 1) for k, v in zip(kinds, sums)}
+    return {"sync_bytes": per["data"] + per["internode"], "bytes_by_kind": per}
+
+
 def format_summary(result: dict[str, Any]) -> str:
     """The one-line summary of a `train` result, e.g.
 
@@ -584,6 +644,8 @@ def format_summary(result: dict[str, Any]) -> str:
     parts = [f"{result['model']}: val_acc {result['val_acc']:.3f}",
              f"train_loss {result['train_loss']:.3f}",
              f"{result['ms_per_batch']:.1f} ms/batch"]
+    if result.get("sync_bytes") is not None and result.get("data_parallel", 1) > 1:
+        parts.append(f"sync_bytes {result['sync_bytes']:.0f}")
     if result["serial"]:
         parts.append("serial")
     else:
@@ -599,7 +661,8 @@ def format_summary(result: dict[str, Any]) -> str:
 
 _SUMMARY = re.compile(
     r"^(?P<model>\w+): val_acc (?P<val_acc>[\d.]+) \| train_loss (?P<train_loss>[\d.naif]+)"
-    r" \| (?P<ms_per_batch>[\d.]+) ms/batch \| (?:(?P<serial>serial)|fwd iters "
+    r" \| (?P<ms_per_batch>[\d.]+) ms/batch(?: \| sync_bytes (?P<sync_bytes>\d+))?"
+    r" \| (?:(?P<serial>serial)|fwd iters "
     r"(?P<fwd_iters>[\d.]+) \(res (?P<fwd_res>\S+)\) \| bwd iters (?P<bwd_iters>[\d.]+) "
     r"\(res (?P<bwd_res>\S+)\)) \| ranks (?P<ranks>\d+)(?: \(data (?P<data>\d+)\))?"
     r"(?: \| time_to_target (?P<ttt>not reached|[\d.]+))?$")
@@ -623,7 +686,8 @@ def parse_summary(text: str) -> dict[str, Any]:
                     "data_parallel": int(g["data"]) if g["data"] else 1,
                     "time_to_target": None if g["ttt"] in (None, "not reached")
                     else float(g["ttt"]), "target_reached": g["ttt"] not in
-                    (None, "not reached")}
+                    (None, "not reached"),
+                    "sync_bytes": int(g["sync_bytes"]) if g["sync_bytes"] else None}
     raise ValueError(f"`text` holds no training summary line: {text[-500:]!r}")
 
 
@@ -812,4 +876,7 @@ def train_from_arguments(model_name: str, args: argparse.Namespace,
                  target_acc=getattr(args, "target_acc", None),
                  time_budget=getattr(args, "time_budget", None),
                  timeout=getattr(args, "timeout", DEFAULT_TIMEOUT),
-                 engine=getattr(args, "engine", "native"))
+                 engine=getattr(args, "engine", "native"),
+                 sync=getattr(args, "sync", "allreduce"), nodes=getattr(args, "nodes", None),
+                 optimizer=getattr(args, "optimizer", None),
+                 slow_link=getattr(args, "slow_link", None))

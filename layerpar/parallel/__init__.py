@@ -20,10 +20,15 @@ checkpoint.py state dicts and optimizer state gathered, loaded on any rank count
 accuracy.py   check_gradients: the inexact gradient against the exact one, measured
 adaptive.py   adaptive accuracy: iteration counts against a bound on gradient error
 refine.py     nested iteration on a LayerParallel (refinement in depth, in place)
+sync.py       how replicas stay in step: all-reduce, DASO, Lion Cub; bytes; slow link
+lion.py       the Lion optimizer
 """
 from .capture import CapturedStep, capture_step
 from .grid import ProcessGrid
+from .lion import Lion
 from .model import LayerParallel
 from .plan import Plan
+from .sync import DASO, AllReduce, LionCub, SlowLink, SyncStrategy
 
-__all__ = ["CapturedStep", "LayerParallel", "Plan", "ProcessGrid", "capture_step"]
+__all__ = ["DASO", "AllReduce", "CapturedStep", "LayerParallel", "Lion", "LionCub", "Plan",
+           "ProcessGrid", "SlowLink", "SyncStrategy", "capture_step"]

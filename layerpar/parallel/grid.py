@@ -11,10 +11,13 @@ gradients.  One error channel spans the world, so a failure anywhere stops all.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Optional
+import os
+import socket
+from typing import Any, Optional, Union
 
 from ..mgrit.transport import DEFAULT_TIMEOUT, Transport, check_timeout, make_transport
 from ..ode.blocks import _positive_int
+from .sync import SlowLink, SyncStrategy, make_sync
 
 __all__ = ["ProcessGrid"]
 
@@ -35,10 +38,25 @@ class ProcessGrid:
     replica's part of a dataset (as `DistributedSampler`).  The same arguments must be
     passed on every process (checked: every process raises the same error otherwise,
     before any other message).
+
+    sync: how the replicas stay in step (`layerpar.parallel.sync`): "allreduce"
+        (gradients averaged every batch; default), "daso" (hierarchical, asynchronous
+        parameter averaging between nodes), "lioncub" (1-bit Lion updates, majority
+        vote), or a configured `SyncStrategy`.  Bind it with
+        ``grid.sync.attach(model, optimizer)``.
+    nodes: how many nodes the replicas are grouped in (None: as the launcher placed
+        the processes: LOCAL_WORLD_SIZE under torchrun, shared-memory groups under
+        MPI); K simulates K nodes of data/K consecutive replicas each.
+    link: a `SlowLink` (or None): inter-node operations of the strategy complete no
+        earlier than its latency + bytes / bandwidth.
+    `meter` counts the bytes this process sends, by kind ("p2p" in the layer group,
+    "data" and "internode" collectives of the data dimension).
     """
 
     def __init__(self, comm: Any, data: int = 1, layers: Optional[int] = None, *,
-                 timeout: Optional[float] = DEFAULT_TIMEOUT) -> None:
+                 timeout: Optional[float] = DEFAULT_TIMEOUT,
+                 sync: Union[str, SyncStrategy] = "allreduce", nodes: Optional[int] = None,
+                 link: Optional[SlowLink] = None) -> None:
         timeout = check_timeout(timeout)
         self.world: Transport = make_transport(comm, timeout=timeout)
         self.world.timeout = timeout
@@ -51,10 +69,20 @@ class ProcessGrid:
                 raise ValueError(f"a grid of `data`={data} x `layers`={layers} = "
                                  f"{data * layers} processes does not match the "
                                  f"{size} processes of `comm`")
+            if nodes is not None:
+                nodes = _positive_int(nodes, "nodes")
+                if data % nodes:
+                    raise ValueError(f"`nodes`={nodes} must divide `data`={data} (each "
+                                     "simulated node holds data/nodes replicas)")
+            if link is not None and not isinstance(link, SlowLink):
+                raise TypeError(f"`link` must be a SlowLink or None, got "
+                                f"{type(link).__name__}")
+            strategy = make_sync(sync)
         except (TypeError, ValueError) as exc:
             err = exc
-        self.world.agree(None if err else {"data": data, "layers": layers}, err,
-                         "ProcessGrid shape")
+        self.world.agree(None if err else {
+            "data": data, "layers": layers, "nodes": nodes, **strategy.key(),
+            "link": None if link is None else link.key()}, err, "ProcessGrid shape")
         assert layers is not None
         self.comm = comm
         self.data, self.layers = data, layers
@@ -62,6 +90,83 @@ class ProcessGrid:
         self.data_rank, self.layer_rank = divmod(self.world_rank, layers)
         self.timeout = timeout
         self.layer_comm, self.data_comm = self._split(comm)
+        self.meter: dict[str, int] = {}
+        self.link = link
+        self.node_of = self._node_ids(nodes)
+        self.sync: SyncStrategy = strategy
+        strategy.setup(self)
+
+    def _node_ids(self, nodes: Optional[int]) -> list[int]:
+        """The node (0, 1, ...) of every process of the group (collective)."""
+        L, per = self.layers, self.data // nodes if nodes else 0
+        if nodes is not None:
+            return [(w // L) // per for w in range(self.world_size)]
+        if self.comm is None:
+            return [0]
+        if self.world.backend == "mpi":
+            from mpi4py import MPI
+
+            shared = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.world_rank)
+            key: Any = shared.allreduce(self.world_rank, op=MPI.MIN)
+            shared.Free()
+        else:
+            import torch.distributed as dist
+
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            key = dist.get_rank() // int(local) if local else socket.gethostname()
+        keys = self.world.allgather_object(key, "the node of each process")
+        ids: dict[Any, int] = {}
+        return [ids.setdefault(k, len(ids)) for k in keys]
+
+    def data_node_count(self) -> int:
+        """How many nodes this process's data group spans."""
+        return len({self.node_of[d * self.layers + self.layer_rank]
+                    for d in range(self.data)})
+
+    def node_split(self) -> tuple[Any, Any, bool]:
+        """(this process's node group, the group of the nodes' first replicas or None,
+        whether this process is its node's first replica), within its data group: as
+        `comm`'s kind of group; a group of one process is None (collective)."""
+        L, R = self.layers, self.data
+        nodes, leaders = [], []
+        for q in range(L):
+            by: dict[int, list[int]] = {}
+            for d in range(R):
+                by.setdefault(self.node_of[d * L + q], []).append(d * L + q)
+            nodes += list(by.values())
+            leaders.append([m[0] for m in by.values()])
+        me = self.world_rank
+        leader = any(me == g[0] for g in nodes)
+        return self._subgroup(nodes), self._subgroup(leaders), leader
+
+    def _subgroup(self, parts: list[list[int]]) -> Any:
+        """This process's group among disjoint `parts` (world ranks; groups of one
+        process are not made): None where it is in none (collective)."""
+        if self.comm is None:
+            return None
+        me = self.world_rank
+        mine = next((i for i, g in enumerate(parts) if me in g and len(g) > 1), None)
+        if self.world.backend == "mpi":
+            from mpi4py import MPI
+
+            c = self.comm.Split(MPI.UNDEFINED if mine is None else mine, me)
+            if c == MPI.COMM_NULL:
+                return None
+            self._free.append(c)
+            return c
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(self.comm)
+        kw: dict[str, Any] = {"backend": "nccl" if self.world.backend == "nccl" else "gloo"}
+        if self.timeout is not None:
+            kw["timeout"] = datetime.timedelta(seconds=self.timeout)
+        got = None
+        for i, g in enumerate(parts):  # every process creates every group, in order
+            if len(g) > 1:
+                made = dist.new_group([ranks[w] for w in g], **kw)
+                if i == mine:
+                    got = made
+        return got
 
     def _split(self, comm: Any) -> tuple[Any, Any]:
         """(this process's layer group, its data group) as `comm`'s kind of group."""
@@ -115,6 +220,7 @@ class ProcessGrid:
         the data group, sharing the world's error channel (collective)."""
         layer = make_transport(self.layer_comm, errors=self.errors, timeout=self.timeout)
         layer.timeout = self.timeout
+        layer._state["meter"] = self.meter
         if self.data == 1:
             return layer, None
         data = make_transport(self.data_comm, errors=self.errors, timeout=self.timeout)
@@ -149,6 +255,7 @@ class ProcessGrid:
 
     def close(self) -> None:
         """Release the groups this grid made (collective)."""
+        self.sync.close()
         for c in getattr(self, "_free", []):
             c.Free()
         self._free = []

@@ -44,7 +44,6 @@ from .direct import direct_backward_started
 from .grads import GradDelivery
 from .grid import ProcessGrid
 from .plan import Plan
-from .replicas import GradAverager
 from .runner import SegmentRunner
 from .tape import Tape
 
@@ -332,8 +331,7 @@ class LayerParallel(nn.Module):
         if self._data_transport is not None:
             self._data_transport.timeout = timeout
         # gradients averaged over the replicas of a process grid (data parallelism)
-        self._averager = (GradAverager(self._data_transport)
-                          if self._data_transport is not None else None)
+        self._averager = grid.sync.averager() if grid is not None else None
         self._batch = 0  # forward passes so far: named in a TimeoutError
         self.check_inputs = check_inputs
         self.coarsening = coarsening

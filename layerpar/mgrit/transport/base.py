@@ -229,6 +229,12 @@ class Transport:
         """Start summing `t` over the group, in place; `.wait()` the result."""
         raise NotImplementedError
 
+    def allgather_start(self, t: torch.Tensor, out: torch.Tensor,
+                        what: str = "an all-gather") -> Pending:  # backend
+        """Start gathering every rank's `t` (a contiguous CPU tensor, the same shape on
+        every rank) into `out` (shape ``(size, *t.shape)``, rank order); `.wait()` it."""
+        raise NotImplementedError
+
     def allreduce_sum(self, values: list[float]) -> list[float]:  # backend
         """Sums of small float lists over the group (residual norms), on the host."""
         raise NotImplementedError
@@ -249,10 +255,20 @@ class Transport:
         """Release the duplicated group (collective)."""
         self._state["closed"] = True
 
+    # -- bytes sent ----------------------------------------------------------------------
+    def count_sent(self, nbytes: int, kind: str = "p2p") -> None:
+        """Add `nbytes` sent by this process to the meter a process grid gave this
+        transport (``_state["meter"]``, a dict of byte counts by kind; none: no count)."""
+        meter = self._state.get("meter")
+        if meter is not None:
+            meter[kind] = meter.get(kind, 0) + int(nbytes)
+
     # -- the engine's callbacks (engine ranks, the receive template) ----------------------------
     def isend(self, dest: int, tag: int, state: Any) -> int:
         peer = self._map(dest)
-        handle = self.post_send(as_tensor_state(state), peer, tag)
+        t = as_tensor_state(state)
+        self.count_sent(t.numel() * t.element_size())
+        handle = self.post_send(t, peer, tag)
         rid = next(self._ids)
         self._reqs[rid] = (handle, "a boundary state to be received", peer)
         return rid
@@ -282,6 +298,7 @@ class Transport:
     # -- blocking point to point (group ranks) ----------------------------------------------------
     def send_tensor(self, t: torch.Tensor, dest: int, tag: int,
                     what: str = "a tensor to be received") -> None:
+        self.count_sent(t.numel() * t.element_size())
         self.complete(self.post_send(t, dest, tag), what, dest)
 
     def recv_tensor(self, src: int, tag: int, shape: Sequence[int], dtype: torch.dtype,

@@ -209,6 +209,13 @@ class MPITransport(Transport):
         done = (lambda: t.copy_(host)) if staged else None
         return Pending(self, (req, (buf, host, t), "reduce"), what, done)
 
+    def allgather_start(self, t: torch.Tensor, out: torch.Tensor,
+                        what: str = "an all-gather") -> Pending:
+        send = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        recv = out.reshape(-1).view(torch.uint8).numpy()
+        req = self.comm.Iallgather([send, self._MPI.BYTE], [recv, self._MPI.BYTE])
+        return Pending(self, (req, (send, recv, t, out), "reduce"), what)
+
     def bcast_tensor(self, t: Optional[torch.Tensor], root: int, shape: Sequence[int],
                      dtype: torch.dtype, device: torch.device,
                      what: str = "a broadcast tensor") -> torch.Tensor:

@@ -374,6 +374,25 @@ class TorchTransport(Transport):
         done = (lambda: t.copy_(host)) if staged else None
         return Pending(self, ("coll", work, host, None, done), what)
 
+    def allgather_start(self, t: torch.Tensor, out: torch.Tensor,
+                        what: str = "an all-gather") -> Pending:
+        if self._on_device(t.device) and self._on_device(out.device):
+            work = self._start(dist.all_gather_into_tensor, None, out.reshape(-1),
+                               t.contiguous().reshape(-1), group=self.group, async_op=True)
+            return Pending(self, ("nccl", work, out, None), what)
+        host = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        parts = [torch.empty_like(host) for _ in range(self.size)]
+        work = self._start(dist.all_gather, None, parts, host, group=self.cpu_group,
+                           async_op=True)
+
+        def done() -> None:  # bytes, whatever the dtype (gloo lacks some)
+            flat = torch.cat(parts)
+            if out.device.type == "cpu" and out.is_contiguous():
+                out.reshape(-1).view(torch.uint8).copy_(flat)
+            else:
+                out.copy_(flat.view(out.dtype).view(out.shape))
+        return Pending(self, ("coll", work, (host, parts), None, done), what)
+
     def bcast_tensor(self, t: Optional[torch.Tensor], root: int, shape: Sequence[int],
                      dtype: torch.dtype, device: torch.device,
                      what: str = "a broadcast tensor") -> torch.Tensor:

@@ -1,0 +1,604 @@
+"""How the replicas of a `ProcessGrid` stay in step: strategies of its data dimension.
+
+``ProcessGrid(comm, data=R, layers=L, sync=...)`` picks one; every strategy acts on
+the parameters of this process's layer group only (the layer-parallel shard), over
+the ranks that hold the same layers in the other replicas.
+
+- ``"allreduce"`` (`AllReduce`, the default): gradients summed over the data group
+  every batch (bucketed, overlapped with the adjoint sweep; `GradAverager`).
+- ``"daso"`` (`DASO`, after Coquelin et al.'s DASO in Helmholtz HeAT): replicas are
+  grouped into nodes.  Every batch, gradients are averaged inside a node; every S
+  batches one process per node (the node's first replica) starts a non-blocking
+  global average of its *parameters* (sent in bfloat16 by default, as HeAT does),
+  the node trains on, and S-1 batches later the average is merged, local parameters
+  weighted double (``(2 p + avg) / 3``; with S = 1 the average is fresh and replaces
+  the parameters), and copied to the node's other replicas.  S cycles (4, 2, 1 by
+  default).  Warm-up and cool-down batches use synchronous gradient all-reduce.
+- ``"lioncub"`` (`LionCub`, after "Lion Cub: minimizing communication overhead in
+  distributed Lion"): no gradient reduction at all.  The `Lion` optimizer's update is
+  a sign; each replica packs its signs into bits, the bits are all-gathered (1/32 of
+  an fp32 all-reduce's payload) and every replica applies the majority vote.  The
+  momentum stays local and is averaged only every `momentum_every` batches.
+
+The training loop stays ordinary: ``sync = grid.sync.attach(model, optimizer)`` after
+building them (it registers a hook after each optimizer step); ``sync.state_dict()`` /
+``sync.load_state_dict(state)`` save and restore the whole training state of every
+replica (parameters, optimizer state, the strategy's cycle position and pending
+exchange) and load it on any grid shape (replica d of the new grid takes saved
+replica d mod R).
+
+Bytes: the grid's `meter` counts what this process hands to the transport to send
+(the payload of each operation; a collective's internal algorithm is the library's
+and not seen), by kind: ``"p2p"`` (MGRIT's messages in the layer group), ``"data"``
+(collectives of the data group inside a node), ``"internode"`` (collectives whose
+group spans nodes).  `SlowLink` delays the completion of every inter-node operation
+by latency + payload / bandwidth (a model of a slow link between nodes: each
+process as if with its own link; the operation itself runs at local speed).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..mgrit.errors import DivergenceError
+from ..mgrit.transport import Pending, Transport, guarded, make_transport
+from .lion import Lion
+from .replicas import GradAverager
+
+if TYPE_CHECKING:
+    from .grid import ProcessGrid
+
+__all__ = ["DASO", "AllReduce", "LionCub", "SlowLink", "SyncStrategy", "make_sync",
+           "SYNCS"]
+
+SYNCS = ("allreduce", "daso", "lioncub")
+
+
+class SlowLink:
+    """A slow link between nodes: an inter-node operation of n payload bytes takes
+    ``latency + 8 n / bandwidth`` seconds of the link, and the operations of a process
+    use its link one after another (first come, first served): one completes no
+    earlier than that long after it started or after the previous one's end.
+
+    bandwidth: bits per second (default 1 Gbit/s); latency: seconds (default 50 us).
+    Work overlapped with the operation (DASO's non-blocking exchange) hides the delay,
+    as it would on a real link."""
+
+    def __init__(self, bandwidth: float = 1e9, latency: float = 50e-6) -> None:
+        for name, v in (("bandwidth", bandwidth), ("latency", latency)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
+                    or v != v or v == float("inf"):
+                raise ValueError(f"`{name}` must be a finite number >= 0, got {v!r}")
+        if bandwidth == 0:
+            raise ValueError("`bandwidth` must be > 0 bits per second")
+        self.bandwidth, self.latency = float(bandwidth), float(latency)
+        self._free_at = 0.0  # when this process's link is free again (perf_counter)
+
+    def seconds(self, nbytes: int) -> float:
+        """The link time of `nbytes`."""
+        return self.latency + 8.0 * nbytes / self.bandwidth
+
+    def reserve(self, nbytes: int) -> float:
+        """Queue `nbytes` on the link now; the time (perf_counter) they are through."""
+        self._free_at = max(time.perf_counter(), self._free_at) + self.seconds(nbytes)
+        return self._free_at
+
+    def key(self) -> tuple[float, float]:
+        return (self.bandwidth, self.latency)
+
+    def __repr__(self) -> str:
+        return f"SlowLink({self.bandwidth / 1e9:g} Gbit/s, {self.latency * 1e6:g} us)"
+
+
+class _Delayed:
+    """A `Pending` that completes no earlier than `ready` (time.perf_counter)."""
+
+    def __init__(self, pending: Pending, ready: float) -> None:
+        self._pending, self._ready = pending, ready
+
+    def wait(self) -> None:
+        self._pending.wait()
+        left = self._ready - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
+class Metered:
+    """A transport of the data dimension that counts the bytes this process sends (in
+    `meter`, under `kind`) and, with a `link`, delays each operation's completion by
+    the link's time for its payload.  Other attributes are the transport's."""
+
+    def __init__(self, transport: Transport, meter: dict, kind: str,
+                 link: Optional[SlowLink] = None) -> None:
+        self.transport, self.meter, self.kind, self.link = transport, meter, kind, link
+        self.size, self.group_rank = transport.size, transport.group_rank
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+    def _count(self, nbytes: int) -> float:
+        self.meter[self.kind] = self.meter.get(self.kind, 0) + int(nbytes)
+        return self.link.reserve(nbytes) if self.link else time.perf_counter()
+
+    def allreduce_start(self, t: Tensor, what: str = "a gradient reduction") -> Any:
+        ready = self._count(t.numel() * t.element_size())
+        return _Delayed(self.transport.allreduce_start(t, what), ready)
+
+    def allgather_start(self, t: Tensor, out: Tensor, what: str = "an all-gather") -> Any:
+        ready = self._count(t.numel() * t.element_size())
+        return _Delayed(self.transport.allgather_start(t, out, what), ready)
+
+    def bcast_tensor(self, t: Optional[Tensor], root: int, shape: Sequence[int],
+                     dtype: torch.dtype, device: torch.device,
+                     what: str = "a broadcast tensor") -> Tensor:
+        n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        ready = self._count(n if self.group_rank == root else 0)
+        got = self.transport.bcast_tensor(t, root, shape, dtype, device, what)
+        if self.link is not None:
+            left = ready - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+        return got
+
+
+def _flat(tensors: Sequence[Tensor], dtype: Optional[torch.dtype] = None) -> Tensor:
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else \
+        torch.zeros(0)
+    return flat if dtype is None else flat.to(dtype)
+
+
+def _unflat(flat: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
+    out, off = [], 0
+    for t in tensors:
+        n = t.numel()
+        out.append(flat[off:off + n].view_as(t))
+        off += n
+    return out
+
+
+class _CheckedAverager(GradAverager):
+    """A `GradAverager` that raises `DivergenceError` when an average is not finite
+    (a NaN in one replica reaches all of them through the sum: every replica raises)."""
+
+    def finish(self) -> None:
+        tensors = [t for _, _, ts in self._pending for t in ts] + list(self._bucket)
+        super().finish()
+        if tensors and not bool(torch.isfinite(_flat(tensors)).all()):
+            raise DivergenceError("a gradient averaged over the replicas is not finite "
+                                  "(NaN or inf in some replica)")
+
+
+def _check_attached(strategy: SyncStrategy) -> None:
+    if strategy.model is None:
+        raise RuntimeError(f"sync='{strategy.name}' runs after each optimizer step: call "
+                           "grid.sync.attach(model, optimizer) before training (without it "
+                           "the replicas would drift apart silently)")
+
+
+class _AttachCheck:
+    """Lion Cub's stand-in for a gradient averager: nothing to average, but a backward
+    pass before `attach` raises."""
+
+    total_seconds = last_seconds = 0.0
+    bytes = 0
+
+    def __init__(self, strategy: SyncStrategy) -> None:
+        self.strategy = strategy
+
+    def add(self, tensors: Any) -> None:
+        pass
+
+    def finish(self) -> None:
+        _check_attached(self.strategy)
+
+
+class SyncStrategy:
+    """Base class: how the replicas of a grid stay in step (see the module docstring).
+
+    Life cycle: `ProcessGrid` calls `setup(grid)` (collective: groups and transports);
+    `LayerParallel` asks `averager()` for what averages its gradients in the backward
+    pass; the user calls `attach(model, optimizer)` once (a hook then runs
+    `after_step` after every optimizer step)."""
+
+    name = "abstract"
+
+    def __init__(self) -> None:
+        self.grid: Optional[ProcessGrid] = None
+        self.batch = 0  # optimizer steps taken
+        self.model: Any = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self._hook: Any = None
+        self._made: list[Transport] = []
+        self.data: Optional[Metered] = None
+
+    # -- set-up ----------------------------------------------------------------------------
+    def key(self) -> dict[str, Any]:
+        """What must agree between processes."""
+        return {"sync": self.name}
+
+    def setup(self, grid: ProcessGrid) -> None:
+        """Build this strategy's transports over `grid` (collective)."""
+        self.grid = grid
+        if grid.data > 1:
+            self.data = self._metered(grid.data_comm, grid.data_node_count() > 1)
+
+    def _metered(self, comm: Any, internode: bool) -> Optional[Metered]:
+        assert self.grid is not None
+        if comm is None:
+            return None
+        t = make_transport(comm, errors=self.grid.errors, timeout=self.grid.timeout)
+        t.timeout = self.grid.timeout
+        self._made.append(t)
+        return Metered(t, self.grid.meter, "internode" if internode else "data",
+                       self.grid.link if internode else None)
+
+    def averager(self) -> Optional[GradAverager]:
+        """What averages gradients in the backward pass (None: nothing)."""
+        return None if self.data is None else _CheckedAverager(self.data)  # type: ignore
+
+    def attach(self, model: Any, optimizer: torch.optim.Optimizer) -> SyncStrategy:
+        """Bind the model (this process's part) and its optimizer; from now on the
+        strategy runs after every ``optimizer.step()``.  Returns the strategy."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"`optimizer` must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if getattr(model, "grid", None) is not self.grid:
+            raise ValueError("`model` must be a LayerParallel built on this grid "
+                             "(grid=...)")
+        if self._hook is not None:
+            self._hook.remove()
+        self.model, self.optimizer = model, optimizer
+        self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
+        return self
+
+    def _params(self) -> list[Tensor]:
+        return [p for p in self.model.parameters()] if self.model is not None else []
+
+    def _after_step(self) -> None:
+        assert self.grid is not None
+        guarded(self.grid.world, self.after_step)
+
+    def after_step(self) -> None:
+        """Run after each optimizer step (the strategy's own exchanges)."""
+        self.batch += 1
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def _extra_state(self) -> dict[str, Any]:
+        """Strategy state other than the replicas' (the same on every process)."""
+        return {}
+
+    def _load_extra(self, state: dict[str, Any]) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole training state of every replica (collective over the grid):
+        ``{"sync", "batch", "replicas": [{"model", "optimizer"} per replica], ...}``."""
+        grid, model = self.grid, self.model
+        if model is None or grid is None:
+            raise RuntimeError("call attach(model, optimizer) before state_dict()")
+        extra = self._extra_state()
+        own = {"model": model.gather_state_dict(),
+               "optimizer": model.gather_optimizer_state(self.optimizer)}
+        got = grid.world.allgather_object(
+            (grid.data_rank, own if grid.layer_rank == 0 else None), "sync.state_dict")
+        replicas = [o for d, o in sorted((d, o) for d, o in got if o is not None)]
+        return {"sync": self.name, "batch": self.batch, "replicas": replicas, **extra}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s result, saved on any grid shape (local: replica d
+        takes saved replica d mod R)."""
+        if self.model is None:
+            raise RuntimeError("call attach(model, optimizer) before load_state_dict()")
+        if not isinstance(state, dict) or state.get("sync") != self.name:
+            raise ValueError(f"`state` must be a {self.name} strategy's state_dict(), got "
+                             f"{state.get('sync') if isinstance(state, dict) else state!r}")
+        assert self.grid is not None
+        rep = state["replicas"][self.grid.data_rank % len(state["replicas"])]
+        sd = rep["model"]
+        with torch.no_grad():
+            for n, t in list(self.model.named_parameters()) + list(
+                    self.model.named_buffers()):
+                if n in sd:
+                    t.copy_(sd[n])
+        self.model.load_optimizer_state(self.optimizer, rep["optimizer"])
+        self.batch = int(state["batch"])
+        self._load_extra(state)
+
+    def close(self) -> None:
+        """Release the strategy's transports (collective)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        for t in self._made:
+            t.close()
+        self._made = []
+
+
+class AllReduce(SyncStrategy):
+    """Gradients summed over the data group every batch (the default)."""
+
+    name = "allreduce"
+
+
+class _PhaseAverager:
+    """DASO's gradient averaging: over the whole data group in synchronous phases,
+    inside the node otherwise (chosen per backward pass)."""
+
+    def __init__(self, strategy: DASO, sync: Optional[GradAverager],
+                 node: Optional[GradAverager]) -> None:
+        self.strategy, self.sync, self.node = strategy, sync, node
+        self._now: Optional[GradAverager] = None
+        self.total_seconds = 0.0
+
+    def _current(self) -> Optional[GradAverager]:
+        if self._now is None:
+            self._now = self.sync if self.strategy.synchronous(self.strategy.batch) \
+                else self.node
+        return self._now
+
+    def add(self, tensors: Any) -> None:
+        cur = self._current()
+        if cur is not None:
+            cur.add(tensors)
+
+    def finish(self) -> None:
+        _check_attached(self.strategy)
+        cur, self._now = self._current(), None
+        if cur is not None:
+            cur.finish()
+            self.total_seconds = sum(a.total_seconds for a in (self.sync, self.node)
+                                     if a is not None)
+
+
+class DASO(SyncStrategy):
+    """Hierarchical, asynchronous parameter averaging (see the module docstring).
+
+    cycle: the S values, used in turn (batches from one global exchange's start to its
+    merge, inclusive: S = 1 is a blocking average); warmup / cooldown: batches of
+    synchronous gradient all-reduce at the start / before `total_batches` (cool-down
+    needs it); local_weight: the local parameters' weight in a stale merge
+    (``(w p + avg) / (w + 1)``); global_dtype: the dtype parameters are exchanged in
+    between nodes (None: their own)."""
+
+    name = "daso"
+
+    def __init__(self, cycle: Sequence[int] = (4, 2, 1), warmup: int = 0, cooldown: int = 0,
+                 total_batches: Optional[int] = None, local_weight: float = 2.0,
+                 global_dtype: Optional[torch.dtype] = torch.bfloat16) -> None:
+        super().__init__()
+        if isinstance(cycle, int) or not cycle or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in cycle):
+            raise ValueError(f"`cycle` must be a non-empty sequence of ints >= 1, got "
+                             f"{cycle!r}")
+        for name, v in (("warmup", warmup), ("cooldown", cooldown)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"`{name}` must be an int >= 0, got {v!r}")
+        if total_batches is not None and (isinstance(total_batches, bool) or not isinstance(
+                total_batches, int) or total_batches < 1):
+            raise ValueError(f"`total_batches` must be None or an int >= 1, got "
+                             f"{total_batches!r}")
+        if cooldown and total_batches is None:
+            raise ValueError("`cooldown` needs `total_batches` (when training ends)")
+        if not (isinstance(local_weight, (int, float)) and local_weight >= 0):
+            raise ValueError(f"`local_weight` must be a number >= 0, got {local_weight!r}")
+        if global_dtype is not None and not isinstance(global_dtype, torch.dtype):
+            raise TypeError(f"`global_dtype` must be a torch.dtype or None, got "
+                            f"{type(global_dtype).__name__}")
+        self.cycle = tuple(cycle)
+        self.warmup, self.cooldown, self.total_batches = warmup, cooldown, total_batches
+        self.local_weight, self.global_dtype = float(local_weight), global_dtype
+        self.pos = 0  # index into cycle of the exchange in progress or next
+        self.pending: Optional[dict[str, Any]] = None
+        self.node: Optional[Metered] = None
+        self.glob: Optional[Metered] = None
+        self.leader = True
+
+    def key(self) -> dict[str, Any]:
+        return {"sync": self.name, "cycle": self.cycle, "warmup": self.warmup,
+                "cooldown": self.cooldown, "total_batches": self.total_batches,
+                "local_weight": self.local_weight, "global_dtype": str(self.global_dtype)}
+
+    def setup(self, grid: ProcessGrid) -> None:
+        super().setup(grid)
+        node_comm, glob_comm, self.leader = grid.node_split()
+        self.node = self._metered(node_comm, False)
+        self.glob = self._metered(glob_comm, True)
+
+    def averager(self) -> Any:
+        if self.data is None:
+            return None
+        node = None if self.node is None else _CheckedAverager(self.node)  # type: ignore
+        return _PhaseAverager(self, _CheckedAverager(self.data), node)  # type: ignore
+
+    def synchronous(self, batch: int) -> bool:
+        """Whether `batch` (0-based) is in warm-up or cool-down."""
+        if batch < self.warmup:
+            return True
+        return self.total_batches is not None and batch >= self.total_batches - self.cooldown
+
+    def after_step(self) -> None:
+        b = self.batch
+        if self.data is not None and not self.synchronous(b):
+            if self.pending is None:
+                self._start(b)
+            if self.pending is not None and self.pending["due"] <= b:
+                self._finish()
+        self.batch = b + 1
+        if self.data is not None and self.synchronous(self.batch) and \
+                not self.synchronous(b):  # entering cool-down: replicas agree again
+            if self.pending is not None:
+                self._finish()
+            self._start(self.batch - 1, s=1)
+            self._finish(advance=False)
+
+    def _start(self, b: int, s: Optional[int] = None) -> None:
+        s = self.cycle[self.pos] if s is None else s
+        pend: dict[str, Any] = {"due": b + s - 1, "S": s, "handle": None, "flat": None,
+                                "avg": None}
+        if self.leader and self.glob is not None:
+            # an all-gather of the raw bytes: any dtype on any backend (MPI has no
+            # bfloat16 sum); the same payload per process as an all-reduce
+            flat = _flat(self._params(), self.global_dtype).contiguous()
+            pend["flat"] = torch.empty((self.glob.size, flat.numel()), dtype=flat.dtype)
+            pend["handle"] = self.glob.allgather_start(flat, pend["flat"], "DASO's global "
+                                                       "parameter exchange")
+            pend["sent"] = flat
+        self.pending = pend
+
+    def _wait(self) -> None:
+        """Complete the pending exchange (its average is kept in the pending record)."""
+        pend = self.pending
+        if pend is not None and pend["handle"] is not None:
+            pend["handle"].wait()
+            assert self.glob is not None
+            parts = pend["flat"]
+            acc = torch.float64 if parts.dtype == torch.float64 else torch.float32
+            pend["avg"] = parts.to(acc).sum(0) / self.glob.size
+            pend["handle"] = pend["flat"] = pend["sent"] = None
+
+    def _finish(self, advance: bool = True) -> None:
+        self._wait()
+        pend, self.pending = self.pending, None
+        assert pend is not None
+        params = self._params()
+        with torch.no_grad():
+            if pend["avg"] is not None:
+                avg = _unflat(pend["avg"], params)
+                w = self.local_weight if pend["S"] > 1 else 0.0
+                for p, a in zip(params, avg):
+                    if w:
+                        p.mul_(w).add_(a.to(p.dtype)).div_(w + 1.0)
+                    else:
+                        p.copy_(a)
+                if not bool(torch.isfinite(_flat(params)).all()):
+                    raise DivergenceError("DASO's merged parameters are not finite (NaN or "
+                                          "inf in some replica)")
+            if self.node is not None:  # the node's leader is its group rank 0
+                flat = _flat(params) if self.node.group_rank == 0 else None
+                got = self.node.bcast_tensor(flat, 0, (sum(p.numel() for p in params),),
+                                             params[0].dtype if params else torch.float32,
+                                             params[0].device if params else
+                                             torch.device("cpu"), "DASO's merged "
+                                             "parameters from the node's first replica")
+                if self.node.group_rank != 0:
+                    for p, a in zip(params, _unflat(got, params)):
+                        p.copy_(a)
+        if advance:
+            self.pos = (self.pos + 1) % len(self.cycle)
+
+    def _extra_state(self) -> dict[str, Any]:
+        self._wait()
+        assert self.grid is not None and self.model is not None
+        avg = None
+        pend = self.pending
+        if pend is not None and pend["avg"] is not None:
+            names = [n for n, _ in self.model.named_parameters()]
+            avg = {n: a.clone() for n, a in zip(names, _unflat(pend["avg"],
+                                                              self._params()))}
+        parts = self.grid.world.allgather_object(avg, "DASO's pending exchange")
+        merged: dict[str, Tensor] = {}
+        for part in parts:
+            if part:
+                merged.update(part)
+        pending = None if pend is None else {"due": pend["due"], "S": pend["S"],
+                                             "avg": merged or None}
+        return {"pos": self.pos, "pending": pending}
+
+    def _load_extra(self, state: dict[str, Any]) -> None:
+        self.pos = int(state["pos"]) % len(self.cycle)
+        pend = state.get("pending")
+        if pend is None:
+            self.pending = None
+            return
+        avg = None
+        if pend["avg"] is not None and self.leader and self.glob is not None:
+            avg = _flat([pend["avg"][n] for n, _ in self.model.named_parameters()])
+        self.pending = {"due": int(pend["due"]), "S": int(pend["S"]), "handle": None,
+                        "flat": None, "avg": avg}
+
+
+class LionCub(SyncStrategy):
+    """1-bit Lion updates merged by majority vote (see the module docstring).
+
+    momentum_every: average the Lion momentum over the replicas every this many
+    batches (0: never).  Needs a `Lion` optimizer."""
+
+    name = "lioncub"
+
+    def __init__(self, momentum_every: int = 64) -> None:
+        super().__init__()
+        if isinstance(momentum_every, bool) or not isinstance(momentum_every, int) \
+                or momentum_every < 0:
+            raise ValueError(f"`momentum_every` must be an int >= 0, got {momentum_every!r}")
+        self.momentum_every = momentum_every
+
+    def key(self) -> dict[str, Any]:
+        return {"sync": self.name, "momentum_every": self.momentum_every}
+
+    def averager(self) -> Any:
+        # the replicas exchange updates, not gradients
+        return None if self.data is None else _AttachCheck(self)
+
+    def attach(self, model: Any, optimizer: torch.optim.Optimizer) -> SyncStrategy:
+        if not isinstance(optimizer, Lion):
+            raise TypeError(f"sync='lioncub' needs a layerpar Lion optimizer, got "
+                            f"{type(optimizer).__name__}")
+        super().attach(model, optimizer)
+        optimizer.update_hook = self._vote if self.data is not None else None
+        return self
+
+    def _vote(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        assert self.grid is not None
+        guarded(self.grid.world, lambda: self._vote_here(pairs))
+
+    def _vote_here(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        assert self.data is not None
+        signs = [u for _, u in pairs]
+        # torch.sign(NaN) is 0: a NaN would vanish from the update, so look at the grads
+        if not bool(torch.isfinite(_flat([p.grad for p, _ in pairs])).all()):
+            raise DivergenceError("a gradient is not finite (NaN or inf) on this replica")
+        flat = _flat(signs).cpu()
+        n = flat.numel()
+        bits = torch.from_numpy(np.packbits((flat >= 0).numpy()))
+        out = torch.empty((self.data.size, bits.numel()), dtype=torch.uint8)
+        self.data.allgather_start(bits, out, "Lion Cub's sign bits").wait()
+        ones = np.unpackbits(out.numpy(), axis=1, count=n).sum(axis=0, dtype=np.int64)
+        vote = torch.from_numpy(np.sign(2 * ones - self.data.size))
+        for u, v in zip(signs, _unflat(vote, signs)):
+            u.copy_(v.to(u.dtype))
+
+    def after_step(self) -> None:
+        self.batch += 1
+        if self.data is None or not self.momentum_every or self.batch % self.momentum_every:
+            return
+        assert self.optimizer is not None
+        moms = [self.optimizer.state[p]["exp_avg"] for p in self._params()
+                if "exp_avg" in self.optimizer.state.get(p, {})]
+        if not moms:
+            return
+        flat = _flat(moms).contiguous().clone()
+        self.data.allreduce_start(flat, "Lion Cub's momentum average").wait()
+        flat /= self.data.size
+        for m, a in zip(moms, _unflat(flat, moms)):
+            m.copy_(a)
+
+
+def make_sync(sync: Union[str, SyncStrategy]) -> SyncStrategy:
+    """A strategy from its name ("allreduce", "daso", "lioncub": default settings) or
+    as given (an instance, e.g. ``DASO(cycle=(8, 4, 2), warmup=100)``)."""
+    if isinstance(sync, SyncStrategy):
+        if sync.grid is not None:
+            raise ValueError("`sync`: this strategy object already belongs to a grid")
+        return sync
+    if sync == "allreduce":
+        return AllReduce()
+    if sync == "daso":
+        return DASO()
+    if sync == "lioncub":
+        return LionCub()
+    raise ValueError(f"`sync` must be one of {SYNCS} or a SyncStrategy, got {sync!r}")
