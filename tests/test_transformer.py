@@ -71,9 +71,9 @@ def compare(comm: Optional[Any] = None, steps: int = 3) -> dict[str, Any]:
     y = torch.randint(0, 4, (4,))
     opts = MGRITOptions(max_levels=2, cfactor=2, max_iter=30, tol=1e-13)
     ref = copy.deepcopy(net)
-    lp = layerpar.LayerParallel(copy.deepcopy(net), comm, opts, opts)
+    lp = layerpar.LayerParallel(copy.deepcopy(net), comm, opts, opts, batched=True)
     out = {"diff": 0.0, "losses": [],
-           "batched": all(r.bb is not None for r in lp._runners.values())}
+           "batched": all(r.vectorised is not None for r in lp._runners.values())}
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt_l = torch.optim.SGD(lp.parameters(), lr=0.1)
     for _ in range(steps):

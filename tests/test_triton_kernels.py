@@ -173,13 +173,13 @@ def test_layer_parallel_with_fused_steps_equals_torch_path(ts, monkeypatch, kind
         net = _conv_net(9)
         x = torch.randn(2, 1, 5, 4)
     y = torch.randint(0, 4, (x.shape[0],))
-    ref = layerpar.LayerParallel(copy.deepcopy(net), None, *opts)
-    assert ref._runners[1].bb.fast is None  # CPU: torch path
+    ref = layerpar.LayerParallel(copy.deepcopy(net), None, *opts, batched=True)
+    assert ref._runners[1].vectorised.fast is None  # CPU: torch path
     monkeypatch.setattr(batched, "fused_step_for",
                         lambda block, scheme: kernels.fused_step_for(block, scheme,
                                                                      force=True))
-    fused = layerpar.LayerParallel(copy.deepcopy(net), None, *opts)
-    assert fused._runners[1].bb.fast is not None
+    fused = layerpar.LayerParallel(copy.deepcopy(net), None, *opts, batched=True)
+    assert fused._runners[1].vectorised.fast is not None
     outs = []
     for m in (fused, ref):
         out = m(x)

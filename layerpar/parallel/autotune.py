@@ -166,7 +166,7 @@ def choose(table: list[Measurement], ranks: int) -> tuple[Measurement, str]:
 def _structures(model: LayerParallel) -> list[tuple[int, int]]:
     """`STRUCTURES` that give the segments the levels they ask for (a structure whose
     levels collapse into another's, on the shortest segment, is left out)."""
-    n = min(r.seg.n_steps for r in model._runners.values())
+    n = min(r.n for r in model._runners.values())
     seen, out = set(), []
     for levels, cf in STRUCTURES:
         got = len(build_levels(n, MGRITOptions(max_levels=levels, cfactor=cf)))
