@@ -8,7 +8,7 @@ the shape of their input, as a residual ODE requires.
 from __future__ import annotations
 
 import numbers
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -116,8 +116,63 @@ class Conv(nn.Module):
             v = self.bn(v)
         return self._act(v)
 
+    def forward_batched(self, params: dict[str, Tensor], buffers: dict[str, Tensor],
+                        u: Tensor) -> Tensor:
+        """F for n layers at once: ``params`` stacked along a leading layer dimension,
+        ``u`` of shape [n, batch, C, H, W].  Without batch norm and with an odd kernel,
+        one vmapped (grouped) convolution whose backward is one vmapped
+        ``convolution_backward`` (`_StackedConv`: autograd through vmap would record
+        four more reshaping operations per backward call); otherwise vmap over the
+        block, as for any block."""
+        k = self.conv.kernel_size
+        if self.bn is None and k[0] % 2 == 1 and k[1] % 2 == 1 \
+                and self.conv.padding_mode == "zeros":
+            return self._act(_StackedConv.apply(u, params["conv.weight"],
+                                                params.get("conv.bias"),
+                                                [k[0] // 2, k[1] // 2]))
+
+        def one(p: dict[str, Tensor], b: dict[str, Tensor], v: Tensor) -> Tensor:
+            return torch.func.functional_call(self, (p, b), (v,))
+
+        return torch.func.vmap(one)(params, buffers, u)
+
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
+
+
+class _StackedConv(torch.autograd.Function):
+    """conv2d (stride 1, symmetric zero padding) of x[l] with weights w[l] for all l at
+    once, forward and backward each one vmapped call (bit-identical to autograd through
+    vmap)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, b: Optional[Tensor],  # type: ignore[override]
+                padding: list[int]) -> Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.padding, ctx.has_bias = padding, b is not None
+        if b is None:
+            return torch.func.vmap(lambda x1, w1: F.conv2d(x1, w1, padding=padding))(x, w)
+        return torch.func.vmap(lambda x1, w1, b1: F.conv2d(x1, w1, b1, padding=padding))(
+            x, w, b)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                ctx.has_bias and ctx.needs_input_grad[2]]
+        if not any(mask):
+            return None, None, None, None
+        pad = ctx.padding
+
+        def one(g1: Tensor, x1: Tensor, w1: Tensor) -> tuple[Tensor, ...]:
+            outs = torch.ops.aten.convolution_backward(
+                g1, x1, w1, [w1.shape[0]] if ctx.has_bias else None, [1, 1], pad, [1, 1],
+                False, [0, 0], 1, mask)
+            return tuple(o for o, m in zip(outs, mask) if m)
+
+        got = iter(torch.func.vmap(one)(g, x, w))
+        gx, gw, gb = (next(got) if m else None for m in mask)
+        return gx, gw, gb, None
 
 
 class Transformer(nn.Module):

@@ -87,8 +87,8 @@ class FusedStep:
                  fallback: Callable[[], Tensor]) -> Tensor:
         if self.force:
             return self.fused(x, params, dt)
-        if not x.is_cuda or x.dtype != torch.float32:
-            return fallback()
+        if not x.is_cuda or x.dtype != torch.float32 or x.numel() >= 2 ** 31:
+            return fallback()  # (the kernels index in 32 bits)
         grad = torch.is_grad_enabled() and (x.requires_grad or any(
             p.requires_grad for p in params.values()))
         key = (tuple(x.shape), x.device.index, grad)
