@@ -1,6 +1,7 @@
 """The ``layerpar`` command.
 
     layerpar train {peaks,digits,mnist1d} [--np N [--data-parallel R] [--launcher torchrun]]
+                   [--sync allreduce|daso|lioncub [--nodes K] [--slow-link GBITS]]
                    [--levels L --cfactor C --fwd-iters F ... | --auto]
                    [--model dense|conv --layers N --width W --t-final T]
                    [--device cpu|cuda] [--target-acc A] [--time-budget S]
@@ -16,7 +17,8 @@ process.  Started by mpiexec or srun directly (``mpiexec -n 4 layerpar train pea
 it trains on all ranks of that job and ignores ``--np``.  ``--launcher torchrun``
 starts the N processes with torchrun instead (torch.distributed, gloo); a process
 started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR set) trains over its process
-group.  ``--data-parallel R`` makes the N processes R replicas of N/R layer ranks.
+group.  ``--data-parallel R`` makes the N processes R replicas of N/R layer ranks;
+``--sync`` picks how the replicas stay in step (`layerpar.parallel.sync`).
 
 ``info`` prints the versions of layerpar and its dependencies, the MPI library, the
 mpiexec that ``--np`` would use, and whether the native MGRIT engine imports.

@@ -397,6 +397,7 @@ class DASO(SyncStrategy):
         self.node: Optional[Metered] = None
         self.glob: Optional[Metered] = None
         self.leader = True
+        self.one_node = False
 
     def key(self) -> dict[str, Any]:
         return {"sync": self.name, "cycle": self.cycle, "warmup": self.warmup,
@@ -406,6 +407,8 @@ class DASO(SyncStrategy):
     def setup(self, grid: ProcessGrid) -> None:
         super().setup(grid)
         node_comm, glob_comm, self.leader = grid.node_split()
+        # one node: the node's gradient average is the global one; nothing to exchange
+        self.one_node = grid.data_node_count() == 1
         self.node = self._metered(node_comm, False)
         self.glob = self._metered(glob_comm, True)
 
@@ -423,6 +426,9 @@ class DASO(SyncStrategy):
 
     def after_step(self) -> None:
         b = self.batch
+        if self.one_node:
+            self.batch = b + 1
+            return
         if self.data is not None and not self.synchronous(b):
             if self.pending is None:
                 self._start(b)

@@ -11,7 +11,8 @@ Every process prints ``RANK <world rank> OK <detail>`` or ``RANK <world rank> <E
            - every strategy: a 2x2 checkpoint with a DASO exchange in flight resumes on
              2x2 exactly (all replicas) and on 4x1 (state restored, training goes on)
   suite    correct, then nan (strategies named in argv[2], default all)
-  nan      under each strategy in turn, a NaN gradient on world rank 2 at the third
+  nan      (unattached: DASO trained without attach() raises RuntimeError everywhere)
+           under each strategy in turn, a NaN gradient on world rank 2 at the third
            batch: every process raises (the failing one DivergenceError, the others
            RemoteError naming it), each within seconds
 """
@@ -204,10 +205,17 @@ def case_nan():
     out = []
     names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(STRATEGIES)
     for name in names:
-        mk, optim = STRATEGIES[name]
-        grid, model, opt = build(2, 2, mk(), optim, nodes=2, timeout=60)
         t0 = time.perf_counter()
         try:
+            if name == "unattached":  # DASO without attach(): the first backward raises
+                grid = layerpar.ProcessGrid(comm, data=2, layers=2, sync="daso", nodes=2,
+                                            timeout=60)
+                model = layerpar.LayerParallel(net(), grid=grid, options=EXACT)
+                train(model, sgd(model.parameters()), grid, 0, 1)
+                raise AssertionError("training without attach() went on")
+            mk, optim = STRATEGIES[name]
+            grid, model, opt = build(2, 2, mk(), optim, nodes=2, timeout=60)
+            t0 = time.perf_counter()
             train(model, opt, grid, 0, 8, poison=lambda k: k == 2 and rank == 2)
             res = "no error"
         except Exception as exc:  # noqa: BLE001 - reported
