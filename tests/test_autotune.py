@@ -103,6 +103,15 @@ def test_within_the_bound_picks_mgrit_and_watches(monkeypatch: pytest.MonkeyPatc
     assert model.accuracy is not None and model.accuracy.fwd_iters == c.candidate.fwd_iters
     model(x).sum().backward()  # a training pass through the chosen setting
     assert model.last_forward[0]["iterations"] == c.candidate.fwd_iters
+    # the bound tightens below the chosen setting's error: the next gradient check
+    # leaves it and tunes again, on that batch
+    model._auto.policy = AccuracyPolicy(max_rel_error=c.rel_error / 2)
+    got = model.check_gradients(x, y, torch.nn.functional.cross_entropy)
+    assert got.param_grad_error == c.rel_error  # the chosen setting, measured again
+    assert len(model._auto.results) == 2, model._auto.results[-1].lines()
+    again = model._auto.results[1].choice
+    assert again.within and again.rel_error <= c.rel_error / 2
+    assert again.candidate != c.candidate
     model.close()
 
 
