@@ -288,7 +288,8 @@ def train(
         assert isinstance(model, LayerParallel)
         x0, y0 = _first_batch(loader)
         with clock:
-            model.tune(x0.to(device), y0.to(device), nn.functional.cross_entropy)
+            model.tune(x0.to(device), y0.to(device), nn.functional.cross_entropy,
+                       steps=epochs * len(loader))
     history: list[dict[str, Any]] = []
     batch_losses: list[float] = []
     checks: list[dict[str, Any]] = []

@@ -209,3 +209,14 @@ def test_train_target_and_summary(capsys: pytest.CaptureFixture) -> None:
                 progress=False)
     assert res["time_to_target"] is None and "time_to_target not reached" in res["summary"]
     assert parse_summary(res["summary"])["time_to_target"] is None
+
+
+def test_tuning_time_is_bounded_by_the_training_to_come() -> None:
+    """Given one step to come, the tuning may take 5% of one exact pass: it stops
+    after timing exact propagation, and says so."""
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, "auto")
+    got = model.tune(x, y, torch.nn.functional.cross_entropy, steps=1)
+    assert [m.candidate for m in got.table] == [Candidate(1)]
+    assert got.choice.candidate.exact and "tuning stopped after 1 candidates" in got.reason
+    model.close()
