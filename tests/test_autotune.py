@@ -219,4 +219,5 @@ def test_tuning_time_is_bounded_by_the_training_to_come() -> None:
     got = model.tune(x, y, torch.nn.functional.cross_entropy, steps=1)
     assert [m.candidate for m in got.table] == [Candidate(1)]
     assert got.choice.candidate.exact and "tuning stopped after 1 candidates" in got.reason
+    assert got.reason.startswith("no MGRIT setting was measured")
     model.close()

@@ -150,6 +150,8 @@ def choose(table: list[Measurement], ranks: int) -> tuple[Measurement, str]:
             why = (f"no MGRIT setting pays here: the fastest within the bound "
                    f"({fast.candidate.name(ranks)}) takes {1e3 * fast.seconds:.1f} ms per "
                    f"pass against {1e3 * exact.seconds:.1f} ms for {what}")
+        elif all(m.candidate.exact for m in table):
+            why = f"no MGRIT setting was measured, so {what}"
         elif any(m.rel_error is not None for m in table if not m.candidate.exact):
             why = (f"no MGRIT setting tried is within the gradient-error bound, so "
                    f"{what} ({1e3 * exact.seconds:.1f} ms per pass)")
