@@ -197,7 +197,11 @@ def train(
     (MGRIT iterations and final residual norm, averaged over the last epoch's batches;
     None when serial or not measured), ``ranks``, ``history`` (one dict per epoch),
     ``batch_losses`` (every step's loss), ``summary`` (the line rank 0 prints) and
-    ``module`` (the trained ODENet or LayerParallel), plus the settings used.
+    ``module`` (the trained ODENet or LayerParallel), plus the settings used, and
+    ``train_seconds`` (training time, evaluation excluded), ``time_to_target`` and
+    ``epochs_to_target`` (None unless `target_acc` was reached), ``step_mode`` (CUDA:
+    captured or eager, and why), ``auto_log`` (the candidate tables and choices) and
+    ``auto_choice`` (the last choice's name).
     """
     model_name = problem_name(model_name)
     recipe = RECIPES[model_name]
@@ -326,7 +330,8 @@ def train(
         assert isinstance(model, LayerParallel)
         x0, y0 = _first_batch(loader)
         with clock:
-            model.tune(x0.to(device), y0.to(device), nn.functional.cross_entropy)
+            model.tune(x0.to(device), y0.to(device), nn.functional.cross_entropy,
+                       steps=epochs * len(loader))
     history: list[dict[str, Any]] = []
     batch_losses: list[float] = []
     checks: list[dict[str, Any]] = []
@@ -543,10 +548,14 @@ def _first_batch(loader: Any) -> tuple[Tensor, Tensor]:
 
 
 def _captured_steps(captured: Any, loader: Any, schedule: Any, to_device: Any) -> Any:
-    """`Step`s of a captured CUDA-graph step (no output: the loss only)."""
+    """`Step`s of a captured CUDA-graph step (no output: the loss only).  A batch of
+    another shape than the captured one (a short last batch) is skipped: a graph
+    replays fixed shapes."""
     from .loop import Step
 
     for x, y in loader:
+        if x.shape != captured.x.shape:
+            continue
         if to_device is not None:
             x, y = to_device(x), to_device(y)
         torch.cuda.synchronize()

@@ -293,7 +293,7 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
         pass
     md = ["# Time to accuracy (`python -m layerpar.bench tta`)", ""]
     if smoke:
-        md += ["**SMOKE RUN** (`--smoke`: every case shrunk, a few epochs or seconds) on a "
+        md += ["**SMOKE RUN** (`--smoke`: every case shrunk: fewer layers, 1-2 epochs) on a "
                "shared 2-core machine under load from other jobs "
                f"(load average {load}). It checks the pipeline; its figures are not "
                "a measurement of time to accuracy. The full run is `make bench-tta`.", ""]

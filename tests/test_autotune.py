@@ -103,6 +103,15 @@ def test_within_the_bound_picks_mgrit_and_watches(monkeypatch: pytest.MonkeyPatc
     assert model.accuracy is not None and model.accuracy.fwd_iters == c.candidate.fwd_iters
     model(x).sum().backward()  # a training pass through the chosen setting
     assert model.last_forward[0]["iterations"] == c.candidate.fwd_iters
+    # the bound tightens below the chosen setting's error: the next gradient check
+    # leaves it and tunes again, on that batch
+    model._auto.policy = AccuracyPolicy(max_rel_error=c.rel_error / 2)
+    got = model.check_gradients(x, y, torch.nn.functional.cross_entropy)
+    assert got.param_grad_error == c.rel_error  # the chosen setting, measured again
+    assert len(model._auto.results) == 2, model._auto.results[-1].lines()
+    again = model._auto.results[1].choice
+    assert again.within and again.rel_error <= c.rel_error / 2
+    assert again.candidate != c.candidate
     model.close()
 
 
@@ -200,3 +209,15 @@ def test_train_target_and_summary(capsys: pytest.CaptureFixture) -> None:
                 progress=False)
     assert res["time_to_target"] is None and "time_to_target not reached" in res["summary"]
     assert parse_summary(res["summary"])["time_to_target"] is None
+
+
+def test_tuning_time_is_bounded_by_the_training_to_come() -> None:
+    """Given one step to come, the tuning may take 5% of one exact pass: it stops
+    after timing exact propagation, and says so."""
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, "auto")
+    got = model.tune(x, y, torch.nn.functional.cross_entropy, steps=1)
+    assert [m.candidate for m in got.table] == [Candidate(1)]
+    assert got.choice.candidate.exact and "tuning stopped after 1 candidates" in got.reason
+    assert got.reason.startswith("no MGRIT setting was measured")
+    model.close()

@@ -18,7 +18,10 @@ fast a setting runs depends on the machine, so neither can be fixed in advance.
    The first iteration counts within the bound (`AccuracyPolicy`: cosine and
    relative error of the parameter gradient) end that structure's ladder.
 3. The best MGRIT candidate is also timed with per-step (unbatched) cycles.
-4. The choice is the fastest candidate within the bound.  Where none of MGRIT's is
+4. Given the number of training steps to come (``layerpar train`` gives it), the
+   tuning stops measuring new candidates once it has taken `BUDGET` (5 %) of their
+   expected time (steps x an exact pass), so a small net is not swamped by it.
+5. The choice is the fastest candidate within the bound.  Where none of MGRIT's is
    both within the bound and faster than exact propagation, auto picks exact
    propagation (serial autograd at one rank) and says why.
 
@@ -147,6 +150,8 @@ def choose(table: list[Measurement], ranks: int) -> tuple[Measurement, str]:
             why = (f"no MGRIT setting pays here: the fastest within the bound "
                    f"({fast.candidate.name(ranks)}) takes {1e3 * fast.seconds:.1f} ms per "
                    f"pass against {1e3 * exact.seconds:.1f} ms for {what}")
+        elif all(m.candidate.exact for m in table):
+            why = f"no MGRIT setting was measured, so {what}"
         elif any(m.rel_error is not None for m in table if not m.candidate.exact):
             why = (f"no MGRIT setting tried is within the gradient-error bound, so "
                    f"{what} ({1e3 * exact.seconds:.1f} ms per pass)")
@@ -243,11 +248,20 @@ def _drop(twin: Optional[LayerParallel]) -> None:
         twin.close()
 
 
+#: the share of the expected training time (steps x an exact pass) the tuning may take
+BUDGET = 0.05
+
+
 def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
-         policy: AccuracyPolicy, repeats: int = 3, batch: int = 0) -> TuneResult:
+         policy: AccuracyPolicy, repeats: int = 3, batch: int = 0,
+         steps: Optional[int] = None) -> TuneResult:
     """Measure the candidates on one batch and choose (collective; every rank passes
     the same `x`, `y`).  See the module docstring.  Nothing the training sees
-    changes (gradients by `torch.autograd.grad`, the random generator put back)."""
+    changes (gradients by `torch.autograd.grad`, the random generator put back).
+
+    steps: the training steps to come, if known: then no new candidate is measured
+    once the tuning has taken `BUDGET` of their expected time (steps x an exact pass;
+    the slowest rank's clock), so a small or short training is not swamped by it."""
     t_start = time.perf_counter()
     ranks = model.size
     rng = torch.get_rng_state()
@@ -258,6 +272,15 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     table.append(Measurement(Candidate(1), t_exact, 0.0, 1.0, True))
     best_t = t_exact  # the time to beat
     best: Optional[Candidate] = None
+    limit = None if steps is None else BUDGET * t_exact * steps
+    stopped = False
+
+    def over() -> bool:
+        if limit is None:
+            return False
+        spent = time.perf_counter() - t_start
+        return max(model.transport.allgather_object(spent, "the auto-tuning's clock")) \
+            > limit
 
     def measure(cand: Candidate) -> Measurement:
         twin = _build(model, cand, None)
@@ -273,8 +296,13 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
             _drop(twin)
 
     for levels, cf in _structures(model):
+        if stopped:
+            break
         for fi, bi in ITERATIONS:
             if max(fi, bi) > policy.max_iters:
+                break
+            if over():
+                stopped = True
                 break
             m = measure(Candidate(levels, cf, fi, bi))
             table.append(m)
@@ -283,11 +311,15 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
             if m.within:
                 best, best_t = m.candidate, m.seconds
                 break
-    if best is not None:  # the same solve with per-step cycles
+    if best is not None and not (stopped or over()):  # the same with per-step cycles
         table.append(measure(Candidate(best.levels, best.cfactor, best.fwd_iters,
                                        best.bwd_iters, batched=False)))
     torch.set_rng_state(rng)
     choice, reason = choose(table, ranks)
+    if stopped:
+        reason += (f" (tuning stopped after {len(table)} candidates: it may take "
+                   f"{100 * BUDGET:g}% of the expected training time, {steps} steps x "
+                   f"{1e3 * t_exact:.1f} ms)")
     spent = time.perf_counter() - t_start
     spent = max(model.transport.allgather_object(spent, "the auto-tuning's duration"))
     return TuneResult(table, choice, reason, spent, ranks, batch)
@@ -326,9 +358,11 @@ class AutoTuner:
         return sum(r.seconds for r in self.results)
 
     def tune(self, model: LayerParallel, x: Tensor, y: Any,
-             loss_fn: Callable[[Tensor, Any], Tensor]) -> TuneResult:
-        """Measure and choose on this batch (collective); the choice runs from now on."""
-        got = tune(model, x, y, loss_fn, self.policy, self.repeats, self.batches)
+             loss_fn: Callable[[Tensor, Any], Tensor],
+             steps: Optional[int] = None) -> TuneResult:
+        """Measure and choose on this batch (collective); the choice runs from now on.
+        `steps`: the training steps to come, if known (they bound the tuning's time)."""
+        got = tune(model, x, y, loss_fn, self.policy, self.repeats, self.batches, steps)
         self.results.append(got)
         old, self.chosen = self.chosen, None
         _drop(old)

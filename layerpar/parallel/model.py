@@ -809,13 +809,15 @@ class LayerParallel(nn.Module):
             self.accuracy.observe_check(self._batch, got)
         return got
 
-    def tune(self, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor]) -> Any:
+    def tune(self, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
+             steps: Optional[int] = None) -> Any:
         """With ``options="auto"``: measure the candidate settings on this batch with
-        this loss and choose (collective; see `layerpar.parallel.autotune`).  Returns
-        the `TuneResult` (candidate table and choice), identical on every rank."""
+        this loss and choose (collective; see `layerpar.parallel.autotune`; `steps`,
+        the training steps to come, bounds the tuning's time).  Returns the
+        `TuneResult` (candidate table and choice), identical on every rank."""
         if self._auto is None:
             raise RuntimeError("tune() needs a LayerParallel built with options='auto'")
-        return self._auto.tune(self, x, y, loss_fn)
+        return self._auto.tune(self, x, y, loss_fn, steps)
 
     # -- portability ------------------------------------------------------------------------------
     def gather_state_dict(self) -> dict[str, Tensor]:
