@@ -23,7 +23,8 @@ from layerpar.parallel import DASO, Lion, LionCub, SlowLink
 from layerpar.parallel.sync import Metered
 
 WORKERS = Path(__file__).parent / "workers"
-LINE = re.compile(r"RANK (\d+) (\S+?)[: ](.*)")
+# a report is `RANK <r> <Type>[: ]<detail>`; mpiexec may glue two reports together
+LINE = re.compile(r"RANK (\d+) (\S+?)[: ](.*?)(?=RANK \d+ |$)", re.MULTILINE)
 
 
 def reference_lion(params, grads_per_step, lr, betas, wd):

@@ -92,10 +92,14 @@ class SegmentRunner:
         # first pass for an input shape, see choose_path), else None (per-step path)
         self.vectorised: Optional[BatchedBlocks] = None
         self.bb: Optional[BatchedBlocks] = None
-        self.auto = batched == "auto"
         self.paths: dict[tuple, PathChoice] = {}
-        if batched and coarsening == "injection" and not self.sequential_forward \
-                and not self.sequential_adjoint:
+        # what every rank has alike (agreed options): whether vectorised cycles are
+        # possible at all, and whether the ranks time them against per-step cycles
+        # (collectively: a rank whose own blocks cannot be vectorised takes part too)
+        possible = bool(batched) and coarsening == "injection" and not \
+            self.sequential_forward and not self.sequential_adjoint
+        self.measure = possible and batched == "auto"
+        if possible:
             why = unbatchable_reason(list(self.blocks.values()))
             if why is None:
                 self.vectorised = BatchedBlocks(self.blocks, self.scheme, self.times)
@@ -203,13 +207,13 @@ class SegmentRunner:
         got = self.paths.get(key)
         if got is None:
             bb = self.vectorised
-            assert bb is not None
-            why = bb.probe(like)
-            if why is not None:
-                warn_once(bb.proto, why)
-                self.vectorised = None
-                return None
-            got = self.choose_path(like) if self.auto else PathChoice(True, None, None)
+            if bb is not None:
+                why = bb.probe(like)
+                if why is not None:
+                    warn_once(bb.proto, why)
+                    self.vectorised = None
+            got = self.choose_path(like) if self.measure else \
+                PathChoice(self.vectorised is not None, None, None)
             self.paths[key] = got
         return self.vectorised if got.batched else None
 
@@ -218,20 +222,23 @@ class SegmentRunner:
         vector-Jacobian product (input and parameters, as the final sweeps need),
         vectorised and one by one; the faster path (summed over ranks) wins."""
         bb = self.vectorised
-        assert bb is not None
         k = max(1, len(self.owned) // self.fwd_options.cfactor_at(0))
         layers = tuple(self.owned[:k])
         pairs = tuple((a, a + 1) for a in layers)
         g = torch.Generator(device=like.device).manual_seed(4321)
         x = torch.randn((k, *like.shape), generator=g, dtype=like.dtype, device=like.device)
 
+        trainable = set() if bb is None else self.trainable_names(layers, bb)
+
         def vectorised() -> None:
             with torch.enable_grad():
                 stacked, _ = bb.stacked(layers)
-                leaves = {n: t.detach().requires_grad_() for n, t in stacked.items()}
+                leaves = {n: t.detach().requires_grad_(n in trainable)
+                          for n, t in stacked.items()}
                 xin = x.detach().requires_grad_()
                 y = bb.step(xin, pairs, params=leaves)
-                torch.autograd.grad(y, [xin, *leaves.values()], x)
+                torch.autograd.grad(y, [xin, *(t for t in leaves.values()
+                                               if t.requires_grad)], x)
             bb.new_pass()
 
         def per_step() -> None:
@@ -239,7 +246,7 @@ class SegmentRunner:
                 for r, a in enumerate(layers):
                     xin = x[r].detach().requires_grad_()
                     y = self.phi(xin, a, a + 1, update_stats=False)
-                    torch.autograd.grad(y, [xin, *self.blocks[a].parameters()], x[r])
+                    torch.autograd.grad(y, [xin, *self.layer_params[a]], x[r])
 
         def seconds(fn: Callable[[], None]) -> float:
             best = math.inf
@@ -254,7 +261,8 @@ class SegmentRunner:
                     best = min(best, time.perf_counter() - t0)
             return best
 
-        mine = (seconds(vectorised), seconds(per_step))
+        # a rank whose blocks cannot be vectorised votes for per-step cycles
+        mine = (math.inf, 0.0) if bb is None else (seconds(vectorised), seconds(per_step))
         got = [mine] if self.transport.size == 1 else self.transport.allgather_object(
             mine, "the timing of vectorised and per-step cycles")
         t_vec, t_seq = sum(t for t, _ in got), sum(t for _, t in got)
@@ -317,12 +325,15 @@ class SegmentRunner:
             self.tape.where[a] = (rid, k)
         return y.detach()
 
-    def trainable_names(self, layers: tuple[int, ...]) -> set[str]:
+    def trainable_names(self, layers: tuple[int, ...],
+                        bb: Optional[BatchedBlocks] = None) -> set[str]:
         """Parameter names that require grad in at least one of these (owned) layers."""
-        names = self.bb.param_names  # type: ignore[union-attr]
+        bb = self.bb if bb is None else bb
+        assert bb is not None
+        names = bb.param_names
         out: set[str] = set()
         for a in layers:
-            for name, p in zip(names, self.bb._tensors[a][0]):  # type: ignore[union-attr]
+            for name, p in zip(names, bb._tensors[a][0]):
                 if p.requires_grad:
                     out.add(name)
         return out
@@ -486,7 +497,7 @@ class SegmentRunner:
         self.u0 = u0 if u0 is not None else like
         self.zero = torch.zeros_like(like)
         self.transport.set_template(like)
-        self.bb = self.vectorised if self.vectorised is None else self.use_path(like)
+        self.bb = self.use_path(like)
         if self.bb is not None:
             self.bb.new_pass()
         if direct:
