@@ -359,6 +359,15 @@ def _engines_main(argv: list[str]) -> int:
     return 0
 
 
+def write_dict_rows(path: str, rows: list[dict]) -> None:
+    """Rows of a benchmark (dicts with the same keys) as a CSV file: the subcommands
+    that launch their own jobs (grid, paths, sync) write their results with this."""
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def _write_csv(path: str, rows: list[Row]) -> None:
     """The rows as CSV (with us_per_step)."""
     with open(path, "w", newline="") as fh:

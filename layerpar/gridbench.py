@@ -20,13 +20,14 @@ float32, one thread per process.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
 import sys
 import time
 from typing import Any, Optional
+
+from .bench import write_dict_rows
 
 __all__ = ["main"]
 
@@ -156,10 +157,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"median of {args.repeats} batches")
     print(format_rows(rows))
     if args.csv:
-        with open(args.csv, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_dict_rows(args.csv, rows)
     return 0
 
 

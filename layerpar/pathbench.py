@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import json
 import statistics
 import sys
@@ -23,6 +22,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from .bench import write_dict_rows
 from .loop import train_step
 from .mgrit.options import MGRITOptions
 from .ode import blocks
@@ -156,10 +156,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           "turns")
     print(format_rows(rows))
     if args.csv:
-        with open(args.csv, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_dict_rows(args.csv, rows)
     return 0
 
 

@@ -21,13 +21,13 @@ optimizer's own cost is in the time).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import os
 import statistics
 import sys
 import time
 from typing import Any, Optional
+
+from .bench import write_dict_rows
 
 __all__ = ["main"]
 
@@ -98,25 +98,10 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _launch(argv: list[str], timeout: float) -> list[dict]:
-    import tempfile
+    from .launch import run_worker_job
 
-    from .launch import mpiexec_path, run_job
-
-    mpiexec = mpiexec_path()
-    if mpiexec is None:
-        raise FileNotFoundError("no mpiexec found (pip install \"layerpar[mpich]\")")
-    cmd = [mpiexec, "-n", "4", sys.executable, "-m", "mpi4py", "-m", "layerpar.syncbench",
-           "--worker", *argv]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MPIR_CVAR_CH4_PROGRESS_THROTTLE="1")
-    with tempfile.TemporaryFile("w+") as out:
-        status = run_job(cmd, env=env, timeout=timeout, stdout=out)
-        out.seek(0)
-        text = out.read()
-    if status.returncode != 0:
-        raise RuntimeError(f"mpiexec job failed (status {status.returncode}"
-                           f"{', timed out' if status.timed_out else ''}):\n{text[-3000:]}")
-    return [json.loads(line.split("SYNCBENCH ", 1)[1]) for line in text.splitlines()
-            if "SYNCBENCH " in line]
+    return run_worker_job("layerpar.syncbench", 4, ["--worker", *argv], marker="SYNCBENCH",
+                          timeout=timeout)
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -181,10 +166,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"sent per process per batch; 'x' = allreduce's bytes / this row's")
     print(format_rows(rows))
     if args.csv:
-        with open(args.csv, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_dict_rows(args.csv, rows)
     return 0
 
 
