@@ -10,6 +10,8 @@ forward.py    the forward solve's engine callbacks (steps, records of the final 
 adjoint.py    the adjoint solve's engine callbacks (transposed Jacobians, gradients)
 direct.py     direct mode: one rank, sequential solves, PyTorch runs the backward
 batched.py    vectorised steps: a level's independent intervals advance in one call
+kernels/      fused Triton steps for the vectorised path on CUDA (chosen per shape)
+timing.py     first-use timings that choose between two ways of computing a step
 bn_dropout.py batch norm and dropout inside solves that evaluate a layer many times
 ghosts.py     read-only copies of neighbours' blocks that coarse steps use
 grads.py      parameter gradients delivered to `.grad` from stacked per-layer gradients

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -38,6 +37,7 @@ from .bn_dropout import batch_norms, layer_function
 from .forward import ForwardApp
 from .ghosts import Ghosts, needed_layers
 from .tape import BatchRecord, Tape
+from .timing import best_seconds
 
 __all__ = ["SegmentRunner"]
 
@@ -248,21 +248,9 @@ class SegmentRunner:
                     y = self.phi(xin, a, a + 1, update_stats=False)
                     torch.autograd.grad(y, [xin, *self.layer_params[a]], x[r])
 
-        def seconds(fn: Callable[[], None]) -> float:
-            best = math.inf
-            for rep in range(repeats + 1):  # the first is a warm-up
-                if like.is_cuda:
-                    torch.cuda.synchronize(like.device)
-                t0 = time.perf_counter()
-                fn()
-                if like.is_cuda:
-                    torch.cuda.synchronize(like.device)
-                if rep:
-                    best = min(best, time.perf_counter() - t0)
-            return best
-
         # a rank whose blocks cannot be vectorised votes for per-step cycles
-        mine = (math.inf, 0.0) if bb is None else (seconds(vectorised), seconds(per_step))
+        mine = (math.inf, 0.0) if bb is None else (best_seconds(vectorised, like.device, repeats),
+                                                   best_seconds(per_step, like.device, repeats))
         got = [mine] if self.transport.size == 1 else self.transport.allgather_object(
             mine, "the timing of vectorised and per-step cycles")
         t_vec, t_seq = sum(t for t, _ in got), sum(t for _, t in got)

@@ -33,6 +33,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from ..timing import best_seconds
+
 __all__ = ["FusedStep", "enabled", "fused_step_for", "triton_available"]
 
 ENV = "LAYERPAR_TRITON"
@@ -102,7 +104,7 @@ class FusedStep:
     def _measure(self, x: Tensor, params: dict[str, Tensor], dt: Tensor,
                  fallback: Callable[[], Tensor], grad: bool) -> bool:
         """Time both paths on this shape (forward, and backward when gradients are
-        wanted), median of a few runs after a warm-up; True if fused is faster.  A
+        wanted), the fastest of a few runs after a warm-up; True if fused is faster.  A
         failure of the kernels (compilation, resources) means: use torch."""
         def run(f: Callable[[], Tensor]) -> Callable[[], Any]:
             def go() -> Any:
@@ -113,26 +115,10 @@ class FusedStep:
             return go
 
         try:
-            t_fused = _time(run(lambda: self.fused(x, params, dt)))
+            t_fused = best_seconds(run(lambda: self.fused(x, params, dt)), x.device, 5)
         except Exception:  # noqa: BLE001 - any kernel failure: keep the torch path
             return False
-        return t_fused < _time(run(fallback))
-
-
-def _time(fn: Callable[[], Any], repeats: int = 5) -> float:
-    import statistics
-
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+        return t_fused < best_seconds(run(fallback), x.device, 5)
 
 
 def fused_step_for(block: nn.Module, scheme: Any, force: bool = False
