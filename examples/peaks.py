@@ -23,7 +23,7 @@ import argparse
 
 from mpi4py import MPI
 
-from layerpar.train import add_arguments, check_arguments, train_from_arguments
+from layerpar.apps.train import add_arguments, check_arguments, train_from_arguments
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -23,7 +23,7 @@ from typing import Union
 
 import pytest
 
-from layerpar.launch import kill_job, mpiexec_path
+from layerpar.apps.launch import kill_job, mpiexec_path
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 

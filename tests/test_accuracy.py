@@ -152,7 +152,7 @@ def test_ranks_report_what_one_rank_reports(nprocs: int, tmp_path: Path,
 
 
 def test_accuracy_study_smoke(tmp_path: Path) -> None:
-    from layerpar.studies import cli
+    from layerpar.apps.studies import cli
 
     out = tmp_path / "acc"
     argv = ["accuracy", "--models", "peaks", "--states", "init", "--fwd-iters", "1,2",

@@ -22,8 +22,8 @@ import pytest
 import torch
 from mpi_util import WORKERS, rank_lines, run_mpi
 
-from layerpar import cli, data
-from layerpar.nets import problem_net
+from layerpar.apps import cli, data
+from layerpar.apps.nets import problem_net
 from layerpar.parallel import LayerParallel
 from layerpar.parallel import autotune as at
 from layerpar.parallel.adaptive import AccuracyPolicy
@@ -197,7 +197,7 @@ def test_train_cuda_without_cuda(capsys: pytest.CaptureFixture) -> None:
 
 def test_train_target_and_summary(capsys: pytest.CaptureFixture) -> None:
     """--target-acc stops training once reached and the summary says when."""
-    from layerpar.train import parse_summary, train
+    from layerpar.apps.train import parse_summary, train
 
     res = train("peaks", serial=True, epochs=3, n_layers=4, target_acc=0.2,
                 progress=False)

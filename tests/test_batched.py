@@ -14,7 +14,8 @@ import torch
 from mpi_util import run_mpi
 
 import layerpar
-from layerpar import MGRITOptions, opcount
+from layerpar import MGRITOptions
+from layerpar.apps import opcount
 from layerpar.ode import blocks
 
 WORKERS = Path(__file__).parent / "workers"

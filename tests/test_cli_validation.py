@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from layerpar import bench, cli
-from layerpar.studies import cli as scale_cli
-from layerpar.studies import perfmodel as pmodel
-from layerpar.studies import runner
-from layerpar.train import RECIPES, train
+from layerpar.apps import bench, cli
+from layerpar.apps.studies import cli as scale_cli
+from layerpar.apps.studies import perfmodel as pmodel
+from layerpar.apps.studies import runner
+from layerpar.apps.train import RECIPES, train
 
 
 class Measured(Exception):
@@ -191,7 +191,7 @@ def test_torchrun_workers_do_not_get_the_launch_options() -> None:
     ({"data_parallel": 2, "batch_size": 5}, "does not divide the 1 processes"),
 ])
 def test_train_function_data_parallel(kw: dict, message: str) -> None:
-    from layerpar.train import train
+    from layerpar.apps.train import train
 
     with pytest.raises(ValueError, match=re.escape(message)):
         train("peaks", epochs=1, **kw)

@@ -1,11 +1,11 @@
-"""Tests of layerpar.data: Peaks and digits are balanced/ranged/deterministic as documented."""
+"""Tests of layerpar.apps.data: Peaks and digits are balanced/ranged/deterministic as documented."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from layerpar.data import digits, peaks, peaks_function
+from layerpar.apps.data import digits, peaks, peaks_function
 
 
 def test_peaks_shapes_balance_and_range():

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from layerpar.studies import gpumodel as gm
-from layerpar.studies.cli import main as studies_main
+from layerpar.apps.studies import gpumodel as gm
+from layerpar.apps.studies.cli import main as studies_main
 
 
 def test_h100_constants_are_the_calibration_of_the_measured_rows() -> None:
@@ -54,7 +54,7 @@ def test_bad_model_is_named() -> None:
 
 
 def test_bench_rows_have_the_models_prediction() -> None:
-    from layerpar import gpubench
+    from layerpar.apps import gpubench
 
     assert gpubench.model_args("transformer") == ("transformer", 256, 16, 128, 64, 4)
     assert gpubench.model_args("conv16") == ("conv", 1024, 16, 16, 16, 4)

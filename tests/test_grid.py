@@ -16,8 +16,8 @@ import torch
 from mpi_util import describe, run_command, run_mpi, run_spawned, run_torchrun
 
 import layerpar
+from layerpar.apps.train import parse_summary
 from layerpar.mgrit.transport import make_transport
-from layerpar.train import parse_summary
 
 WORKERS = Path(__file__).parent / "workers"
 LINE = re.compile(r"RANK (\d+) ([A-Za-z]+?)(?=:| |$|RANK )", re.MULTILINE)

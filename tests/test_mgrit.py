@@ -445,7 +445,7 @@ def test_partition_agrees_with_engine_levels() -> None:
 
 def test_bench_smoke(tmp_path) -> None:
     """`python -m layerpar.bench` runs (numbers are reported, never asserted)."""
-    from layerpar import bench
+    from layerpar.apps import bench
 
     out = tmp_path / "bench.csv"
     assert bench.main(["--quick", "--repeats", "1", "--csv", str(out), "--only",
@@ -456,7 +456,7 @@ def test_bench_smoke(tmp_path) -> None:
 
 def test_bench_layer_parallel_rows(tmp_path) -> None:
     """The LayerParallel rows run: 4 cases for each of the two nets."""
-    from layerpar import bench
+    from layerpar.apps import bench
 
     out = tmp_path / "bench.csv"
     assert bench.main(["--quick", "--repeats", "1", "--csv", str(out), "--only",

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from mpi_util import mpi_available
 
-from layerpar import cli
-from layerpar.launch import kill_job
+from layerpar.apps import cli
+from layerpar.apps.launch import kill_job
 
 pytestmark = [pytest.mark.mpi,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -166,7 +166,7 @@ def test_ctrl_c_on_scale_stops_its_worker_job(tmp_path: Path, cleanup: list) -> 
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # mpiexec and both ranks of the worker job (not the ping-pong job before it)
-        _wait_for(str(out), "layerpar.studies.worker", proc, count=3, timeout=120)
+        _wait_for(str(out), "layerpar.apps.studies.worker", proc, count=3, timeout=120)
         job = _job_processes(str(out), proc.pid)
         os.kill(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=30)
@@ -180,7 +180,7 @@ def test_ctrl_c_on_scale_stops_its_worker_job(tmp_path: Path, cleanup: list) -> 
 
 
 def test_run_job_restores_handlers_and_honours_its_timeout() -> None:
-    from layerpar.launch import FORWARDED_SIGNALS, run_job
+    from layerpar.apps.launch import FORWARDED_SIGNALS, run_job
 
     before = {s: signal.getsignal(s) for s in FORWARDED_SIGNALS}
     assert run_job([sys.executable, "-c", "raise SystemExit(3)"]).returncode == 3

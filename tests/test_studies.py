@@ -16,9 +16,9 @@ import pytest
 import torch
 from mpi_util import describe, rank_lines, run_mpi
 
+from layerpar.apps.studies import cli, runner
+from layerpar.apps.studies import perfmodel as pm
 from layerpar.mgrit import MGRITOptions, block_bounds, reversed_bounds, solve
-from layerpar.studies import cli, runner
-from layerpar.studies import perfmodel as pm
 
 # (n_steps, max_levels, cfactor, nrelax, iterations, skip, fmg, final_fc_relax)
 CASES = [
@@ -78,7 +78,7 @@ from layerpar.mgrit import MGRITOptions, block_bounds, reversed_bounds, solve
 from layerpar.mgrit.solve import _SolveApp
 from layerpar.mgrit.solve import vec_norm_sq, vec_sum
 from layerpar.mgrit.transport import MPITransport
-from layerpar.studies.perfmodel import app_flags
+from layerpar.apps.studies.perfmodel import app_flags
 
 CASES = json.loads(sys.argv[1])
 

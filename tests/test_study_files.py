@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from layerpar.studies import cli, runner
-from layerpar.studies import perfmodel as pmodel
-from layerpar.studies.files import StudyFileError, append_line, read_jsonl
-from layerpar.studies.runs import config
+from layerpar.apps.studies import cli, runner
+from layerpar.apps.studies import perfmodel as pmodel
+from layerpar.apps.studies.files import StudyFileError, append_line, read_jsonl
+from layerpar.apps.studies.runs import config
 
 GRID = {"ranks": [1], "layers": [4, 8], "width": 2, "batch": 2, "steps": 1, "warmup": 0,
         "diag_iters": 0}
@@ -172,8 +172,8 @@ _LIMITED_APPEND = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, sys.argv[3])
     from test_study_files import _row
-    from layerpar.studies import runner
-    from layerpar.studies.files import append_line
+    from layerpar.apps.studies import runner
+    from layerpar.apps.studies.files import append_line
     path = Path(sys.argv[1])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a core dump
     size = path.stat().st_size

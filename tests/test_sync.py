@@ -161,7 +161,7 @@ def test_strategies_on_four_processes(launcher: str, nan: str) -> None:
 
 
 def test_summary_line_reports_sync_bytes() -> None:
-    from layerpar.train import format_summary, parse_summary
+    from layerpar.apps.train import format_summary, parse_summary
 
     res = {"model": "peaks", "serial": False, "val_acc": 0.873, "train_loss": 0.321,
            "ms_per_batch": 12.34, "fwd_iters": 2.0, "fwd_res": 0.031, "bwd_iters": 1.0,
@@ -179,7 +179,7 @@ def test_summary_line_reports_sync_bytes() -> None:
     (["--data-parallel", "2", "--slow-link", "0"], "`--slow-link` must be a positive"),
 ])
 def test_cli_sync_options_are_checked(argv: list, text: str) -> None:
-    from layerpar.cli import parse_args
+    from layerpar.apps.cli import parse_args
 
     with pytest.raises(ValueError, match=re.escape(text)):
         parse_args(["train", "peaks", "--np", "4", *argv])

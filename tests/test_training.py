@@ -1,4 +1,4 @@
-"""Training end to end: `layerpar.train`, the examples and the ``layerpar`` command.
+"""Training end to end: `layerpar.apps.train`, the examples and the ``layerpar`` command.
 
 - exact mode (one MGRIT level) trains exactly like the serial oracle, step for step;
 - the examples and ``layerpar train --np 2`` run under MPI and print a summary line;
@@ -21,9 +21,10 @@ import pytest
 import torch
 from mpi_util import describe, mpi_available, run_mpi
 
-from layerpar import MGRITOptions, cli
+from layerpar import MGRITOptions
+from layerpar.apps import cli
+from layerpar.apps.train import add_arguments, check_arguments, format_summary, parse_summary, train
 from layerpar.parallel.adaptive import AccuracyPolicy
-from layerpar.train import add_arguments, check_arguments, format_summary, parse_summary, train
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from layerpar import bench, tta
-from layerpar.launch import mpiexec_path
+from layerpar.apps import bench, tta
+from layerpar.apps.launch import mpiexec_path
 
 
 @pytest.mark.mpi

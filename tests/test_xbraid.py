@@ -25,6 +25,7 @@ from problems import T_FINAL, Case, make_problem
 from xbraid_cases import CASES, MPI_CASES
 
 from layerpar import LayerParallel, MGRITOptions, solve
+from layerpar.apps.nets import problem_net
 from layerpar.mgrit.session import EngineSession
 from layerpar.mgrit.transport import SerialTransport
 from layerpar.mgrit.xbraid import (
@@ -33,7 +34,6 @@ from layerpar.mgrit.xbraid import (
     xbraid_available,
     xbraid_bounds,
 )
-from layerpar.nets import problem_net
 
 needs_xbraid = pytest.mark.skipif(
     not xbraid_available(),

@@ -13,7 +13,7 @@ import csv
 import sys
 from pathlib import Path
 
-from layerpar.train import train
+from layerpar.apps.train import train
 
 OUT = Path(__file__).with_name("nested-digits.csv")
 

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from layerpar.train import parse_summary
+from layerpar.apps.train import parse_summary
 
 HERE = Path(__file__).parent
 CONFIGS = [("allreduce", "adam"), ("daso", "adam"), ("allreduce", "lion"),

@@ -1,6 +1,6 @@
-"""``python -m layerpar.studies [options]``: the ``layerpar scale`` study, stand-alone."""
+"""``python -m layerpar.studies``: alias of ``python -m layerpar.apps.studies``."""
 import sys
 
-from .cli import main
+from ..apps.studies.cli import main
 
 sys.exit(main())

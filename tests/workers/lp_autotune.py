@@ -17,7 +17,7 @@ import sys
 import torch
 from mpi4py import MPI
 
-from layerpar.nets import problem_net
+from layerpar.apps.nets import problem_net
 from layerpar.parallel import LayerParallel, autotune
 from layerpar.parallel.autotune import choose
 

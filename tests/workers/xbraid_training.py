@@ -18,8 +18,8 @@ import torch
 from mpi4py import MPI
 
 from layerpar import LayerParallel, MGRITOptions
-from layerpar.data import peaks
-from layerpar.nets import problem_net
+from layerpar.apps.data import peaks
+from layerpar.apps.nets import problem_net
 
 
 def main() -> None:

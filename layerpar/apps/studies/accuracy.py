@@ -144,9 +144,9 @@ def _names(name: str, text: Any, allowed: Sequence[str]) -> tuple[str, ...]:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """The `Settings` the options describe; ValueError naming the option otherwise."""
-    from ..mgrit.options import ENGINE_INT_MAX, MAX_LEVELS
+    from ...mgrit.options import ENGINE_INT_MAX, MAX_LEVELS
+    from ...ode.rng import MAX_SEED
     from ..nets import PROBLEMS
-    from ..ode.rng import MAX_SEED
 
     base = _QUICK if getattr(args, "quick", False) else _NORMAL
 
@@ -238,10 +238,10 @@ def _measure(s: Settings, log: Any) -> list[dict[str, Any]]:
     import torch
     from torch.nn import functional as F
 
-    from ..mgrit.grid import build_levels
-    from ..mgrit.options import MGRITOptions
+    from ...mgrit.grid import build_levels
+    from ...mgrit.options import MGRITOptions
+    from ...parallel import LayerParallel
     from ..nets import RECIPES
-    from ..parallel import LayerParallel
     from ..train import load_data
 
     rows: list[dict[str, Any]] = []

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Optional
 
-from ..mgrit.grid import block_bounds, build_levels, reversed_bounds
-from ..mgrit.options import MGRITOptions
+from ...mgrit.grid import block_bounds, build_levels, reversed_bounds
+from ...mgrit.options import MGRITOptions
 from .runs import app_flags  # the flags `count_steps` and `predict` take, per app
 
 __all__ = ["Costs", "ExtrapolationMap", "Fit", "Prediction", "app_flags", "count_steps",
@@ -170,9 +170,9 @@ def measure_costs(cfg: dict, threads: int = 1, budget: float = 0.05,
 
     import torch
 
-    from ..mgrit.solve import vec_sum
-    from ..ode import blocks as blocks_mod
-    from ..ode.net import Segment
+    from ...mgrit.solve import vec_sum
+    from ...ode import blocks as blocks_mod
+    from ...ode.net import Segment
     from .runs import build_study_net, config, input_shape
 
     cfg = config(cfg, strict=False)

@@ -22,11 +22,11 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ..mgrit.options import MGRITOptions
+from ..ode import blocks
+from ..ode.net import ODENet, Segment
 from .bench import write_dict_rows
 from .loop import train_step
-from .mgrit.options import MGRITOptions
-from .ode import blocks
-from .ode.net import ODENet, Segment
 
 FWD = MGRITOptions(max_levels=3, cfactor=4, max_iter=2)
 BWD = MGRITOptions(max_levels=3, cfactor=4, max_iter=1)
@@ -78,7 +78,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], ODENet], tuple, int]]:
 
 
 def _worker(args: argparse.Namespace) -> None:
-    from .parallel import LayerParallel
+    from ..parallel import LayerParallel
 
     comm = None
     try:
@@ -150,7 +150,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     inner = ["--worker", "--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
     rows = [r for n in args.ranks for r in run_worker_job(
-        "layerpar.pathbench", n, inner, marker="PATHBENCH", timeout=args.timeout)]
+        "layerpar.apps.pathbench", n, inner, marker="PATHBENCH", timeout=args.timeout)]
     print(f"layerpar.bench paths: 3 levels cf 4, 2/1 iterations, 1 thread per rank, "
           f"median of {args.repeats} batches (forward + loss + backward), models taking "
           "turns")

@@ -135,12 +135,12 @@ def kernel_counts(model: str, layers: int, levels: int, cfactor: int, fwd_iters:
     import torch
     from torch import nn
 
+    from ...mgrit import MGRITOptions
+    from ...ode import ODENet, Segment
+    from ...ode.blocks import Transformer
+    from ...parallel import LayerParallel
     from .. import opcount
-    from ..mgrit import MGRITOptions
     from ..nets import sequential_twin
-    from ..ode import ODENet, Segment
-    from ..ode.blocks import Transformer
-    from ..parallel import LayerParallel
 
     torch.manual_seed(0)
     if model == "transformer":

@@ -108,7 +108,7 @@ def _worker(args: argparse.Namespace) -> None:
 def _launch(launcher: str, n: int, argv: list[str], timeout: float) -> list[dict]:
     from .launch import run_worker_job
 
-    return run_worker_job("layerpar.gridbench", n, ["--worker", *argv], marker="GRIDBENCH",
+    return run_worker_job("layerpar.apps.gridbench", n, ["--worker", *argv], marker="GRIDBENCH",
                           launcher=launcher, timeout=timeout)
 
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...ode.net import ODENet
 from ..nets import SYNTHETIC_MODELS, synthetic_input_shape, synthetic_net
-from ..ode.net import ODENet
 
 __all__ = ["DEFAULTS", "SYNTHETIC_MODELS", "app_flags", "build_study_net", "config",
            "input_shape", "layer_parallel_flags", "make_batches"]

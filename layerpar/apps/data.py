@@ -123,7 +123,7 @@ def digits(
         from sklearn.datasets import load_digits
     except ImportError as err:
         raise ImportError(
-            "layerpar.data.digits needs scikit-learn: pip install scikit-learn"
+            "layerpar.apps.data.digits needs scikit-learn: pip install scikit-learn"
         ) from err
     data = load_digits()
     x = torch.as_tensor(data.images, dtype=torch.float64).unsqueeze(1) / 16.0
@@ -154,7 +154,7 @@ def _mnist1d_arrays(num_samples: int, seed: int, cache: Optional[Path]) -> dict[
     try:
         from mnist1d.data import get_dataset_args, make_dataset
     except ImportError as err:
-        raise ImportError("layerpar.data.mnist1d needs the mnist1d package: pip install "
+        raise ImportError("layerpar.apps.data.mnist1d needs the mnist1d package: pip install "
                           "mnist1d (or `make setup`)") from err
     args = get_dataset_args()
     args.num_samples, args.seed = num_samples, seed

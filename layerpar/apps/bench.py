@@ -38,8 +38,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..mgrit import MGRITOptions, grid_time, solve
 from .loop import train_step
-from .mgrit import MGRITOptions, grid_time, solve
 from .nets import sequential_twin
 
 __all__ = ["BENCHMARKS", "BenchContext", "Row", "benchmark", "main", "run"]
@@ -214,7 +214,7 @@ def _layer_parallel_rows(ctx: BenchContext, name: str, make: Callable[[], Any],
                          x: torch.Tensor, y: torch.Tensor) -> list[Row]:
     import copy
 
-    from .parallel import LayerParallel
+    from ..parallel import LayerParallel
 
     torch.manual_seed(0)
     net = make()
@@ -252,9 +252,9 @@ def layer_parallel_training(ctx: BenchContext) -> list[Row]:
     """Time per batch (forward + backward) of the digits conv net and a deep narrow dense
     net: plain PyTorch, the serial oracle, LayerParallel exact (max_levels=1, 1 rank)
     and MGRIT 3 levels / cf 4 / 2 forward and 1 backward iterations."""
+    from ..ode import ODENet
+    from ..ode.blocks import Dense
     from .nets import problem_net
-    from .ode import ODENet
-    from .ode.blocks import Dense
 
     torch.set_num_threads(1)
     n_dense = 64 if ctx.quick else 256
@@ -288,10 +288,10 @@ def engine_rows(ctx: BenchContext) -> list[Row]:
     beside them."""
     import copy
 
+    from ..mgrit.xbraid import require_xbraid
+    from ..parallel import LayerParallel
     from .data import peaks
-    from .mgrit.xbraid import require_xbraid
     from .nets import problem_net
-    from .parallel import LayerParallel
 
     require_xbraid()
     rows: list[Row] = []

@@ -37,10 +37,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, TextIO, Union
 
+from ...mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MAX_STEPS
+from ...ode.rng import MAX_SEED
 from ..launch import mpiexec_path, run_job
 from ..loop import Progress, available_cores
-from ..mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MAX_STEPS
-from ..ode.rng import MAX_SEED
 from . import perfmodel
 from .files import StudyFileError, check_output_dir, read_jsonl, write_text
 from .runs import DEFAULTS, SYNTHETIC_MODELS, config
@@ -374,7 +374,7 @@ def run_pingpong(path: Path, quick: bool = False, timeout: float = 120) -> dict[
     cached = _read_pingpong(path)
     if cached is not None:
         return cached
-    args = ["layerpar.studies.pingpong", "--out", str(path)] + (["--quick"] if quick else [])
+    args = ["layerpar.apps.studies.pingpong", "--out", str(path)] + (["--quick"] if quick else [])
     job = _launch(2, args, timeout)
     if job.returncode != 0 or not path.exists():
         sys.stderr.write(f"pingpong failed (exit {job.returncode}, timed out "
@@ -580,7 +580,7 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
                     bar.update(base + n, f"ranks={ranks}")
 
             bar.update(n_done, f"launching {len(group)} run(s) on {ranks} rank(s)")
-            job = _launch(ranks, ["layerpar.studies.worker", f"@{cfg_path}"],
+            job = _launch(ranks, ["layerpar.apps.studies.worker", f"@{cfg_path}"],
                           timeout_per_run * len(group) + 60, threads, poll)
             result.launched += len(group)
             # the workers append each line whole (`files.append_line`), so these are the

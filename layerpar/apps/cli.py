@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from . import __version__
+from .. import __version__
 from .launch import mpiexec_path, run_job
 
 # set on the ranks of a job that `layerpar train --np N` launched (so they do not
@@ -199,7 +199,7 @@ def launch(nprocs: int, argv: Sequence[str], launcher: str = "mpiexec") -> int:
         # fails; --standalone: one node, a free port
         # (--np and --launcher stay here: torchrun's own parser would take --np)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nprocs), "-m", "layerpar.cli",
+               "--nproc-per-node", str(nprocs), "-m", "layerpar.apps.cli",
                *_without(argv, "--np", "--launcher")]
         code = run_job(cmd, env=env).returncode
         assert code is not None
@@ -211,7 +211,7 @@ def launch(nprocs: int, argv: Sequence[str], launcher: str = "mpiexec") -> int:
             f"`pip install \"layerpar[mpich]\"` (or use your cluster's MPI), or run with "
             f"--np 1")
     cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", "-m",
-           "layerpar.cli", *argv]
+           "layerpar.apps.cli", *argv]
     code = run_job(cmd, env=env).returncode
     assert code is not None  # run_job returns once the job has ended
     return 128 - code if code < 0 else code  # killed by signal s: 128 + s, as shells do
@@ -283,7 +283,7 @@ def info() -> str:
     lines.append(f"mpiexec {mpiexec}" if mpiexec else
                  "mpiexec: not found (pip install \"layerpar[mpich]\")")
     try:
-        from ._native import _core  # noqa: F401
+        from .._native import _core  # noqa: F401
 
         lines.append(f"native engine: ok ({Path(_core.__file__).name})")
     except Exception as exc:  # noqa: BLE001 - reported, not raised

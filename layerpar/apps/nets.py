@@ -24,9 +24,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from ..ode import blocks
+from ..ode.net import ODENet, Segment
 from . import data
-from .ode import blocks
-from .ode.net import ODENet, Segment
 
 __all__ = ["ARCHITECTURES", "PROBLEMS", "RECIPES", "Recipe", "SYNTHETIC_MODELS", "problem_net",
            "sequential_twin", "synthetic_input_shape", "synthetic_net"]

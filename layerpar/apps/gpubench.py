@@ -142,7 +142,7 @@ def _captured_mgrit(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, fwd:
     """(seconds per captured MGRIT batch, whether fused steps were chosen anywhere)."""
     import os
 
-    from .parallel import LayerParallel, capture_step
+    from ..parallel import LayerParallel, capture_step
 
     old = os.environ.get("LAYERPAR_TRITON")
     os.environ["LAYERPAR_TRITON"] = "1" if fused else "0"
@@ -165,8 +165,8 @@ def bench_model(name: str, device: str, steps: int, lr: float = 0.05,
                 count_ops: bool = True, compile: bool = True) -> dict[str, Any]:
     """One CSV row: the serial baselines, captured MGRIT (fused steps where faster, and
     with them off), speedups, the loss difference and the model's prediction."""
+    from ..parallel import LayerParallel, capture_step
     from .nets import sequential_twin
-    from .parallel import LayerParallel, capture_step
 
     make, kw = opcount.CONFIGS[name]
     torch.manual_seed(0)

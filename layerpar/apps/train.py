@@ -27,17 +27,17 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from ..mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MGRITOptions
+from ..mgrit.transport import DEFAULT_TIMEOUT
+from ..mgrit.xbraid import ENGINES
+from ..ode.net import ODENet
+from ..ode.refine import refine
+from ..ode.rng import MAX_SEED
+from ..parallel import DASO, LayerParallel, Lion, ProcessGrid, SlowLink
+from ..parallel.adaptive import AccuracyPolicy, as_policy
 from . import data
 from .loop import Progress, available_cores, train_steps
-from .mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MGRITOptions
-from .mgrit.transport import DEFAULT_TIMEOUT
-from .mgrit.xbraid import ENGINES
 from .nets import PROBLEMS, RECIPES, Recipe, positive_int, problem_name, problem_net
-from .ode.net import ODENet
-from .ode.refine import refine
-from .ode.rng import MAX_SEED
-from .parallel import DASO, LayerParallel, Lion, ProcessGrid, SlowLink
-from .parallel.adaptive import AccuracyPolicy, as_policy
 
 __all__ = [
     "MODELS",
@@ -358,7 +358,7 @@ def train(
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps_here)
         captured = None
         if step_mode == "captured":
-            from .parallel.capture import capture_step
+            from ..parallel.capture import capture_step
 
             x0, y0 = _first_batch(loader)
             with clock:  # capture's warm-up steps train too: counted in the time

@@ -72,7 +72,7 @@ def levels_for(n_steps: int, cfactor: int, coarsest: int = 16) -> int:
 def mgrit_options(n_steps: int, cfactor: int = 4, fwd_iters: int = 2,
                   bwd_iters: int = 1) -> tuple[Any, Any]:
     """(forward, backward) MGRITOptions of the counted configuration."""
-    from .mgrit import MGRITOptions
+    from ..mgrit import MGRITOptions
 
     lv = levels_for(n_steps, cfactor)
     return (MGRITOptions(max_levels=lv, cfactor=cfactor, max_iter=fwd_iters, tol=0.0),
@@ -83,8 +83,8 @@ def dense_model(n_steps: int = 1024, width: int = 64, batch: int = 256,
                 device: str = "cpu") -> tuple[Any, torch.Tensor, torch.Tensor]:
     """(a): dense ODE-net, tanh, T = 4 (h = 4 / n_steps: the coarsest MGRIT step stays
     at most 0.25, where 2/1 iterations train like serial); data on `device`."""
-    from .ode import ODENet
-    from .ode.blocks import Dense
+    from ..ode import ODENet
+    from ..ode.blocks import Dense
 
     net = ODENet(open=nn.Linear(width, width), steps=lambda k: Dense(width), n_steps=n_steps,
                  t_final=4.0, close=nn.Linear(width, 10))
@@ -97,8 +97,8 @@ def dense_model(n_steps: int = 1024, width: int = 64, batch: int = 256,
 def conv_model(n_steps: int = 256, channels: int = 16, batch: int = 64, size: int = 32,
                device: str = "cpu") -> tuple[Any, torch.Tensor, torch.Tensor]:
     """(b): conv ODE-net (3x3, ReLU), T = 4, on size x size RGB images."""
-    from .ode import ODENet, Segment
-    from .ode.blocks import Conv
+    from ..ode import ODENet, Segment
+    from ..ode.blocks import Conv
 
     net = ODENet(layers=[nn.Conv2d(3, channels, 3, padding=1),
                          Segment(lambda k: Conv(channels), n_steps, 4.0),
@@ -114,8 +114,8 @@ def transformer_model(n_steps: int = 256, d_model: int = 128, heads: int = 4,
                       ) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """(d): pre-norm transformer ODE-net (`blocks.Transformer`), T = 4, on batch x seq
     x d_model inputs, classified from the flattened last state."""
-    from .ode import ODENet, Segment
-    from .ode.blocks import Transformer
+    from ..ode import ODENet, Segment
+    from ..ode.blocks import Transformer
 
     net = ODENet(layers=[nn.Linear(d_model, d_model),
                          Segment(lambda k: Transformer(d_model, heads), n_steps, 4.0),
@@ -161,8 +161,8 @@ def ops_rows(quick: bool = False, models: tuple[str, ...] = ("dense", "conv"),
     """Count serial and LayerParallel (1 rank) operations per training batch."""
     import copy
 
+    from ..parallel import LayerParallel
     from .nets import sequential_twin
-    from .parallel import LayerParallel
 
     rows = []
     for name in models:

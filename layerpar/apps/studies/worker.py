@@ -34,8 +34,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from ...mgrit.options import MGRITOptions
 from ..loop import Step, available_cores, train_steps
-from ..mgrit.options import MGRITOptions
 from ..nets import sequential_twin
 from .files import append_line
 from .runs import build_study_net, config, layer_parallel_flags, make_batches
@@ -112,7 +112,7 @@ def run_layer_parallel(cfg: dict[str, Any], comm: Any) -> dict[str, Any]:
     every rank: times are the slowest rank's)."""
     from mpi4py import MPI
 
-    from ..parallel import LayerParallel
+    from ...parallel import LayerParallel
 
     cfg = config(cfg, strict=False)
     torch.set_num_threads(int(cfg["threads"]))

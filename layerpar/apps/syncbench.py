@@ -100,7 +100,7 @@ def _worker(args: argparse.Namespace) -> None:
 def _launch(argv: list[str], timeout: float) -> list[dict]:
     from .launch import run_worker_job
 
-    return run_worker_job("layerpar.syncbench", 4, ["--worker", *argv], marker="SYNCBENCH",
+    return run_worker_job("layerpar.apps.syncbench", 4, ["--worker", *argv], marker="SYNCBENCH",
                           timeout=timeout)
 
 

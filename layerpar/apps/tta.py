@@ -107,7 +107,7 @@ class Run:
 
 
 def worker(argv: list[str]) -> int:
-    """``python -m layerpar.tta worker OUT.json PROBLEM [train options]``: train (on
+    """``python -m layerpar.apps.tta worker OUT.json PROBLEM [train options]``: train (on
     the ranks of the MPI job, if any) and write the history as JSON from rank 0."""
     from . import cli
     from .train import train_from_arguments
@@ -138,7 +138,7 @@ def _launch(case: Case, extra: list[str], nprocs: int, threads: int,
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run.json")
-        cmd = [sys.executable, "-m", "layerpar.tta", "worker", out, *case.train_args(),
+        cmd = [sys.executable, "-m", "layerpar.apps.tta", "worker", out, *case.train_args(),
                *extra, "--no-progress"]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         if nprocs > 1:
