@@ -262,7 +262,7 @@ def info() -> str:
     import numpy
     import torch
 
-    lines = [f"layerpar {__version__} ({Path(__file__).resolve().parent})",
+    lines = [f"layerpar {__version__} ({Path(__file__).resolve().parents[1]})",
              f"python {platform.python_version()} ({sys.executable})",
              f"torch {torch.__version__} (CUDA {'available' if torch.cuda.is_available() else 'not available'})",  # noqa: E501
              f"numpy {numpy.__version__}"]

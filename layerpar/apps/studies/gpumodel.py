@@ -244,7 +244,7 @@ FIT_ROWS = (("bench-gpu.csv", "dense", "graph_seconds_per_batch"),
             ("bench-gpu.csv", "dense", "eager_seconds_per_batch"),
             ("bench-gpu.csv", "conv", "graph_seconds_per_batch"),
             ("bench-gpu.csv", "dense", "mgrit_eager_seconds_per_batch"))
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "gpu"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "gpu"
 
 
 def _row_prediction(row: dict[str, Any], gpu: GPU) -> GPUPrediction:
