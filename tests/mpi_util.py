@@ -23,7 +23,7 @@ from typing import Union
 
 import pytest
 
-from layerpar.apps.launch import kill_job, mpiexec_path
+from layerpar.apps.launch import job_command, kill_job, mpiexec_path
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 
@@ -45,11 +45,9 @@ def run_mpi(script: Union[Path, str], nprocs: int, *args: object,
     when the job exceeds `timeout` seconds, after killing the whole job (`kill_job`).
     A nonzero exit status is returned, not raised: check `returncode` yourself.
     """
-    mpiexec = mpiexec_path()
-    if mpiexec is None or not mpi_available():
+    if not mpi_available():
         pytest.skip("no MPI (mpi4py and mpiexec) available")
-    cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", str(script),
-           *map(str, args)]
+    cmd = job_command(nprocs, [str(script), *map(str, args)])
     env = dict(os.environ)
     # tests usually run more ranks than cores: one thread per rank, and MPICH's busy
     # polling backs off (usleep) when idle, leaving the cores to the ranks doing work
@@ -61,8 +59,7 @@ def run_mpi(script: Union[Path, str], nprocs: int, *args: object,
 def run_torchrun(script: Union[Path, str], nprocs: int, *args: object,
                  timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `script` on `nprocs` processes under torchrun (torch.distributed, env://)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nprocs), str(script), *map(str, args)]
+    cmd = job_command(nprocs, [str(script), *map(str, args)], "torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return _communicate(cmd, env, timeout, "torchrun job")
 

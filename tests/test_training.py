@@ -22,7 +22,7 @@ import torch
 from mpi_util import describe, mpi_available, run_mpi
 
 from layerpar import MGRITOptions
-from layerpar.apps import cli
+from layerpar.apps import cli, launch
 from layerpar.apps.train import add_arguments, check_arguments, format_summary, parse_summary, train
 from layerpar.parallel.adaptive import AccuracyPolicy
 
@@ -138,7 +138,7 @@ def test_checks_nesting_and_adaptive_decisions_reach_the_results() -> None:
 
 def test_missing_mpiexec_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr(cli, "mpiexec_path", lambda: None)
+    monkeypatch.setattr(launch, "mpiexec_path", lambda: None)  # what job_command finds
     monkeypatch.delenv(cli.LAUNCHED_ENV, raising=False)
     for var in cli._MPI_ENV:
         monkeypatch.delenv(var, raising=False)

@@ -35,14 +35,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import __version__
-from .launch import mpiexec_path, run_job
+from .launch import LAUNCHERS, job_command, mpiexec_path, run_job
 
 # set on the ranks of a job that `layerpar train --np N` launched (so they do not
 # launch again); mpiexec / srun themselves are recognised by the PMI variables below
 LAUNCHED_ENV = "LAYERPAR_LAUNCHED"
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
 _TORCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-LAUNCHERS = ("mpiexec", "torchrun")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,20 +197,11 @@ def launch(nprocs: int, argv: Sequence[str], launcher: str = "mpiexec") -> int:
         # torchrun's agent hosts the rendezvous store and stops every worker when one
         # fails; --standalone: one node, a free port
         # (--np and --launcher stay here: torchrun's own parser would take --np)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nprocs), "-m", "layerpar.apps.cli",
-               *_without(argv, "--np", "--launcher")]
-        code = run_job(cmd, env=env).returncode
-        assert code is not None
-        return 128 - code if code < 0 else code
-    mpiexec = mpiexec_path()
-    if mpiexec is None:
-        raise FileNotFoundError(
-            f"no mpiexec found beside {sys.executable} or on PATH; install one with "
-            f"`pip install \"layerpar[mpich]\"` (or use your cluster's MPI), or run with "
-            f"--np 1")
-    cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", "-m",
-           "layerpar.apps.cli", *argv]
+        argv = _without(argv, "--np", "--launcher")
+    try:
+        cmd = job_command(nprocs, ["-m", "layerpar.apps.cli", *argv], launcher)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{exc}, or run with --np 1") from None
     code = run_job(cmd, env=env).returncode
     assert code is not None  # run_job returns once the job has ended
     return 128 - code if code < 0 else code  # killed by signal s: 128 + s, as shells do

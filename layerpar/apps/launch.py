@@ -1,7 +1,10 @@
-"""Finding `mpiexec`, running an MPI job that dies with its launcher, stopping it.
+"""Finding `mpiexec`, building a job's command line, running an MPI job that dies with
+its launcher, stopping it; and how busy the machine is (`load_average`).
 
 Shared by the `layerpar` command line (which relaunches itself under mpiexec), the
-scaling studies (one job per rank count) and the test suite (workers under a timeout).
+scaling studies (one job per rank count), the benchmarks and the test suite (workers
+under a timeout).  `job_command` is the one place an ``mpiexec`` or ``torchrun`` command
+line is written.
 
 `run_job` is how a launcher should start a job: the job gets a session of its own
 (so `kill_job` can find all of it), SIGTERM, SIGINT and SIGHUP sent to the launcher
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
 import shutil
 import signal
@@ -25,8 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Optional, Union
 
-__all__ = ["JobStatus", "kill_job", "mpiexec_path", "run_job", "run_worker_job"]
+__all__ = ["LAUNCHERS", "JobStatus", "job_command", "kill_job", "load_average",
+           "mpiexec_path", "run_job", "run_worker_job"]
 
+#: how a job's processes are started: MPI (mpi4py) or torch.distributed's elastic agent
+LAUNCHERS = ("mpiexec", "torchrun")
 # signals a launcher forwards to its job (as a kill) before handling them itself
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -38,6 +45,41 @@ def mpiexec_path() -> Optional[str]:
     if here.is_file() and os.access(here, os.X_OK):
         return str(here)
     return shutil.which("mpiexec")
+
+
+def job_command(nprocs: int, python_args: Sequence[str], launcher: str = "mpiexec"
+                ) -> list[str]:
+    """The command line that runs ``python <python_args>`` (``-m MODULE ARGS...`` or
+    ``SCRIPT ARGS...``, with this process's Python) on `nprocs` processes.
+
+    ``mpiexec``: ``mpiexec -n N python -m mpi4py <python_args>`` (`mpiexec_path`;
+    under mpi4py an exception on any rank aborts the whole job instead of hanging it);
+    ``torchrun``: ``python -m torch.distributed.run --standalone --nproc-per-node N
+    <python_args>`` (one node, a free port).  Raises FileNotFoundError, saying how to
+    get one, when mpiexec is asked for and none is found."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(nprocs), *python_args]
+    mpiexec = mpiexec_path()
+    if mpiexec is None:
+        raise FileNotFoundError(
+            f"no mpiexec found beside {sys.executable} or on PATH; install one with "
+            f"`pip install \"layerpar[mpich]\"` (or use your cluster's MPI)")
+    return [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", *python_args]
+
+
+def load_average() -> tuple[float, float, float]:
+    """The machine's 1-, 5- and 15-minute load averages (NaN where the platform has
+    none): reported beside timings, since other processes on the machine disturb them."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except (AttributeError, OSError):  # no getloadavg (Windows) or no value
+        return (math.nan, math.nan, math.nan)
+    return (one, five, fifteen)
 
 
 def _descendants(root: int) -> list[int]:
@@ -192,19 +234,11 @@ def run_worker_job(module: str, nprocs: int, argv: Sequence[str], *, marker: str
     worker under ``python -m mpi4py``, or torchrun) and return the JSON objects its
     processes printed on lines ``<marker> {...}``.  One thread per process (they share
     the cores); a failed or timed-out job raises RuntimeError with its output's tail.
-    The benchmarks that launch their own jobs use this one command builder."""
+    The benchmarks that launch their own jobs use this one runner."""
     import json
     import tempfile
 
-    if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nprocs), "-m", module, *argv]
-    else:
-        mpiexec = mpiexec_path()
-        if mpiexec is None:
-            raise FileNotFoundError("no mpiexec found (pip install \"layerpar[mpich]\")")
-        cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", "-m", module,
-               *argv]
+    cmd = job_command(nprocs, ["-m", module, *argv], launcher)
     env = dict(os.environ, OMP_NUM_THREADS="1", MPIR_CVAR_CH4_PROGRESS_THROTTLE="1")
     with tempfile.TemporaryFile("w+") as out:
         status = run_job(cmd, env=env, timeout=timeout, stdout=out)

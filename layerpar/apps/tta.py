@@ -134,18 +134,14 @@ def worker(argv: list[str]) -> int:
 def _launch(case: Case, extra: list[str], nprocs: int, threads: int,
             timeout: Optional[float]) -> tuple[dict[str, Any], float]:
     """Run `worker` for `case` on `nprocs` processes; its JSON result and wall time."""
-    from .launch import mpiexec_path, run_job
+    from .launch import job_command, run_job
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run.json")
-        cmd = [sys.executable, "-m", "layerpar.apps.tta", "worker", out, *case.train_args(),
-               *extra, "--no-progress"]
+        args = ["-m", "layerpar.apps.tta", "worker", out, *case.train_args(), *extra,
+                "--no-progress"]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        if nprocs > 1:
-            mpiexec = mpiexec_path()
-            if mpiexec is None:
-                raise FileNotFoundError("no mpiexec found (pip install \"layerpar[mpich]\")")
-            cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", *cmd[1:]]
+        cmd = job_command(nprocs, args) if nprocs > 1 else [sys.executable, *args]
         t0 = time.perf_counter()
         with open(os.path.join(tmp, "log.txt"), "w+") as log:
             status = run_job(cmd, env=env, timeout=timeout, stdout=log,
@@ -322,6 +318,8 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Command line of ``python -m layerpar.bench tta``."""
+    from .launch import load_average
+
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m layerpar.bench tta",
                                 description=__doc__.split("\n")[0])
@@ -358,8 +356,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         p.error(f"`--out` {args.out} is not a folder")
-    load = " ".join(f"{v:.2f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") \
-        else "n/a"
+    load = " ".join(f"{v:.2f}" for v in load_average())
     command = "python -m layerpar.bench tta " + " ".join(argv)
     results = []
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Message latency and bandwidth over mpi4py: a two-rank ping-pong.
 
-    mpiexec -n 2 python -m mpi4py -m layerpar.studies.pingpong [--out FILE] [--quick]
+    mpiexec -n 2 python -m mpi4py -m layerpar.apps.studies.pingpong [--out FILE] [--quick]
 
 Rank 0 sends a buffer of each size to rank 1, which sends it back; the one-way time
 is half the median round trip.  The times are fitted to t(bytes) = alpha + bytes/beta
@@ -98,7 +98,7 @@ def fit_alpha_beta(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mpi4py -m layerpar.studies.pingpong",
+        prog="python -m mpi4py -m layerpar.apps.studies.pingpong",
         description="Two-rank ping-pong: message latency and bandwidth over mpi4py.")
     parser.add_argument("--out", help="write samples and fit as JSON to this file")
     parser.add_argument("--quick", action="store_true", help="fewer, smaller sizes")

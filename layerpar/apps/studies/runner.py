@@ -12,7 +12,7 @@ layers fixed, weak scaling (``"weak": True``) runs ``layers × ranks`` layers), 
    (`worker.serial_baseline`: plain PyTorch, best thread count) and the per-step
    costs the performance model needs (`perfmodel.measure_costs`);
 3. measures message latency and bandwidth with a two-rank ping-pong under mpiexec;
-4. launches ``mpiexec -n P python -m mpi4py -m layerpar.studies.worker`` once per
+4. launches ``mpiexec -n P python -m mpi4py -m layerpar.apps.studies.worker`` once per
    rank count (the mpiexec beside ``sys.executable``, else the one on PATH), under a
    timeout that kills the job's process group and every process below it (as do
    Ctrl-C and SIGTERM here, `launch.run_job`), and adds one CSV row per finished run
@@ -39,7 +39,7 @@ from typing import Any, Optional, TextIO, Union
 
 from ...mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MAX_STEPS
 from ...ode.rng import MAX_SEED
-from ..launch import mpiexec_path, run_job
+from ..launch import job_command, load_average, mpiexec_path, run_job
 from ..loop import Progress, available_cores
 from . import perfmodel
 from .files import StudyFileError, check_output_dir, read_jsonl, write_text
@@ -329,16 +329,13 @@ class _Job:
 def _launch(nprocs: int, module_args: Sequence[str], timeout: float, threads: int = 1,
             poll: Optional[Any] = None) -> _Job:
     """Run ``mpiexec -n nprocs python -m mpi4py -m <module_args>`` under `timeout`;
-    `poll()` is called about every 0.2 s while it runs."""
+    `poll()` is called about every 0.2 s while it runs.  FileNotFoundError when no
+    mpiexec is found (`launch.job_command`)."""
     # let this process's intra-op threads stop spinning after in-process measurements
     # (OpenMP workers busy-wait a while after parallel regions), so they do not take
     # cores from the job's ranks
     time.sleep(0.5)
-    mpiexec = mpiexec_path()
-    if mpiexec is None:
-        raise RuntimeError("no mpiexec found (beside the Python executable or on PATH); "
-                           "install layerpar[mpich] or an MPI")
-    cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", "-m", *module_args]
+    cmd = job_command(nprocs, ["-m", *module_args])
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(threads)
     if nprocs * threads > available_cores():  # oversubscribed: let idle ranks back off
@@ -401,13 +398,6 @@ class StudyResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def _load_avg() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
-
-
 def _num(row: dict[str, Any], col: str) -> float:
     try:
         return float(row[col])
@@ -427,7 +417,7 @@ def _finish_row(raw: dict[str, Any], serial: dict[str, Any], costs: perfmodel.Co
     row["loss_rel_diff"] = abs(ll - ls) / abs(ls) if ls != 0 else float("nan")
     row["oversubscribed"] = int(row["ranks"]) * int(row["threads"]) > cores
     row["cores"] = cores
-    row.setdefault("load_avg", _load_avg())  # the worker's, taken right after the run
+    row.setdefault("load_avg", load_average()[0])  # the worker's, taken right after the run
     return row
 
 

@@ -1,7 +1,7 @@
 """The two sides of a study's measurement: layer-parallel runs under MPI, and the
 serial baseline in this process.
 
-    mpiexec -n P python -m mpi4py -m layerpar.studies.worker CONFIG
+    mpiexec -n P python -m mpi4py -m layerpar.apps.studies.worker CONFIG
 
 CONFIG is a JSON object (inline, or ``@path`` to a file) ``{"out": PATH, "runs":
 [run, ...]}`` (a single run object with an ``"out"`` key also works).  A run holds
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import sys
 from collections.abc import Iterator, Sequence
@@ -35,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ...mgrit.options import MGRITOptions
+from ..launch import load_average
 from ..loop import Step, available_cores, train_steps
 from ..nets import sequential_twin
 from .files import append_line
@@ -98,15 +98,6 @@ def serial_baseline(cfg: dict[str, Any], threads: Optional[Sequence[int]] = None
 # ------------------------------------------------------------------------------------------
 # the layer-parallel run (under MPI)
 # ------------------------------------------------------------------------------------------
-def _load_avg() -> float:
-    """The 1-minute load average right after the timed batches (other processes on
-    the machine disturb the timings; this says how busy it was)."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
-
-
 def run_layer_parallel(cfg: dict[str, Any], comm: Any) -> dict[str, Any]:
     """Train the study model layer-parallel over `comm`; the measurements (same on
     every rank: times are the slowest rank's)."""
@@ -148,7 +139,7 @@ def run_layer_parallel(cfg: dict[str, Any], comm: Any) -> dict[str, Any]:
         "fwd_iterations": f.iterations, "bwd_iterations": b.iterations,
         "fwd_residual": math.nan if f.residual is None else f.residual,
         "bwd_residual": math.nan if b.residual is None else b.residual,
-        "loss": loss, **layer_parallel_flags(lp), "load_avg": _load_avg(),
+        "loss": loss, **layer_parallel_flags(lp), "load_avg": load_average()[0],
         "fwd_residual_history": [], "bwd_residual_history": [],
     }
     diag = int(cfg["diag_iters"])
@@ -176,7 +167,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        sys.stderr.write("usage: mpiexec -n P python -m mpi4py -m layerpar.studies.worker "
+        sys.stderr.write("usage: mpiexec -n P python -m mpi4py -m layerpar.apps.studies.worker "
                          "'{\"out\": PATH, \"runs\": [...]}' | @config.json\n")
         return 2
     obj = _load_config(args[0])
