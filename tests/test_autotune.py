@@ -201,15 +201,15 @@ def test_train_target_and_summary(capsys: pytest.CaptureFixture) -> None:
 
     res = train("peaks", serial=True, epochs=3, n_layers=4, target_acc=0.2,
                 progress=False)
-    assert res["epochs_to_target"] == 1 and len(res["history"]) == 1
-    got = parse_summary(res["summary"])
+    assert res.epochs_to_target == 1 and len(res.history) == 1
+    got = parse_summary(res.summary)
     assert got["target_reached"] and math.isclose(got["time_to_target"],
-                                                  round(res["time_to_target"], 2))
-    assert 0 < res["history"][0]["train_seconds"] <= res["history"][0]["seconds"]
+                                                  round(res.time_to_target, 2))
+    assert 0 < res.history[0]["train_seconds"] <= res.history[0]["seconds"]
     res = train("peaks", serial=True, epochs=1, n_layers=4, target_acc=1.0,
                 progress=False)
-    assert res["time_to_target"] is None and "time_to_target not reached" in res["summary"]
-    assert parse_summary(res["summary"])["time_to_target"] is None
+    assert res.time_to_target is None and "time_to_target not reached" in res.summary
+    assert parse_summary(res.summary)["time_to_target"] is None
 
 
 def test_tuning_time_is_bounded_by_the_training_to_come() -> None:

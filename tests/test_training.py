@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import subprocess
@@ -23,7 +24,14 @@ from mpi_util import describe, mpi_available, run_mpi
 
 from layerpar import MGRITOptions
 from layerpar.apps import cli, launch
-from layerpar.apps.train import add_arguments, check_arguments, format_summary, parse_summary, train
+from layerpar.apps.train import (
+    TrainResult,
+    add_arguments,
+    check_arguments,
+    format_summary,
+    parse_summary,
+    train,
+)
 from layerpar.parallel.adaptive import AccuracyPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,13 +63,16 @@ def test_exact_layer_parallel_trains_like_serial_oracle() -> None:
     kw = dict(epochs=1, batch_size=500, seed=3, progress=False, dtype=torch.float64)
     ref = train("peaks", serial=True, **kw)
     got = train("peaks", serial=False, comm=None, fwd=EXACT, bwd=EXACT, **kw)
-    assert len(got["batch_losses"]) == len(ref["batch_losses"]) == 10
-    assert got["batch_losses"] == pytest.approx(ref["batch_losses"], rel=1e-12, abs=0)
-    assert got["val_acc"] == ref["val_acc"]
-    params = got["module"].gather_state_dict()
-    for name, p in ref["module"].state_dict().items():
+    assert len(got.batch_losses) == len(ref.batch_losses) == 10
+    assert got.batch_losses == pytest.approx(ref.batch_losses, rel=1e-12, abs=0)
+    assert got.val_acc == ref.val_acc
+    params = got.module.gather_state_dict()
+    for name, p in ref.module.state_dict().items():
         torch.testing.assert_close(params[name], p, rtol=1e-10, atol=0)
-    assert got["fwd_iters"] == got["bwd_iters"] == 1
+    assert got.fwd_iters == got.bwd_iters == 1
+    assert isinstance(got, TrainResult) and got.summary == format_summary(got)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.val_acc = 0.0  # type: ignore[misc]
 
 
 # -- fast checks of the front doors ----------------------------------------------------------
@@ -129,11 +140,11 @@ def test_checks_nesting_and_adaptive_decisions_reach_the_results() -> None:
     got = train("peaks", epochs=1, n_layers=16, nested=1, nested_epochs=1, check_every=25,
                 progress=False, adaptive=AccuracyPolicy(
                     check_every=25, min_cosine=0.9999, prefer_cheaper=False))
-    assert [r["layers"] for r in got["history"]] == [8, 16]
-    assert len(got["checks"]) == 4 and all(-1 <= c["cosine"] <= 1 for c in got["checks"])
-    assert got["history"][-1]["grad_error"] == got["checks"][-1]["rel_error"]
-    assert got["module"]._runners[1].n == 16
-    assert got["accuracy_log"] and "iterations ->" in got["accuracy_log"][0]
+    assert [r["layers"] for r in got.history] == [8, 16]
+    assert len(got.checks) == 4 and all(-1 <= c["cosine"] <= 1 for c in got.checks)
+    assert got.history[-1]["grad_error"] == got.checks[-1]["rel_error"]
+    assert got.module._runners[1].n == 16
+    assert got.accuracy_log and "iterations ->" in got.accuracy_log[0]
 
 
 def test_missing_mpiexec_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
@@ -180,15 +191,15 @@ def test_inexact_mgrit_training_matches_serial_accuracy() -> None:
     s = _summary(proc)
     assert s["fwd_iters"] == 2 and s["bwd_iters"] == 1
     n_val = 200  # accuracies are multiples of 1/200: compare counts, not floats
-    diff = abs(round(s["val_acc"] * n_val) - round(ref["val_acc"] * n_val))
-    assert diff <= n_val // 100, f"serial {ref['val_acc']:.3f} vs inexact {s['val_acc']:.3f}"
+    diff = abs(round(s["val_acc"] * n_val) - round(ref.val_acc * n_val))
+    assert diff <= n_val // 100, f"serial {ref.val_acc:.3f} vs inexact {s['val_acc']:.3f}"
 
 
 # -- (d) digits ---------------------------------------------------------------------------------
 
 def test_digits_serial_reaches_90_percent() -> None:
     r = train("digits", serial=True, progress=False)
-    assert r["val_acc"] >= 0.90, r["summary"]
+    assert r.val_acc >= 0.90, r.summary
 
 
 @pytest.mark.mpi

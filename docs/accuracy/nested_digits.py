@@ -28,17 +28,17 @@ for seed in (0, 1, 2, 3, 4):
     scratch = train("digits", serial=True, n_layers=16, seed=seed, progress=False)
     nested = train("digits", serial=True, n_layers=16, seed=seed, nested=2,
                    nested_epochs=2, progress=False)
-    target = scratch["val_acc"] - 0.005
-    fine = [r for r in nested["history"] if r["layers"] == 16]
+    target = scratch.val_acc - 0.005
+    fine = [r for r in nested.history if r["layers"] == 16]
 
     rows.append({"seed": seed, "target": round(target, 4),
-                 "scratch_epochs_to_target": first(scratch["history"], target),
+                 "scratch_epochs_to_target": first(scratch.history, target),
                  "nested_fine_epochs_to_target": first(fine, target),
-                 "scratch_final": scratch["val_acc"], "nested_final": nested["val_acc"],
-                 "scratch_first_epoch_acc": scratch["history"][0]["val_acc"],
+                 "scratch_final": scratch.val_acc, "nested_final": nested.val_acc,
+                 "scratch_first_epoch_acc": scratch.history[0]["val_acc"],
                  "nested_first_fine_epoch_acc": fine[0]["val_acc"],
-                 "scratch_seconds": round(scratch["seconds"], 1),
-                 "nested_seconds": round(nested["seconds"], 1)})
+                 "scratch_seconds": round(scratch.seconds, 1),
+                 "nested_seconds": round(nested.seconds, 1)})
     print(rows[-1], flush=True)
 with OUT.open("w", newline="") as fh:
     w = csv.DictWriter(fh, fieldnames=list(rows[0]))

@@ -6,8 +6,8 @@ networks the same way and print the same summary line.  `train` runs either the 
 `ODENet` with ordinary autograd (``serial=True``: the serial oracle) or a
 `LayerParallel` over ``comm`` (``comm=None``: one process, no MPI), which makes
 serial and layer-parallel runs directly comparable: same seed, same network, same data
-order, same optimiser and schedule.  The networks are `layerpar.nets`' problems; each
-step is `layerpar.loop.train_step`, the one the studies and benchmarks time.
+order, same optimiser and schedule.  The networks are `layerpar.apps.nets`' problems; each
+step is `layerpar.apps.loop.train_step`, the one the studies and benchmarks time.
 
 Every rank runs this loop in lockstep: it builds the same network (the global torch
 generator is seeded before building), iterates the same batches (the data loader has
@@ -22,6 +22,8 @@ import math
 import os
 import re
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -43,6 +45,7 @@ __all__ = [
     "MODELS",
     "Recipe",
     "RECIPES",
+    "TrainResult",
     "add_arguments",
     "build_net",
     "check_arguments",
@@ -67,7 +70,7 @@ DEVICES = ("cpu", "cuda")
 def load_data(model_name: str, seed: int = 0,
               dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(x_train, y_train, x_val, y_val) of a problem, deterministic given ``seed``
-    (`layerpar.data.splits`).
+    (`layerpar.apps.data.splits`).
 
     peaks: 5000 training and 200 validation points; digits: 1500 training and 297
     validation images; mnist1d: 16,000 training and 4,000 validation signals.
@@ -97,6 +100,111 @@ def threads_per_rank(comm: Any = None) -> int:
 
 def _mean(values: list[float]) -> Optional[float]:
     return sum(values) / len(values) if values else None
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What `train` did: the settings it used, the final figures, the trained module and
+    the per-epoch / per-batch records.  The same on every rank, except the timings.
+    ``summary`` is the line rank 0 prints (`format_summary`)."""
+
+    # -- the settings used (None where the problem's recipe or a default applied) --
+    model: str
+    """The problem trained: "peaks", "digits" or "mnist1d"."""
+    serial: bool
+    """True: the serial `ODENet` oracle with ordinary autograd."""
+    ranks: int
+    """Processes of the layer-parallel model times replicas (1 when serial)."""
+    data_parallel: int
+    """Data-parallel replicas R of the `ProcessGrid` (1: none)."""
+    epochs: int
+    """Epochs of the final net (nested iteration's coarser nets come on top)."""
+    batch_size: int
+    """Global batch size (every replica trains on its share)."""
+    lr: float
+    """Learning rate."""
+    seed: int
+    """Seed of the data split, the initial parameters and the batch order."""
+    dtype: str
+    """Parameter and data dtype, e.g. "torch.float32"."""
+    fwd: Optional[MGRITOptions]
+    """MGRIT options of the forward solves (None when serial)."""
+    bwd: Optional[MGRITOptions]
+    """MGRIT options of the adjoint solves (None when serial)."""
+    nested: int
+    """Levels of nested iteration (0: none)."""
+    device: str
+    """"cpu" or "cuda"."""
+    arch: Optional[str]
+    """Architecture asked for (None: the problem's)."""
+    t_final: Optional[float]
+    """Final time of the ODE segment asked for (None: the problem's)."""
+    target_acc: Optional[float]
+    """Validation accuracy at which training stopped early (None: train all epochs)."""
+    auto: Any
+    """The ``auto`` argument: False, True or an `AccuracyPolicy`."""
+    sync: str
+    """How the replicas stay in step: "allreduce", "daso" or "lioncub"."""
+    optimizer: Optional[str]
+    """"adam", "lion", or None (the default: Adam; Lion for lioncub)."""
+    # -- final figures --
+    val_acc: float
+    """Validation accuracy after the last epoch."""
+    val_loss: float
+    """Validation loss after the last epoch."""
+    train_loss: float
+    """Mean training loss of the last epoch."""
+    train_acc: float
+    """Training accuracy of the last epoch."""
+    ms_per_batch: float
+    """Milliseconds per optimisation step (forward, backward, update), over all steps."""
+    fwd_iters: Optional[float]
+    """Forward MGRIT iterations, mean over the last epoch (None: serial/not measured)."""
+    fwd_res: Optional[float]
+    """Final forward residual norm, mean over the last epoch (None: not measured)."""
+    bwd_iters: Optional[float]
+    """Adjoint MGRIT iterations, mean over the last epoch (None: serial/not measured)."""
+    bwd_res: Optional[float]
+    """Final adjoint residual norm, mean over the last epoch (None: not measured)."""
+    seconds: float
+    """Wall time of all epochs, evaluation included."""
+    train_seconds: float
+    """Training time from the first batch (tuning and checks in, evaluation out)."""
+    time_to_target: Optional[float]
+    """`train_seconds` until `target_acc` was reached (None: not reached or none)."""
+    epochs_to_target: Optional[int]
+    """The epoch that reached `target_acc` (None: not reached or none)."""
+    step_mode: str
+    """"eager" (the CPU), or on CUDA "captured" or "eager (not captured: why)"."""
+    # -- what was trained and the records --
+    module: nn.Module
+    """The trained `ODENet` (serial) or `LayerParallel`."""
+    history: list[dict[str, Any]]
+    """One record per epoch: epoch, layers, train/val loss and accuracy, seconds,
+    train_seconds, batches, fwd/bwd iterations and residuals, grad_cosine/grad_error."""
+    batch_losses: list[float]
+    """Every step's training loss (the global batch's, with replicas)."""
+    checks: list[dict[str, Any]]
+    """Gradient checks (``check_every``): batch, layers, exact, cosine, rel_error and
+    the MGRIT figures mgrit_cosine, mgrit_rel_error."""
+    accuracy_log: list[str]
+    """Decisions of the adaptive accuracy policy."""
+    auto_log: list[str]
+    """``auto``'s candidate tables and choices."""
+    auto_choice: Optional[str]
+    """Name of ``auto``'s last choice (None: not tuned)."""
+    # -- data-parallel figures (None without a `ProcessGrid`) --
+    allreduce_ms_per_batch: Optional[float] = None
+    """Milliseconds per batch spent averaging gradients across replicas."""
+    sync_bytes: Optional[float] = None
+    """Bytes each process sent for the data dimension per batch (mean over processes)."""
+    bytes_by_kind: Optional[dict[str, float]] = None
+    """Bytes per process per batch by kind: "p2p" (MGRIT), "data", "internode"."""
+
+    @property
+    def summary(self) -> str:
+        """The one-line summary rank 0 prints (`format_summary`)."""
+        return format_summary(self)
 
 
 def train(
@@ -131,8 +239,8 @@ def train(
     nodes: Optional[int] = None,
     optimizer: Optional[str] = None,
     slow_link: Optional[float] = None,
-) -> dict[str, Any]:
-    """Train the Peaks or digits network and return what happened.
+) -> TrainResult:
+    """Train the Peaks or digits network and return what happened (a `TrainResult`).
 
     model_name: "peaks", "digits" or "mnist1d" (see `build_net`, `load_data`).
     serial: train the plain `ODENet` with ordinary autograd (the serial oracle);
@@ -167,7 +275,7 @@ def train(
     engine: the MGRIT engine of `LayerParallel`, "native" or "xbraid" (XBraid itself,
         when built; it steps layer by layer, so the per-step path is used).
     arch, t_final: the architecture ("dense" or "conv" for mnist1d) and the final time
-        of the ODE segment (default: the problem's; `layerpar.nets.problem_net`).
+        of the ODE segment (default: the problem's; `layerpar.apps.nets.problem_net`).
     device: "cpu" or "cuda".  On CUDA a layer-parallel step is captured in a CUDA
         graph (`capture_step`) where the settings allow it (one rank, fixed iteration
         counts: tol = 0, no adaptive accuracy, no auto, no nested iteration), else run
@@ -191,17 +299,7 @@ def train(
     optimizer: "adam" (default) or "lion" (`layerpar.parallel.Lion`, lr a third of
         Adam's by default; "lioncub" needs it and is its default).
 
-    Returns a dict: ``val_acc``, ``val_loss``, ``train_loss`` and ``train_acc`` (last
-    epoch), ``ms_per_batch`` (one optimisation step: forward, backward, update,
-    averaged over all steps), ``fwd_iters``/``fwd_res`` and ``bwd_iters``/``bwd_res``
-    (MGRIT iterations and final residual norm, averaged over the last epoch's batches;
-    None when serial or not measured), ``ranks``, ``history`` (one dict per epoch),
-    ``batch_losses`` (every step's loss), ``summary`` (the line rank 0 prints) and
-    ``module`` (the trained ODENet or LayerParallel), plus the settings used, and
-    ``train_seconds`` (training time, evaluation excluded), ``time_to_target`` and
-    ``epochs_to_target`` (None unless `target_acc` was reached), ``step_mode`` (CUDA:
-    captured or eager, and why), ``auto_log`` (the candidate tables and choices) and
-    ``auto_choice`` (the last choice's name).
+    Returns a `TrainResult` (its fields say what each figure means).
     """
     model_name = problem_name(model_name)
     recipe = RECIPES[model_name]
@@ -435,41 +533,41 @@ def train(
 
     last = history[-1]
     tuner = getattr(model, "_auto", None)
-    result: dict[str, Any] = {
-        "model": model_name, "serial": serial, "ranks": ranks,
-        "data_parallel": 1 if serial else data_parallel, "epochs": epochs,
-        "batch_size": batch_size, "lr": lr, "seed": seed, "dtype": str(dtype),
-        "fwd": None if serial else fwd, "bwd": None if serial else bwd,
-        "val_acc": last["val_acc"], "val_loss": last["val_loss"],
-        "train_loss": last["train_loss"], "train_acc": last["train_acc"],
-        "ms_per_batch": 1000.0 * step_time / total_steps,
-        "fwd_iters": last["fwd_iters"], "fwd_res": last["fwd_res"],
-        "bwd_iters": last["bwd_iters"], "bwd_res": last["bwd_res"],
-        "history": history, "batch_losses": batch_losses, "module": model,
-        "checks": checks, "nested": nested,
-        "seconds": sum(r["seconds"] for r in history),
-        "accuracy_log": [] if getattr(model, "accuracy", None) is None else
-        [str(e) for e in model.accuracy.log],  # type: ignore[union-attr]
-        "device": device, "step_mode": step_mode, "arch": arch, "t_final": t_final,
-        "train_seconds": clock.seconds, "target_acc": target_acc,
-        "time_to_target": time_to_target, "epochs_to_target": epochs_to_target,
-        "auto": auto, "auto_log": [] if tuner is None else
-        [line for r in tuner.results for line in r.lines()],
-        "auto_choice": None if tuner is None or not tuner.results else
-        tuner.results[-1].choice.candidate.name(size),
-    }
+    sync_figures: dict[str, Any] = {}
     if grid is not None and isinstance(model, LayerParallel) and model._averager is not None:
-        result["allreduce_ms_per_batch"] = 1000.0 * model._averager.total_seconds / total_steps
-    result["sync"], result["optimizer"] = sync, optimizer
+        sync_figures["allreduce_ms_per_batch"] = (1000.0 * model._averager.total_seconds
+                                                  / total_steps)
     if grid is not None:
-        result.update(_sync_bytes(grid, total_steps))
-    result["summary"] = format_summary(result)
+        sync_figures.update(_sync_bytes(grid, total_steps))
+    result = TrainResult(
+        model=model_name, serial=serial, ranks=ranks,
+        data_parallel=1 if serial else data_parallel, epochs=epochs,
+        batch_size=batch_size, lr=lr, seed=seed, dtype=str(dtype),
+        fwd=None if serial else fwd, bwd=None if serial else bwd,
+        val_acc=last["val_acc"], val_loss=last["val_loss"],
+        train_loss=last["train_loss"], train_acc=last["train_acc"],
+        ms_per_batch=1000.0 * step_time / total_steps,
+        fwd_iters=last["fwd_iters"], fwd_res=last["fwd_res"],
+        bwd_iters=last["bwd_iters"], bwd_res=last["bwd_res"],
+        history=history, batch_losses=batch_losses, module=model,
+        checks=checks, nested=nested,
+        seconds=sum(r["seconds"] for r in history),
+        accuracy_log=[] if getattr(model, "accuracy", None) is None else
+        [str(e) for e in model.accuracy.log],  # type: ignore[union-attr]
+        device=device, step_mode=step_mode, arch=arch, t_final=t_final,
+        train_seconds=clock.seconds, target_acc=target_acc,
+        time_to_target=time_to_target, epochs_to_target=epochs_to_target,
+        auto=auto, auto_log=[] if tuner is None else
+        [line for r in tuner.results for line in r.lines()],
+        auto_choice=None if tuner is None or not tuner.results else
+        tuner.results[-1].choice.candidate.name(size),
+        sync=sync, optimizer=optimizer, **sync_figures)
     if rank == 0:
         if device == "cuda":
             print(f"{model_name}: step on cuda: {step_mode}", flush=True)
-        for line in result["auto_log"]:
+        for line in result.auto_log:
             print(f"{model_name}: {line}", flush=True)
-        for line in result["accuracy_log"]:
+        for line in result.accuracy_log:
             print(f"{model_name}: adaptive accuracy: {line}", flush=True)
         if checks:
             c = checks[-1]
@@ -479,7 +577,7 @@ def train(
                    f"{c['rel_error']:.3g}")
             print(f"{model_name}: last gradient check (batch {c['batch']}): {how}",
                   flush=True)
-        print(result["summary"], flush=True)
+        print(result.summary, flush=True)
     return result
 
 
@@ -643,27 +741,33 @@ def _sync_bytes(grid: ProcessGrid, batches: int) -> dict[str, Any]:
     return {"sync_bytes": per["data"] + per["internode"], "bytes_by_kind": per}
 
 
-def format_summary(result: dict[str, Any]) -> str:
-    """The one-line summary of a `train` result, e.g.
+def format_summary(result: Union[TrainResult, Mapping[str, Any]]) -> str:
+    """The one-line summary of a `train` result (a `TrainResult`, or a mapping with
+    its field names), e.g.
 
     ``peaks: val_acc 0.873 | train_loss 0.321 | 12.3 ms/batch | fwd iters 2 (res 3.1e-02)
     | bwd iters 1 (res n/a) | ranks 4`` (one line; "serial" instead of the MGRIT part
     for the serial oracle).  `parse_summary` reads it back.
     """
-    parts = [f"{result['model']}: val_acc {result['val_acc']:.3f}",
-             f"train_loss {result['train_loss']:.3f}",
-             f"{result['ms_per_batch']:.1f} ms/batch"]
-    if result.get("sync_bytes") is not None and result.get("data_parallel", 1) > 1:
-        parts.append(f"sync_bytes {result['sync_bytes']:.0f}")
-    if result["serial"]:
+    def get(key: str, default: Any = None) -> Any:
+        if isinstance(result, Mapping):
+            return result.get(key, default)
+        return getattr(result, key, default)
+
+    parts = [f"{get('model')}: val_acc {get('val_acc'):.3f}",
+             f"train_loss {get('train_loss'):.3f}",
+             f"{get('ms_per_batch'):.1f} ms/batch"]
+    data = get("data_parallel", 1)
+    if get("sync_bytes") is not None and data > 1:
+        parts.append(f"sync_bytes {get('sync_bytes'):.0f}")
+    if get("serial"):
         parts.append("serial")
     else:
-        parts.append(f"fwd iters {result['fwd_iters']:g} (res {_fmt_res(result['fwd_res'])})")
-        parts.append(f"bwd iters {result['bwd_iters']:g} (res {_fmt_res(result['bwd_res'])})")
-    data = result.get("data_parallel", 1)
-    parts.append(f"ranks {result['ranks']}" + (f" (data {data})" if data > 1 else ""))
-    if result.get("target_acc") is not None:
-        ttt = result.get("time_to_target")
+        parts.append(f"fwd iters {get('fwd_iters'):g} (res {_fmt_res(get('fwd_res'))})")
+        parts.append(f"bwd iters {get('bwd_iters'):g} (res {_fmt_res(get('bwd_res'))})")
+    parts.append(f"ranks {get('ranks')}" + (f" (data {data})" if data > 1 else ""))
+    if get("target_acc") is not None:
+        ttt = get("time_to_target")
         parts.append("time_to_target " + ("not reached" if ttt is None else f"{ttt:.2f}"))
     return " | ".join(parts)
 
@@ -863,7 +967,7 @@ def dtype_from_arguments(args: argparse.Namespace) -> torch.dtype:
 
 
 def train_from_arguments(model_name: str, args: argparse.Namespace,
-                         comm: Any = None) -> dict[str, Any]:
+                         comm: Any = None) -> TrainResult:
     """`train` with the options parsed by `add_arguments` (the examples and
     `layerpar train` share this).  With a communicator of several ranks, each rank's
     intra-op threads are set so the ranks on one node share its cores."""

@@ -122,10 +122,10 @@ def worker(argv: list[str]) -> int:
             comm = MPI.COMM_WORLD
     res = train_from_arguments(args.model, args, comm)
     if comm is None or comm.Get_rank() == 0:
-        keep = {k: res[k] for k in ("history", "auto_log", "auto_choice", "accuracy_log",
+        keep = {k: getattr(res, k) for k in ("history", "auto_log", "auto_choice", "accuracy_log",
                                     "ranks", "summary", "step_mode", "train_seconds")}
         keep["history"] = [{k: v for k, v in r.items() if isinstance(v, (int, float, str))
-                            or v is None} for r in res["history"]]
+                            or v is None} for r in res.history]
         keep["threads"] = __import__("torch").get_num_threads()
         Path(out).write_text(json.dumps(keep))
     return 0

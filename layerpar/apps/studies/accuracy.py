@@ -5,7 +5,7 @@
 
 Training runs the forward and adjoint MGRIT solves with a few iterations, so the
 gradient the optimizer gets is not the network's gradient.  For the Peaks net and the
-digits conv net exactly as `layerpar.train` builds them (`layerpar.nets.problem_net`,
+digits conv net exactly as `layerpar.apps.train` builds them (`layerpar.apps.nets.problem_net`,
 `load_data`), at initialisation and after a little serial training, this measures with
 `LayerParallel.check_gradients` the relative error and the cosine of the inexact
 parameter gradient against the exact one, over forward iterations, backward
@@ -209,7 +209,7 @@ def _state_net(model_name: str, state: str, s: Settings) -> tuple[Any, Optional[
     with contextlib.redirect_stdout(io.StringIO()):  # train() prints its summary line
         res = train(model_name, serial=True, epochs=s.train_epochs, seed=s.seed,
                     progress=False, dtype=torch.float64)
-    return res["module"], float(res["val_acc"])
+    return res.module, float(res.val_acc)
 
 
 def _fmt(v: Any) -> str:
@@ -320,7 +320,7 @@ def to_readme(rows: Sequence[dict[str, Any]], s: Settings, seconds: float) -> st
         f"torch thread(s)):", "",
         "```bash", command, "```", "",
         "For the Peaks net (32 layers, width 8) and the digits conv net (8 layers, 8 "
-        "channels) exactly as `layerpar.train.build_net` builds them, one batch (the "
+        "channels) exactly as `layerpar.apps.train.build_net` builds them, one batch (the "
         f"first training samples: {batches}) is run with `LayerParallel.check_gradients`: "
         "once with inexact MGRIT (the forward and backward iteration counts, levels and "
         "coarsening factor below; `tol=0`, so exactly that many iterations) and once "
@@ -329,7 +329,7 @@ def to_readme(rows: Sequence[dict[str, Any]], s: Settings, seconds: float) -> st
         "",
         f"- Parameters: `init` = as built after `torch.manual_seed({s.seed})`; `trained` = "
         f"after {s.train_epochs} epoch(s) of serial (exact) training with the problem's "
-        "recipe (`layerpar.train.train(..., serial=True)`: Adam, cosine schedule).",
+        "recipe (`layerpar.apps.train.train(..., serial=True)`: Adam, cosine schedule).",
         f"- Settings: levels {list(s.levels)}, cfactor {list(s.cfactor)}, forward "
         f"iterations {list(s.fwd_iters)}, backward iterations {list(s.bwd_iters)}.",
         "- float64 and one rank. The numbers do not depend on the number of ranks: "
