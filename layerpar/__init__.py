@@ -1,5 +1,12 @@
 """layerpar: layer-parallel training of deep residual networks with MGRIT.
 
+The library: `layerpar.mgrit` (MGRIT options, `solve`, transports), `layerpar.ode` (the
+serial `ODENet` oracle, blocks, refinement), `layerpar.parallel` (`LayerParallel`,
+`ProcessGrid`) and `layerpar._native` (the C engine).  The applications built on it,
+everything a user runs (the ``layerpar`` command, training, the benchmarks of
+``python -m layerpar.bench``, the studies, the job launcher), live in `layerpar.apps`;
+the library never imports them.
+
 The public names are imported lazily, so ``import layerpar.ode`` (the serial
 oracle) never loads the native engine or MPI.
 """

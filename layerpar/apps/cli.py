@@ -7,7 +7,7 @@
                    [--device cpu|cuda] [--target-acc A] [--time-budget S]
     layerpar info
 
-``train`` runs `layerpar.train.train`.  With ``--np N`` (N > 1) and not already inside
+``train`` runs `layerpar.apps.train.train`.  With ``--np N`` (N > 1) and not already inside
 an MPI job, it launches itself on N ranks: ``mpiexec -n N python -m mpi4py -m
 layerpar.cli train ...`` with the mpiexec installed beside the running Python (a venv
 with ``layerpar[mpich]``), else the one on PATH, and exits with that job's status.

@@ -11,14 +11,14 @@ One training batch is zero_grad, forward, cross-entropy, backward and an SGD ste
 - graph serial: the same step captured once in a CUDA graph and replayed (the fastest
   serial baseline: no launch or dispatch cost per kernel);
 - MGRIT: `LayerParallel` on one rank, batched cycle, cfactor 4, levels down to at most
-  16 coarsest intervals, 2 forward / 1 backward iterations (`layerpar.opcount`), the
+  16 coarsest intervals, 2 forward / 1 backward iterations (`layerpar.apps.opcount`), the
   step captured in one CUDA graph (`layerpar.parallel.capture_step`); its eager time,
   with the per-pass finiteness checks, is the column mgrit_eager_seconds_per_batch.
   The operation counts (profiler, on the GPU) are in the last two columns.
 
 Times are medians over repeats, measured with CUDA events.  `loss_rel_diff` compares
 the loss after `--steps` SGD steps (same initial weights, same batch) of MGRIT and of
-eager serial training.  Models (`layerpar.opcount.CONFIGS`): (a) dense ODE-net 1,024
+eager serial training.  Models (`layerpar.apps.opcount.CONFIGS`): (a) dense ODE-net 1,024
 layers x 64, batch 256; (b) conv ODE-net 256 layers x 16 channels, 32x32 images, batch
 64; (c) conv16: 1,024 layers x 16 channels, 16x16, batch 16; (d) transformer: 256
 pre-norm transformer blocks, d = 128, 4 heads, sequence 64, batch 16.
@@ -30,7 +30,7 @@ step with ``cudnn.benchmark`` on, and the serial model under ``torch.compile``
 MGRIT's speedup over it.  `mgrit_torch_seconds_per_batch`: captured MGRIT with the
 fused Triton steps switched off (``LAYERPAR_TRITON=0``); `fused_steps` whether the
 first-use measurement chose the fused steps for any shape.  `predicted_*`: the GPU
-model (`layerpar.studies.gpumodel`, H100 constants) for this net and these operation
+model (`layerpar.apps.studies.gpumodel`, H100 constants) for this net and these operation
 counts, and `model_error` = (predicted - measured) / measured of the MGRIT time.
 """
 from __future__ import annotations

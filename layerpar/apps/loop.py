@@ -1,11 +1,11 @@
 """One training step and one training loop for every front door, and their progress bar.
 
 `train_step` is what one batch is, wherever layerpar trains or times training
-(``layerpar train`` and the examples through `layerpar.train.train`, the scaling
+(``layerpar train`` and the examples through `layerpar.apps.train.train`, the scaling
 studies' workers and serial baseline, ``python -m layerpar.bench``, the operation
 counts and the GPU benchmark): zero the gradients, forward, loss, backward, the
 optimiser's step and the learning-rate schedule's.  It works on any module that maps
-inputs to logits: a serial `ODENet`, its `layerpar.nets.sequential_twin`, or a
+inputs to logits: a serial `ODENet`, its `layerpar.apps.nets.sequential_twin`, or a
 `LayerParallel`.  It returns a `Step`: the loss, the output, the time of the forward
 part and of the rest, and, for a `LayerParallel`, that pass's MGRIT reports, read
 (`Step.fwd`, `Step.bwd`) only when asked, since reading residuals may wait for the
@@ -101,7 +101,7 @@ def train_step(model: nn.Module, x: Tensor, y: Tensor,
     after the backward pass, then the `scheduler` (if any).  Without one, only
     forward, loss and backward run (gradients accumulate): what a benchmark times.
     Adds no tensor operation and no host synchronisation of its own beyond detaching
-    the loss, so it can be counted (`layerpar.opcount`) and captured in a CUDA graph.
+    the loss, so it can be counted (`layerpar.apps.opcount`) and captured in a CUDA graph.
     """
     t0 = time.perf_counter()
     if optimizer is not None:

@@ -7,7 +7,7 @@ Two families, with names that say which:
   ``layerpar train``, the examples and the accuracy study train, each with a `Recipe`
   (network size and a training budget that works); `problem_net` builds them.
 - **synthetic models** (`SYNTHETIC_MODELS`: "dense", "conv"): the scaling studies'
-  networks of any depth, width and batch on random data (`layerpar.studies.runs`
+  networks of any depth, width and batch on random data (`layerpar.apps.studies.runs`
   picks their sizes from a study's settings); `synthetic_net` builds them.
 
 `sequential_twin` turns an `ODENet` into plain PyTorch (an ``nn.Sequential`` of

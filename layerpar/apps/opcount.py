@@ -48,7 +48,7 @@ def count_ops(fn: Callable[[], Any]) -> tuple[int, dict[str, int]]:
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
                y: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """One training batch (`layerpar.loop.train_step`: zero_grad, forward,
+    """One training batch (`layerpar.apps.loop.train_step`: zero_grad, forward,
     cross-entropy, backward, step) as a closure, to count or to capture.  The closure
     returns the loss (detached)."""
     from .loop import train_step as one_step
@@ -127,8 +127,8 @@ def transformer_model(n_steps: int = 256, d_model: int = 128, heads: int = 4,
 
 
 #: the counted configurations by name: (builder, its arguments); not the studies'
-#: synthetic models of the same names (`layerpar.nets.SYNTHETIC_MODELS`).  dense, conv,
-#: conv16 and transformer are the GPU issue's rows (a) to (d) (`layerpar.gpubench`).
+#: synthetic models of the same names (`layerpar.apps.nets.SYNTHETIC_MODELS`).  dense, conv,
+#: conv16 and transformer are the GPU issue's rows (a) to (d) (`layerpar.apps.gpubench`).
 CONFIGS: dict[str, tuple[Callable[..., Any], dict[str, int]]] = {
     "dense": (dense_model, {"n_steps": 1024, "width": 64, "batch": 256}),
     "conv": (conv_model, {"n_steps": 256, "channels": 16, "batch": 64, "size": 32}),

@@ -373,7 +373,7 @@ class AutoTuner:
 
     def forward(self, model: LayerParallel, x: Tensor) -> Tensor:
         """A pass of `model`: tuned first if it never was (with a surrogate loss,
-        since a forward pass knows no targets; `layerpar.train` tunes with its loss)."""
+        since a forward pass knows no targets; `layerpar.apps.train` tunes with its loss)."""
         if not self.tuned:
             self.tune(model, x, None, _surrogate_loss)
         assert self.chosen is not None

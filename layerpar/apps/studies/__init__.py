@@ -2,9 +2,9 @@
 
 `run_study` (`runner`) runs a grid of layer-parallel trainings under mpiexec
 (`worker`; what a run is and builds: `runs`) and writes a CSV;
-`layerpar.studies.perfmodel`, the performance model, predicts time per batch from
+`layerpar.apps.studies.perfmodel`, the performance model, predicts time per batch from
 measured step and message costs (`predict`, `count_steps`);
-`layerpar.studies.plots` draws the results.
+`layerpar.apps.studies.plots` draws the results.
 The command line is ``layerpar scale`` or ``python -m layerpar.studies``.
 """
 from .perfmodel import Costs, Prediction, count_steps, pipeline_seconds, predict

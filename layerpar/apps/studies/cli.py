@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m layerpar.studies [options]`` runs the scaling study;
     ``python -m layerpar.studies accuracy [options]`` the gradient-accuracy study
-    (`layerpar.studies.accuracy`)."""
+    (`layerpar.apps.studies.accuracy`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["accuracy"]:
         from .accuracy import main as accuracy_main

@@ -14,12 +14,12 @@ one rank of LayerParallel (the batched cycle, `layerpar.parallel.batched`):
         (+ engine steps x host seconds per step, for MGRIT run eagerly)
 
 - kernels: the top-level operations of one training batch, counted by
-  `layerpar.opcount` on the CPU with the user's layers and MGRIT options (the count does
+  `layerpar.apps.opcount` on the CPU with the user's layers and MGRIT options (the count does
   not depend on batch, width or image size, so a tiny instance is counted);
 - flops: serial does one forward evaluation F of each layer and two of its cost
   backwards (state and weight gradients): 3·N·F.  MGRIT does Sf forward steps and Sb
   adjoint steps (counted by replaying the engine's program,
-  `layerpar.studies.perfmodel.count_steps`), an adjoint step costing 2·F, and the
+  `layerpar.apps.studies.perfmodel.count_steps`), an adjoint step costing 2·F, and the
   weight gradients once: (Sf + 2·Sb + N)·F;
 - bytes: state-sized tensor passes (`PASSES`: reads and writes of the layer's state
   per forward step and per backward step) times the state's size;
@@ -129,7 +129,7 @@ def mgrit_steps(layers: int, levels: int, cfactor: int, fwd_iters: int,
 def kernel_counts(model: str, layers: int, levels: int, cfactor: int, fwd_iters: int,
                   bwd_iters: int, heads: int = 4) -> tuple[int, int]:
     """(serial operations, MGRIT operations) per training batch, counted by
-    `layerpar.opcount` on the CPU on a tiny instance with these layers and options."""
+    `layerpar.apps.opcount` on the CPU on a tiny instance with these layers and options."""
     import copy
 
     import torch
@@ -183,7 +183,7 @@ class GPUPrediction:
 
     @property
     def speedup_vs_eager(self) -> float:
-        """Eager serial over graph-captured MGRIT (as `layerpar.gpubench` reports it)."""
+        """Eager serial over graph-captured MGRIT (as `layerpar.apps.gpubench` reports it)."""
         return self.serial_eager / self.mgrit_graph
 
 
@@ -229,7 +229,7 @@ def predict_gpu(model: str, layers: int, batch: int, width: int, size: int = 1, 
 # ------------------------------------------------------------------------------------------
 # calibration and validation on the measured rows (docs/gpu/*.csv)
 # ------------------------------------------------------------------------------------------
-#: the nets of the measured rows (`layerpar.opcount.CONFIGS`) as predict_gpu arguments
+#: the nets of the measured rows (`layerpar.apps.opcount.CONFIGS`) as predict_gpu arguments
 ROW_NETS: dict[str, dict[str, int]] = {
     "dense": {"layers": 1024, "batch": 256, "width": 64, "size": 1},
     "conv": {"layers": 256, "batch": 64, "width": 16, "size": 32},

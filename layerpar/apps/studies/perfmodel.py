@@ -14,7 +14,7 @@ The sequential coarsest-level solve thereby becomes the critical path it is.
 Costs come from measurements (`measure_costs`: forward step, forward step that
 records its graph, vector–Jacobian products, vector sums, the parameter update, each
 as one step and batched as the apps batch them, all on the real blocks in this
-process) and from the ping-pong (`layerpar.studies.pingpong`: ``alpha``, ``beta``).
+process) and from the ping-pong (`layerpar.apps.studies.pingpong`: ``alpha``, ``beta``).
 Three constants are fitted on small runs (`fit`): the cost of one step callback
 through the engine beyond the torch work (``call_overhead``), of one step beyond it
 (``step_overhead``: the apps' Python bookkeeping), and a fixed cost per batch
@@ -156,7 +156,7 @@ def measure_costs(cfg: dict, threads: int = 1, budget: float = 0.05,
                   batch_of: Optional[int] = None) -> Costs:
     """Measure the per-step costs of the study model `cfg` in this process.
 
-    Builds the network of `cfg` (`layerpar.studies.runs.build_study_net`) and times its
+    Builds the network of `cfg` (`layerpar.apps.studies.runs.build_study_net`) and times its
     residual steps the ways the layer-parallel apps run them, each as one step and as
     `batch_of` independent steps of distinct layers in one call (default: the
     fine-grid batch of one rank, layers / cfactor, clamped to 16..256): forward

@@ -1,7 +1,7 @@
 """What one study run is: its settings, and the network and data they build.
 
 A run is a dict of the settings in `DEFAULTS` (`config` completes and checks one).
-`build_study_net` builds its network (a `layerpar.nets.synthetic_net`, seeded by the
+`build_study_net` builds its network (a `layerpar.apps.nets.synthetic_net`, seeded by the
 run), `make_batches` its data, `input_shape` the shape of one batch; `app_flags`
 says which batched steps a layer-parallel run's engine apps offer (the performance
 model replays them, the worker records them).

@@ -16,8 +16,8 @@ training loss after the last step, and residual histories of one extra diagnosti
 solve run to ``diag_iters`` iterations.
 
 `serial_baseline` trains the same network on the same batches with plain PyTorch
-(`layerpar.nets.sequential_twin`, and the ODENet oracle) at the best thread count.
-Both sides run the same SGD loop (`_sgd`: `layerpar.loop.train_steps`), so the runner
+(`layerpar.apps.nets.sequential_twin`, and the ODENet oracle) at the best thread count.
+Both sides run the same SGD loop (`_sgd`: `layerpar.apps.loop.train_steps`), so the runner
 compares like with like.
 """
 from __future__ import annotations
