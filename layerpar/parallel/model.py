@@ -43,6 +43,7 @@ from .batched import structure
 from .direct import direct_backward_started
 from .grads import GradDelivery
 from .grid import ProcessGrid
+from .move import Like, move
 from .plan import Plan
 from .runner import SegmentRunner
 from .tape import Tape
@@ -440,12 +441,13 @@ class LayerParallel(nn.Module):
     def size(self) -> int:
         return self.transport.size
 
-    def _send(self, t: Tensor, dest: int) -> None:
-        self.transport.send_tensor(t, dest, _LINK_TAG, "an activation to be received")
-
-    def _recv(self, src: int, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return self.transport.recv_tensor(src, _LINK_TAG, shape, dtype, device,
-                                          "an activation")
+    def _move(self, t: Optional[Tensor], src: int, dst: int, shape: tuple,
+              dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
+        """An activation (or its gradient) handed from rank `src` to `dst`: the tensor
+        received on `dst`, `t` as it was elsewhere."""
+        item = Like(shape, dtype, device) if self.rank == dst else t
+        return move(self.transport, [(src, dst, item)], tag=_LINK_TAG,  # type: ignore[return-value]
+                    what="an activation")[0]
 
     def _meta(self, t: Optional[Tensor], root: int) -> tuple[tuple[int, ...], torch.dtype]:
         if self.size == 1:
@@ -547,10 +549,7 @@ class LayerParallel(nn.Module):
                 owner = info
                 if owner != holder:
                     shape, dtype = meta(h, holder)
-                    if rank == holder:
-                        self._send(h, owner)  # type: ignore[arg-type]
-                    elif rank == owner:
-                        h = self._recv(holder, shape, dtype, x.device)
+                    h = self._move(h, holder, owner, shape, dtype, x.device)
                     holder = owner
                 if rank == owner:
                     if ctx.direct:  # onto the caller's graph
@@ -566,10 +565,7 @@ class LayerParallel(nn.Module):
                 runner = self._runners[k]
                 if holder != 0:
                     shape, dtype = meta(h, holder)
-                    if rank == holder:
-                        self._send(h, 0)  # type: ignore[arg-type]
-                    elif rank == 0:
-                        h = self._recv(holder, shape, dtype, x.device)
+                    h = self._move(h, holder, 0, shape, dtype, x.device)
                     holder = 0
                 shape, dtype = meta(h, 0)
                 ctx.shapes.append((shape, dtype))
@@ -623,11 +619,7 @@ class LayerParallel(nn.Module):
             if kind == "plain":
                 owner = info
                 if owner != holder:
-                    shape, dtype = g_meta
-                    if rank == holder:
-                        self._send(g, owner)  # type: ignore[arg-type]
-                    elif rank == owner:
-                        g = self._recv(holder, shape, dtype, gy.device)
+                    g = self._move(g, holder, owner, *g_meta, gy.device)
                     holder = owner
                 if rank == owner:
                     rec = ctx.plain[k]
@@ -648,10 +640,7 @@ class LayerParallel(nn.Module):
                 shape, dtype = seg_shapes.pop()
                 like = torch.empty(shape, dtype=dtype, device=gy.device)
                 if holder != size - 1:
-                    if rank == holder:
-                        self._send(g, size - 1)  # type: ignore[arg-type]
-                    elif rank == size - 1:
-                        g = self._recv(holder, shape, dtype, gy.device)
+                    g = self._move(g, holder, size - 1, shape, dtype, gy.device)
                     holder = size - 1
                 g, stats, seg_grads = runner.backward(g if rank == size - 1 else None, like,
                                                       ctx.tapes.pop(k))
