@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..mgrit.errors import DivergenceError, RankMismatchError, RemoteError
+from ..mgrit.grid import build_levels
 from ..mgrit.options import MGRITOptions
 from ..mgrit.session import SolveStats
 from ..mgrit.transport import DEFAULT_TIMEOUT, Transport, check_timeout, make_transport
@@ -341,12 +342,16 @@ class LayerParallel(nn.Module):
         shards: list[nn.Module] = []
         self._runners: dict[int, SegmentRunner] = {}
         first_seg = min(k for k, _ in net.segments)
+        # one rank, sequential forward and adjoint: see _forward_direct
+        self._direct = size == 1 and self._averager is None and engine == "native" and all(
+            len(build_levels(seg.n_steps, o)) == 1 for _, seg in net.segments
+            for o in (options, backward_options))
         seg_index = 0
         for k, layer in enumerate(net.layers):
             if isinstance(layer, Segment):
                 runner = SegmentRunner(layer, seg_index, self.transport, options,
                                         backward_options, coarsening, batched,
-                                        engine=engine)
+                                        engine=engine, direct=self._direct)
                 runner.averager = self._averager
                 self._runners[k] = runner
                 shards.append(_SegmentShard(layer, runner.owned))
@@ -366,10 +371,7 @@ class LayerParallel(nn.Module):
         for r in self._runners.values():
             r.check_finite = check_finite
         self._shape_cache: dict[tuple, list[tuple[tuple[int, ...], torch.dtype]]] = {}
-        # one rank, sequential forward and adjoint: see _forward_direct
         self.engine = engine
-        self._direct = size == 1 and self._averager is None and engine == "native" and all(
-            r.sequential_forward and r.sequential_adjoint for r in self._runners.values())
         # what _twin needs to build the same model with other MGRIT options
         # (outside nn.Module's registry: the whole net is not this rank's submodule)
         self.__dict__["_net"], self._comm_arg = net, comm
@@ -570,12 +572,17 @@ class LayerParallel(nn.Module):
                 shape, dtype = meta(h, 0)
                 ctx.shapes.append((shape, dtype))
                 like = torch.empty(shape, dtype=dtype, device=x.device)
+                runner.ghosts.set_training(self.training)
                 if size > 1:
                     runner.ghosts.sync(self.transport)
-                h, stats, tape = runner.forward(h if rank == 0 else None, like, seed,
-                                                record, self.training, ctx.direct,
-                                                check_shapes=cached is None)
-                if record and not ctx.direct:
+                tape = runner.new_tape(record and not ctx.direct, seed)
+                if ctx.direct:
+                    assert h is not None
+                    h, stats = runner.forward_direct(h, tape, check_shapes=cached is None)
+                else:
+                    h, stats = runner.forward(h if rank == 0 else None, like, tape,
+                                              check_shapes=cached is None)
+                if tape.recording:
                     ctx.tapes[k] = tape
                 self.last_forward.append(stats)
                 holder = last
