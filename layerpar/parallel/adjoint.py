@@ -40,8 +40,9 @@ class AdjointApp(StateOps):
     grid, a coarse step on coarse levels), linearised at the forward state u_{N-m_b}.
     """
 
-    def __init__(self, runner: SegmentRunner) -> None:
+    def __init__(self, runner: SegmentRunner, sequential: bool) -> None:
         self.r = runner
+        self.sequential = sequential  # the adjoint solve has one level (chain_vjp)
         self.deferred: Optional[list[Tensor]] = None  # see ForwardApp
         # averages gradients over a process grid's replicas (set by LayerParallel)
         self.averager: Optional[Any] = None
@@ -80,7 +81,7 @@ class AdjointApp(StateOps):
             lam, f = as_tensor(lam), None if f is None else as_tensor(f)
         if level == 0:
             u_in, out, _ = self.tape.records[a]
-            if final and r.sequential_adjoint:
+            if final and self.sequential:
                 res = self.chain_vjp(a, lam)
             elif final:
                 grads = vjp(out, [u_in, *self.layer_params[a]], lam)
@@ -111,7 +112,7 @@ class AdjointApp(StateOps):
             if fs is not None:
                 res = res + stack_rows([self.lam_zero if g is None else g for g in fs])
             return unstack_rows(res)
-        one_by_one = final and r.sequential_adjoint
+        one_by_one = final and self.sequential
         if level == 0 and not one_by_one:
             heads = {self.tape.chain_head[a] for a, _ in pairs}
             one_by_one = len(heads) < len(pairs)

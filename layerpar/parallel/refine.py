@@ -48,23 +48,20 @@ def refine_parallel(model: LayerParallel, factor: int = 2,
                          f"{interpolation!r}")
     linear = interpolation == "linear"
     tr, size = model.transport, model.size
-    # this rank's copy of the whole net: `_net`'s modules are the model's own, so the
+    # this rank's copy of the whole net: `whole_net`'s modules are the model's own, so the
     # layers this rank owns (blocks and plain layers) hold the trained values; the
     # others are stale and are either received below or never used
-    net = copy.deepcopy(model._net)
-    for k, runner in model._runners.items():
-        seg = net.layers[k]
+    net = copy.deepcopy(model.whole_net)
+    for sp in model.plan.segments:
+        seg = net.layers[sp.position]
         assert isinstance(seg, Segment)
         n = seg.n_steps
-        part = runner.part
+        part = sp.forward
         # every rank lists the same moves: coarse layer a from the rank computing
         # step a (its output point) to each rank that needs it
         move(tr, [(part.owner(a + 1), q, seg.blocks[a]) for q in range(size)
                   for a in sorted(_needed(n, size, q, factor, linear))],
              tag=_REFINE_TAG, what="a layer's parameters (refinement)")
     fine = refine(net, factor, interpolation)
-    opts = (model.options, model.backward_options)
-    kw = dict(model._init_kwargs)
-    if model.accuracy is not None:
-        kw["accuracy"] = model.accuracy.policy
-    return type(model)(fine, model._comm_arg, *opts, **kw)
+    kw = {} if model.accuracy is None else {"accuracy": model.accuracy.policy}
+    return model.like(fine, **kw)

@@ -62,13 +62,14 @@ class PathChoice:
 class SegmentRunner:
     """One Segment on one rank: ownership, ghosts, the propagator, the two engines.
 
-    direct: the forward app may run direct passes (`forward_direct`; one rank,
-        sequential solves both ways, see `direct.py`).
+    direct_ok: direct passes are possible here (one rank, no replicas, the native
+        engine); the runner then runs them where its solves are sequential both ways
+        (`direct`; `forward_direct`, see `direct.py`), and always for exact propagation.
     """
 
     def __init__(self, seg: Segment, seg_index: int, transport: Any, fwd: MGRITOptions,
                  bwd: MGRITOptions, coarsening: str, batched: Union[bool, str] = "auto",
-                 engine: str = "native", direct: bool = False) -> None:
+                 engine: str = "native", direct_ok: bool = False) -> None:
         self.seg_index = seg_index
         self.n = n = seg.n_steps
         self.coarsening = coarsening
@@ -114,29 +115,53 @@ class SegmentRunner:
                 self.vectorised = BatchedBlocks(self.blocks, self.scheme, self.times)
             else:
                 warn_once(seg.blocks[self.owned[0]], why)
+        self.check_finite = True  # set by LayerParallel
+        self.transport = transport
+        self.rtransport = transport.reversed()
+        self._seg, self._engine = seg, engine
+        self.fwd_options = fwd.replace(final_fc_relax=True)
+        self.bwd_options = bwd.replace(final_fc_relax=True)
+        self.direct = direct_ok and self.sequential_forward and self.sequential_adjoint
+        self.fapp, self.bapp, self.fsession, self.bsession = self._solver(
+            self.fwd_options, self.bwd_options, self.direct, self.sequential_adjoint, "")
+        # exact propagation on the same plan (sequential solves both ways), built at
+        # first use: `forward(..., exact=True)`
+        self._exact: Optional[tuple] = None
+        self._exact_direct = direct_ok
+
+    def _solver(self, fwd: MGRITOptions, bwd: MGRITOptions, direct: bool,
+                sequential_adjoint: bool, label: str) -> tuple:
+        """(forward app, adjoint app, forward session, adjoint session) for these
+        options, over this runner's plan and propagator."""
+        seg, engine = self._seg, self._engine
         # fixed iteration counts: residual norms stay on the device during the solve
         # (the native engine's: XBraid reads every norm)
         defer_f = fwd.tol == 0.0 and fwd.rtol == 0.0 and engine == "native"
         defer_b = bwd.tol == 0.0 and bwd.rtol == 0.0 and engine == "native"
-        self.fapp: ForwardApp = DirectApp(self) if direct else ForwardApp(self)
-        self.bapp = AdjointApp(self)
-        self.check_finite = True  # set by LayerParallel
-        self.transport = transport
-        name = f"of segment {seg_index}"
-        self.fwd_options = fwd.replace(final_fc_relax=True)
-        self.bwd_options = bwd.replace(final_fc_relax=True)
-        self.fsession = EngineSession(n, seg.t_start, seg.t_final, transport, self.bounds,
-                                      self.fapp, self.fwd_options,
-                                      what=f"forward MGRIT {name}", defer_norms=defer_f,
-                                      engine=engine)
-        self.rtransport = transport.reversed()
-        self.bsession = EngineSession(n, seg.t_start, seg.t_final, self.rtransport,
-                                      reversed_bounds(self.bounds), self.bapp,
-                                      self.bwd_options,
-                                      what=f"backward MGRIT {name}", defer_norms=defer_b,
-                                      engine=engine)
-        self.fapp.deferred = self.fsession.deferred
-        self.bapp.deferred = self.bsession.deferred
+        fapp: ForwardApp = DirectApp(self) if direct else ForwardApp(self)
+        bapp = AdjointApp(self, sequential_adjoint)
+        name = f"{label}of segment {self.seg_index}"
+        fsession = EngineSession(self.n, seg.t_start, seg.t_final, self.transport,
+                                 self.bounds, fapp, fwd, what=f"forward MGRIT {name}",
+                                 defer_norms=defer_f, engine=engine)
+        bsession = EngineSession(self.n, seg.t_start, seg.t_final, self.rtransport,
+                                 reversed_bounds(self.bounds), bapp, bwd,
+                                 what=f"backward MGRIT {name}", defer_norms=defer_b,
+                                 engine=engine)
+        fapp.deferred = fsession.deferred
+        bapp.deferred = bsession.deferred
+        return fapp, bapp, fsession, bsession
+
+    def _mode(self, exact: bool) -> tuple:
+        """The apps and sessions of a pass: this runner's MGRIT, or exact propagation."""
+        if not exact:
+            return self.fapp, self.bapp, self.fsession, self.bsession
+        if self._exact is None:
+            one = MGRITOptions(max_levels=1, final_fc_relax=True)
+            self._exact = self._solver(one, one, self._exact_direct, True,
+                                       "(exact propagation) ")
+            self._exact[1].averager = self.bapp.averager
+        return self._exact
 
     @property
     def averager(self) -> Optional[Any]:
@@ -146,9 +171,12 @@ class SegmentRunner:
     @averager.setter
     def averager(self, value: Optional[Any]) -> None:
         self.bapp.averager = value
+        if self._exact is not None:
+            self._exact[1].averager = value
 
     def set_iterations(self, fwd: int, bwd: int) -> None:
-        """Forward / adjoint MGRIT iterations from the next pass on (adaptive accuracy)."""
+        """Forward / adjoint MGRIT iterations from the next pass on (adaptive accuracy;
+        exact propagation has none to set)."""
         if fwd != self.fwd_options.max_iter:
             self.fwd_options = self.fwd_options.replace(max_iter=fwd)
             self.fsession.core.set_options(**self.fwd_options.engine_kwargs())
@@ -276,41 +304,46 @@ class SegmentRunner:
             k for k, blk in self.blocks.items() if seed is not None and needs_rng(blk)))
 
     def forward(self, u0: Optional[Tensor], like: Tensor, tape: Tape, *,
-                check_shapes: bool = False) -> tuple[Optional[Tensor], SolveStats]:
-        """MGRIT forward solve of the pass that owns `tape` (recorded onto it when it
-        records); returns (u_N on the last rank else None, stats).  `check_shapes`: the
+                check_shapes: bool = False, exact: bool = False
+                ) -> tuple[Optional[Tensor], SolveStats]:
+        """Forward solve of the pass that owns `tape` (recorded onto it when it
+        records): MGRIT with this runner's options, or exact propagation (sequential
+        stepping over the same ranks) where `exact`; the tape remembers which, for the
+        backward.  Returns (u_N on the last rank else None, stats).  `check_shapes`: the
         first pass for an input shape checks what the blocks do (see `phi`)."""
         if tape.recording:
             self.refresh_trainable()
         self.transport.set_template(like)
-        bb = self.bb = self.use_path(like)
+        # sequential solves have nothing to batch
+        bb = self.bb = None if exact else self.use_path(like)
         if bb is not None:
             bb.new_pass()
         tape.bb = bb  # as recorded: the backward steps through the same path
         tape.layer_params = self.layer_params
-        app = self.fapp
+        tape.exact = exact
+        app, _, session, _ = self._mode(exact)
         app.begin(tape, u0 if u0 is not None else like, like, bb, check_shapes)
         try:
-            stats = self.fsession.drive(lazy_history=not self.check_finite)
+            stats = session.drive(lazy_history=not self.check_finite)
         finally:
             app.end()
         last = self.transport.size - 1
-        out = as_tensor(self.fsession.state(self.n)) if self.transport.rank == last else None
+        out = as_tensor(session.state(self.n)) if self.transport.rank == last else None
         return out, stats
 
-    def forward_direct(self, u0: Tensor, tape: Tape, *, check_shapes: bool = False
-                       ) -> tuple[Tensor, SolveStats]:
+    def forward_direct(self, u0: Tensor, tape: Tape, *, check_shapes: bool = False,
+                       exact: bool = False) -> tuple[Tensor, SolveStats]:
         """Direct mode (one rank, sequential solves; see `direct.py`): the sweep is
         recorded onto `u0`'s own graph; returns u_N with its graph, and the stats."""
-        app = self.fapp
-        assert isinstance(app, DirectApp), "internal: a direct pass on a runner built " \
-            "without direct=True"
+        app, _, session, _ = self._mode(exact)
+        assert isinstance(app, DirectApp), "internal: a direct pass on a runner that " \
+            "cannot run one"
         self.transport.set_template(u0)
         self.bb = None  # sequential solves have nothing to batch
         app.begin(tape, u0, u0, None, check_shapes)
         app.begin_direct(u0)
         try:
-            stats = self.fsession.drive(lazy_history=not self.check_finite)
+            stats = session.drive(lazy_history=not self.check_finite)
             out = app.out
         finally:
             app.end()
@@ -319,16 +352,15 @@ class SegmentRunner:
 
     def backward(self, lam_n: Optional[Tensor], like: Tensor, tape: Tape
                  ) -> tuple[Optional[Tensor], SolveStats, dict[int, Tensor]]:
-        """Adjoint MGRIT solve of the pass that recorded `tape`; returns (lambda_0 on
-        rank 0 else None, stats, id(parameter) -> gradient of this rank's layers).
-        The tape's records are consumed."""
+        """Adjoint solve of the pass that recorded `tape` (MGRIT, or exact propagation
+        as that pass ran); returns (lambda_0 on rank 0 else None, stats, id(parameter)
+        -> gradient of this rank's layers).  The tape's records are consumed."""
         self.rtransport.set_template(like)
-        app = self.bapp
+        _, app, _, session = self._mode(tape.exact)
         app.begin(tape, lam_n if lam_n is not None else like, like)
         try:
-            stats = self.bsession.drive(lazy_history=not self.check_finite)
-            out = as_tensor(self.bsession.state(self.n)) if self.transport.rank == 0 \
-                else None
+            stats = session.drive(lazy_history=not self.check_finite)
+            out = as_tensor(session.state(self.n)) if self.transport.rank == 0 else None
             grads = app.gradients()
         finally:
             app.end()
