@@ -339,7 +339,10 @@ class SegmentRunner:
         assert isinstance(app, DirectApp), "internal: a direct pass on a runner that " \
             "cannot run one"
         self.transport.set_template(u0)
-        self.bb = None  # sequential solves have nothing to batch
+        # sequential solves have nothing to batch (the runner's own pass still notes
+        # its path, None, in `paths`)
+        self.bb = None if exact else self.use_path(u0)
+        assert self.bb is None
         app.begin(tape, u0, u0, None, check_shapes)
         app.begin_direct(u0)
         try:
