@@ -16,7 +16,8 @@ from typing import Callable
 from torch import Tensor, nn
 
 from .blocks import _positive_int
-from .coarsening import coarse_block
+from .coarsening import COARSENINGS
+from .propagator import Propagator
 from .rng import draw_seed, layer_rng, needs_rng
 from .schemes import Scheme, get_scheme
 
@@ -95,29 +96,40 @@ class Segment(nn.Module):
         """One (possibly coarse) step from fine point ``istart`` to ``istop``.
 
         dt = time(istop) - time(istart), F = coarse_block(self.blocks, istart,
-        istop, coarsening); returns scheme.step(F, u, dt).  If ``seed`` is not
-        None and ``needs_rng(blocks[istart])``, every evaluation of F runs inside
-        ``layer_rng(seed, segment_index, istart)``, so all evaluations of layer
-        ``istart`` for one batch draw the same dropout mask.
+        istop, coarsening); returns scheme.step(F, u, dt), the segment's
+        `propagator`.  If ``seed`` is not None and ``needs_rng(blocks[istart])``,
+        every evaluation of F runs inside ``layer_rng(seed, segment_index, istart)``,
+        so all evaluations of layer ``istart`` for one batch draw the same dropout
+        mask.
         """
-        f = coarse_block(self.blocks, istart, istop, coarsening)
-        dt = self.time(istop) - self.time(istart)
+        if coarsening not in COARSENINGS:
+            raise ValueError(f"`coarsening` must be one of {list(COARSENINGS)}, got "
+                             f"{coarsening!r}")
+        if not 0 <= istart < istop <= self.n_steps:
+            raise ValueError(f"need 0 <= istart < istop <= {self.n_steps}, got "
+                             f"istart={istart}, istop={istop}")
         rng = seed is not None and needs_rng(self.blocks[istart])
 
-        def branch(v: Tensor) -> Tensor:
-            if rng:
-                with layer_rng(seed, segment_index, istart):
+        def wrap(f: Callable[[Tensor], Tensor], a: int, b: int) -> Callable[[Tensor], Tensor]:
+            def branch(v: Tensor) -> Tensor:
+                if rng:
+                    with layer_rng(seed, segment_index, a):
+                        out = f(v)
+                else:
                     out = f(v)
-            else:
-                out = f(v)
-            if out.shape != v.shape:
-                raise ValueError(
-                    f"layer {istart} of the segment changed the state's shape from "
-                    f"{tuple(v.shape)} to {tuple(out.shape)}; a residual block must keep it"
-                )
-            return out
+                if out.shape != v.shape:
+                    raise ValueError(
+                        f"layer {a} of the segment changed the state's shape from "
+                        f"{tuple(v.shape)} to {tuple(out.shape)}; a residual block must "
+                        "keep it")
+                return out
+            return branch
 
-        return self.scheme.step(branch, u, dt)
+        return self.propagator(coarsening)(u, istart, istop, wrap)
+
+    def propagator(self, coarsening: str = "injection") -> Propagator:
+        """Φ of this segment over all its blocks (`layerpar.ode.propagator`)."""
+        return Propagator(self.blocks, self.time, self.scheme, coarsening)
 
     def forward(self, u: Tensor, *, seed: int | None = None, segment_index: int = 0) -> Tensor:
         """Serial oracle: all N fine steps in order, with plain autograd."""

@@ -1,14 +1,19 @@
 """`LayerParallel`: an `ODENet` distributed over the ranks of a communicator.
 
 model.py      LayerParallel (the nn.Module) and its autograd Function: the pass over
-              plain layers and segments, agreement between ranks, gradients out
+              plain layers and segments, gradients out; exact propagation as a mode
+              (`exact()`) and narrow hooks for the helper modules (`like`, ...)
+agree.py      what ranks must agree on before a pass (digests, fingerprints, refusals)
 plan.py       Plan: which rank owns which layers on each level, ghosts, sends (printable)
-runner.py     one segment on one rank: the propagator, its two engine sessions, and
-              the choice of vectorised or per-step cycles
-tape.py       what one forward pass leaves for its backward pass (owned by the pass)
-forward.py    the forward solve's engine callbacks (steps, records of the final sweep)
-adjoint.py    the adjoint solve's engine callbacks (transposed Jacobians, gradients)
-direct.py     direct mode: one rank, sequential solves, PyTorch runs the backward
+runner.py     one segment on one rank: its share of the plan, its one propagator (Φ,
+              `layerpar.ode.propagator`), its two engine sessions, and the choice of
+              vectorised or per-step cycles
+tape.py       what one forward pass leaves for its backward pass (owned by the pass):
+              per segment a Tape, plain layers' records, the PassRecord that holds them
+forward.py    the forward solve's callbacks (steps through Φ, records of the final sweep)
+adjoint.py    the adjoint solve's callbacks (VJPs of Φ: transposed Jacobians, gradients)
+direct.py     direct mode's callbacks: one rank, sequential solves, PyTorch's backward
+move.py       move(): activations and layers handed between ranks
 batched.py    vectorised steps: a level's independent intervals advance in one call
 kernels/      fused Triton steps for the vectorised path on CUDA (chosen per shape)
 timing.py     first-use timings that choose between two ways of computing a step

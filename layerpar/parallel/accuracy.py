@@ -3,9 +3,9 @@
 Training runs the forward and adjoint MGRIT solves inexactly on purpose (one or two
 iterations), so the gradient the optimizer sees is not the network's gradient.
 `check_gradients` says by how much, for one batch: it runs the batch with the model's
-own options and again with an exact twin (`LayerParallel._twin` with
-``MGRITOptions(max_levels=1)`` both ways: sequential stepping, exact to round-off) on
-the same ranks and the same parameter tensors, and compares the outputs, the input
+own options and again with exact propagation (`LayerParallel.exact`: sequential
+stepping both ways, as with ``MGRITOptions(max_levels=1)``, exact to round-off) on the
+same model, plan, ranks and parameter tensors, and compares the outputs, the input
 gradients and the parameter gradients.
 
 Nothing the training sees changes: gradients come from `torch.autograd.grad` (no
@@ -25,17 +25,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from ..mgrit.options import MGRITOptions
-
 if TYPE_CHECKING:
     from ..mgrit.session import SolveStats
     from .model import LayerParallel
 
 __all__ = ["GradientCheck", "check_gradients"]
-
-#: attribute of the model that caches its exact twin (closed by `LayerParallel.close`)
-TWIN_ATTR = "_exact_twin"
-
 
 @dataclass(frozen=True)
 class GradientCheck:
@@ -108,18 +102,6 @@ class GradientCheck:
                 f"(res {res(self.bwd_residuals)})")
 
 
-def _exact_twin(model: LayerParallel) -> LayerParallel:
-    """The model's exact twin, built (collectively) on first use and cached."""
-    twin = model.__dict__.get(TWIN_ATTR)
-    if twin is None:
-        exact = MGRITOptions(max_levels=1)
-        twin = model._twin(exact, exact)
-        # in __dict__, not as a submodule: state_dict(), parameters(), .to() and
-        # train() of the model must not see it (its layers are the model's own)
-        model.__dict__[TWIN_ATTR] = twin
-    return twin
-
-
 def _grads(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
            params: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """(output, loss, input gradient, parameter gradients) of one batch, by
@@ -164,7 +146,7 @@ def _final(stats: list[SolveStats]) -> tuple[tuple[int, ...], tuple[Optional[flo
 
 
 def _check_arguments(model: LayerParallel, x: Any, y: Any, loss_fn: Any) -> None:
-    if model._closed:
+    if model.closed:
         raise RuntimeError("this LayerParallel was closed; check_gradients needs a model "
                            "that can still run")
     if not isinstance(x, Tensor):
@@ -186,8 +168,8 @@ def check_gradients(model: LayerParallel, x: Tensor, y: Any,
     """Compare one batch's inexact gradient with the exact one (collective).
 
     Every rank calls it with the same `x` and `y`.  The batch runs once with the
-    model's options and once exactly (the cached twin with sequential solves) on the
-    same ranks; see the module docstring for what is left unchanged.  Returns a
+    model's options and once exactly (`LayerParallel.exact`: sequential solves on the
+    same plan and ranks); see the module docstring for what is left unchanged.  Returns a
     `GradientCheck`, identical on every rank.
     """
     _check_arguments(model, x, y, loss_fn)
@@ -195,15 +177,13 @@ def check_gradients(model: LayerParallel, x: Tensor, y: Any,
     # to (None: a plain layer)
     params: list[Tensor] = []
     group: dict[int, Optional[int]] = {}
-    for k, (kind, info) in enumerate(model._layers_meta):
+    kinds = model.layer_kinds
+    for k, (kind, info) in enumerate(kinds):
         for p in model.layers[k].parameters():
             if p.requires_grad and id(p) not in group:
                 params.append(p)
                 group[id(p)] = info if kind == "segment" else None
-    n_segments = sum(1 for kind, _ in model._layers_meta if kind == "segment")
-
-    twin = _exact_twin(model)
-    twin.training = model.training  # the twin's own flag only: its layers are shared
+    n_segments = sum(1 for kind, _ in kinds if kind == "segment")
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     rng = torch.get_rng_state()
     rng_cuda = torch.cuda.get_rng_state_all() if cuda else None
@@ -227,7 +207,8 @@ def check_gradients(model: LayerParallel, x: Tensor, y: Any,
             for b, s in zip(buffers, saved_buffers):
                 b.copy_(s)  # and the same batch-norm statistics
         t0 = time.perf_counter()
-        out_e, loss_e, gx_e, gp_e = _grads(twin, x, y, loss_fn, params)
+        with model.exact():
+            out_e, loss_e, gx_e, gp_e = _grads(model, x, y, loss_fn, params)
         t_exact = time.perf_counter() - t0
     finally:
         put_rng_back()
@@ -255,7 +236,7 @@ def check_gradients(model: LayerParallel, x: Tensor, y: Any,
              abs(float(loss_i) - float(loss_e)), abs(float(loss_e)),
              _sq(gx_i.to(torch.float64) - gx_e.to(torch.float64)), _sq(gx_e),
              t_inexact, t_exact, sum(p.numel() for p in params))
-    model.transport.set_context(f"batch {model._batch}, gradient check")
+    model.transport.set_context(f"batch {model.batch}, gradient check")
     got = model.transport.allgather_object(local, "check_gradients' error norms")
     # summed in rank order, so every rank computes the same numbers
     seg_d2 = [sum(g[0][s] for g in got) for s in range(n_segments)]

@@ -14,7 +14,7 @@ forward and adjoint iteration counts to an `AccuracyController`:
   iteration >= `stall_factor`) or becomes non-finite switches the model to *exact
   propagation*, and the batch is recomputed exactly (a rate needs two measured
   residuals, see `AccuracyPolicy.stall_factor`): a sequential solve on the same
-  ranks (the model's exact twin, `LayerParallel._twin`), with the same parameter
+  ranks and plan (`LayerParallel.exact`, a mode of the same model), with the same parameter
   tensors, so the optimizer and its state carry on unchanged.  The same happens when
   the iteration counts would exceed `max_iters`.
 - **Cost.**  A gradient check also times the inexact and the exact pass (the slowest
@@ -253,5 +253,4 @@ def apply_iterations(model: LayerParallel) -> None:
     ctl = model.accuracy
     assert ctl is not None
     fwd, bwd = ctl.options(model.options, model.backward_options)
-    for runner in model._runners.values():
-        runner.set_iterations(fwd.max_iter, bwd.max_iter)
+    model.set_iterations(fwd.max_iter, bwd.max_iter)

@@ -1,18 +1,30 @@
 """Engine callbacks of a segment's adjoint solve on this rank (the adjoint app).
 
 The adjoint runs in reverse time: reverse point m holds lambda_{N-m}.  Fine steps
-apply transposed Jacobians through the forward's recorded final sweep (per batch, or
-per layer/chain), coarse steps through coarse graphs linearised at the forward
-states; the final sweep also yields the parameter gradients.
+apply transposed Jacobians (`layerpar.ode.propagator.vjp`) through the forward's
+recorded final sweep (per batch, or per layer/chain), coarse steps through coarse
+graphs of the one propagator linearised at the forward states; the final sweep also
+yields the parameter gradients.  The app holds the state of the pass it
+differentiates (`begin` ... `end`), nothing between passes.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
 
-from .batched import StateOps, as_tensor, as_tensors, stack_rows, unstack_rows
+from ..ode.propagator import vjp
+from .batched import (
+    BatchedBlocks,
+    Row,
+    StateOps,
+    as_tensor,
+    as_tensors,
+    stack_rows,
+    unstack_rows,
+)
+from .tape import Tape
 
 if TYPE_CHECKING:
     from .runner import SegmentRunner
@@ -28,16 +40,39 @@ class AdjointApp(StateOps):
     grid, a coarse step on coarse levels), linearised at the forward state u_{N-m_b}.
     """
 
-    def __init__(self, runner: SegmentRunner) -> None:
+    def __init__(self, runner: SegmentRunner, sequential: bool) -> None:
         self.r = runner
+        self.sequential = sequential  # the adjoint solve has one level (chain_vjp)
         self.deferred: Optional[list[Tensor]] = None  # see ForwardApp
+        # averages gradients over a process grid's replicas (set by LayerParallel)
+        self.averager: Optional[Any] = None
+        self.index_cache: dict[tuple, Tensor] = {}
+        self.end()
 
+    # -- the pass ------------------------------------------------------------------------
+    def begin(self, tape: Tape, lam_n: Tensor, like: Tensor) -> None:
+        """Start differentiating the pass that recorded `tape` (its vectorised steps and
+        the parameters that required grad then come with it)."""
+        self.tape, self.bb, self.layer_params = tape, tape.bb, tape.layer_params
+        self.lam_n, self.lam_zero = lam_n, torch.zeros_like(like)
+
+    def end(self) -> None:
+        self.tape = Tape()
+        self.bb: Optional[BatchedBlocks] = None
+        self.layer_params: dict[int, list[Tensor]] = {}
+        self.lam_n: Optional[Tensor] = None
+        self.lam_zero: Optional[Tensor] = None
+        # the sequential adjoint's final sweep: one autograd call per chain (chain_vjp)
+        self.chain_cache: dict[int, Tensor] = {}
+        self.last_lam: Optional[Tensor] = None
+
+    # -- the engine's callbacks -------------------------------------------------------------
     def step(self, lam: Tensor, f: Optional[Tensor], ts: float, te: float, ma: int, mb: int,
              level: int, final: int) -> Tensor:
         r = self.r
         n = r.n
         a, b = n - mb, n - ma
-        if r.bb is not None:
+        if self.bb is not None:
             if level == 0:  # through the batched records of the final forward sweep
                 return self.step_batch([lam], None if f is None else [f], [ts], [te], [ma],
                                        [mb], level, final)[0]
@@ -45,19 +80,18 @@ class AdjointApp(StateOps):
             # fewer operations than a one-row vectorised step
             lam, f = as_tensor(lam), None if f is None else as_tensor(f)
         if level == 0:
-            u_in, out, _ = r.tape.records[a]
-            if final and r.sequential_adjoint:
-                res = r.chain_vjp(a, lam)
+            u_in, out, _ = self.tape.records[a]
+            if final and self.sequential:
+                res = self.chain_vjp(a, lam)
             elif final:
-                params = r.layer_params[a]
-                grads = torch.autograd.grad(out, [u_in, *params], lam, allow_unused=True)
-                r.tape.param_grads[a] = grads[1:]
+                grads = vjp(out, [u_in, *self.layer_params[a]], lam)
+                self.tape.param_grads[a] = grads[1:]
                 res = grads[0]
             else:
-                (res,) = torch.autograd.grad(out, u_in, lam, retain_graph=True)
+                (res,) = vjp(out, [u_in], lam, retain_graph=True)
         else:
-            rec = r.coarse_graph(a, b)
-            (res,) = torch.autograd.grad(rec[1], rec[0], lam, retain_graph=True)
+            rec = self.coarse_graph(a, b)
+            (res,) = vjp(rec[1], [rec[0]], lam, retain_graph=True)
         return res if f is None else torch.add(res, f)
 
     def step_batch(self, lams: list, fs: Optional[list], ts: list, te: list, mas: list,
@@ -71,31 +105,32 @@ class AdjointApp(StateOps):
         r = self.r
         n = r.n
         pairs = [(n - mb, n - ma) for ma, mb in zip(mas, mbs)]
-        if r.bb is not None:
+        if self.bb is not None:
             lam = stack_rows(lams)
-            res = r.adjoint_fine(lam, pairs, final) if level == 0 else \
-                r.adjoint_coarse(lam, tuple(pairs))
+            res = self.adjoint_fine(lam, pairs, final) if level == 0 else \
+                self.adjoint_coarse(lam, tuple(pairs))
             if fs is not None:
-                res = res + stack_rows([r.lam_zero if g is None else g for g in fs])
+                res = res + stack_rows([self.lam_zero if g is None else g for g in fs])
             return unstack_rows(res)
-        one_by_one = final and r.sequential_adjoint
+        one_by_one = final and self.sequential
         if level == 0 and not one_by_one:
-            heads = {r.tape.chain_head[a] for a, _ in pairs}
+            heads = {self.tape.chain_head[a] for a, _ in pairs}
             one_by_one = len(heads) < len(pairs)
         if one_by_one:
             return [self.step(lam, None if fs is None else fs[k], ts[k], te[k], mas[k], mbs[k],
                               level, final) for k, lam in enumerate(lams)]
-        recs = [r.tape.records[a][:2] if level == 0 else r.coarse_graph(a, b) for a, b in pairs]
+        recs = [self.tape.records[a][:2] if level == 0 else self.coarse_graph(a, b)
+                for a, b in pairs]
         with_params = bool(final) and level == 0
-        params = [p for a, _ in pairs for p in r.layer_params[a]] if with_params else []
-        grads = torch.autograd.grad([o for _, o in recs], [u for u, _ in recs] + params, lams,
-                                    retain_graph=not with_params, allow_unused=True)
+        params = [p for a, _ in pairs for p in self.layer_params[a]] if with_params else []
+        grads = vjp([o for _, o in recs], [u for u, _ in recs] + params, lams,
+                    retain_graph=not with_params)
         outs = list(grads[:len(recs)])
         if with_params:
             off = len(recs)
             for a, _ in pairs:
-                k = len(r.layer_params[a])
-                r.tape.param_grads[a] = grads[off:off + k]
+                k = len(self.layer_params[a])
+                self.tape.param_grads[a] = grads[off:off + k]
                 off += k
         if fs is not None:
             outs = [o if g is None else torch.add(o, g) for o, g in zip(outs, fs)]
@@ -104,8 +139,8 @@ class AdjointApp(StateOps):
     def step_seq(self, lam: Tensor, fs: Optional[list], ts: list, te: list, mas: list,
                  mbs: list, level: int, final: int) -> list:
         """A rank's stretch of a sequential adjoint solve in one call."""
-        if self.r.bb is not None:
-            fs = as_tensors(fs, self.r.lam_zero)
+        if self.bb is not None:
+            fs = as_tensors(fs, self.lam_zero)  # type: ignore[arg-type]
         outs = []
         for k in range(len(ts)):
             lam = self.step(lam, None if fs is None else fs[k], ts[k], te[k], mas[k], mbs[k],
@@ -114,6 +149,187 @@ class AdjointApp(StateOps):
         return outs
 
     def init(self, t: float, i: int) -> Tensor:
-        return self.r.lam_n if i == 0 else self.r.lam_zero
+        return self.lam_n if i == 0 else self.lam_zero  # type: ignore[return-value]
 
+    # -- per-step records -----------------------------------------------------------------
+    def coarse_graph(self, a: int, b: int) -> tuple[Tensor, Tensor]:
+        """(u_a as a leaf, forward coarse step a -> b with its graph), built once per
+        backward pass and reused by every adjoint iteration."""
+        tape = self.tape
+        rec = tape.coarse_graphs.get((a, b))
+        if rec is None:
+            with torch.enable_grad():
+                if self.bb is None:
+                    u_a = tape.records[a][0].detach().requires_grad_()
+                else:  # a row of a detached record input: a leaf already
+                    rid, row = tape.where[a]
+                    rec_a = tape.brecords[rid]
+                    if rec_a.rows is None:  # one unbind per record, not a select per row
+                        self.forward_state(a)
+                        rec_a.rows = rec_a.xd.unbind(0)  # type: ignore[union-attr]
+                    u_a = rec_a.rows[row].requires_grad_()
+                rec = (u_a, self.r.phi(u_a, a, b, tape, update_stats=False))
+            tape.coarse_graphs[(a, b)] = rec
+        return rec
 
+    def chain_vjp(self, a: int, lam: Tensor) -> Tensor:
+        """Final adjoint step of layer a when the adjoint is solved sequentially.
+
+        The engine then visits this rank's layers from the last to the first, each
+        step's input being the previous step's output.  The first visit of a chain
+        (its last layer) back-propagates the whole chain in one autograd call, as
+        plain PyTorch would; the other visits return the cached results.  Only the
+        chain head's input gradient is requested: in a sequential solve the engine
+        reads no other point (the head's value is what travels to the next chain or
+        rank), so the points inside a chain hold a shared zero placeholder.
+        """
+        if a in self.chain_cache and lam is self.last_lam:
+            res = self.chain_cache.pop(a)
+        else:
+            tape = self.tape
+            head = tape.chain_head[a]
+            layers = range(head, a + 1)
+            params = [p for k in layers for p in self.layer_params[k]]
+            grads = vjp(tape.records[a][1], [tape.records[head][0], *params], lam)
+            self.chain_cache = dict.fromkeys(layers, self.lam_zero)  # type: ignore[arg-type]
+            self.chain_cache[head] = grads[0]  # type: ignore[assignment]
+            off = 1
+            for k in layers:
+                n_p = len(self.layer_params[k])
+                tape.param_grads[k] = grads[off:off + n_p]
+                off += n_p
+            res = self.chain_cache.pop(a)
+        self.last_lam = res
+        return res
+
+    # -- batched records (bb is not None) ---------------------------------------------------
+    def _index(self, rows: tuple[int, ...], device: torch.device) -> Tensor:
+        key = (rows, device)
+        got = self.index_cache.get(key)
+        if got is None:
+            got = self.index_cache[key] = torch.tensor(rows, dtype=torch.long, device=device)
+        return got
+
+    def adjoint_fine(self, lam: Tensor, pairs: list, final: int) -> Tensor:
+        """Transposed Jacobians of fine steps (layers a of `pairs`) applied to the rows
+        of `lam`, through the recorded batches; at the final sweep also the parameter
+        gradients (accumulated per record).  One autograd call per record touched."""
+        tape = self.tape
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for k, (a, _) in enumerate(pairs):
+            rid, row = tape.where[a]
+            ks, rows = groups.setdefault(rid, ([], []))
+            ks.append(k)
+            rows.append(row)
+        out: Optional[Tensor] = None
+        for rid, (ks, rows) in groups.items():
+            rec = tape.brecords[rid]
+            n_rec = rec.y.shape[0]
+            whole = len(groups) == 1 and len(rows) == n_rec
+            if whole and rows == list(range(n_rec)):
+                cot = lam  # the whole record in its own order: no index work
+            elif whole and rows == list(range(n_rec - 1, -1, -1)):
+                cot = lam.flip(0)  # the whole record in reverse (the adjoint's order)
+            else:
+                cot = lam.new_zeros(rec.y.shape)
+                cot.index_copy_(0, self._index(tuple(rows), lam.device),
+                                lam.index_select(0, self._index(tuple(ks), lam.device)))
+            wrt = [rec.x]
+            names = [n for n, t in rec.params.items() if t.requires_grad] if final else []
+            wrt += [rec.params[n] for n in names]
+            got = vjp(rec.y, wrt, cot, retain_graph=True)
+            dx = got[0]
+            for name, g in zip(names, got[1:]):
+                prev = rec.grads.get(name)
+                rec.grads[name] = g if prev is None else prev + g  # type: ignore[assignment]
+            if final:
+                if rec.final_rows >= n_rec and self.averager is not None:
+                    raise RuntimeError("internal: a step of the final adjoint sweep ran "
+                                       "twice after its gradients were sent for averaging")
+                rec.final_rows += len(rows)
+                if rec.final_rows == n_rec and self.averager is not None:
+                    # each step of the final sweep runs once: this record's gradients
+                    # are complete, so their average over the replicas can start now
+                    self.averager.add(rec.grads.values())
+            if cot is lam:
+                return dx  # type: ignore[return-value]
+            if whole and rows[0] == n_rec - 1:
+                return dx.flip(0)  # type: ignore[union-attr]
+            if out is None:
+                out = torch.empty_like(lam)
+            out.index_copy_(0, self._index(tuple(ks), lam.device),
+                            dx.index_select(0, self._index(tuple(rows), lam.device)))  # type: ignore[union-attr]
+        assert out is not None
+        return out
+
+    def adjoint_coarse(self, lam: Tensor, pairs: tuple[tuple[int, int], ...]) -> Tensor:
+        """Transposed Jacobians of coarse steps a -> b, linearised at the forward states
+        u_a of the final sweep; the batched coarse graph is built once per backward pass
+        and reused by every adjoint iteration."""
+        rec = self.tape.coarse_graphs.get(pairs)  # type: ignore[call-overload]
+        if rec is None:
+            states = [self.forward_state(a) for a, _ in pairs]
+            with torch.enable_grad():
+                x = stack_rows(states).detach().requires_grad_()
+                rec = (x, self.bb.step(x, pairs))  # type: ignore[union-attr]
+            self.tape.coarse_graphs[pairs] = rec  # type: ignore[index]
+        (dx,) = vjp(rec[1], [rec[0]], lam, retain_graph=True)
+        return dx  # type: ignore[return-value]
+
+    def forward_state(self, a: int) -> Row:
+        """u_a, the input of layer a in the final forward sweep (batched records)."""
+        rid, row = self.tape.where[a]
+        rec = self.tape.brecords[rid]
+        if rec.xd is None:
+            rec.xd = rec.x.detach()
+        return Row(rec.xd, row)
+
+    def gradients(self) -> dict[int, Tensor]:
+        """id(parameter) -> gradient of this rank's layers, from the final adjoint
+        sweep (handed to the replicas' averaging first, where there is one)."""
+        grads: dict[int, Tensor] = {}
+        tape = self.tape
+        if self.bb is not None:
+            for pairs in self.collect_batched_grads().values():
+                for p, gp in pairs:
+                    grads[id(p)] = gp
+            return grads
+        if self.averager is not None:
+            self.averager.add(g for k in sorted(tape.param_grads)
+                              for g in tape.param_grads[k])
+        for k, pg in tape.param_grads.items():
+            for p, gp in zip(self.layer_params[k], pg):
+                if gp is not None:
+                    grads[id(p)] = gp
+        return grads
+
+    def collect_batched_grads(self) -> dict[int, list]:
+        """Per owned layer, its parameter gradients (rows of one tensor per parameter
+        name: no copy per layer), from the records of the final adjoint sweep."""
+        bb = self.bb
+        assert bb is not None
+        recs = [r for r in self.tape.brecords if r.grads]
+        if not recs:
+            return {}
+        layers = [a for r in recs for a in r.layers]
+        names = bb.param_names
+        rows: dict[str, list[Tensor]] = {}
+        if self.averager is not None:
+            self.averager.add(g for r in recs for g in r.grads.values())  # not yet added
+            for name in names:
+                # each record's rows as views, not concatenated: the average over the
+                # replicas, done in place on the records' tensors later, reaches them
+                rows[name] = [row for r in recs for row in
+                              (r.grads[name] if name in r.grads
+                               else torch.zeros_like(r.params[name])).unbind(0)]
+        for name in names if self.averager is None else ():
+            parts = [r.grads.get(name) for r in recs]
+            if any(g is None for g in parts):
+                parts = [torch.zeros_like(r.params[name]) if g is None else g
+                         for r, g in zip(recs, parts)]
+            rows[name] = list((torch.cat(parts) if len(parts) > 1 else parts[0]).unbind(0))  # type: ignore[arg-type]
+        out: dict[int, list] = {}
+        for k, a in enumerate(layers):
+            out[a] = [(p, rows[name][k]) for name, p in zip(names, bb.layer_tensors(a))
+                      if p.requires_grad]
+        return out

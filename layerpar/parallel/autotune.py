@@ -32,7 +32,7 @@ choice are kept in `AutoTuner.results` (and logged by ``layerpar train --auto``)
 What tuning costs (`TuneResult.seconds`) happens inside the first training step and
 counts in every time a training loop reports.
 
-After tuning, the chosen setting runs as a twin of the model (`LayerParallel._twin`:
+After tuning, the chosen setting runs as a twin of the model (`LayerParallel.like`:
 same ranks, same parameter tensors) under the existing adaptive policy
 (`layerpar.parallel.adaptive`), which keeps watching the gradient error.  A gradient
 check that finds the error outside the bound tunes again on that batch (at most
@@ -49,7 +49,7 @@ from torch import Tensor
 
 from ..mgrit.grid import build_levels
 from ..mgrit.options import MGRITOptions
-from .accuracy import TWIN_ATTR, GradientCheck, _exact_twin, check_gradients
+from .accuracy import GradientCheck, check_gradients
 from .adaptive import AccuracyPolicy
 
 if TYPE_CHECKING:
@@ -171,7 +171,7 @@ def choose(table: list[Measurement], ranks: int) -> tuple[Measurement, str]:
 def _structures(model: LayerParallel) -> list[tuple[int, int]]:
     """`STRUCTURES` that give the segments the levels they ask for (a structure whose
     levels collapse into another's, on the shortest segment, is left out)."""
-    n = min(r.n for r in model._runners.values())
+    n = min(sp.n_steps for sp in model.plan.segments)
     seen, out = set(), []
     for levels, cf in STRUCTURES:
         got = len(build_levels(n, MGRITOptions(max_levels=levels, cfactor=cf)))
@@ -230,21 +230,17 @@ def _within(check: GradientCheck, policy: AccuracyPolicy) -> bool:
 def _build(model: LayerParallel, cand: Candidate, policy: Optional[AccuracyPolicy]
            ) -> LayerParallel:
     """The model with the candidate's settings (collective): same ranks, same
-    parameter tensors; its exact twin is the model's own (not built again)."""
-    from .model import LayerParallel
-
+    parameter tensors."""
     fwd, bwd = cand.options()
-    kwargs = {**model._init_kwargs, "batched": cand.batched}
-    twin = LayerParallel(model._net, model._comm_arg, fwd, bwd, accuracy=policy, **kwargs)
-    twin.__dict__[TWIN_ATTR] = _exact_twin(model)
+    twin = model.like(options=fwd, backward_options=bwd, accuracy=policy,
+                      batched=cand.batched)
     twin.train(model.training)
     return twin
 
 
 def _drop(twin: Optional[LayerParallel]) -> None:
-    """Close a candidate (collective), keeping the exact twin it shares."""
+    """Close a candidate (collective)."""
     if twin is not None:
-        twin.__dict__.pop(TWIN_ATTR, None)
         twin.close()
 
 
@@ -266,9 +262,8 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     ranks = model.size
     rng = torch.get_rng_state()
     table: list[Measurement] = []
-    exact_twin = _exact_twin(model)
-    exact_twin.train(model.training)
-    t_exact = _time_passes(model, exact_twin, x, y, loss_fn, repeats)
+    with model.exact():  # exact propagation on the model itself
+        t_exact = _time_passes(model, model, x, y, loss_fn, repeats)
     table.append(Measurement(Candidate(1), t_exact, 0.0, 1.0, True))
     best_t = t_exact  # the time to beat
     best: Optional[Candidate] = None

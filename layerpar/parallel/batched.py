@@ -196,9 +196,9 @@ class StateOps:
     """The engine's state arithmetic, shared by a segment's forward and adjoint apps:
     sums of tensors or rows, a whole phase's sums at once (`sum_batch`), and residual
     norms, kept on the device when the session defers them (`deferred`).  The
-    per-step reference path (no `r.bb`) sums point by point, as before batching."""
+    per-step reference path (no `bb`) sums point by point, as before batching."""
 
-    r: Any  # the SegmentRunner: r.bb is its BatchedBlocks, or None
+    bb: Any = None  # the pass's BatchedBlocks, or None (per-step path)
     deferred: Optional[list[Tensor]] = None
 
     @staticmethod
@@ -206,7 +206,7 @@ class StateOps:
         return vec_sum(alpha, as_tensor(x), beta, as_tensor(y))
 
     def sum_batch(self, alpha: float, xs: list, beta: float, ys: list) -> list:
-        if self.r.bb is None:
+        if self.bb is None:
             return [vec_sum(alpha, x, beta, y) for x, y in zip(xs, ys)]
         return batched_sum(alpha, xs, beta, ys)  # elementwise: bit-identical to vec_sum
 
@@ -215,7 +215,7 @@ class StateOps:
             self.deferred.append(torch.linalg.vector_norm(stack_rows(states),
                                                           dtype=torch.float64))
             return 0.0
-        return batched_norm_sq(states) if self.r.bb is not None else vec_norm_sq(states)
+        return batched_norm_sq(states) if self.bb is not None else vec_norm_sq(states)
 
 
 def own_buffers(block: nn.Module) -> list[tuple[str, Tensor]]:
@@ -344,6 +344,10 @@ class BatchedBlocks:
         self._stacked: dict[tuple, tuple[dict, dict]] = {}
         self._dt: dict[tuple, Tensor] = {}
         self.fast = fused_step_for(self.proto, scheme)  # Triton step on CUDA (kernels/)
+
+    def layer_tensors(self, a: int) -> list[Tensor]:
+        """Layer a's parameters in `param_names` order."""
+        return self._tensors[a][0]
 
     def new_pass(self) -> None:
         """Parameters may have changed since the last pass: drop the stacked copies."""

@@ -95,7 +95,7 @@ def capture_step(model: LayerParallel, optimizer: torch.optim.Optimizer,
             step()
     torch.cuda.current_stream().wait_stream(side)
     optimizer.zero_grad(set_to_none=True)
-    model._deliver.reset()  # AccumulateGrad nodes of the capture's own stream
+    model.reset_grad_delivery()  # AccumulateGrad nodes of the capture's own stream
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         loss = step()

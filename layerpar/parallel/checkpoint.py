@@ -22,7 +22,7 @@ def gather_state_dict(model: LayerParallel) -> dict[str, Tensor]:
     if model.size == 1:
         return local
     merged: dict[str, Tensor] = {}
-    for part in model._guard(lambda: model.transport.allgather_object(
+    for part in model.guard(lambda: model.transport.allgather_object(
             local, "gather_state_dict")):
         merged.update(part)
     return dict(sorted(merged.items(), key=lambda kv: _name_order(kv[0])))
@@ -70,7 +70,7 @@ def gather_optimizer_state(model: LayerParallel,
             raise err
         parts = [part]
     else:
-        got = model._guard(lambda: model.transport.allgather_object(
+        got = model.guard(lambda: model.transport.allgather_object(
             (None if err is None else f"{type(err).__name__}: {err}", part),
             "gather_optimizer_state"))
         if err is not None:

@@ -9,38 +9,69 @@ between (that cost ~4.5 us per parameter per backward pass).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
 
 from ..mgrit.errors import DivergenceError
 from ..mgrit.session import SolveStats
+from .forward import ForwardApp
 
 if TYPE_CHECKING:
     from .model import LayerParallel
-    from .runner import SegmentRunner
 
-__all__ = ["direct_backward_started", "direct_sweep"]
+__all__ = ["DirectApp", "direct_backward_started"]
 
 
-def direct_sweep(r: SegmentRunner, as_: list, bs: list) -> list:
-    """Direct mode's sequential sweep (or a stretch of it), recorded onto the segment
-    input's graph as plain PyTorch would: no per-step records, states kept with
-    their graph.  A stretch not starting at 0 continues the previous one."""
-    step, blocks, times, special = r.scheme.step, r.blocks, r.times, \
-        r.tape.rng_layers
-    outs = []
-    x = r.u0_graph if as_[0] == 0 else r.direct_out
-    with torch.enable_grad():
-        for a, b in zip(as_, bs):
-            if a in special or r.check_shapes:
-                x = r.phi(x, a, b, update_stats=True)
-            else:
-                x = step(blocks[a], x, times[b] - times[a])
-            outs.append(x)
-    r.direct_out = x
-    return outs
+class DirectApp(ForwardApp):
+    """The forward app of a segment that may run in direct mode: a direct pass
+    (`begin_direct`) records its final sweep onto the segment input's own graph, as
+    plain PyTorch would (no per-step records, states kept with their graph); any other
+    pass runs as `ForwardApp`'s."""
+
+    def begin_direct(self, u0: Tensor) -> None:
+        """Make the pass begun a direct one: `u0` (with its graph) is the input."""
+        self.u0_graph: Optional[Tensor] = u0
+        self.u0 = u0.detach()
+        self.out: Optional[Tensor] = None
+
+    def end(self) -> None:
+        super().end()
+        self.u0_graph = None
+        self.out = None
+
+    def step(self, u: Tensor, f: Optional[Tensor], ts: float, te: float, a: int, b: int,
+             level: int, final: int) -> Tensor:
+        if self.u0_graph is not None and final and f is None and level == 0:
+            return self.sweep([a], [b])[0]
+        return super().step(u, f, ts, te, a, b, level, final)
+
+    def step_seq(self, u: Tensor, fs: Optional[list], ts: list, te: list, as_: list,
+                 bs: list, level: int, final: int) -> list:
+        if self.u0_graph is not None and final and fs is None and level == 0:
+            return self.sweep(as_, bs)
+        return super().step_seq(u, fs, ts, te, as_, bs, level, final)
+
+    def sweep(self, as_: list, bs: list) -> list:
+        """The sequential sweep (or a stretch of it) onto the input's graph; a stretch
+        not starting at 0 continues the previous one.  Layers that draw random numbers,
+        and the checks of a first pass, step through `phi`; the others call the
+        propagator directly (serial stepping: blocks may update their own buffers)."""
+        r = self.r
+        prop, special = r.prop, self.tape.rng_layers
+        outs = []
+        x = self.u0_graph if as_[0] == 0 else self.out
+        with torch.enable_grad():
+            for a, b in zip(as_, bs):
+                if a in special or self.check_shapes:
+                    x = r.phi(x, a, b, self.tape, update_stats=True, check=self.check_shapes,
+                              own_buffers=False)
+                else:
+                    x = prop(x, a, b)
+                outs.append(x)
+        self.out = x
+        return outs
 
 
 def direct_backward_started(model: LayerParallel, gy: Tensor) -> None:

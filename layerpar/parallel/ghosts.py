@@ -11,12 +11,12 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..mgrit.grid import Partition, reversed_bounds
 from ..mgrit.options import MGRITOptions
 from ..ode.net import Segment
+from .move import move
 
 __all__ = ["Ghosts", "needed_layers"]
 
@@ -42,21 +42,6 @@ def needed_layers(n: int, size: int, rank: int, fwd: MGRITOptions, bwd: MGRITOpt
                 a, b = n - m * lv.stride, n - (m - 1) * lv.stride
                 need.update([a] if coarsening == "injection" else range(a, b))
     return need
-
-
-def _state_vector(module: nn.Module) -> Tensor:
-    vals = [t.detach().reshape(-1).to(torch.float64) for t in module.state_dict().values()]
-    return torch.cat(vals) if vals else torch.zeros(0, dtype=torch.float64)
-
-
-def _load_state_vector(module: nn.Module, vec: Tensor) -> None:
-    off = 0
-    with torch.no_grad():
-        for t in module.state_dict(keep_vars=True).values():
-            n = t.numel()
-            t.copy_(vec[off:off + n].view(t.shape).to(t.dtype))
-            off += n
-
 
 
 class Ghosts:
@@ -97,18 +82,7 @@ class Ghosts:
         if not self.plan:
             return
         me = transport.group_rank
-        sends, recvs = [], []
-        for k, owner, needer in self.plan:
-            if owner == me:
-                vec = _state_vector(self.seg.blocks[k])
-                sends.append(transport.post_send(vec, needer, _GHOST_TAG))
-            elif needer == me:
-                n = _state_vector(self.blocks[k]).numel()
-                recvs.append((k, transport.post_recv((n,), torch.float64,
-                                                     torch.device("cpu"), owner, _GHOST_TAG)))
-        for k, handle in recvs:
-            vec = transport.complete(handle, f"layer {k}'s parameters (a ghost block)",
-                                     self.plan_owner(k))
-            _load_state_vector(self.blocks[k], vec)
-        for handle in sends:
-            transport.complete(handle, "a ghost block to be received")
+        move(transport, [(owner, needer, self.seg.blocks[k] if owner == me else
+                          self.blocks.get(k))
+                         for k, owner, needer in self.plan],
+             tag=_GHOST_TAG, what="a layer's parameters (a ghost block)")

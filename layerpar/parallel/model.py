@@ -15,7 +15,8 @@ start at a layer its left neighbour owns: such blocks are kept as read-only
 """
 from __future__ import annotations
 
-import hashlib
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -25,27 +26,22 @@ from ..mgrit.errors import DivergenceError, RankMismatchError, RemoteError
 from ..mgrit.options import MGRITOptions
 from ..mgrit.session import SolveStats
 from ..mgrit.transport import DEFAULT_TIMEOUT, Transport, check_timeout, make_transport
-from ..mgrit.xbraid import (
-    check_engine,
-    check_options,
-    layer_partition_refusal,
-    require_xbraid,
-    xbraid_refusal,
-)
+from ..mgrit.xbraid import check_engine
 from ..ode.coarsening import COARSENINGS
 from ..ode.net import ODENet, Segment
 from ..ode.rng import DROPOUT_TYPES as _DROPOUT
 from ..ode.rng import draw_seed
 from . import checkpoint
 from .adaptive import AccuracyController, apply_iterations, as_policy
+from .agree import Agreed, check_xbraid, fingerprint, same_values, values_fingerprint
 from .autotune import AutoTuner
-from .batched import structure
 from .direct import direct_backward_started
 from .grads import GradDelivery
 from .grid import ProcessGrid
+from .move import Like, move
 from .plan import Plan
 from .runner import SegmentRunner
-from .tape import Tape
+from .tape import PassRecord, PlainRecord
 
 _LINK_TAG = 31002
 
@@ -73,99 +69,14 @@ class _SegmentShard(nn.Module):
         return f"layers {keys[0]}..{keys[-1]}" if keys else "no layers"
 
 
-class _PlainRecord:
-    """A plain layer evaluated once with its graph kept for the backward pass.
+class _NetRef:
+    """The whole net, held by the model but not registered as its submodule (only
+    this rank's layers are)."""
 
-    Consecutive plain layers on one rank share one graph (`prev`): the backward pass
-    then goes through the whole group in one autograd call."""
+    __slots__ = ("net",)
 
-    def __init__(self, layer: nn.Module, x: Tensor, record: bool,
-                 prev: Optional[_PlainRecord] = None) -> None:
-        self.head: _PlainRecord = self
-        if record:
-            with torch.enable_grad():
-                if prev is not None:
-                    self.x, self.head = prev.y, prev.head
-                else:
-                    self.x = x.detach().requires_grad_()
-                self.y = layer(self.x)
-        else:
-            self.x, self.y = x, layer(x)
-        self.params = [p for p in layer.parameters() if p.requires_grad]
-        self.group_params = (prev.group_params if prev is not None else []) + self.params
-
-
-def _values_fingerprint(t: Tensor) -> str:
-    """Sum and sum of squares in float64, as text (NaN equals NaN there): equal on
-    ranks that hold the same values."""
-    t64 = t.detach().to(torch.float64)
-    return f"{float(t64.sum())!r}/{float(torch.linalg.vector_norm(t64) ** 2)!r}"
-
-
-def _same_values(probes: list, what: str, hint: str) -> None:
-    """Raise RankMismatchError (on every rank: each sees all probes) if they differ."""
-    if probes[0] is None or all(p == probes[0] for p in probes):
-        return
-    bad = [q for q, p in enumerate(probes) if p != probes[0]]
-    raise RankMismatchError(f"{what} differs between ranks: rank(s) {bad} hold other "
-                            f"values than rank 0; {hint}")
-
-
-def _fingerprint(layer: nn.Module) -> str:
-    """A short digest of a layer's structure (`batched.structure`: types, parameter
-    shapes, attributes such as the activation), equal on two ranks iff they built the
-    same layer; a Segment also by its step count, times and scheme."""
-    desc = repr(structure(layer))
-    if isinstance(layer, Segment):
-        desc += f"|{layer.n_steps}|{layer.t_start!r}|{layer.t_final!r}|{layer.scheme!r}"
-    return hashlib.sha256(desc.encode()).hexdigest()[:16]
-
-
-class _Agreed:
-    """What every rank agreed on before a forward pass (see `LayerParallel._agree`)."""
-
-    __slots__ = ("record", "x_requires_grad", "seed")
-
-    def __init__(self, record: bool, x_requires_grad: bool, seed: Optional[int]) -> None:
-        self.record, self.x_requires_grad, self.seed = record, x_requires_grad, seed
-
-
-class _Context:
-    """What one forward pass leaves for its backward pass."""
-
-    def __init__(self) -> None:
-        self.plain: dict[int, _PlainRecord] = {}
-        self.shapes: list[tuple[tuple[int, ...], torch.dtype]] = []  # segment states
-        self.out_holder = 0  # rank that computed the output
-        self.x_requires_grad = False
-        self.x_shape: tuple[int, ...] = ()
-        self.x_dtype = torch.float32
-        self.direct = False  # recorded onto the caller's graph (see LayerParallel)
-        self.tapes: dict[int, Tape] = {}  # per segment layer: what its backward needs
-
-
-def _check_xbraid(transport: Transport, net: ODENet, options: MGRITOptions,
-                  backward_options: MGRITOptions, batched: bool, grid: bool,
-                  accuracy: Any) -> None:
-    """What engine="xbraid" cannot do, refused by name (before any message)."""
-    require_xbraid()
-    why = xbraid_refusal(transport)
-    if why is not None:
-        raise ValueError(why)
-    if batched:
-        raise ValueError("engine='xbraid' steps one layer per call: `batched` steps need "
-                         "engine='native' (pass batched=False, or leave it unset)")
-    if grid:
-        raise ValueError("engine='xbraid' runs over an mpi4py communicator (`comm`), not a "
-                         "`grid` (use engine='native' for data x layer parallelism)")
-    if accuracy is not None:
-        raise ValueError("`accuracy` (adaptive iteration counts) needs engine='native'")
-    check_options(options, "options")
-    check_options(backward_options, "backward_options")
-    for _, seg in net.segments:
-        why = layer_partition_refusal(seg.n_steps, transport.size)
-        if why is not None:
-            raise ValueError(why)
+    def __init__(self, net: ODENet) -> None:
+        self.net = net
 
 
 class LayerParallel(nn.Module):
@@ -309,7 +220,7 @@ class LayerParallel(nn.Module):
                         f"a segment has {seg.n_steps} layers but the communicator has "
                         f"{self.transport.size} ranks: each rank needs at least one layer")
             if engine == "xbraid":
-                _check_xbraid(self.transport, net, options, backward_options, batched,
+                check_xbraid(self.transport, net, options, backward_options, batched,
                               grid is not None, policy)
             key = {**{f"options.{k}": v for k, v in options.key().items()},
                    **{f"backward_options.{k}": v for k, v in backward_options.key().items()},
@@ -318,7 +229,7 @@ class LayerParallel(nn.Module):
                    "timeout": timeout, "check_inputs": check_inputs,
                    **({"accuracy": None} if policy is None else policy.key()),
                    "auto": auto,
-                   **{f"layers.{k}": _fingerprint(m) for k, m in enumerate(net.layers)}}
+                   **{f"layers.{k}": fingerprint(m) for k, m in enumerate(net.layers)}}
         except Exception as exc:  # noqa: BLE001 - re-raised identically on every rank
             err = exc
         world.agree(key, err, "LayerParallel settings (options, coarsening, layers; "
@@ -340,12 +251,14 @@ class LayerParallel(nn.Module):
         shards: list[nn.Module] = []
         self._runners: dict[int, SegmentRunner] = {}
         first_seg = min(k for k, _ in net.segments)
+        # direct passes (one rank, sequential forward and adjoint: see _forward_direct)
+        direct_ok = size == 1 and self._averager is None and engine == "native"
         seg_index = 0
         for k, layer in enumerate(net.layers):
             if isinstance(layer, Segment):
                 runner = SegmentRunner(layer, seg_index, self.transport, options,
                                         backward_options, coarsening, batched,
-                                        engine=engine)
+                                        engine=engine, direct_ok=direct_ok)
                 runner.averager = self._averager
                 self._runners[k] = runner
                 shards.append(_SegmentShard(layer, runner.owned))
@@ -365,13 +278,12 @@ class LayerParallel(nn.Module):
         for r in self._runners.values():
             r.check_finite = check_finite
         self._shape_cache: dict[tuple, list[tuple[tuple[int, ...], torch.dtype]]] = {}
-        # one rank, sequential forward and adjoint: see _forward_direct
         self.engine = engine
-        self._direct = size == 1 and self._averager is None and engine == "native" and all(
-            r.sequential_forward and r.sequential_adjoint for r in self._runners.values())
-        # what _twin needs to build the same model with other MGRIT options
-        # (outside nn.Module's registry: the whole net is not this rank's submodule)
-        self.__dict__["_net"], self._comm_arg = net, comm
+        self._direct = all(r.direct for r in self._runners.values())
+        self._direct_exact = direct_ok  # exact passes (see `exact`) run direct
+        # what `like` needs to build the same model with other settings (the whole net
+        # held outside nn.Module's registry: it is not this rank's submodule)
+        self._whole, self._comm_arg = _NetRef(net), comm
         self._init_kwargs = {"grid": grid, "coarsening": coarsening, "batched": batched,
                              "engine": engine,
                              "check_finite": check_finite, "timeout": timeout,
@@ -384,8 +296,8 @@ class LayerParallel(nn.Module):
         self.accuracy: Optional[AccuracyController] = None if policy is None else \
             AccuracyController(policy, options.max_iter, backward_options.max_iter)
         self._checking = False  # inside check_gradients: no adaptive dispatch
-        self._via_twin = False  # the last pass ran on the exact twin
-        # options="auto": the settings chosen by measurement run on a twin
+        self._exact_pass = False  # inside `exact()`: passes run exact propagation
+        # options="auto": the settings chosen by measurement run on a twin (`like`)
         self._auto: Optional[AutoTuner] = None
         if auto:
             from .adaptive import AccuracyPolicy
@@ -398,8 +310,7 @@ class LayerParallel(nn.Module):
         """Per segment, what the last forward pass's solves reached."""
         if self._auto is not None and self._auto.chosen is not None:
             return self._auto.chosen.last_forward
-        twin = self.__dict__.get("_exact_twin")
-        return twin.last_forward if self._via_twin and twin is not None else self._last_fwd
+        return self._last_fwd
 
     @last_forward.setter
     def last_forward(self, value: list[SolveStats]) -> None:
@@ -410,9 +321,7 @@ class LayerParallel(nn.Module):
         """Per segment, what the last backward pass's adjoint solves reached."""
         if self._auto is not None and self._auto.chosen is not None:
             return self._auto.chosen.last_backward
-        twin = self.__dict__.get("_exact_twin")
-        return twin.last_backward if self._via_twin and twin is not None else \
-            self._last_bwd
+        return self._last_bwd
 
     @last_backward.setter
     def last_backward(self, value: list[SolveStats]) -> None:
@@ -422,7 +331,7 @@ class LayerParallel(nn.Module):
     def plan(self) -> Plan:
         """Where everything runs: per segment, the layers and level points of each rank,
         the ghost blocks and the states that cross ranks (`Plan`; print it)."""
-        return Plan.build(self._net, self.size, self.options, self.backward_options,
+        return Plan.build(self._whole.net, self.size, self.options, self.backward_options,
                           self.coarsening)
 
     @property
@@ -430,6 +339,72 @@ class LayerParallel(nn.Module):
         """Per segment, input shape -> `PathChoice` (vectorised or per-step cycles, and
         the seconds measured for each where ``batched="auto"`` chose)."""
         return [{key[0]: c for key, c in r.paths.items()} for r in self._runners.values()]
+
+    # -- hooks for the helper modules (accuracy, adaptive, autotune, refine, capture) --------
+    @property
+    def whole_net(self) -> ODENet:
+        """The whole `ODENet` this model was built from, on every rank: this rank's
+        layers are its modules; the others are not trained here (stale copies)."""
+        return self._whole.net
+
+    @property
+    def layer_kinds(self) -> list[tuple[str, int]]:
+        """Per layer of the net: ("segment", segment index) or ("plain", owner rank)."""
+        return list(self._layers_meta)
+
+    @property
+    def batch(self) -> int:
+        """Forward passes run so far (named in errors and timeouts)."""
+        return self._batch
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` released this model's communicator."""
+        return self._closed
+
+    def set_iterations(self, fwd: int, bwd: int) -> None:
+        """Forward / adjoint MGRIT iterations of every segment from the next pass on
+        (adaptive accuracy; the options' other settings stay)."""
+        for runner in self._runners.values():
+            runner.set_iterations(fwd, bwd)
+
+    def reset_grad_delivery(self) -> None:
+        """Forget the cached gradient-accumulation nodes (`grads.GradDelivery`), e.g.
+        after a capture on another stream."""
+        self._deliver.reset()
+
+    @contextlib.contextmanager
+    def exact(self) -> Iterator[None]:
+        """Passes run inside (and their backward passes, wherever those run) use exact
+        propagation: sequential solves both ways, as with ``max_levels=1``, on this
+        model's own plan, ranks, communicator and parameters; at one rank in direct
+        mode (plain serial autograd).  Adaptive accuracy and ``options="auto"`` stand
+        aside.  Collective like any pass."""
+        prev, self._exact_pass = self._exact_pass, True
+        try:
+            yield
+        finally:
+            self._exact_pass = prev
+
+    def like(self, net: Optional[ODENet] = None, options: Optional[MGRITOptions] = None,
+             backward_options: Optional[MGRITOptions] = None, **settings: Any
+             ) -> LayerParallel:
+        """A new LayerParallel over the same ranks (or grid) with this model's
+        settings (collective: call on every rank; close() it when done).
+
+        net: default this model's own whole net, so the new model's layers are these
+            modules (the same parameter tensors).
+        options / backward_options: default this model's; `backward_options` defaults
+            to `options` where only those are given.
+        settings: any other keyword of `LayerParallel` to change (e.g. ``batched``,
+            ``accuracy``).
+        """
+        if options is None:
+            options = self.options
+            backward_options = self.backward_options if backward_options is None \
+                else backward_options
+        return type(self)(self._whole.net if net is None else net, self._comm_arg, options,
+                          backward_options, **{**self._init_kwargs, **settings})
 
     # -- helpers ------------------------------------------------------------------------------
     @property
@@ -440,12 +415,13 @@ class LayerParallel(nn.Module):
     def size(self) -> int:
         return self.transport.size
 
-    def _send(self, t: Tensor, dest: int) -> None:
-        self.transport.send_tensor(t, dest, _LINK_TAG, "an activation to be received")
-
-    def _recv(self, src: int, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return self.transport.recv_tensor(src, _LINK_TAG, shape, dtype, device,
-                                          "an activation")
+    def _move(self, t: Optional[Tensor], src: int, dst: int, shape: tuple,
+              dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
+        """An activation (or its gradient) handed from rank `src` to `dst`: the tensor
+        received on `dst`, `t` as it was elsewhere."""
+        item = Like(shape, dtype, device) if self.rank == dst else t
+        return move(self.transport, [(src, dst, item)], tag=_LINK_TAG,  # type: ignore[return-value]
+                    what="an activation")[0]
 
     def _meta(self, t: Optional[Tensor], root: int) -> tuple[tuple[int, ...], torch.dtype]:
         if self.size == 1:
@@ -462,7 +438,7 @@ class LayerParallel(nn.Module):
         return self.transport.bcast_tensor(t, root, shape, dtype, device,
                                            "the broadcast output or input gradient")
 
-    def _guard(self, fn: Callable[[], Any]) -> Any:
+    def guard(self, fn: Callable[[], Any]) -> Any:
         """Run `fn`; an exception raised on this rank alone is sent to the others.
         Errors every rank raises by itself (same data, same check) are not sent: the
         notice could overtake the other ranks' own, clearer error.  A divergence in one
@@ -486,7 +462,7 @@ class LayerParallel(nn.Module):
             raise
 
     # -- passes ----------------------------------------------------------------------------------
-    def _agree(self, x: Tensor) -> _Agreed:
+    def _agree(self, x: Tensor) -> Agreed:
         """One collective per forward pass, before any other message: every rank has the
         same input shape, dtype, training and grad mode, and every rank takes the same
         path.  A pass records for the backward if any rank has something to
@@ -500,7 +476,7 @@ class LayerParallel(nn.Module):
             else None
         key = (tuple(x.shape), str(x.dtype), self.training, grad_mode)
         if self._data_transport is not None:  # replicas hold other samples, same shapes
-            keys = self._guard(lambda: self._data_transport.allgather_object(
+            keys = self.guard(lambda: self._data_transport.allgather_object(
                 key, "the forward pass's agreement between replicas"))
             if any(k != keys[0] for k in keys):
                 detail = "; ".join(f"replica {d} has shape {k[0]}, dtype {k[1]}, "
@@ -511,20 +487,20 @@ class LayerParallel(nn.Module):
                     "must pass batches of the same shape (use ProcessGrid.sampler, "
                     "drop_last=True, and the same per-replica batch size)")
         if self.size == 1:
-            return _Agreed(grad_mode and (x_rg or p_rg), x_rg, seed)
-        probe = _values_fingerprint(x) if self._batch <= self.check_inputs else None
-        got = self._guard(lambda: self.transport.allgather_object(
+            return Agreed(grad_mode and (x_rg or p_rg), x_rg, seed)
+        probe = values_fingerprint(x) if self._batch <= self.check_inputs else None
+        got = self.guard(lambda: self.transport.allgather_object(
             (key, x_rg, p_rg, seed, probe), "the forward pass's agreement on the input"))
         keys = [g[0] for g in got]
         if any(k != keys[0] for k in keys):
             raise RankMismatchError(f"the input differs between ranks (shape, dtype, "
                                     f"training, grad mode): {keys}")
-        _same_values([g[4] for g in got], "the input `x`", "pass the same batch on every "
+        same_values([g[4] for g in got], "the input `x`", "pass the same batch on every "
                      "rank (only rank 0's is used)")
         any_x = any(g[1] for g in got)
-        return _Agreed(grad_mode and (any_x or any(g[2] for g in got)), any_x, got[0][3])
+        return Agreed(grad_mode and (any_x or any(g[2] for g in got)), any_x, got[0][3])
 
-    def _forward_impl(self, ctx: _Context, x: Tensor, record: bool,
+    def _forward_impl(self, ctx: PassRecord, x: Tensor, record: bool,
                       seed: Optional[int]) -> Tensor:
         size, rank = self.size, self.rank
         last = size - 1
@@ -547,10 +523,7 @@ class LayerParallel(nn.Module):
                 owner = info
                 if owner != holder:
                     shape, dtype = meta(h, holder)
-                    if rank == holder:
-                        self._send(h, owner)  # type: ignore[arg-type]
-                    elif rank == owner:
-                        h = self._recv(holder, shape, dtype, x.device)
+                    h = self._move(h, holder, owner, shape, dtype, x.device)
                     holder = owner
                 if rank == owner:
                     if ctx.direct:  # onto the caller's graph
@@ -558,7 +531,7 @@ class LayerParallel(nn.Module):
                             h = self.layers[k](h)
                         continue
                     prev = ctx.plain.get(k - 1) if record else None
-                    rec = _PlainRecord(self.layers[k], h, record,  # type: ignore[arg-type]
+                    rec = PlainRecord(self.layers[k], h, record,  # type: ignore[arg-type]
                                        prev)
                     ctx.plain[k] = rec
                     h = rec.y.detach()
@@ -566,20 +539,23 @@ class LayerParallel(nn.Module):
                 runner = self._runners[k]
                 if holder != 0:
                     shape, dtype = meta(h, holder)
-                    if rank == holder:
-                        self._send(h, 0)  # type: ignore[arg-type]
-                    elif rank == 0:
-                        h = self._recv(holder, shape, dtype, x.device)
+                    h = self._move(h, holder, 0, shape, dtype, x.device)
                     holder = 0
                 shape, dtype = meta(h, 0)
                 ctx.shapes.append((shape, dtype))
                 like = torch.empty(shape, dtype=dtype, device=x.device)
-                if size > 1:
+                runner.ghosts.set_training(self.training)
+                if size > 1 and not ctx.exact:  # exact propagation has no coarse steps
                     runner.ghosts.sync(self.transport)
-                h, stats, tape = runner.forward(h if rank == 0 else None, like, seed,
-                                                record, self.training, ctx.direct,
-                                                check_shapes=cached is None)
-                if record and not ctx.direct:
+                tape = runner.new_tape(record and not ctx.direct, seed)
+                if ctx.direct:
+                    assert h is not None
+                    h, stats = runner.forward_direct(h, tape, check_shapes=cached is None,
+                                                     exact=ctx.exact)
+                else:
+                    h, stats = runner.forward(h if rank == 0 else None, like, tape,
+                                              check_shapes=cached is None, exact=ctx.exact)
+                if tape.recording:
                     ctx.tapes[k] = tape
                 self.last_forward.append(stats)
                 holder = last
@@ -593,8 +569,8 @@ class LayerParallel(nn.Module):
                                   "outputs (NaN or inf)")
         return y
 
-    def _backward_impl(self, ctx: _Context, gy: Tensor) -> tuple[Optional[Tensor], dict]:
-        probe = _values_fingerprint(gy) \
+    def _backward_impl(self, ctx: PassRecord, gy: Tensor) -> tuple[Optional[Tensor], dict]:
+        probe = values_fingerprint(gy) \
             if self.size > 1 and self._batch <= self.check_inputs else None
         if self.check_finite or probe is not None:
             bad = 0.0 if not self.check_finite or bool(torch.isfinite(gy).all()) else 1.0
@@ -602,7 +578,7 @@ class LayerParallel(nn.Module):
                 got = self.transport.allgather_object((bad, probe), "the loss-gradient check")
                 bad_ranks = [q for q, (f, _) in enumerate(got) if f]
                 if not bad_ranks:
-                    _same_values([p for _, p in got], "the loss gradient",
+                    same_values([p for _, p in got], "the loss gradient",
                                  "compute the loss from the same outputs and targets on "
                                  "every rank (only the last rank's gradient is used)")
             else:
@@ -623,11 +599,7 @@ class LayerParallel(nn.Module):
             if kind == "plain":
                 owner = info
                 if owner != holder:
-                    shape, dtype = g_meta
-                    if rank == holder:
-                        self._send(g, owner)  # type: ignore[arg-type]
-                    elif rank == owner:
-                        g = self._recv(holder, shape, dtype, gy.device)
+                    g = self._move(g, holder, owner, *g_meta, gy.device)
                     holder = owner
                 if rank == owner:
                     rec = ctx.plain[k]
@@ -648,10 +620,7 @@ class LayerParallel(nn.Module):
                 shape, dtype = seg_shapes.pop()
                 like = torch.empty(shape, dtype=dtype, device=gy.device)
                 if holder != size - 1:
-                    if rank == holder:
-                        self._send(g, size - 1)  # type: ignore[arg-type]
-                    elif rank == size - 1:
-                        g = self._recv(holder, shape, dtype, gy.device)
+                    g = self._move(g, holder, size - 1, shape, dtype, gy.device)
                     holder = size - 1
                 g, stats, seg_grads = runner.backward(g if rank == size - 1 else None, like,
                                                       ctx.tapes.pop(k))
@@ -669,16 +638,17 @@ class LayerParallel(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Layer-parallel forward pass; pass the same `x` on every rank."""
+        if self._exact_pass:
+            return self._forward_once(x)
         if self._auto is not None and not self._checking:
             return self._auto.forward(self, x)
         if self.accuracy is not None and not self._checking:
             return self._forward_adaptive(x)
-        self._via_twin = False
         return self._forward_once(x)
 
     def _forward_adaptive(self, x: Tensor) -> Tensor:
         """A forward pass under adaptive accuracy (`layerpar.parallel.adaptive`): MGRIT
-        with the controller's iteration counts, or exact propagation on the twin; a
+        with the controller's iteration counts, or exact propagation (`exact`); a
         pass that stalls or diverges is recomputed exactly, in the same batch."""
         ctl = self.accuracy
         assert ctl is not None
@@ -699,7 +669,6 @@ class LayerParallel(nn.Module):
         if ctl.exact:
             return self._forward_exact(x)
         apply_iterations(self)
-        self._via_twin = False
         try:
             y = self._forward_once(x)
         except DivergenceError as exc:
@@ -713,15 +682,12 @@ class LayerParallel(nn.Module):
         return y
 
     def _forward_exact(self, x: Tensor, again: bool = False) -> Tensor:
-        """This batch on the exact twin (same ranks, same parameter tensors)."""
-        from .accuracy import _exact_twin
-
-        twin = _exact_twin(self)
-        twin.train(self.training)
-        if not again:
-            self._batch += 1
-        self._via_twin = True
-        return twin(x)
+        """This batch with exact propagation (`exact`); `again`: the batch's MGRIT
+        pass was dropped, so the batch is not counted twice."""
+        if again:
+            self._batch -= 1
+        with self.exact():
+            return self._forward_once(x)
 
     def _forward_once(self, x: Tensor) -> Tensor:
         if self._closed:
@@ -735,9 +701,10 @@ class LayerParallel(nn.Module):
         self.transport.set_context(f"batch {self._batch}, forward pass")
         agreed = self._agree(x)
         if not agreed.record:
-            ctx = _Context()
-            return self._guard(lambda: self._forward_impl(ctx, x, False, agreed.seed))
-        if self._direct:
+            ctx = PassRecord()
+            ctx.exact = self._exact_pass
+            return self.guard(lambda: self._forward_impl(ctx, x, False, agreed.seed))
+        if self._direct_exact if self._exact_pass else self._direct:
             return self._forward_direct(x, agreed.seed)
         params = [p for p in self._param_list if p.requires_grad]
         if not params and not x.requires_grad:
@@ -756,21 +723,13 @@ class LayerParallel(nn.Module):
         and hooks behave as in serial code, and no autograd Function with one input per
         parameter stands in between (that cost ~4.5 us per parameter per backward pass).
         """
-        ctx = _Context()
-        ctx.direct = True
+        ctx = PassRecord()
+        ctx.direct, ctx.exact = True, self._exact_pass
         with torch.no_grad():  # only the recording itself builds a graph
-            y = self._guard(lambda: self._forward_impl(ctx, x, True, seed))
+            y = self.guard(lambda: self._forward_impl(ctx, x, True, seed))
         if y.requires_grad:
             y.register_hook(lambda gy: direct_backward_started(self, gy))
         return y
-
-    def _twin(self, options: MGRITOptions,
-              backward_options: Optional[MGRITOptions] = None) -> LayerParallel:
-        """A LayerParallel over the same ranks whose layers are this model's own
-        modules (the same parameter tensors) but solved with other MGRIT options, e.g.
-        exactly (collective: call on every rank; close() it when done)."""
-        return LayerParallel(self._net, self._comm_arg, options, backward_options,
-                             **self._init_kwargs)
 
     def refine(self, factor: int = 2, interpolation: str = "constant") -> LayerParallel:
         """This model with `factor` times the layers per segment, parameters interpolated
@@ -785,8 +744,8 @@ class LayerParallel(nn.Module):
         """How far this model's (inexact) gradient of one batch is from the exact one.
 
         Collective: every rank passes the same `x` and `y`.  Runs the batch with this
-        model's options and with an exact twin (sequential solves on the same ranks and
-        parameters, built once and closed by `close()`), without touching `.grad`, the
+        model's options and exactly (`exact`: sequential solves on the same plan, ranks
+        and parameters), without touching `.grad`, the
         training mode, the random generator or batch-norm statistics.  Returns a
         `layerpar.parallel.accuracy.GradientCheck` (relative errors of the output, the
         input and parameter gradients, per segment and in all, the cosine, and the
@@ -853,8 +812,6 @@ class LayerParallel(nn.Module):
         self._closed = True
         if self._auto is not None:
             self._auto.close()
-        if "_exact_twin" in self.__dict__:  # the exact twin of check_gradients
-            self.__dict__.pop("_exact_twin").close()
         self.transport.close()
 
     def extra_repr(self) -> str:
@@ -866,12 +823,13 @@ class _LayerParallelFunction(torch.autograd.Function):
     """Forward MGRIT / adjoint MGRIT as one autograd node over this rank's parameters."""
 
     @staticmethod
-    def forward(ctx: Any, model: LayerParallel, agreed: _Agreed, x: Tensor,
+    def forward(ctx: Any, model: LayerParallel, agreed: Agreed, x: Tensor,
                 *params: Tensor) -> Tensor:
-        c = _Context()
+        c = PassRecord()
         c.x_requires_grad = agreed.x_requires_grad  # on any rank: all take part
         c.x_shape, c.x_dtype = tuple(x.shape), x.dtype
-        y = model._guard(lambda: model._forward_impl(c, x.detach(), True, agreed.seed))
+        c.exact = model._exact_pass
+        y = model.guard(lambda: model._forward_impl(c, x.detach(), True, agreed.seed))
         ctx.model, ctx.c, ctx.params = model, c, params
         return y
 
@@ -890,7 +848,7 @@ class _LayerParallelFunction(torch.autograd.Function):
                 "penalties) is not supported through the adjoint MGRIT solve; it works "
                 "in direct mode (one rank, max_levels=1)")
         model.transport.set_context(f"batch {model._batch}, backward pass")
-        gx, grads = model._guard(lambda: model._backward_impl(ctx.c, gy.contiguous()))
+        gx, grads = model.guard(lambda: model._backward_impl(ctx.c, gy.contiguous()))
         ctx.c = None
         if not ctx.needs_input_grad[2]:
             gx = None  # wanted by another rank, sent to it; not by this one

@@ -13,12 +13,10 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING
 
-import torch
-
 from ..mgrit.grid import Partition
 from ..ode.net import Segment
 from ..ode.refine import INTERPOLATIONS, refine
-from .ghosts import _load_state_vector, _state_vector
+from .move import move
 
 if TYPE_CHECKING:
     from .model import LayerParallel
@@ -49,36 +47,21 @@ def refine_parallel(model: LayerParallel, factor: int = 2,
         raise ValueError(f"`interpolation` must be one of {list(INTERPOLATIONS)}, got "
                          f"{interpolation!r}")
     linear = interpolation == "linear"
-    tr, size, me = model.transport, model.size, model.rank
-    # this rank's copy of the whole net: `_net`'s modules are the model's own, so the
+    tr, size = model.transport, model.size
+    # this rank's copy of the whole net: `whole_net`'s modules are the model's own, so the
     # layers this rank owns (blocks and plain layers) hold the trained values; the
     # others are stale and are either received below or never used
-    net = copy.deepcopy(model._net)
-    for k, runner in model._runners.items():
-        seg = net.layers[k]
+    net = copy.deepcopy(model.whole_net)
+    for sp in model.plan.segments:
+        seg = net.layers[sp.position]
         assert isinstance(seg, Segment)
         n = seg.n_steps
-        part = runner.part
-        owned = set(part.steps(me))
-        sends, recvs = [], []
-        for q in range(size):
-            if q == me:
-                continue
-            for a in sorted(_needed(n, size, q, factor, linear) & owned):
-                sends.append(tr.post_send(_state_vector(seg.blocks[a]), q, _REFINE_TAG))
-        for a in sorted(_needed(n, size, me, factor, linear) - owned):
-            src = part.owner(a + 1)  # the rank computing step a (its output point)
-            vec = _state_vector(seg.blocks[a])
-            recvs.append((a, src, tr.post_recv(vec.shape, vec.dtype, torch.device("cpu"),
-                                               src, _REFINE_TAG)))
-        for a, src, h in recvs:
-            got = tr.complete(h, f"layer {a}'s parameters (refinement)", src)
-            _load_state_vector(seg.blocks[a], got)
-        for h in sends:
-            tr.complete(h, "a layer's parameters to be received (refinement)")
+        part = sp.forward
+        # every rank lists the same moves: coarse layer a from the rank computing
+        # step a (its output point) to each rank that needs it
+        move(tr, [(part.owner(a + 1), q, seg.blocks[a]) for q in range(size)
+                  for a in sorted(_needed(n, size, q, factor, linear))],
+             tag=_REFINE_TAG, what="a layer's parameters (refinement)")
     fine = refine(net, factor, interpolation)
-    opts = (model.options, model.backward_options)
-    kw = dict(model._init_kwargs)
-    if model.accuracy is not None:
-        kw["accuracy"] = model.accuracy.policy
-    return type(model)(fine, model._comm_arg, *opts, **kw)
+    kw = {} if model.accuracy is None else {"accuracy": model.accuracy.policy}
+    return model.like(fine, **kw)

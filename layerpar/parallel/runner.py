@@ -1,8 +1,12 @@
-"""One Segment on one rank: ownership, ghosts, the propagator, and its two solves.
+"""One Segment on one rank: what it owns, its one propagator, and its two solves.
 
-The runner owns the forward and adjoint engine sessions of one segment, the blocks
-it evaluates (its own and its ghosts), the batched steps when the segment is
-vectorised, and what a forward pass leaves for its backward pass.
+The runner holds what does not change from pass to pass: the rank's share of the
+placement (`plan.py`: owned layers, partition, ghosts), the one propagator Φ over
+the blocks it evaluates (`layerpar.ode.propagator`), the choice between vectorised
+and per-step cycles, and the forward and adjoint engine sessions.  What one pass
+needs lives elsewhere: the pass's records on its tape (`tape.py`, owned by the
+autograd context), the pass's state in the callback objects that step it
+(`forward.py`, `adjoint.py`, `direct.py`).
 """
 from __future__ import annotations
 
@@ -17,29 +21,28 @@ from torch import Tensor, nn
 from ..mgrit.grid import Partition, build_levels, reversed_bounds
 from ..mgrit.options import MGRITOptions
 from ..mgrit.session import EngineSession, SolveStats
-from ..ode.coarsening import coarse_block
 from ..ode.net import Segment
+from ..ode.propagator import Propagator
 from ..ode.rng import needs_rng
 from .adjoint import AdjointApp
 from .batched import (
     BatchedBlocks,
-    Row,
     as_tensor,
     buffer_message,
     buffer_versions,
     inplace_message,
     own_buffers,
-    stack_rows,
     unbatchable_reason,
     warn_once,
 )
 from .bn_dropout import batch_norms, layer_function
+from .direct import DirectApp
 from .forward import ForwardApp
 from .ghosts import Ghosts, needed_layers
-from .tape import BatchRecord, Tape
+from .tape import Tape
 from .timing import best_seconds
 
-__all__ = ["SegmentRunner"]
+__all__ = ["PathChoice", "SegmentRunner"]
 
 
 _log = logging.getLogger("layerpar")
@@ -57,11 +60,16 @@ class PathChoice:
 
 
 class SegmentRunner:
-    """One Segment on one rank: ownership, ghosts, and the forward/adjoint engines."""
+    """One Segment on one rank: ownership, ghosts, the propagator, the two engines.
+
+    direct_ok: direct passes are possible here (one rank, no replicas, the native
+        engine); the runner then runs them where its solves are sequential both ways
+        (`direct`; `forward_direct`, see `direct.py`), and always for exact propagation.
+    """
 
     def __init__(self, seg: Segment, seg_index: int, transport: Any, fwd: MGRITOptions,
                  bwd: MGRITOptions, coarsening: str, batched: Union[bool, str] = "auto",
-                 engine: str = "native") -> None:
+                 engine: str = "native", direct_ok: bool = False) -> None:
         self.seg_index = seg_index
         self.n = n = seg.n_steps
         self.coarsening = coarsening
@@ -77,6 +85,8 @@ class SegmentRunner:
                              lambda q: needed_layers(n, size, q, fwd, bwd, coarsening))
         self.blocks: dict[int, nn.Module] = {k: seg.blocks[k] for k in self.owned}
         self.blocks.update(self.ghosts.blocks)
+        # the one propagator over them, which every app steps through
+        self.prop = Propagator(self.blocks, self.times, self.scheme, coarsening)
         # trainable parameters per owned layer; refreshed when requires_grad changes
         self.all_params = [(k, p) for k in self.owned for p in seg.blocks[k].parameters()]
         self.trainable: Optional[tuple[bool, ...]] = None
@@ -88,8 +98,8 @@ class SegmentRunner:
         # vectorised steps (batched.py): for MGRIT in both directions with injection;
         # sequential solves have nothing to batch
         # `vectorised`: the segment's BatchedBlocks where its blocks allow them; `bb`: the
-        # same where this pass uses them (per input: "auto" measures both paths at the
-        # first pass for an input shape, see choose_path), else None (per-step path)
+        # same where the latest pass used them (per input: "auto" measures both paths at
+        # the first pass for an input shape, see choose_path), else None (per-step path)
         self.vectorised: Optional[BatchedBlocks] = None
         self.bb: Optional[BatchedBlocks] = None
         self.paths: dict[tuple, PathChoice] = {}
@@ -105,48 +115,68 @@ class SegmentRunner:
                 self.vectorised = BatchedBlocks(self.blocks, self.scheme, self.times)
             else:
                 warn_once(seg.blocks[self.owned[0]], why)
-        self.index_cache: dict[tuple, Tensor] = {}
+        self.check_finite = True  # set by LayerParallel
+        self.transport = transport
+        self.rtransport = transport.reversed()
+        self._seg, self._engine = seg, engine
+        self.fwd_options = fwd.replace(final_fc_relax=True)
+        self.bwd_options = bwd.replace(final_fc_relax=True)
+        self.direct = direct_ok and self.sequential_forward and self.sequential_adjoint
+        self.fapp, self.bapp, self.fsession, self.bsession = self._solver(
+            self.fwd_options, self.bwd_options, self.direct, self.sequential_adjoint, "")
+        # exact propagation on the same plan (sequential solves both ways), built at
+        # first use: `forward(..., exact=True)`
+        self._exact: Optional[tuple] = None
+        self._exact_direct = direct_ok
+
+    def _solver(self, fwd: MGRITOptions, bwd: MGRITOptions, direct: bool,
+                sequential_adjoint: bool, label: str) -> tuple:
+        """(forward app, adjoint app, forward session, adjoint session) for these
+        options, over this runner's plan and propagator."""
+        seg, engine = self._seg, self._engine
         # fixed iteration counts: residual norms stay on the device during the solve
         # (the native engine's: XBraid reads every norm)
         defer_f = fwd.tol == 0.0 and fwd.rtol == 0.0 and engine == "native"
         defer_b = bwd.tol == 0.0 and bwd.rtol == 0.0 and engine == "native"
-        self.fapp = ForwardApp(self)
-        self.bapp = AdjointApp(self)
-        self.check_finite = True  # set by LayerParallel
-        self.transport = transport
-        name = f"of segment {seg_index}"
-        self.fsession = EngineSession(n, seg.t_start, seg.t_final, transport, self.bounds,
-                                      self.fapp, fwd.replace(final_fc_relax=True),
-                                      what=f"forward MGRIT {name}", defer_norms=defer_f,
-                                      engine=engine)
-        self.rtransport = transport.reversed()
-        self.bsession = EngineSession(n, seg.t_start, seg.t_final, self.rtransport,
-                                      reversed_bounds(self.bounds), self.bapp,
-                                      bwd.replace(final_fc_relax=True),
-                                      what=f"backward MGRIT {name}", defer_norms=defer_b,
-                                      engine=engine)
-        self.fapp.deferred = self.fsession.deferred
-        self.bapp.deferred = self.bsession.deferred
-        self.fwd_options = fwd.replace(final_fc_relax=True)
-        self.bwd_options = bwd.replace(final_fc_relax=True)
-        # the pass being run: its forward records, or during a backward the records of
-        # the pass being differentiated (the autograd context owns it; see tape.py)
-        self.tape = Tape()
-        # the sequential adjoint's final sweep: one autograd call per chain (chain_vjp)
-        self.chain_cache: dict[int, Tensor] = {}
-        self.last_lam: Optional[Tensor] = None
-        # direct mode (see LayerParallel): the segment input with its graph, which the
-        # recorded sweep continues, and the sweep's latest output
-        self.u0_graph: Optional[Tensor] = None
-        self.direct_out: Optional[Tensor] = None
-        # check every block keeps the state's shape (u + h F(u) would broadcast a
-        # wrong one silently); done on the first pass for each input shape
-        self.check_shapes = False
-        # averages gradients over a process grid's replicas (set by LayerParallel)
-        self.averager: Optional[Any] = None
+        fapp: ForwardApp = DirectApp(self) if direct else ForwardApp(self)
+        bapp = AdjointApp(self, sequential_adjoint)
+        name = f"{label}of segment {self.seg_index}"
+        fsession = EngineSession(self.n, seg.t_start, seg.t_final, self.transport,
+                                 self.bounds, fapp, fwd, what=f"forward MGRIT {name}",
+                                 defer_norms=defer_f, engine=engine)
+        bsession = EngineSession(self.n, seg.t_start, seg.t_final, self.rtransport,
+                                 reversed_bounds(self.bounds), bapp, bwd,
+                                 what=f"backward MGRIT {name}", defer_norms=defer_b,
+                                 engine=engine)
+        fapp.deferred = fsession.deferred
+        bapp.deferred = bsession.deferred
+        return fapp, bapp, fsession, bsession
+
+    def _mode(self, exact: bool) -> tuple:
+        """The apps and sessions of a pass: this runner's MGRIT, or exact propagation."""
+        if not exact:
+            return self.fapp, self.bapp, self.fsession, self.bsession
+        if self._exact is None:
+            one = MGRITOptions(max_levels=1, final_fc_relax=True)
+            self._exact = self._solver(one, one, self._exact_direct, True,
+                                       "(exact propagation) ")
+            self._exact[1].averager = self.bapp.averager
+        return self._exact
+
+    @property
+    def averager(self) -> Optional[Any]:
+        """Averages gradients over a process grid's replicas (set by LayerParallel)."""
+        return self.bapp.averager
+
+    @averager.setter
+    def averager(self, value: Optional[Any]) -> None:
+        self.bapp.averager = value
+        if self._exact is not None:
+            self._exact[1].averager = value
 
     def set_iterations(self, fwd: int, bwd: int) -> None:
-        """Forward / adjoint MGRIT iterations from the next pass on (adaptive accuracy)."""
+        """Forward / adjoint MGRIT iterations from the next pass on (adaptive accuracy;
+        exact propagation has none to set)."""
         if fwd != self.fwd_options.max_iter:
             self.fwd_options = self.fwd_options.replace(max_iter=fwd)
             self.fsession.core.set_options(**self.fwd_options.engine_kwargs())
@@ -154,42 +184,26 @@ class SegmentRunner:
             self.bwd_options = self.bwd_options.replace(max_iter=bwd)
             self.bsession.core.set_options(**self.bwd_options.engine_kwargs())
 
-    # -- the propagator -------------------------------------------------------------------
-    def phi(self, u: Tensor, a: int, b: int, *, update_stats: bool) -> Tensor:
-        """Step from fine point a to b with the block of layer a (or the average)."""
-        if b == a + 1 or self.coarsening == "injection":
-            f: Callable[[Tensor], Tensor] = self.blocks[a]
-        else:
-            f = coarse_block([self.blocks[k] for k in range(a, b)], 0, b - a, self.coarsening)
-        dt = self.times[b] - self.times[a]
-        f = layer_function(f, a, self.seg_index, self.tape.seed, a in self.tape.rng_layers,
-                           self.bn.get(a, []), update_stats)
-        if self.check_shapes:  # the first pass for each input shape
-            unchecked = f
+    # -- the propagator, as layer-parallel passes step it ----------------------------------
+    def phi(self, u: Tensor, a: int, b: int, tape: Tape, *, update_stats: bool,
+            check: bool = False, own_buffers: bool = True) -> Tensor:
+        """Φ(u; a, b) (`self.prop`) with layer a's dropout generator of the pass
+        (`tape`), its batch norms' running statistics frozen unless `update_stats`, and,
+        where `check` (the first pass for an input shape), the checks that the block
+        keeps the state's shape and changes neither its input nor (`own_buffers`) its
+        own buffers in place."""
+        seg_index = self.seg_index
 
-            # buffers a block updates itself (direct mode is serial stepping: allowed)
-            bufs = own_buffers(self.blocks[a]) if self.u0_graph is None else []
+        def wrap(f: Callable[[Tensor], Tensor], a: int, b: int) -> Callable[[Tensor], Tensor]:
+            f = layer_function(f, a, seg_index, tape.seed, a in tape.rng_layers,
+                               self.bn.get(a, []), update_stats)
+            return _checked(f, self.blocks[a], a, seg_index, own_buffers) if check else f
 
-            def f(v: Tensor) -> Tensor:
-                version, before = v._version, buffer_versions(bufs)
-                out = unchecked(v)
-                if v._version != version:
-                    raise ValueError(inplace_message(self.blocks[a], a, self.seg_index))
-                if buffer_versions(bufs) != before:
-                    raise ValueError(buffer_message(self.blocks[a], a, self.seg_index, bufs,
-                                                    before))
-                if out.shape != v.shape:
-                    raise ValueError(
-                        f"layer {a} of segment {self.seg_index} changed the state's shape "
-                        f"from {tuple(v.shape)} to {tuple(out.shape)}; a residual block "
-                        "must keep it")
-                return out
         try:
-            return self.scheme.step(f, u, dt)
+            return self.prop(u, a, b, wrap)
         except RuntimeError as exc:  # torch's words for it, when the input is a leaf
             if "in-place operation" in str(exc):
-                raise ValueError(inplace_message(self.blocks[a], a, self.seg_index)) \
-                    from exc
+                raise ValueError(inplace_message(self.blocks[a], a, seg_index)) from exc
             raise
 
     # -- which cycle: vectorised or per-step -------------------------------------------
@@ -229,6 +243,7 @@ class SegmentRunner:
         x = torch.randn((k, *like.shape), generator=g, dtype=like.dtype, device=like.device)
 
         trainable = set() if bb is None else self.trainable_names(layers, bb)
+        tape = Tape()
 
         def vectorised() -> None:
             with torch.enable_grad():
@@ -245,7 +260,7 @@ class SegmentRunner:
             with torch.enable_grad():
                 for r, a in enumerate(layers):
                     xin = x[r].detach().requires_grad_()
-                    y = self.phi(xin, a, a + 1, update_stats=False)
+                    y = self.phi(xin, a, a + 1, tape, update_stats=False)
                     torch.autograd.grad(y, [xin, *self.layer_params[a]], x[r])
 
         # a rank whose blocks cannot be vectorised votes for per-step cycles
@@ -272,270 +287,109 @@ class SegmentRunner:
                 if f:
                     self.layer_params[k].append(p)
 
-    def coarse_graph(self, a: int, b: int) -> tuple[Tensor, Tensor]:
-        """(u_a as a leaf, forward coarse step a -> b with its graph), built once per
-        backward pass and reused by every adjoint iteration."""
-        rec = self.tape.coarse_graphs.get((a, b))
-        if rec is None:
-            with torch.enable_grad():
-                if self.bb is None:
-                    u_a = self.tape.records[a][0].detach().requires_grad_()
-                else:  # a row of a detached record input: a leaf already
-                    rid, row = self.tape.where[a]
-                    rec_a = self.tape.brecords[rid]
-                    if rec_a.rows is None:  # one unbind per record, not a select per row
-                        self.forward_state(a)
-                        rec_a.rows = rec_a.xd.unbind(0)  # type: ignore[union-attr]
-                    u_a = rec_a.rows[row].requires_grad_()
-                rec = (u_a, self.phi(u_a, a, b, update_stats=False))
-            self.tape.coarse_graphs[(a, b)] = rec
-        return rec
-
-    # -- batched records and adjoint steps (bb is not None) ------------------------------
-    def record_batch(self, x: Tensor, pairs: tuple[tuple[int, int], ...]) -> Tensor:
-        """A final forward step of several layers, recorded with its graph: the input
-        and the stacked parameters are leaves, so the adjoint gets the stacked parameter
-        gradients in one autograd call.  Returns the detached output."""
-        bb = self.bb
-        assert bb is not None
-        layers = tuple(a for a, _ in pairs)
-        with torch.enable_grad():
-            xin = x.detach().requires_grad_()
-            stacked, _ = bb.stacked(layers)
-            trainable = self.trainable_names(layers)
-            # the stacked copies are this pass's own (made under no_grad, never used by
-            # another record: each layer's final step is recorded once): leaves as they are
-            leaves = {n: t.requires_grad_(n in trainable) for n, t in stacked.items()}
-            y = bb.step(xin, pairs, params=leaves)
-        rid = len(self.tape.brecords)
-        self.tape.brecords.append(BatchRecord(xin, leaves, y, layers))
-        for k, a in enumerate(layers):
-            self.tape.where[a] = (rid, k)
-        return y.detach()
-
-    def trainable_names(self, layers: tuple[int, ...],
-                        bb: Optional[BatchedBlocks] = None) -> set[str]:
+    def trainable_names(self, layers: tuple[int, ...], bb: BatchedBlocks) -> set[str]:
         """Parameter names that require grad in at least one of these (owned) layers."""
-        bb = self.bb if bb is None else bb
-        assert bb is not None
-        names = bb.param_names
         out: set[str] = set()
         for a in layers:
-            for name, p in zip(names, bb._tensors[a][0]):
+            for name, p in zip(bb.param_names, bb.layer_tensors(a)):
                 if p.requires_grad:
                     out.add(name)
         return out
 
-    def _index(self, rows: tuple[int, ...], device: torch.device) -> Tensor:
-        key = (rows, device)
-        got = self.index_cache.get(key)
-        if got is None:
-            got = self.index_cache[key] = torch.tensor(rows, dtype=torch.long, device=device)
-        return got
-
-    def adjoint_fine(self, lam: Tensor, pairs: list, final: int) -> Tensor:
-        """Transposed Jacobians of fine steps (layers a of `pairs`) applied to the rows
-        of `lam`, through the recorded batches; at the final sweep also the parameter
-        gradients (accumulated per record).  One autograd call per record touched."""
-        groups: dict[int, tuple[list[int], list[int]]] = {}
-        for k, (a, _) in enumerate(pairs):
-            rid, row = self.tape.where[a]
-            ks, rows = groups.setdefault(rid, ([], []))
-            ks.append(k)
-            rows.append(row)
-        out: Optional[Tensor] = None
-        for rid, (ks, rows) in groups.items():
-            rec = self.tape.brecords[rid]
-            n_rec = rec.y.shape[0]
-            whole = len(groups) == 1 and len(rows) == n_rec
-            if whole and rows == list(range(n_rec)):
-                cot = lam  # the whole record in its own order: no index work
-            elif whole and rows == list(range(n_rec - 1, -1, -1)):
-                cot = lam.flip(0)  # the whole record in reverse (the adjoint's order)
-            else:
-                cot = lam.new_zeros(rec.y.shape)
-                cot.index_copy_(0, self._index(tuple(rows), lam.device),
-                                lam.index_select(0, self._index(tuple(ks), lam.device)))
-            wrt = [rec.x]
-            names = [n for n, t in rec.params.items() if t.requires_grad] if final else []
-            wrt += [rec.params[n] for n in names]
-            got = torch.autograd.grad(rec.y, wrt, cot, retain_graph=True)
-            dx = got[0]
-            for name, g in zip(names, got[1:]):
-                prev = rec.grads.get(name)
-                rec.grads[name] = g if prev is None else prev + g
-            if final:
-                if rec.final_rows >= n_rec and self.averager is not None:
-                    raise RuntimeError("internal: a step of the final adjoint sweep ran "
-                                       "twice after its gradients were sent for averaging")
-                rec.final_rows += len(rows)
-                if rec.final_rows == n_rec and self.averager is not None:
-                    # each step of the final sweep runs once: this record's gradients
-                    # are complete, so their average over the replicas can start now
-                    self.averager.add(rec.grads.values())
-            if cot is lam:
-                return dx
-            if whole and rows[0] == n_rec - 1:
-                return dx.flip(0)
-            if out is None:
-                out = torch.empty_like(lam)
-            out.index_copy_(0, self._index(tuple(ks), lam.device),
-                            dx.index_select(0, self._index(tuple(rows), lam.device)))
-        assert out is not None
-        return out
-
-    def adjoint_coarse(self, lam: Tensor, pairs: tuple[tuple[int, int], ...]) -> Tensor:
-        """Transposed Jacobians of coarse steps a -> b, linearised at the forward states
-        u_a of the final sweep; the batched coarse graph is built once per backward pass
-        and reused by every adjoint iteration."""
-        rec = self.tape.coarse_graphs.get(pairs)  # type: ignore[call-overload]
-        if rec is None:
-            states = [self.forward_state(a) for a, _ in pairs]
-            with torch.enable_grad():
-                x = stack_rows(states).detach().requires_grad_()
-                rec = (x, self.bb.step(x, pairs))  # type: ignore[union-attr]
-            self.tape.coarse_graphs[pairs] = rec  # type: ignore[index]
-        (dx,) = torch.autograd.grad(rec[1], rec[0], lam, retain_graph=True)
-        return dx
-
-    def forward_state(self, a: int) -> Row:
-        """u_a, the input of layer a in the final forward sweep (batched records)."""
-        rid, row = self.tape.where[a]
-        rec = self.tape.brecords[rid]
-        if rec.xd is None:
-            rec.xd = rec.x.detach()
-        return Row(rec.xd, row)
-
-    def collect_batched_grads(self) -> dict[int, tuple]:
-        """Per owned layer, its parameter gradients (rows of one tensor per parameter
-        name: no copy per layer), from the records of the final adjoint sweep."""
-        bb = self.bb
-        assert bb is not None
-        recs = [r for r in self.tape.brecords if r.grads]
-        if not recs:
-            return {}
-        layers = [a for r in recs for a in r.layers]
-        names = bb.param_names
-        rows: dict[str, list[Tensor]] = {}
-        if self.averager is not None:
-            self.averager.add(g for r in recs for g in r.grads.values())  # not yet added
-            for name in names:
-                # each record's rows as views, not concatenated: the average over the
-                # replicas, done in place on the records' tensors later, reaches them
-                rows[name] = [row for r in recs for row in
-                              (r.grads[name] if name in r.grads
-                               else torch.zeros_like(r.params[name])).unbind(0)]
-        for name in names if self.averager is None else ():
-            parts = [r.grads.get(name) for r in recs]
-            if any(g is None for g in parts):
-                parts = [torch.zeros_like(r.params[name]) if g is None else g
-                         for r, g in zip(recs, parts)]
-            rows[name] = list((torch.cat(parts) if len(parts) > 1 else parts[0]).unbind(0))
-        out: dict[int, list[tuple[Tensor, Tensor]]] = {}
-        for k, a in enumerate(layers):
-            out[a] = [(p, rows[name][k]) for name, p in zip(names, bb._tensors[a][0])
-                      if p.requires_grad]
-        return out
-
-    def chain_vjp(self, a: int, lam: Tensor) -> Tensor:
-        """Final adjoint step of layer a when the adjoint is solved sequentially.
-
-        The engine then visits this rank's layers from the last to the first, each
-        step's input being the previous step's output.  The first visit of a chain
-        (its last layer) back-propagates the whole chain in one autograd call, as
-        plain PyTorch would; the other visits return the cached results.  Only the
-        chain head's input gradient is requested: in a sequential solve the engine
-        reads no other point (the head's value is what travels to the next chain or
-        rank), so the points inside a chain hold a shared zero placeholder.
-        """
-        if a in self.chain_cache and lam is self.last_lam:
-            res = self.chain_cache.pop(a)
-        else:
-            head = self.tape.chain_head[a]
-            layers = range(head, a + 1)
-            params = [p for k in layers for p in self.layer_params[k]]
-            records = self.tape.records
-            grads = torch.autograd.grad(records[a][1], [records[head][0], *params], lam,
-                                        allow_unused=True)
-            self.chain_cache = dict.fromkeys(layers, self.lam_zero)
-            self.chain_cache[head] = grads[0]
-            off = 1
-            for k in layers:
-                n_p = len(self.layer_params[k])
-                self.tape.param_grads[k] = grads[off:off + n_p]
-                off += n_p
-            res = self.chain_cache.pop(a)
-        self.last_lam = res
-        return res
-
     # -- per batch ----------------------------------------------------------------------------
-    def forward(self, u0: Optional[Tensor], like: Tensor, seed: Optional[int],
-                record: bool, training: bool, direct: bool = False,
-                check_shapes: bool = False) -> tuple[Optional[Tensor], SolveStats, Tape]:
-        """MGRIT forward solve; returns (u_N on the last rank else None, stats, the
-        pass's tape, which its backward needs: the caller keeps it with the pass).
-
-        direct: one rank, sequential solve: record the steps onto u0's own graph and
-        return u_N with its graph (PyTorch's engine then runs the backward)."""
-        self.ghosts.set_training(training)
-        if record and not direct:
-            self.refresh_trainable()
-        self.tape = tape = Tape(record, seed, frozenset(
+    def new_tape(self, record: bool, seed: Optional[int]) -> Tape:
+        """An empty tape for a pass (recording for a backward or not; its dropout
+        seed), the layers that draw from the seed marked."""
+        return Tape(record, seed, frozenset(
             k for k, blk in self.blocks.items() if seed is not None and needs_rng(blk)))
-        self.u0 = u0 if u0 is not None else like
-        self.zero = torch.zeros_like(like)
+
+    def forward(self, u0: Optional[Tensor], like: Tensor, tape: Tape, *,
+                check_shapes: bool = False, exact: bool = False
+                ) -> tuple[Optional[Tensor], SolveStats]:
+        """Forward solve of the pass that owns `tape` (recorded onto it when it
+        records): MGRIT with this runner's options, or exact propagation (sequential
+        stepping over the same ranks) where `exact`; the tape remembers which, for the
+        backward.  Returns (u_N on the last rank else None, stats).  `check_shapes`: the
+        first pass for an input shape checks what the blocks do (see `phi`)."""
+        if tape.recording:
+            self.refresh_trainable()
         self.transport.set_template(like)
-        self.bb = self.use_path(like)
-        if self.bb is not None:
-            self.bb.new_pass()
-        if direct:
-            assert u0 is not None
-            self.u0_graph, self.u0 = u0, u0.detach()
-        self.check_shapes = check_shapes
-        tape.bb = self.bb  # as recorded: the backward steps through the same path
+        # sequential solves have nothing to batch
+        bb = self.bb = None if exact else self.use_path(like)
+        if bb is not None:
+            bb.new_pass()
+        tape.bb = bb  # as recorded: the backward steps through the same path
         tape.layer_params = self.layer_params
+        tape.exact = exact
+        app, _, session, _ = self._mode(exact)
+        app.begin(tape, u0 if u0 is not None else like, like, bb, check_shapes)
         try:
-            stats = self.fsession.drive(lazy_history=not self.check_finite)
+            stats = session.drive(lazy_history=not self.check_finite)
         finally:
-            self.u0_graph = None
-            self.check_shapes = False
-            self.tape = Tape()  # the pass's tape lives with the pass, not here
+            app.end()
         last = self.transport.size - 1
-        out = as_tensor(self.fsession.state(self.n)) if self.transport.rank == last else None
-        if direct:
-            out, self.direct_out = self.direct_out, None
-        return out, stats, tape
+        out = as_tensor(session.state(self.n)) if self.transport.rank == last else None
+        return out, stats
+
+    def forward_direct(self, u0: Tensor, tape: Tape, *, check_shapes: bool = False,
+                       exact: bool = False) -> tuple[Tensor, SolveStats]:
+        """Direct mode (one rank, sequential solves; see `direct.py`): the sweep is
+        recorded onto `u0`'s own graph; returns u_N with its graph, and the stats."""
+        app, _, session, _ = self._mode(exact)
+        assert isinstance(app, DirectApp), "internal: a direct pass on a runner that " \
+            "cannot run one"
+        self.transport.set_template(u0)
+        # sequential solves have nothing to batch (the runner's own pass still notes
+        # its path, None, in `paths`)
+        self.bb = None if exact else self.use_path(u0)
+        assert self.bb is None
+        app.begin(tape, u0, u0, None, check_shapes)
+        app.begin_direct(u0)
+        try:
+            stats = session.drive(lazy_history=not self.check_finite)
+            out = app.out
+        finally:
+            app.end()
+        assert out is not None
+        return out, stats
 
     def backward(self, lam_n: Optional[Tensor], like: Tensor, tape: Tape
                  ) -> tuple[Optional[Tensor], SolveStats, dict[int, Tensor]]:
-        """Adjoint MGRIT solve of the pass that recorded `tape`; returns (lambda_0 on
-        rank 0 else None, stats, id(parameter) -> gradient of this rank's layers).
-        The tape's records are consumed."""
-        self.lam_n = lam_n if lam_n is not None else like
-        self.lam_zero = torch.zeros_like(like)
+        """Adjoint solve of the pass that recorded `tape` (MGRIT, or exact propagation
+        as that pass ran); returns (lambda_0 on rank 0 else None, stats, id(parameter)
+        -> gradient of this rank's layers).  The tape's records are consumed."""
         self.rtransport.set_template(like)
-        current = self.bb, self.layer_params
-        self.bb, self.layer_params, self.tape = tape.bb, tape.layer_params, tape
+        _, app, _, session = self._mode(tape.exact)
+        app.begin(tape, lam_n if lam_n is not None else like, like)
         try:
-            stats = self.bsession.drive(lazy_history=not self.check_finite)
-            out = as_tensor(self.bsession.state(self.n)) if self.transport.rank == 0 \
-                else None
-            grads: dict[int, Tensor] = {}
-            if self.bb is not None:
-                for pairs in self.collect_batched_grads().values():
-                    for p, gp in pairs:
-                        grads[id(p)] = gp
-            else:
-                if self.averager is not None:
-                    self.averager.add(g for k in sorted(tape.param_grads)
-                                      for g in tape.param_grads[k])
-                for k, pg in tape.param_grads.items():
-                    for p, gp in zip(self.layer_params[k], pg):
-                        if gp is not None:
-                            grads[id(p)] = gp
+            stats = session.drive(lazy_history=not self.check_finite)
+            out = as_tensor(session.state(self.n)) if self.transport.rank == 0 else None
+            grads = app.gradients()
         finally:
-            (self.bb, self.layer_params), self.tape = current, Tape()
-            self.chain_cache = {}
-            self.last_lam = None
+            app.end()
             tape.__init__()  # consumed: drop the records and their graphs
         return out, stats, grads
+
+
+def _checked(f: Callable[[Tensor], Tensor], block: nn.Module, a: int, seg_index: int,
+             with_buffers: bool) -> Callable[[Tensor], Tensor]:
+    """`f` with the checks of a first pass: the block keeps the state's shape, leaves
+    its input alone and (`with_buffers`: not in direct mode, which is serial stepping)
+    updates none of its own buffers."""
+    bufs = own_buffers(block) if with_buffers else []
+
+    def checked(v: Tensor) -> Tensor:
+        version, before = v._version, buffer_versions(bufs)
+        out = f(v)
+        if v._version != version:
+            raise ValueError(inplace_message(block, a, seg_index))
+        if buffer_versions(bufs) != before:
+            raise ValueError(buffer_message(block, a, seg_index, bufs, before))
+        if out.shape != v.shape:
+            raise ValueError(
+                f"layer {a} of segment {seg_index} changed the state's shape "
+                f"from {tuple(v.shape)} to {tuple(out.shape)}; a residual block "
+                "must keep it")
+        return out
+
+    return checked

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
-__all__ = ["BatchRecord", "Tape"]
+__all__ = ["BatchRecord", "PassRecord", "PlainRecord", "Tape"]
 
 
 class BatchRecord:
@@ -43,13 +44,14 @@ class Tape:
     param_grads: per layer, what the final adjoint sweep produced (per-step path).
     bb / layer_params: the vectorised steps the pass ran with (None: per-step) and the
         parameters that required grad then; its backward uses the same.
+    exact: the pass ran exact propagation (`LayerParallel.exact`); so does its backward.
     seed / rng_layers: the pass's dropout seed and the layers that draw from it (a
         coarse step rebuilt in the backward pass must draw the same masks).
     """
 
     __slots__ = ("recording", "seed", "rng_layers", "records", "chain_head", "brecords",
                  "where", "coarse_graphs", "param_grads", "bb",
-                 "layer_params")
+                 "layer_params", "exact")
 
     def __init__(self, recording: bool = False, seed: Optional[int] = None,
                  rng_layers: frozenset[int] = frozenset()) -> None:
@@ -64,3 +66,42 @@ class Tape:
         self.param_grads: dict[int, tuple] = {}
         self.bb: Optional[Any] = None  # the BatchedBlocks the pass stepped with, if any
         self.layer_params: dict[int, list[Tensor]] = {}  # trainable, as the pass found them
+        self.exact = False  # the pass ran exact propagation, not the model's MGRIT
+
+
+class PlainRecord:
+    """A plain layer evaluated once with its graph kept for the backward pass.
+
+    Consecutive plain layers on one rank share one graph (`prev`): the backward pass
+    then goes through the whole group in one autograd call."""
+
+    def __init__(self, layer: nn.Module, x: Tensor, record: bool,
+                 prev: Optional[PlainRecord] = None) -> None:
+        self.head: PlainRecord = self
+        if record:
+            with torch.enable_grad():
+                if prev is not None:
+                    self.x, self.head = prev.y, prev.head
+                else:
+                    self.x = x.detach().requires_grad_()
+                self.y = layer(self.x)
+        else:
+            self.x, self.y = x, layer(x)
+        self.params = [p for p in layer.parameters() if p.requires_grad]
+        self.group_params = (prev.group_params if prev is not None else []) + self.params
+
+
+class PassRecord:
+    """What one forward pass of the whole model leaves for its backward pass: its plain
+    layers' records, per segment its tape, and where the states and the output were."""
+
+    def __init__(self) -> None:
+        self.plain: dict[int, PlainRecord] = {}
+        self.shapes: list[tuple[tuple[int, ...], torch.dtype]] = []  # segment states
+        self.out_holder = 0  # rank that computed the output
+        self.x_requires_grad = False
+        self.x_shape: tuple[int, ...] = ()
+        self.x_dtype = torch.float32
+        self.direct = False  # recorded onto the caller's graph (see LayerParallel)
+        self.exact = False  # exact propagation (see LayerParallel.exact)
+        self.tapes: dict[int, Tape] = {}  # per segment layer: what its backward needs

@@ -173,14 +173,15 @@ def one_case(comm: Any, name: str) -> dict[str, Any]:
             assert p.grad is None, "a .grad appeared"
         else:
             assert p.grad is b[0] and torch.equal(p.grad, b[1]), ".grad changed"
-    again = model.check_gradients(x, y, F.cross_entropy)  # the cached twin, same result
+    again = model.check_gradients(x, y, F.cross_entropy)  # exact mode again, same result
     assert again == got, (again, got)
-    twin = model.__dict__["_exact_twin"]
     model.eval()
     model.check_gradients(x, y, F.cross_entropy)  # eval mode: runs, mode kept
     assert not model.training and not any(m.training for m in model.modules())
+    # exact propagation is a mode of this model: no second model, no second communicator
+    assert not any(isinstance(v, layerpar.LayerParallel) for v in vars(model).values())
     model.close()
-    assert "_exact_twin" not in model.__dict__ and twin._closed
+    assert model.closed
     if comm is not None:
         every = comm.allgather(got)
         assert all(g == got for g in every), f"ranks differ: {every}"
