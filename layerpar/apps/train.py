@@ -60,7 +60,7 @@ __all__ = [
 
 
 # the problems `train` trains (the choices of ``layerpar train``) and their builder, under
-# the names layerpar.train has always had; both live in layerpar.nets
+# the names this module has always had for them; both live in layerpar.apps.nets
 MODELS = PROBLEMS
 build_net = problem_net
 

@@ -352,7 +352,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--batch", type=int, default=256, help="batch size (256)")
     p.add_argument("--heads", type=int, default=4, help="transformer heads (4)")
     p.add_argument("--levels", type=int, help="MGRIT levels (default: down to 16 coarsest "
-                                              "intervals, as layerpar.opcount)")
+                                              "intervals, as layerpar.apps.opcount)")
     p.add_argument("--cfactor", type=int, default=4, help="coarsening factor (4)")
     p.add_argument("--fwd-iters", dest="fwd_iters", type=int, default=2,
                    help="forward MGRIT iterations (2)")
