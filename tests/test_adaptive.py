@@ -101,7 +101,7 @@ def test_a_stalling_solve_switches_to_exact_in_the_same_batch() -> None:
     assert "switch to exact" in log[0].action and "forward MGRIT of segment 0 stalled" \
         in log[0].reason
     # the train loop's figures come from the pass that ran (the twin's sequential solve)
-    assert model.last_forward[0]["iterations"] == 1 and model.last_forward[0]["n_levels"] == 1
+    assert model.last_forward[0].iterations == 1 and model.last_forward[0].n_levels == 1
 
 
 def test_mgrit_resumes_once_it_converges_again() -> None:
@@ -116,7 +116,7 @@ def test_mgrit_resumes_once_it_converges_again() -> None:
     assert not model.accuracy.exact
     assert "back to MGRIT" in model.accuracy.log[-1].action
     assert model.accuracy.log[-1].batch == 3
-    assert model.last_forward[0]["n_levels"] == 3
+    assert model.last_forward[0].n_levels == 3
 
 
 def test_a_diverging_solve_switches_to_exact(monkeypatch: pytest.MonkeyPatch) -> None:

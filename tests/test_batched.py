@@ -55,7 +55,7 @@ def test_batched_equals_per_step_path(dtype: torch.dtype, scheme: str) -> None:
     assert rel(b[0], s[0]) <= TOL[dtype] and rel(b[1], s[1]) <= TOL[dtype]
     for name in b[2]:
         assert rel(b[2][name], s[2][name]) <= TOL[dtype], name
-    assert mb.last_forward[0]["iterations"] == ms.last_forward[0]["iterations"] == 2
+    assert mb.last_forward[0].iterations == ms.last_forward[0].iterations == 2
 
 
 def test_gradients_are_rows_of_one_tensor_and_accumulate() -> None:

@@ -67,8 +67,8 @@ def test_matches_serial_oracle(opts: MGRITOptions, n: int) -> None:
     assert set(grads(model)) == set(refg)
     if opts.max_levels == 1:  # sequential: bit for bit
         assert torch.equal(out.detach(), ref(x).detach())
-        assert model.last_forward[0]["iterations"] == 1
-        assert model.last_backward[0]["iterations"] == 1
+        assert model.last_forward[0].iterations == 1
+        assert model.last_backward[0].iterations == 1
 
 
 @pytest.mark.parametrize("opts", [ONE, EXACT])
@@ -108,9 +108,9 @@ def test_inexact_is_reported_and_bounded() -> None:
     err = rel(out.detach(), ref(x).detach())
     assert 0 < err < 0.1  # inexact, but close
     stats = model.last_forward[0]
-    assert stats["iterations"] == 2 and not stats["converged"]
-    assert len(stats["residual_history"]) == 1  # skip: r_1 only
-    assert model.last_backward[0]["iterations"] == 1
+    assert stats.iterations == 2 and not stats.converged
+    assert len(stats.residual_history) == 1  # skip: r_1 only
+    assert model.last_backward[0].iterations == 1
 
 
 def test_float32_end_to_end() -> None:

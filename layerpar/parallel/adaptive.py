@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from ..mgrit.options import MGRITOptions
 
 if TYPE_CHECKING:
-    from ..mgrit.session import SolveStats
+    from ..mgrit.result import MGRITResult
     from .accuracy import GradientCheck
     from .model import LayerParallel
 
@@ -166,10 +166,10 @@ class AccuracyController:
         every = self.policy.check_every * (5 if self.exact else 1)
         return batch % every == 0
 
-    def stalled(self, stats: list[SolveStats]) -> Optional[str]:
+    def stalled(self, stats: list[MGRITResult]) -> Optional[str]:
         """Why the forward solves of a pass stalled or diverged (None if they did not)."""
         for k, s in enumerate(stats):
-            rate = _rate(list(s["residual_history"]))
+            rate = _rate(list(s.residual_history))
             if rate is not None and rate >= self.policy.stall_factor:
                 what = "diverged" if rate > 1.0 else "stalled"
                 return (f"forward MGRIT of segment {k} {what}: residual reduction "

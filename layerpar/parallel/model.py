@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..mgrit.errors import DivergenceError, RankMismatchError, RemoteError
 from ..mgrit.options import MGRITOptions
-from ..mgrit.session import SolveStats
+from ..mgrit.result import MGRITResult
 from ..mgrit.transport import DEFAULT_TIMEOUT, Transport, check_timeout, make_transport
 from ..mgrit.xbraid import (
     check_engine,
@@ -208,7 +208,7 @@ class LayerParallel(nn.Module):
         from the device per pass; a non-finite one raises `DivergenceError`).  With
         False and fixed iteration counts (tol = rtol = 0) a training step on one GPU
         has no host-device synchronisation at all; residual histories are then read
-        back when `last_forward[i]["residual_history"]` is first looked at.
+        back when `last_forward[i].residual_history` is first looked at.
     grid: a `ProcessGrid` instead of `comm`: data parallelism x layer parallelism.
         MGRIT runs over this process's layer group, and each parameter gradient is
         averaged over the replicas (bucketed reductions started as the adjoint's
@@ -378,8 +378,8 @@ class LayerParallel(nn.Module):
                              "check_inputs": check_inputs}
         self._has_dropout = \
             any(isinstance(m, _DROPOUT) for m in net.modules())
-        self.last_forward: list[SolveStats] = []
-        self.last_backward: list[SolveStats] = []
+        self.last_forward: list[MGRITResult] = []
+        self.last_backward: list[MGRITResult] = []
         # adaptive accuracy (see layerpar.parallel.adaptive); the policy was agreed
         self.accuracy: Optional[AccuracyController] = None if policy is None else \
             AccuracyController(policy, options.max_iter, backward_options.max_iter)
@@ -394,7 +394,7 @@ class LayerParallel(nn.Module):
             self.accuracy = None  # the chosen setting's controller, once tuned
 
     @property
-    def last_forward(self) -> list[SolveStats]:
+    def last_forward(self) -> list[MGRITResult]:
         """Per segment, what the last forward pass's solves reached."""
         if self._auto is not None and self._auto.chosen is not None:
             return self._auto.chosen.last_forward
@@ -402,11 +402,11 @@ class LayerParallel(nn.Module):
         return twin.last_forward if self._via_twin and twin is not None else self._last_fwd
 
     @last_forward.setter
-    def last_forward(self, value: list[SolveStats]) -> None:
+    def last_forward(self, value: list[MGRITResult]) -> None:
         self._last_fwd = value
 
     @property
-    def last_backward(self) -> list[SolveStats]:
+    def last_backward(self) -> list[MGRITResult]:
         """Per segment, what the last backward pass's adjoint solves reached."""
         if self._auto is not None and self._auto.chosen is not None:
             return self._auto.chosen.last_backward
@@ -415,7 +415,7 @@ class LayerParallel(nn.Module):
             self._last_bwd
 
     @last_backward.setter
-    def last_backward(self, value: list[SolveStats]) -> None:
+    def last_backward(self, value: list[MGRITResult]) -> None:
         self._last_bwd = value
 
     @property

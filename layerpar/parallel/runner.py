@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from ..mgrit.grid import Partition, build_levels, reversed_bounds
 from ..mgrit.options import MGRITOptions
-from ..mgrit.session import EngineSession, SolveStats
+from ..mgrit.result import MGRITResult
+from ..mgrit.session import EngineSession
 from ..ode.coarsening import coarse_block
 from ..ode.net import Segment
 from ..ode.rng import needs_rng
@@ -471,7 +472,7 @@ class SegmentRunner:
     # -- per batch ----------------------------------------------------------------------------
     def forward(self, u0: Optional[Tensor], like: Tensor, seed: Optional[int],
                 record: bool, training: bool, direct: bool = False,
-                check_shapes: bool = False) -> tuple[Optional[Tensor], SolveStats, Tape]:
+                check_shapes: bool = False) -> tuple[Optional[Tensor], MGRITResult, Tape]:
         """MGRIT forward solve; returns (u_N on the last rank else None, stats, the
         pass's tape, which its backward needs: the caller keeps it with the pass).
 
@@ -507,7 +508,7 @@ class SegmentRunner:
         return out, stats, tape
 
     def backward(self, lam_n: Optional[Tensor], like: Tensor, tape: Tape
-                 ) -> tuple[Optional[Tensor], SolveStats, dict[int, Tensor]]:
+                 ) -> tuple[Optional[Tensor], MGRITResult, dict[int, Tensor]]:
         """Adjoint MGRIT solve of the pass that recorded `tape`; returns (lambda_0 on
         rank 0 else None, stats, id(parameter) -> gradient of this rank's layers).
         The tape's records are consumed."""

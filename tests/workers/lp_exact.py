@@ -58,8 +58,8 @@ def check(name, make, x, y, dtype, fwd, bwd, coarsening="injection"):
         pe = max(pe, rel(p.grad, refp[n].grad))
     errs["params"] = pe
     errs["nparams"] = len(names)
-    errs["fwd_iters"] = [s["iterations"] for s in model.last_forward]
-    errs["bwd_iters"] = [s["iterations"] for s in model.last_backward]
+    errs["fwd_iters"] = [s.iterations for s in model.last_forward]
+    errs["bwd_iters"] = [s.iterations for s in model.last_backward]
     allnames = comm.allgather(names)
     flat = sorted(n for ns in allnames for n in ns)
     errs["names_ok"] = flat == sorted(refp.keys())
@@ -122,8 +122,8 @@ def changing_batch_size():
     worst = comm.allreduce(worst, op=MPI.MAX)
     model.close()
     return "batch 6-2-6", {"worst": worst, "names_ok": True, "gather_ok": True,
-                           "fwd_iters": [s["iterations"] for s in model.last_forward],
-                           "bwd_iters": [s["iterations"] for s in model.last_backward]}
+                           "fwd_iters": [s.iterations for s in model.last_forward],
+                           "bwd_iters": [s.iterations for s in model.last_backward]}
 
 
 
@@ -218,8 +218,8 @@ def inexact_matches_one_rank():
     err_oracle = rel(out.detach(), out_ref.detach())
     return "inexact vs 1 rank", {"worst": worst, "names_ok": True, "gather_ok": True,
                                  "oracle_err": err_oracle,
-                                 "fwd_iters": [s["iterations"] for s in model.last_forward],
-                                 "bwd_iters": [s["iterations"] for s in model.last_backward]}
+                                 "fwd_iters": [s.iterations for s in model.last_forward],
+                                 "bwd_iters": [s.iterations for s in model.last_backward]}
 
 
 if __name__ == "__main__":
