@@ -28,11 +28,12 @@ import torch
 from torch import Tensor, nn
 
 from . import data
+from ._checks import nonneg_int, positive_float, positive_int
 from .loop import Progress, available_cores, train_steps
 from .mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MGRITOptions
 from .mgrit.transport import DEFAULT_TIMEOUT
 from .mgrit.xbraid import ENGINES
-from .nets import PROBLEMS, RECIPES, Recipe, positive_int, problem_name, problem_net
+from .nets import PROBLEMS, RECIPES, Recipe, problem_name, problem_net
 from .ode.net import ODENet
 from .ode.refine import refine
 from .ode.rng import MAX_SEED
@@ -207,14 +208,12 @@ def train(
     recipe = RECIPES[model_name]
     if not isinstance(serial, bool):
         raise TypeError(f"`serial` must be a bool, got {type(serial).__name__}")
-    epochs = recipe.epochs if epochs is None else positive_int(epochs, "epochs")
-    batch_size = recipe.batch_size if batch_size is None else positive_int(batch_size,
-                                                                         "batch_size")
+    epochs = recipe.epochs if epochs is None else positive_int("epochs", epochs)
+    batch_size = recipe.batch_size if batch_size is None else positive_int("batch_size",
+                                                                         batch_size)
     lr_given = lr is not None
     lr = recipe.lr if lr is None else lr
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (
-            math.isfinite(lr) and lr > 0):
-        raise ValueError(f"`lr` must be a positive finite number, got {lr!r}")
+    lr = positive_float("lr", lr)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise ValueError(f"`seed` must be an int in [0, 2**64 - 1], got {seed!r}")
     if dtype not in (torch.float32, torch.float64):
@@ -224,13 +223,11 @@ def train(
     for name, o in (("fwd", fwd), ("bwd", bwd)):
         if not isinstance(o, MGRITOptions):
             raise TypeError(f"`{name}` must be an MGRITOptions, got {type(o).__name__}")
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) \
-            or data_parallel < 1:
-        raise ValueError(f"`data_parallel` must be an int >= 1, got {data_parallel!r}")
+    data_parallel = positive_int("data_parallel", data_parallel)
     policy = as_policy(adaptive)
-    check_every = _count(check_every, "check_every")
-    nested = _count(nested, "nested")
-    nested_epochs = positive_int(nested_epochs, "nested_epochs")
+    check_every = nonneg_int("check_every", check_every)
+    nested = nonneg_int("nested", nested)
+    nested_epochs = positive_int("nested_epochs", nested_epochs)
     if serial and (policy is not None or check_every):
         raise ValueError("`adaptive` and `check_every` need a layer-parallel run (they "
                          "compare MGRIT with exact propagation), not `serial`")
@@ -267,13 +264,11 @@ def train(
     if sync == "lioncub" and optimizer != "lion":
         raise ValueError("`sync`='lioncub' exchanges Lion updates: use `optimizer`='lion'")
     if nodes is not None:
-        nodes = positive_int(nodes, "nodes")
+        nodes = positive_int("nodes", nodes)
         if data_parallel % nodes:
             raise ValueError(f"`nodes`={nodes} must divide `data_parallel`={data_parallel}")
-    if slow_link is not None and (isinstance(slow_link, bool) or not isinstance(
-            slow_link, (int, float)) or not (math.isfinite(slow_link) and slow_link > 0)):
-        raise ValueError(f"`slow_link` must be a positive number of Gbit/s, got "
-                         f"{slow_link!r}")
+    if slow_link is not None:
+        positive_float("slow_link", slow_link)  # Gbit/s
     if optimizer == "lion" and not lr_given:
         lr = recipe.lr / 3  # Lion's steps are signs: it wants a smaller rate than Adam
     rank, size = _rank_size(comm)
@@ -565,12 +560,6 @@ def _captured_steps(captured: Any, loader: Any, schedule: Any, to_device: Any) -
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         yield Step(loss.detach().clone(), None, y, dt, dt, 0.0)  # type: ignore[arg-type]
-
-
-def _count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"`{name}` must be an int >= 0, got {value!r}")
-    return value
 
 
 def _bar_note(loss: Optional[float], fwd_res: list, bwd_res: list, checks: list) -> str:

@@ -74,7 +74,7 @@ def test_lion_equals_reference_and_resumes_from_state_dict() -> None:
 
 
 @pytest.mark.parametrize("kw, err, text", [
-    ({"lr": 0}, ValueError, "`lr` must be a positive"),
+    ({"lr": 0}, ValueError, "`lr` must be a finite number > 0"),
     ({"betas": (0.9, 1.0)}, ValueError, "`betas` must be two numbers"),
     ({"weight_decay": -1}, ValueError, "`weight_decay` must be"),
 ])

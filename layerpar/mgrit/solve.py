@@ -1,12 +1,12 @@
 """`solve()`: MGRIT for any propagator on torch tensors (its result: `result.py`)."""
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
 
+from .._checks import finite_in, integer
 from .errors import ConvergenceError, DivergenceError
 from .grid import block_bounds
 from .options import MAX_STEPS, MGRITOptions
@@ -153,18 +153,12 @@ def _validate(step: Any, u0: Any, n_steps: Any, t_start: Any, t_final: Any, opti
     if u0.is_meta:
         raise ValueError("`u0` is on the meta device: it has a shape but no values to "
                          "step; create it on the CPU or a GPU")
-    if isinstance(n_steps, bool) or not isinstance(n_steps, int):
-        raise TypeError(f"`n_steps` must be an int, got {type(n_steps).__name__}")
-    if n_steps < 1:
-        raise ValueError(f"`n_steps` must be >= 1, got {n_steps}")
-    if n_steps > MAX_STEPS:
-        raise ValueError(f"`n_steps` must be <= {MAX_STEPS} (the engine indexes time points "
-                         f"with C ints), got {n_steps}")
+    integer("n_steps", integer("n_steps", n_steps, 1), hi=MAX_STEPS,
+            why=" (the engine indexes time points with C ints)")
     if n_steps < size:
         raise ValueError(f"`n_steps` ({n_steps}) must be >= the number of ranks ({size})")
-    for name, v in (("t_start", t_start), ("t_final", t_final)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise TypeError(f"`{name}` must be a finite float, got {v!r}")
+    finite_in("t_start", t_start)
+    finite_in("t_final", t_final)
     if not t_final > t_start:
         raise ValueError(f"`t_final` ({t_final}) must be > `t_start` ({t_start})")
     if not isinstance(options, MGRITOptions):
@@ -223,6 +217,7 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
         try:
             _validate(step, u0, n_steps, t_start, t_final, options, init, step_batch,
                       transport.size)
+            n_steps = int(n_steps)
             timeout = check_timeout(timeout)
             _check_engine(engine, transport, options, step_batch)
             key: Any = {"engine": engine, **{f"options.{k}": v for k, v in options.key().items()},

@@ -16,7 +16,7 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from .blocks import _positive_int
+from .._checks import positive_int
 from .net import ODENet, Segment
 
 __all__ = ["INTERPOLATIONS", "refine"]
@@ -125,7 +125,7 @@ def refine(net: ODENet, factor: int = 2, interpolation: str = "constant") -> ODE
     if not isinstance(net, ODENet):
         raise TypeError(f"`net` must be an ODENet or a LayerParallel, got "
                         f"{type(net).__name__}")
-    factor = _positive_int(factor, "factor")
+    factor = positive_int("factor", factor)
     if not isinstance(interpolation, str) or interpolation not in INTERPOLATIONS:
         raise ValueError(
             f"`interpolation` must be one of {list(INTERPOLATIONS)}, got {interpolation!r}"

@@ -36,6 +36,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from .._checks import boolean, finite_in, positive_float, positive_int
 from ..mgrit.options import MGRITOptions
 
 if TYPE_CHECKING:
@@ -44,22 +45,6 @@ if TYPE_CHECKING:
     from .model import LayerParallel
 
 __all__ = ["AccuracyController", "AccuracyEvent", "AccuracyPolicy", "as_policy"]
-
-
-def _number(value: Any, name: str, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
-            value) or value > hi or value < lo or (lo_open and value == lo):
-        side = "(" if lo_open else "["
-        rng = f"{side}{lo}, inf)" if hi == math.inf else f"{side}{lo}, {hi}]"
-        raise ValueError(f"`accuracy.{name}` must be a finite number in {rng}, got "
-                         f"{value!r}")
-    return float(value)
-
-
-def _count(value: Any, name: str, lo: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"`accuracy.{name}` must be an int >= {lo}, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -92,15 +77,13 @@ class AccuracyPolicy:
     prefer_cheaper: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.prefer_cheaper, bool):
-            raise ValueError(f"`accuracy.prefer_cheaper` must be a bool, got "
-                             f"{self.prefer_cheaper!r}")
-        _number(self.min_cosine, "min_cosine", -1.0, 1.0)
-        _number(self.max_rel_error, "max_rel_error", 0.0, math.inf, lo_open=True)
-        _count(self.check_every, "check_every")
-        _count(self.max_iters, "max_iters")
-        _number(self.stall_factor, "stall_factor", 0.0, math.inf, lo_open=True)
-        _count(self.probe_every, "probe_every")
+        boolean("accuracy.prefer_cheaper", self.prefer_cheaper)
+        finite_in("accuracy.min_cosine", self.min_cosine, -1.0, 1.0)
+        positive_float("accuracy.max_rel_error", self.max_rel_error)
+        positive_int("accuracy.check_every", self.check_every)
+        positive_int("accuracy.max_iters", self.max_iters)
+        positive_float("accuracy.stall_factor", self.stall_factor)
+        positive_int("accuracy.probe_every", self.probe_every)
 
     def key(self) -> dict[str, Any]:
         """The fields, for the agreement between ranks."""

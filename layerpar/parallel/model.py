@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from .._checks import nonneg_int
 from ..mgrit.errors import DivergenceError, RankMismatchError, RemoteError
 from ..mgrit.options import MGRITOptions
 from ..mgrit.result import MGRITResult
@@ -283,11 +284,7 @@ class LayerParallel(nn.Module):
                                     + (" or 'auto'" if name == "options" else "")
                                     + f", got {o!r}")
             timeout = check_timeout(timeout)
-            if isinstance(check_inputs, bool) or not isinstance(check_inputs, int) \
-                    or check_inputs < 0:
-                raise ValueError(f"`check_inputs` must be an int >= 0 (batches whose input "
-                                 f"and loss gradient are compared between ranks), got "
-                                 f"{check_inputs!r}")
+            nonneg_int("check_inputs", check_inputs)
             check_engine(engine)
             if batched is None:
                 batched = "auto" if engine == "native" else False
