@@ -23,13 +23,12 @@ import torch
 from torch import nn
 
 from .bench import write_dict_rows
+from .defaults import TRAINING
 from .loop import train_step
-from .mgrit.options import MGRITOptions
 from .ode import blocks
 from .ode.net import ODENet, Segment
 
-FWD = MGRITOptions(max_levels=3, cfactor=4, max_iter=2)
-BWD = MGRITOptions(max_levels=3, cfactor=4, max_iter=1)
+FWD, BWD = TRAINING.fwd_options(), TRAINING.bwd_options()
 MODES = (("auto", "auto"), ("batched", True), ("per-step", False))
 
 

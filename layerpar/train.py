@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from . import data
 from ._checks import nonneg_int, positive_float, positive_int
+from .defaults import MAX_REL_ERROR, MIN_COSINE, TRAINING
 from .loop import Progress, available_cores, train_steps
 from .mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MGRITOptions
 from .mgrit.transport import DEFAULT_TIMEOUT
@@ -218,8 +219,8 @@ def train(
         raise ValueError(f"`seed` must be an int in [0, 2**64 - 1], got {seed!r}")
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"`dtype` must be torch.float32 or torch.float64, got {dtype!r}")
-    fwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=2) if fwd is None else fwd
-    bwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=1) if bwd is None else bwd
+    fwd = TRAINING.fwd_options() if fwd is None else fwd
+    bwd = TRAINING.bwd_options() if bwd is None else bwd
     for name, o in (("fwd", fwd), ("bwd", bwd)):
         if not isinstance(o, MGRITOptions):
             raise TypeError(f"`{name}` must be an MGRITOptions, got {type(o).__name__}")
@@ -698,13 +699,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ValueError naming its option.
     """
     g = parser.add_argument_group("MGRIT (forward and adjoint solves)")
-    g.add_argument("--levels", type=int, default=3, help="MGRIT levels at most (1: exact)")
-    g.add_argument("--cfactor", type=int, default=4, help="coarsening factor")
-    g.add_argument("--fwd-iters", type=int, default=2, help="forward MGRIT iterations")
-    g.add_argument("--bwd-iters", type=int, default=1, help="adjoint MGRIT iterations")
-    g.add_argument("--tol", type=float, default=1e-9,
+    g.add_argument("--levels", type=int, default=TRAINING.levels,
+                   help="MGRIT levels at most (1: exact)")
+    g.add_argument("--cfactor", type=int, default=TRAINING.cfactor, help="coarsening factor")
+    g.add_argument("--fwd-iters", type=int, default=TRAINING.fwd_iters,
+                   help="forward MGRIT iterations")
+    g.add_argument("--bwd-iters", type=int, default=TRAINING.bwd_iters,
+                   help="adjoint MGRIT iterations")
+    g.add_argument("--tol", type=float, default=MGRITOptions.tol,
                    help="absolute residual tolerance (halts earlier if reached)")
-    g.add_argument("--nrelax", type=int, default=1, help="relaxation sweeps (0: F, 1: FCF)")
+    g.add_argument("--nrelax", type=int, default=MGRITOptions.nrelax,
+                   help="relaxation sweeps (0: F, 1: FCF)")
     g.add_argument("--engine", default="native", metavar="{native,xbraid}",
                    help="MGRIT engine: layerpar's own (default) or XBraid itself (when "
                         "built with XBRAID_DIR)")
@@ -728,7 +733,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "batches (0: never)")
     a.add_argument("--adaptive", action="store_true",
                    help="adaptive accuracy: MGRIT iterations follow the measured gradient "
-                        "error (cosine >= 0.99, relative error <= 5%%), exact propagation "
+                        f"error (cosine >= {MIN_COSINE:g}, relative error <= "
+                        f"{100 * MAX_REL_ERROR:g}%%), exact propagation "
                         "where MGRIT stalls")
     a.add_argument("--nested", type=int, default=0, metavar="K",
                    help="nested iteration: train K coarser nets (n/2^K ... n/2 layers) "
@@ -742,10 +748,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "by the adaptive policy")
     a.add_argument("--max-grad-error", type=float, default=None, metavar="E",
                    help="the bound of --adaptive and --auto: largest relative gradient "
-                        "error (default 0.05)")
+                        f"error (default {MAX_REL_ERROR:g})")
     a.add_argument("--min-cosine", type=float, default=None, metavar="C",
                    help="the bound of --adaptive and --auto: smallest cosine between "
-                        "inexact and exact gradients (default 0.99)")
+                        f"inexact and exact gradients (default {MIN_COSINE:g})")
     n = parser.add_argument_group("network, device and stopping")
     n.add_argument("--model", dest="arch", default=None, choices=("dense", "conv"),
                    help="architecture (mnist1d: dense or conv; default: per problem)")

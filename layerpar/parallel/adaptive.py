@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from .._checks import boolean, finite_in, positive_float, positive_int
+from ..defaults import MAX_REL_ERROR, MIN_COSINE
 from ..mgrit.options import MGRITOptions
 
 if TYPE_CHECKING:
@@ -68,8 +69,8 @@ class AccuracyPolicy:
         slower than MGRIT at the iteration counts the bound needs.
     """
 
-    min_cosine: float = 0.99
-    max_rel_error: float = 0.05
+    min_cosine: float = MIN_COSINE
+    max_rel_error: float = MAX_REL_ERROR
     check_every: int = 10
     max_iters: int = 8
     stall_factor: float = 0.5
