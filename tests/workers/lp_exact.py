@@ -7,12 +7,16 @@ writes the worst relative errors per case to OUT.json.
 import copy
 import json
 import sys
+from pathlib import Path
 
 import torch
 from mpi4py import MPI
 
 import layerpar
 from layerpar.ode import Segment, blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
+from tolerances import SOLVER_TOL  # noqa: E402
 
 comm = MPI.COMM_WORLD
 
@@ -77,7 +81,7 @@ def main():
     y = torch.randint(0, 5, (6,))
     xi = torch.randn(4, 1, 8, 8, dtype=torch.float64)
     yi = torch.randint(0, 5, (4,))
-    tight = dict(tol=1e-13, max_iter=60)
+    tight = dict(tol=SOLVER_TOL, max_iter=60)
     results = []
     f64 = torch.float64
     for n in (8, 13):
