@@ -23,7 +23,7 @@ _WHERE = {
     "LayerParallel": "layerpar.parallel",
     "ProcessGrid": "layerpar.parallel",
     "MGRITOptions": "layerpar.mgrit.options",
-    "MGRITResult": "layerpar.mgrit.solve",
+    "MGRITResult": "layerpar.mgrit.result",
     "solve": "layerpar.mgrit.solve",
     "ODENet": "layerpar.ode.net",
     "ode": "layerpar.ode",

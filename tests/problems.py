@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+from tolerances import SOLVER_TOL
 
 from layerpar.mgrit import MGRITOptions, MGRITResult, build_levels, grid_time, solve
 
@@ -220,7 +221,7 @@ def run_case(case: Case, comm: Any = None) -> tuple[MGRITResult, list[Tensor]]:
     return result, prob.sequential(u0, case.n_steps, t_final)
 
 
-_TOL = dict(tol=1e-13)
+_TOL = dict(tol=SOLVER_TOL)
 _OPTION_SETS: list[dict] = [
     dict(max_levels=1),
     dict(max_levels=2, nrelax=0, cfactor=4, **_TOL),

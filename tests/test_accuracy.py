@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from mpi_util import describe, run_mpi
+from tolerances import F64
 from torch.nn import functional as F
 
 import layerpar
@@ -58,7 +59,7 @@ def _matches_independent(results: dict[str, Any]) -> None:
         got, want = results[name]["check"], results[name]["want"]
         for f in FIELDS:
             # 1e-8 relative; errors at round-off (exact cases) are compared absolutely
-            assert _close(got[f], want[f], 1e-8, 1e-12), (name, f, got[f], want[f])
+            assert _close(got[f], want[f], 1e-8, F64.roundoff), (name, f, got[f], want[f])
 
 
 def test_one_rank_matches_the_serial_oracle(one_rank: dict[str, Any]) -> None:
@@ -70,8 +71,8 @@ def test_exact_and_converged_solves_report_round_off(one_rank: dict[str, Any]) -
         c = one_rank[name]["check"]
         errors = [c["output_error"], c["loss_error"], c["input_grad_error"],
                   c["param_grad_error"], *c["segment_grad_errors"]]
-        assert max(errors) <= 1e-10, (name, c)
-        assert c["cosine"] >= 1 - 1e-10, (name, c)
+        assert max(errors) <= F64.converged, (name, c)
+        assert c["cosine"] >= 1 - F64.converged, (name, c)
     assert one_rank["dense converged L3"]["check"]["fwd_iterations"][0] > 1
 
 
@@ -147,7 +148,7 @@ def test_ranks_report_what_one_rank_reports(nprocs: int, tmp_path: Path,
     for name in worker.CASES:
         got, one = results[name]["check"], one_rank[name]["check"]
         for f in FIELDS:
-            assert _close(got[f], one[f], 1e-10, 1e-10), (name, f, got[f], one[f])
+            assert _close(got[f], one[f], F64.converged, F64.converged), (name, f, got[f], one[f])
     assert results["bad arguments"] == one_rank["bad arguments"]
 
 

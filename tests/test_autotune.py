@@ -103,7 +103,7 @@ def test_within_the_bound_picks_mgrit_and_watches(monkeypatch: pytest.MonkeyPatc
     assert c.seconds == min(m.seconds for m in got.table if m.within)
     assert model.accuracy is not None and model.accuracy.fwd_iters == c.candidate.fwd_iters
     model(x).sum().backward()  # a training pass through the chosen setting
-    assert model.last_forward[0]["iterations"] == c.candidate.fwd_iters
+    assert model.last_forward[0].iterations == c.candidate.fwd_iters
     # the bound tightens below the chosen setting's error: the next gradient check
     # leaves it and tunes again, on that batch
     model._auto.policy = AccuracyPolicy(max_rel_error=c.rel_error / 2)

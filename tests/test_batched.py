@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from mpi_util import run_mpi
+from tolerances import F32, F64
 
 import layerpar
 from layerpar import MGRITOptions
@@ -21,7 +22,6 @@ from layerpar.ode import blocks
 WORKERS = Path(__file__).parent / "workers"
 INEXACT = (MGRITOptions(max_levels=3, cfactor=3, max_iter=2, tol=0.0),
            MGRITOptions(max_levels=3, cfactor=3, max_iter=1, tol=0.0))
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -43,7 +43,7 @@ def train(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("scheme", ["euler", "rk4"])
-def test_batched_equals_per_step_path(dtype: torch.dtype, scheme: str) -> None:
+def test_batched_equals_per_step_path(dtype: torch.dtype, scheme: str, tol: dict) -> None:
     torch.manual_seed(0)
     net = layerpar.ODENet(open=torch.nn.Linear(3, 5), steps=lambda k: blocks.Dense(5),
                           n_steps=29, t_final=3.0, close=torch.nn.Linear(5, 4),
@@ -53,10 +53,11 @@ def test_batched_equals_per_step_path(dtype: torch.dtype, scheme: str) -> None:
     ms = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT, batched=False)
     assert mb._runners[1].vectorised is not None and ms._runners[1].vectorised is None
     b, s = train(mb, x, y), train(ms, x, y)
-    assert rel(b[0], s[0]) <= TOL[dtype] and rel(b[1], s[1]) <= TOL[dtype]
+    bound = tol[dtype].roundoff
+    assert rel(b[0], s[0]) <= bound and rel(b[1], s[1]) <= bound
     for name in b[2]:
-        assert rel(b[2][name], s[2][name]) <= TOL[dtype], name
-    assert mb.last_forward[0]["iterations"] == ms.last_forward[0]["iterations"] == 2
+        assert rel(b[2][name], s[2][name]) <= bound, name
+    assert mb.last_forward[0].iterations == ms.last_forward[0].iterations == 2
 
 
 def test_gradients_are_rows_of_one_tensor_and_accumulate() -> None:
@@ -72,7 +73,7 @@ def test_gradients_are_rows_of_one_tensor_and_accumulate() -> None:
     assert ws[0]._base is not None and all(w._base is ws[0]._base for w in ws)
     _, _, g2 = train(model, x, y)
     for n in g1:
-        assert rel(g2[n], 2 * g1[n]) <= 1e-14, n
+        assert rel(g2[n], 2 * g1[n]) <= F64.step, n
 
 
 def test_hooks_and_retained_grads_are_honoured() -> None:
@@ -164,7 +165,7 @@ def test_batched_equals_per_step_at_every_rank_count(nprocs: int, tmp_path: Path
     results = json.loads(out.read_text())
     assert len(results) == 9
     for name, r in results.items():
-        tol = 1e-5 if "float32" in name else 1e-12
+        tol = (F32 if "float32" in name else F64).roundoff
         assert r["batched_used"], name
         assert r["batched_vs_steps"] <= tol, (name, r)
         assert r["iters"] == r["iters_steps"], name
@@ -175,4 +176,4 @@ def test_batched_equals_per_step_at_every_rank_count(nprocs: int, tmp_path: Path
         if "inexact" in name:
             assert r["iters"] == [2, 1], name
         else:
-            assert r["oracle"] <= 1e-10, (name, r)
+            assert r["oracle"] <= F64.converged, (name, r)

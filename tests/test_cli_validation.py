@@ -185,15 +185,15 @@ def test_torchrun_workers_do_not_get_the_launch_options() -> None:
                                                         "--data-parallel", "2"]
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"data_parallel": 0}, "`data_parallel` must be an int >= 1"),
-    ({"data_parallel": True}, "`data_parallel` must be an int >= 1"),
-    ({"data_parallel": 2, "batch_size": 5}, "does not divide the 1 processes"),
+@pytest.mark.parametrize("kw, err, message", [
+    ({"data_parallel": 0}, ValueError, "`data_parallel` must be a positive int, got 0"),
+    ({"data_parallel": True}, TypeError, "`data_parallel` must be a positive int, got bool"),
+    ({"data_parallel": 2, "batch_size": 5}, ValueError, "does not divide the 1 processes"),
 ])
-def test_train_function_data_parallel(kw: dict, message: str) -> None:
+def test_train_function_data_parallel(kw: dict, err: type, message: str) -> None:
     from layerpar.apps.train import train
 
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(err, match=re.escape(message)):
         train("peaks", epochs=1, **kw)
 
 
@@ -247,6 +247,6 @@ def test_bench_only_an_unknown_benchmark(monkeypatch: pytest.MonkeyPatch,
 def test_accuracy_policy_bound_message() -> None:
     from layerpar.parallel.adaptive import AccuracyPolicy
 
-    with pytest.raises(ValueError, match=r"max_rel_error` must be a finite number in "
-                                         r"\(0.0, inf\), got inf"):
+    with pytest.raises(ValueError, match=r"max_rel_error` must be a finite number > 0, "
+                                         r"got inf"):
         AccuracyPolicy(max_rel_error=float("inf"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import F64
 
 from layerpar.ode import blocks
 from layerpar.ode.schemes import ForwardEuler
@@ -24,20 +25,20 @@ def test_forward_batched_equals_per_layer(kw: dict) -> None:
     y = bb.fn(p, b, x)
     xs = x.detach().clone().requires_grad_()
     want = torch.stack([bl[k](xs[k]) for k in range(3)])
-    assert torch.allclose(y, want, rtol=1e-13, atol=1e-13)
+    assert torch.allclose(y, want, rtol=F64.exact, atol=F64.exact)
     g = torch.randn_like(y)
     got = torch.autograd.grad(y, [x, *p.values()], g)
     ref = torch.autograd.grad(want, [xs, *[q for k in range(3) for q in bl[k].parameters()]],
                               g)
-    assert torch.allclose(got[0], ref[0], rtol=1e-12, atol=1e-12)
+    assert torch.allclose(got[0], ref[0], rtol=F64.roundoff, atol=F64.roundoff)
     per_layer = ref[1:]
     names = list(p)
     for i, name in enumerate(names):
         stacked = torch.stack([per_layer[k * len(names) + i] for k in range(3)])
-        assert torch.allclose(got[1 + i], stacked, rtol=1e-12, atol=1e-12), name
+        assert torch.allclose(got[1 + i], stacked, rtol=F64.roundoff, atol=F64.roundoff), name
     # only the state's gradient (the adjoint's relaxation): the others are not computed
     (gx,) = torch.autograd.grad(bb.fn({n: t.detach() for n, t in p.items()}, b, x), [x], g)
-    assert torch.allclose(gx, ref[0], rtol=1e-12, atol=1e-12)
+    assert torch.allclose(gx, ref[0], rtol=F64.roundoff, atol=F64.roundoff)
 
 
 def test_batch_norm_without_running_stats_is_vmapped() -> None:

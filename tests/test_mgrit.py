@@ -29,6 +29,7 @@ from problems import (
     rel_err,
     run_case,
 )
+from tolerances import F64, SOLVER_TOL
 
 import layerpar.mgrit.testing as lpt
 from layerpar.mgrit import MGRITOptions, Partition, build_levels, grid_time, solve
@@ -95,7 +96,7 @@ def test_two_level_f_relaxation_exact_after_n_over_cf(name: str, n_steps: int, c
         assert res.iterations <= iters
         return max_rel_err(res.states, ref)
 
-    assert run(k_exact) <= 1e-13
+    assert run(k_exact) <= F64.exact
     # ... and clearly not two iterations earlier (so this test can fail)
     assert run(k_exact - 2) > 1e-11
 
@@ -127,8 +128,8 @@ def test_converged_equals_sequential(name: str, n_steps: int, opts: dict) -> Non
     assert result.residual_history[-1] < 1e-12
     assert result.n_levels == len(build_levels(n_steps, MGRITOptions(**options)))
     assert sorted(result.states) == list(range(n_steps + 1))
-    assert max_rel_err(result.states, ref) <= 1e-10
-    assert rel_err(result.final_state, ref[-1]) <= 1e-10
+    assert max_rel_err(result.states, ref) <= F64.converged
+    assert rel_err(result.final_state, ref[-1]) <= F64.converged
     assert len(result.step_counts) == len(result.batch_counts) == result.n_levels
 
 
@@ -255,8 +256,9 @@ def test_engine_matches_reference_mgrit(case: Case) -> None:
     assert len(result.residual_history) == len(hist)
     scale = max(hist)
     for a, b in zip(result.residual_history, hist):
-        assert abs(a - b) <= 1e-12 * scale + 1e-14 * abs(b), (result.residual_history, hist)
-    assert max(rel_err(result.states[i], states[i]) for i in range(case.n_steps + 1)) < 1e-12
+        assert abs(a - b) <= F64.roundoff * scale + F64.step * abs(b), \
+            (result.residual_history, hist)
+    assert max(rel_err(result.states[i], states[i]) for i in range(case.n_steps + 1)) < F64.roundoff
     assert result.step_counts == calls
 
 
@@ -279,8 +281,8 @@ def test_batched_step_equals_single_with_fewer_callbacks(opts: dict) -> None:
     scale = max(single.residual_history)
     assert all(abs(a - b) <= 1e-12 * scale
                for a, b in zip(batched.residual_history, single.residual_history))
-    assert max(rel_err(batched.states[i], single.states[i]) for i in range(62)) <= 1e-12
-    assert max_rel_err(batched.states, ref) <= 1e-10
+    assert max(rel_err(batched.states[i], single.states[i]) for i in range(62)) <= F64.roundoff
+    assert max_rel_err(batched.states, ref) <= F64.converged
     assert batched.step_counts == single.step_counts
     # one callback per step, except the coarsest level's sequential stretches (step_seq)
     assert single.batch_counts[:-1] == single.step_counts[:-1]
@@ -379,8 +381,9 @@ def test_solve_final_state_differentiable_in_u0() -> None:
     tolerance for a converged multilevel one (forward Euler on u' = -u)."""
     n, dt = 16, 1.0 / 16
     exact = (1 - dt) ** n
-    for opts, tol in ((MGRITOptions(max_levels=1), 1e-15),
-                      (MGRITOptions(max_levels=3, cfactor=2, tol=1e-13, max_iter=50), 1e-10)):
+    for opts, tol in ((MGRITOptions(max_levels=1), F64.ops),
+                      (MGRITOptions(max_levels=3, cfactor=2, tol=SOLVER_TOL, max_iter=50),
+                       F64.converged)):
         u0 = torch.ones(3, dtype=torch.float64, requires_grad=True)
         res = solve(lambda u, a, b, level: u * (1 - (b - a)), u0, n, 1.0, opts)
         assert res.final_state.requires_grad

@@ -17,6 +17,7 @@ import pytest
 import torch
 from mpi_util import WORKERS, describe, rank_lines, run_mpi
 from problems import PARALLEL_CASES, Case, run_case
+from tolerances import F64
 
 from layerpar.mgrit import MGRITResult, Partition
 
@@ -39,10 +40,10 @@ def _check_history(case: Case, got: list[float], want: list[float]) -> None:
         # batches group differently per partition: states differ by round-off, which is
         # all that is left of residuals near convergence; compare on the history's scale
         scale = max(want, default=0.0)
-        assert all(abs(a - b) <= 1e-12 * scale for a, b in zip(got, want)), (got, want)
+        assert all(abs(a - b) <= F64.roundoff * scale for a, b in zip(got, want)), (got, want)
     else:
         # only the norm's reduction order differs
-        assert all(abs(a - b) <= 1e-12 * abs(b) for a, b in zip(got, want)), (got, want)
+        assert all(abs(a - b) <= F64.roundoff * abs(b) for a, b in zip(got, want)), (got, want)
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
@@ -67,16 +68,17 @@ def test_parallel_equals_serial(nprocs: int, tmp_path: Path,
             assert rec["converged"] == ser.converged, where
             assert rec["n_levels"] == ser.n_levels, where
             _check_history(case, rec["history"], ser.residual_history)
-            assert _rel(rec["final_state"], ser.final_state) <= 1e-12, where
+            assert _rel(rec["final_state"], ser.final_state) <= F64.roundoff, where
             # each rank holds exactly its own points, close to the serial solve's ...
             assert sorted(rec["states"]) == list(part.points(rank)), where
             for i, s in rec["states"].items():
-                assert _rel(s, ser.states[i]) <= 1e-12, (where, i)
+                assert _rel(s, ser.states[i]) <= F64.roundoff, (where, i)
             # ... and checked them against sequential stepping itself
             if case.options.get("max_levels") == 1:
                 assert rec["states_err"] == 0.0 and rec["final_err"] == 0.0, where
             elif ser.converged:
-                assert rec["states_err"] <= 1e-10 and rec["final_err"] <= 1e-10, where
+                assert rec["states_err"] <= F64.converged, where
+                assert rec["final_err"] <= F64.converged, where
             for lvl, n in enumerate(rec["step_counts"]):
                 work[lvl] += n
             if case.problem == "tanh-batched" and ser.n_levels > 1:
@@ -95,9 +97,9 @@ def test_parallel_equals_serial(nprocs: int, tmp_path: Path,
         single = records[Case("tanh", case.n_steps, case.options).label]
         for rank, (b, s) in enumerate(zip(records[case.label], single)):
             assert b["iterations"] == s["iterations"], (case.label, rank)
-            assert _rel(b["final_state"], s["final_state"]) <= 1e-12, (case.label, rank)
+            assert _rel(b["final_state"], s["final_state"]) <= F64.roundoff, (case.label, rank)
             for i in b["states"]:
-                assert _rel(b["states"][i], s["states"][i]) <= 1e-12, (case.label, rank, i)
+                assert _rel(b["states"][i], s["states"][i]) <= F64.roundoff, (case.label, rank, i)
 
 
 def test_run_mpi_kills_a_hanging_job() -> None:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from tolerances import F64
 from torch import nn
 from torch.func import functional_call
 
@@ -89,7 +90,7 @@ def test_forward_is_sequential_stepping():
     v = u
     for n in range(6):
         v = v + (seg.time(n + 1) - seg.time(n)) * torch.tanh(seg.blocks[n].linear(v))
-    torch.testing.assert_close(seg(u), v, rtol=1e-15, atol=1e-15)
+    torch.testing.assert_close(seg(u), v, rtol=F64.ops, atol=F64.ops)
 
 
 def test_coarse_step_injection():
@@ -111,7 +112,7 @@ def test_coarse_step_average_matches_hand_built_block():
     expected = u + (seg.time(6) - seg.time(2)) * torch.tanh(avg(u))
     before = [p.detach().clone() for p in seg.blocks[2].parameters()]
     got = seg.step(u, 2, 6, coarsening="average")
-    torch.testing.assert_close(got, expected, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(got, expected, rtol=F64.step, atol=F64.step)
     # the block's own parameters are untouched by the averaged evaluation
     assert all(torch.equal(a, b) for a, b in zip(before, seg.blocks[2].parameters()))
 
@@ -183,7 +184,7 @@ def test_sequential_segment_reproduces_resnet():
     v = x
     for m in mods:
         v = v + m(v)
-    torch.testing.assert_close(seg(x), v, rtol=1e-15, atol=1e-15)
+    torch.testing.assert_close(seg(x), v, rtol=F64.ops, atol=F64.ops)
 
 
 # --- dropout and RNG ------------------------------------------------------------------

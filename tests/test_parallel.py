@@ -8,12 +8,11 @@ import copy
 
 import pytest
 import torch
+from tolerances import F32, F64
 
 import layerpar
 from layerpar.mgrit import DivergenceError, MGRITOptions
 from layerpar.ode import Segment, blocks
-
-F64_TOL = 1e-10
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -59,16 +58,16 @@ def test_matches_serial_oracle(opts: MGRITOptions, n: int) -> None:
     model = layerpar.LayerParallel(net, None, opts, opts)
     out = model(xp)
     torch.nn.functional.cross_entropy(out, y).backward()
-    assert rel(out.detach(), ref(x).detach()) <= F64_TOL
-    assert rel(xp.grad, xr.grad) <= F64_TOL
+    assert rel(out.detach(), ref(x).detach()) <= F64.converged
+    assert rel(xp.grad, xr.grad) <= F64.converged
     refg = grads(ref)
     for name, g in grads(model).items():
-        assert rel(g, refg[name]) <= F64_TOL, name
+        assert rel(g, refg[name]) <= F64.converged, name
     assert set(grads(model)) == set(refg)
     if opts.max_levels == 1:  # sequential: bit for bit
         assert torch.equal(out.detach(), ref(x).detach())
-        assert model.last_forward[0]["iterations"] == 1
-        assert model.last_backward[0]["iterations"] == 1
+        assert model.last_forward[0].iterations == 1
+        assert model.last_backward[0].iterations == 1
 
 
 @pytest.mark.parametrize("opts", [ONE, EXACT])
@@ -87,11 +86,11 @@ def test_groups_of_plain_layers_match_serial_oracle(opts: MGRITOptions) -> None:
     ref(xr).square().sum().backward()
     model = layerpar.LayerParallel(net, None, opts, opts)
     model(xp).square().sum().backward()
-    assert rel(xp.grad, xr.grad) <= F64_TOL
+    assert rel(xp.grad, xr.grad) <= F64.converged
     assert len(model.last_backward) == 2
     refg = grads(ref)
     for name, g in grads(model).items():
-        assert rel(g, refg[name]) <= F64_TOL, name
+        assert rel(g, refg[name]) <= F64.converged, name
 
 
 def test_inexact_is_reported_and_bounded() -> None:
@@ -108,9 +107,9 @@ def test_inexact_is_reported_and_bounded() -> None:
     err = rel(out.detach(), ref(x).detach())
     assert 0 < err < 0.1  # inexact, but close
     stats = model.last_forward[0]
-    assert stats["iterations"] == 2 and not stats["converged"]
-    assert len(stats["residual_history"]) == 1  # skip: r_1 only
-    assert model.last_backward[0]["iterations"] == 1
+    assert stats.iterations == 2 and not stats.converged
+    assert len(stats.residual_history) == 1  # skip: r_1 only
+    assert model.last_backward[0].iterations == 1
 
 
 def test_float32_end_to_end() -> None:
@@ -127,7 +126,7 @@ def test_float32_end_to_end() -> None:
     refg = grads(ref)
     for name, g in grads(model).items():
         assert g.dtype == torch.float32
-        assert rel(g, refg[name]) <= 1e-5, name
+        assert rel(g, refg[name]) <= F32.converged, name
 
 
 def test_batch_size_may_change_and_no_grad_forward() -> None:
@@ -140,7 +139,7 @@ def test_batch_size_may_change_and_no_grad_forward() -> None:
         assert out.shape == (bs, 5)
         out.sum().backward()
         with torch.no_grad():
-            assert rel(model(x), net(x)) <= F64_TOL
+            assert rel(model(x), net(x)) <= F64.converged
 
 
 def test_state_dict_roundtrip_and_names() -> None:
@@ -204,12 +203,12 @@ def test_dropout_matches_serial_with_same_seed(opts: MGRITOptions) -> None:
     out = model(x)
     torch.manual_seed(42)
     out_ref = ref(x)
-    assert rel(out.detach(), out_ref.detach()) <= F64_TOL
+    assert rel(out.detach(), out_ref.detach()) <= F64.converged
     out.sum().backward()
     out_ref.sum().backward()
     refg = grads(ref)
     for name, g in grads(model).items():
-        assert rel(g, refg[name]) <= F64_TOL, name
+        assert rel(g, refg[name]) <= F64.converged, name
     torch.manual_seed(43)
     assert rel(model(x).detach(), out_ref.detach()) > 1e-3  # a new batch, new masks
 
@@ -223,13 +222,13 @@ def test_batch_norm_running_stats_updated_once_per_batch(opts: MGRITOptions) -> 
     model = layerpar.LayerParallel(net, None, opts, opts)
     out = model(x)
     out_ref = ref(x)
-    assert rel(out.detach(), out_ref.detach()) <= F64_TOL
+    assert rel(out.detach(), out_ref.detach()) <= F64.converged
     for (name, b), (_, rb) in zip(model.named_buffers(), ref.named_buffers()):
-        assert torch.allclose(b, rb, rtol=1e-10, atol=1e-12), name
+        assert torch.allclose(b, rb, rtol=F64.converged, atol=F64.roundoff), name
     model.eval()
     ref.eval()
     with torch.no_grad():
-        assert rel(model(x), ref(x)) <= F64_TOL
+        assert rel(model(x), ref(x)) <= F64.converged
 
 
 @pytest.mark.parametrize("opts", [ONE, EXACT])
@@ -266,7 +265,7 @@ def test_batch_norm_model_built_in_eval_mode_then_trained() -> None:
     model(x).sum().backward()
     ref(x).sum().backward()
     for (name, b), (_, rb) in zip(model.named_buffers(), ref.named_buffers()):
-        assert torch.allclose(b, rb, rtol=1e-10, atol=1e-12), name
+        assert torch.allclose(b, rb, rtol=F64.converged, atol=F64.roundoff), name
 
 
 @pytest.mark.parametrize("opts", [ONE, EXACT])
@@ -286,7 +285,7 @@ def test_autograd_grad_and_backward_inputs_behave_as_in_serial_code(
     got = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
     want = torch.autograd.grad(ref(x).square().sum(), [refp[n] for n in names])
     for name, g, w in zip(names, got, want):
-        assert rel(g, w) <= F64_TOL, name
+        assert rel(g, w) <= F64.converged, name
     assert all(p.grad is None for p in model.parameters())
     params = dict(model.named_parameters())
     chosen = {"layers.1.blocks.3.linear.weight", "layers.2.bias"}
@@ -295,7 +294,7 @@ def test_autograd_grad_and_backward_inputs_behave_as_in_serial_code(
         p = params[name]
         assert (p.grad is not None) == (name in chosen), name
         if p.grad is not None:
-            assert rel(p.grad, g) <= F64_TOL, name
+            assert rel(p.grad, g) <= F64.converged, name
     # frozen parameters: only the input's gradient is wanted
     for p in model.parameters():
         p.requires_grad_(False)
@@ -303,7 +302,7 @@ def test_autograd_grad_and_backward_inputs_behave_as_in_serial_code(
     xr, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
     model(xp).square().sum().backward()
     ref(xr).square().sum().backward()
-    assert rel(xp.grad, xr.grad) <= F64_TOL
+    assert rel(xp.grad, xr.grad) <= F64.converged
     assert all(p.grad is None for p in model.parameters())
 
 

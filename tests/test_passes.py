@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from mpi_util import run_mpi
+from tolerances import F64
 
 import layerpar
 
@@ -18,20 +19,18 @@ WORKERS = Path(__file__).parent / "workers"
 sys.path.insert(0, str(WORKERS))
 import lp_passes  # noqa: E402
 
-F64_CONVERGED = 1e-10
-
 
 def test_passes_match_serial_one_rank() -> None:
     errs = lp_passes.run_cases(None)
     assert len(errs) == 2 * len(lp_passes.CASES)
     for case, err in errs.items():
-        assert err <= F64_CONVERGED, (case, err)
+        assert err <= F64.converged, (case, err)
 
 
 def test_auto_path_is_measured_and_equals_per_step() -> None:
     (batched, t_vec, t_seq), err = lp_passes.auto_choice(None)
     assert t_vec > 0 and t_seq > 0 and batched == (t_vec <= t_seq)
-    assert err <= 1e-12
+    assert err <= F64.roundoff
 
 
 def test_dropped_outputs_hold_no_memory() -> None:
@@ -49,10 +48,10 @@ def test_passes_match_serial_mpi(nprocs: int, tmp_path: Path) -> None:
     assert errs.pop("tensor growth") <= 0
     # batched="auto" decides alike on every rank, and either path gives the same result
     assert errs.pop("auto choices agree") is True
-    assert errs.pop("auto vs per-step") <= 1e-12
+    assert errs.pop("auto vs per-step") <= F64.roundoff
     assert len(errs) == 2 * len(lp_passes.CASES)
     for case, err in errs.items():
-        assert err <= F64_CONVERGED, (case, err)
+        assert err <= F64.converged, (case, err)
 
 
 # --- blocks that break the residual-block contract are refused, naming the block -------

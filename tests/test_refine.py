@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from tolerances import F64
 from torch import nn
 
 import layerpar.ode
@@ -173,7 +174,7 @@ def test_linear_hits_coarse_values_and_averages(factor):
                 got = tensors(f.blocks[factor * k + r])
                 for p in left:
                     torch.testing.assert_close(
-                        got[p], (1 - w) * left[p] + w * right[p], rtol=0, atol=1e-14
+                        got[p], (1 - w) * left[p] + w * right[p], rtol=0, atol=F64.step
                     )
         for r in range(factor):  # beyond the last coarse layer: held, not extrapolated
             got, ref = tensors(f.blocks[factor * (n - 1) + r]), tensors(c.blocks[n - 1])

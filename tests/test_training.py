@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from mpi_util import describe, mpi_available, run_mpi
+from tolerances import F64
 
 from layerpar import MGRITOptions
 from layerpar.apps import cli, launch
@@ -64,11 +65,11 @@ def test_exact_layer_parallel_trains_like_serial_oracle() -> None:
     ref = train("peaks", serial=True, **kw)
     got = train("peaks", serial=False, comm=None, fwd=EXACT, bwd=EXACT, **kw)
     assert len(got.batch_losses) == len(ref.batch_losses) == 10
-    assert got.batch_losses == pytest.approx(ref.batch_losses, rel=1e-12, abs=0)
+    assert got.batch_losses == pytest.approx(ref.batch_losses, rel=F64.roundoff, abs=0)
     assert got.val_acc == ref.val_acc
     params = got.module.gather_state_dict()
     for name, p in ref.module.state_dict().items():
-        torch.testing.assert_close(params[name], p, rtol=1e-10, atol=0)
+        torch.testing.assert_close(params[name], p, rtol=F64.converged, atol=0)
     assert got.fwd_iters == got.bwd_iters == 1
     assert isinstance(got, TrainResult) and got.summary == format_summary(got)
     with pytest.raises(dataclasses.FrozenInstanceError):

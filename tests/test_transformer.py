@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
+from tolerances import F64
 from torch.func import functional_call, vmap
 
 import layerpar
@@ -46,11 +47,11 @@ def test_batched_and_vmapped_equal_per_step(causal: bool) -> None:
     pairs = ((0, 1), (1, 2), (2, 3))
     want = torch.stack([x[k] + (bb.times[b] - bb.times[a]) * bl[a](x[k])
                         for k, (a, b) in enumerate(pairs)])
-    assert rel(bb.step(x, pairs), want) <= 1e-13
+    assert rel(bb.step(x, pairs), want) <= F64.exact
     p, b = bb.stacked((0, 1, 2))
     proto = bl[0]
     vm = vmap(lambda p_, b_, v: functional_call(proto, (p_, b_), (v,)))(p, b, x)
-    assert rel(vm, torch.stack([bl[k](x[k]) for k in range(3)])) <= 1e-13
+    assert rel(vm, torch.stack([bl[k](x[k]) for k in range(3)])) <= F64.exact
 
 
 def test_arguments_are_checked() -> None:
@@ -96,7 +97,7 @@ def compare(comm: Optional[Any] = None, steps: int = 3) -> dict[str, Any]:
 def test_trains_like_serial_on_one_rank() -> None:
     res = compare()
     assert res["batched"]
-    assert res["diff"] <= 1e-10, res
+    assert res["diff"] <= F64.converged, res
     assert res["losses"][-1][0] < res["losses"][0][0]  # it trains
 
 
@@ -108,4 +109,4 @@ def test_trains_like_serial_on_two_ranks(tmp_path: Path) -> None:
     proc = run_mpi(WORKERS / "lp_transformer.py", 2, str(out), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["batched"] and res["diff"] <= 1e-10, res
+    assert res["batched"] and res["diff"] <= F64.converged, res

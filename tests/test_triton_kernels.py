@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerances import F32
 
 import layerpar
 from layerpar import MGRITOptions
@@ -29,7 +30,7 @@ from layerpar.parallel import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.triton_available(),
                                 reason="triton is not installed (pip install triton)")
-TOL = 1e-5
+TOL = F32.exact
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 

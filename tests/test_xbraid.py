@@ -22,6 +22,7 @@ import pytest
 import torch
 from mpi_util import WORKERS, describe, rank_lines, run_mpi
 from problems import T_FINAL, Case, make_problem
+from tolerances import F64
 from xbraid_cases import CASES, MPI_CASES
 
 from layerpar import LayerParallel, MGRITOptions, solve
@@ -41,7 +42,7 @@ needs_xbraid = pytest.mark.skipif(
 
 
 def _agree(got: list[float], want: list[float]) -> bool:
-    return len(got) == len(want) and all(abs(a - b) <= 1e-8 * abs(b) + 1e-14
+    return len(got) == len(want) and all(abs(a - b) <= 1e-8 * abs(b) + F64.step
                                          for a, b in zip(got, want))
 
 
@@ -60,7 +61,7 @@ def test_engines_agree_in_process(case: Case) -> None:
     assert _agree(xb.residual_history, nat.residual_history), \
         (xb.residual_history, nat.residual_history)
     scale = float(nat.final_state.abs().max())
-    assert float((xb.final_state - nat.final_state).abs().max()) <= 1e-12 * scale
+    assert float((xb.final_state - nat.final_state).abs().max()) <= F64.roundoff * scale
     # every fine point comes back (one rank owns them all)
     assert sorted(xb.states) == list(range(case.n_steps + 1))
     if case.options.get("max_levels") == 1:  # sequential stepping: bit for bit
@@ -93,7 +94,7 @@ def test_engines_agree_under_mpi_and_errors_stop_every_rank(nprocs: int,
             (ni, nh, nf), (xi, xh, xf) = rec["native"], rec["xbraid"]
             assert ni == xi, case.label
             assert _agree(xh, nh), (case.label, xh, nh)
-            assert float((xf - nf).abs().max()) <= 1e-12 * float(nf.abs().max()), case.label
+            assert float((xf - nf).abs().max()) <= F64.roundoff * float(nf.abs().max()), case.label
 
 
 @needs_xbraid
@@ -105,7 +106,7 @@ def test_layer_parallel_training_agrees(nprocs: int) -> None:
     assert sorted(lines) == list(range(nprocs)), describe(proc)
     for r in range(nprocs):
         _, grad, _, acc_n, acc_x = lines[r][0].split()
-        assert float(grad) <= 1e-12, describe(proc)
+        assert float(grad) <= F64.roundoff, describe(proc)
         assert acc_n == acc_x, describe(proc)
         # rank 0 failed before the segment's solve: every rank stops with its error
         want = "RuntimeError: opening layer failed on purpose"

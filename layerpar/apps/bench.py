@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..defaults import TRAINING
 from ..mgrit import MGRITOptions, grid_time, solve
 from .loop import train_step
 from .nets import sequential_twin
@@ -236,8 +237,7 @@ def _layer_parallel_rows(ctx: BenchContext, name: str, make: Callable[[], Any],
                                sequential_twin(copy.deepcopy(net)), x, y))
     else:
         base = float("nan")
-    fwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=2)
-    bwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=1)
+    fwd, bwd = TRAINING.fwd_options(), TRAINING.bwd_options()
     lp = LayerParallel(copy.deepcopy(net), ctx.comm, fwd, bwd)
     t = _train_time(ctx, lp, x, y)
     if ctx.comm is not None:
@@ -316,8 +316,7 @@ def engine_rows(ctx: BenchContext) -> list[Row]:
     x, y = xt[:100], yt[:100]
     torch.manual_seed(0)
     net = problem_net("peaks")
-    fwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=2)
-    bwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=1)
+    fwd, bwd = TRAINING.fwd_options(), TRAINING.bwd_options()
     cases = [("native, per step", dict(engine="native", batched=False)),
              ("xbraid, per step", dict(engine="xbraid", batched=False)),
              ("native, batched (its default)", dict(engine="native", batched=True))]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import numbers
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -23,6 +22,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
+
+from .._checks import nonneg_int, positive_int
 
 __all__ = ["DATASETS", "MNIST1D_CACHE", "datasets", "digits", "loaders", "mnist1d",
            "peaks", "peaks_function", "peaks_labels", "splits"]
@@ -63,14 +64,6 @@ def peaks_labels(points: Tensor) -> Tensor:
     return bins.clamp(0, PEAKS_CLASSES - 1).to(torch.int64)
 
 
-def _count(value: object, name: str, *, positive: bool) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
-    if value < (1 if positive else 0):
-        raise ValueError(f"`{name}` must be {'positive' if positive else '>= 0'}, got {value}")
-    return int(value)
-
-
 def peaks(
     n_train: int = 5000, n_val: int = 200, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -81,8 +74,8 @@ def peaks(
     Labels are computed from the returned (``dtype``) coordinates.  ``n_train``
     and ``n_val`` must be divisible by 5.
     """
-    n_train = _count(n_train, "n_train", positive=True)
-    n_val = _count(n_val, "n_val", positive=False)
+    n_train = positive_int("n_train", n_train)
+    n_val = nonneg_int("n_val", n_val)
     for name, n in (("n_train", n_train), ("n_val", n_val)):
         if n % PEAKS_CLASSES:
             raise ValueError(f"`{name}` must be divisible by {PEAKS_CLASSES}, got {n}")
@@ -128,7 +121,7 @@ def digits(
     data = load_digits()
     x = torch.as_tensor(data.images, dtype=torch.float64).unsqueeze(1) / 16.0
     y = torch.as_tensor(data.target, dtype=torch.int64)
-    n_val = _count(n_val, "n_val", positive=False)
+    n_val = nonneg_int("n_val", n_val)
     if n_val >= len(x):
         raise ValueError(f"`n_val` must be smaller than {len(x)}, got {n_val}")
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
@@ -192,7 +185,7 @@ def mnist1d(num_samples: int = 20000, seed: int = 0, dtype: torch.dtype = torch.
     kept.  Generating 20,000 samples takes a few seconds; the arrays are cached under
     `cache` (None: no cache) keyed by all generation arguments.
     """
-    num_samples = _count(num_samples, "num_samples", positive=True)
+    num_samples = positive_int("num_samples", num_samples)
     if num_samples < 10:
         raise ValueError(f"`num_samples` must be >= 10, got {num_samples}")
     a = _mnist1d_arrays(num_samples, seed, cache)
@@ -238,7 +231,7 @@ def loaders(name: str, batch_size: int, seed: int = 0, dtype: torch.dtype = torc
     """(train, validation) DataLoaders of a bundled data set: the training one shuffles
     with its own generator seeded by `seed` (the same batch order on every rank and in
     every run), the validation one does not."""
-    batch_size = _count(batch_size, "batch_size", positive=True)
+    batch_size = positive_int("batch_size", batch_size)
     train, val = datasets(name, seed, dtype, **kwargs)
     return (DataLoader(train, batch_size=batch_size, shuffle=True,
                        generator=torch.Generator().manual_seed(seed)),

@@ -51,12 +51,12 @@ class SolveSummary:
 
 def summarize(stats: Sequence[Any]) -> SolveSummary:
     """The `SolveSummary` of ``model.last_forward`` or ``model.last_backward``."""
-    res = [s["residual_history"][-1] for s in stats if s["residual_history"]]
+    res = [s.residual_history[-1] for s in stats if s.residual_history]
     return SolveSummary(
-        iterations=max((s["iterations"] for s in stats), default=0),
+        iterations=max((s.iterations for s in stats), default=0),
         residual=math.sqrt(sum(r * r for r in res)) if res else None,
-        comm_idle_seconds=None if any("wait" not in s["timings"] for s in stats) else
-        sum(s["timings"]["wait"] + s["timings"]["reduce"] for s in stats))
+        comm_idle_seconds=None if any("wait" not in s.timings for s in stats) else
+        sum(s.timings["wait"] + s.timings["reduce"] for s in stats))
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from .._checks import positive_int
 from ..ode import blocks
 from ..ode.net import ODENet, Segment
 from . import data
@@ -74,15 +75,6 @@ def problem_name(name: Any) -> str:
     return name
 
 
-def positive_int(value: Any, name: str) -> int:
-    """`value` if it is an int >= 1; TypeError / ValueError naming `name` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"`{name}` must be a positive int, got {value}")
-    return value
-
-
 def problem_net(model_name: str, n_layers: Optional[int] = None,
                 width: Optional[int] = None, *, arch: Optional[str] = None,
                 t_final: Optional[float] = None) -> ODENet:
@@ -101,8 +93,8 @@ def problem_net(model_name: str, n_layers: Optional[int] = None,
     on every rank.
     """
     recipe = RECIPES[problem_name(model_name)]
-    n = recipe.n_layers if n_layers is None else positive_int(n_layers, "n_layers")
-    w = recipe.width if width is None else positive_int(width, "width")
+    n = recipe.n_layers if n_layers is None else positive_int("n_layers", n_layers)
+    w = recipe.width if width is None else positive_int("width", width)
     archs = ARCHITECTURES[model_name]
     arch = archs[0] if arch is None else arch
     if arch not in archs:

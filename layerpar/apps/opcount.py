@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..defaults import TRAINING
+
 __all__ = ["CONFIGS", "OpsRow", "count_ops", "levels_for", "mgrit_options", "ops_rows",
            "train_step"]
 
@@ -69,8 +71,9 @@ def levels_for(n_steps: int, cfactor: int, coarsest: int = 16) -> int:
     return levels
 
 
-def mgrit_options(n_steps: int, cfactor: int = 4, fwd_iters: int = 2,
-                  bwd_iters: int = 1) -> tuple[Any, Any]:
+def mgrit_options(n_steps: int, cfactor: int = TRAINING.cfactor,
+                  fwd_iters: int = TRAINING.fwd_iters,
+                  bwd_iters: int = TRAINING.bwd_iters) -> tuple[Any, Any]:
     """(forward, backward) MGRITOptions of the counted configuration."""
     from ..mgrit import MGRITOptions
 

@@ -22,14 +22,13 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..mgrit.options import MGRITOptions
+from ..defaults import TRAINING
 from ..ode import blocks
 from ..ode.net import ODENet, Segment
 from .bench import write_dict_rows
 from .loop import train_step
 
-FWD = MGRITOptions(max_levels=3, cfactor=4, max_iter=2)
-BWD = MGRITOptions(max_levels=3, cfactor=4, max_iter=1)
+FWD, BWD = TRAINING.fwd_options(), TRAINING.bwd_options()
 MODES = (("auto", "auto"), ("batched", True), ("per-step", False))
 
 

@@ -27,6 +27,7 @@ import sys
 import time
 from typing import Any, Optional
 
+from ..defaults import TRAINING
 from .bench import write_dict_rows
 
 __all__ = ["main"]
@@ -47,8 +48,7 @@ def _worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     width, batch = args.width, args.batch
-    fwd = layerpar.MGRITOptions(max_levels=3, cfactor=4, max_iter=2, tol=0.0)
-    bwd = fwd.replace(max_iter=1)
+    fwd, bwd = TRAINING.fwd_options(tol=0.0), TRAINING.bwd_options(tol=0.0)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, width, generator=g)
     y = torch.randint(0, 4, (batch,), generator=g)

@@ -29,6 +29,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from .._checks import nonneg_int, positive_float, positive_int
+from ..defaults import MAX_REL_ERROR, MIN_COSINE, TRAINING
 from ..mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MGRITOptions
 from ..mgrit.transport import DEFAULT_TIMEOUT
 from ..mgrit.xbraid import ENGINES
@@ -39,7 +41,7 @@ from ..parallel import DASO, LayerParallel, Lion, ProcessGrid, SlowLink
 from ..parallel.adaptive import AccuracyPolicy, as_policy
 from . import data
 from .loop import Progress, available_cores, train_steps
-from .nets import PROBLEMS, RECIPES, Recipe, positive_int, problem_name, problem_net
+from .nets import PROBLEMS, RECIPES, Recipe, problem_name, problem_net
 
 __all__ = [
     "MODELS",
@@ -305,30 +307,26 @@ def train(
     recipe = RECIPES[model_name]
     if not isinstance(serial, bool):
         raise TypeError(f"`serial` must be a bool, got {type(serial).__name__}")
-    epochs = recipe.epochs if epochs is None else positive_int(epochs, "epochs")
-    batch_size = recipe.batch_size if batch_size is None else positive_int(batch_size,
-                                                                         "batch_size")
+    epochs = recipe.epochs if epochs is None else positive_int("epochs", epochs)
+    batch_size = recipe.batch_size if batch_size is None else positive_int("batch_size",
+                                                                         batch_size)
     lr_given = lr is not None
     lr = recipe.lr if lr is None else lr
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (
-            math.isfinite(lr) and lr > 0):
-        raise ValueError(f"`lr` must be a positive finite number, got {lr!r}")
+    lr = positive_float("lr", lr)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise ValueError(f"`seed` must be an int in [0, 2**64 - 1], got {seed!r}")
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"`dtype` must be torch.float32 or torch.float64, got {dtype!r}")
-    fwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=2) if fwd is None else fwd
-    bwd = MGRITOptions(max_levels=3, cfactor=4, max_iter=1) if bwd is None else bwd
+    fwd = TRAINING.fwd_options() if fwd is None else fwd
+    bwd = TRAINING.bwd_options() if bwd is None else bwd
     for name, o in (("fwd", fwd), ("bwd", bwd)):
         if not isinstance(o, MGRITOptions):
             raise TypeError(f"`{name}` must be an MGRITOptions, got {type(o).__name__}")
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) \
-            or data_parallel < 1:
-        raise ValueError(f"`data_parallel` must be an int >= 1, got {data_parallel!r}")
+    data_parallel = positive_int("data_parallel", data_parallel)
     policy = as_policy(adaptive)
-    check_every = _count(check_every, "check_every")
-    nested = _count(nested, "nested")
-    nested_epochs = positive_int(nested_epochs, "nested_epochs")
+    check_every = nonneg_int("check_every", check_every)
+    nested = nonneg_int("nested", nested)
+    nested_epochs = positive_int("nested_epochs", nested_epochs)
     if serial and (policy is not None or check_every):
         raise ValueError("`adaptive` and `check_every` need a layer-parallel run (they "
                          "compare MGRIT with exact propagation), not `serial`")
@@ -365,13 +363,11 @@ def train(
     if sync == "lioncub" and optimizer != "lion":
         raise ValueError("`sync`='lioncub' exchanges Lion updates: use `optimizer`='lion'")
     if nodes is not None:
-        nodes = positive_int(nodes, "nodes")
+        nodes = positive_int("nodes", nodes)
         if data_parallel % nodes:
             raise ValueError(f"`nodes`={nodes} must divide `data_parallel`={data_parallel}")
-    if slow_link is not None and (isinstance(slow_link, bool) or not isinstance(
-            slow_link, (int, float)) or not (math.isfinite(slow_link) and slow_link > 0)):
-        raise ValueError(f"`slow_link` must be a positive number of Gbit/s, got "
-                         f"{slow_link!r}")
+    if slow_link is not None:
+        positive_float("slow_link", slow_link)  # Gbit/s
     if optimizer == "lion" and not lr_given:
         lr = recipe.lr / 3  # Lion's steps are signs: it wants a smaller rate than Adam
     rank, size = _rank_size(comm)
@@ -665,12 +661,6 @@ def _captured_steps(captured: Any, loader: Any, schedule: Any, to_device: Any) -
         yield Step(loss.detach().clone(), None, y, dt, dt, 0.0)  # type: ignore[arg-type]
 
 
-def _count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"`{name}` must be an int >= 0, got {value!r}")
-    return value
-
-
 def _bar_note(loss: Optional[float], fwd_res: list, bwd_res: list, checks: list) -> str:
     """The progress bar's note: loss, the residuals reached, the last gradient check."""
     parts = [] if loss is None else [f"loss {loss:.3f}"]
@@ -813,13 +803,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ValueError naming its option.
     """
     g = parser.add_argument_group("MGRIT (forward and adjoint solves)")
-    g.add_argument("--levels", type=int, default=3, help="MGRIT levels at most (1: exact)")
-    g.add_argument("--cfactor", type=int, default=4, help="coarsening factor")
-    g.add_argument("--fwd-iters", type=int, default=2, help="forward MGRIT iterations")
-    g.add_argument("--bwd-iters", type=int, default=1, help="adjoint MGRIT iterations")
-    g.add_argument("--tol", type=float, default=1e-9,
+    g.add_argument("--levels", type=int, default=TRAINING.levels,
+                   help="MGRIT levels at most (1: exact)")
+    g.add_argument("--cfactor", type=int, default=TRAINING.cfactor, help="coarsening factor")
+    g.add_argument("--fwd-iters", type=int, default=TRAINING.fwd_iters,
+                   help="forward MGRIT iterations")
+    g.add_argument("--bwd-iters", type=int, default=TRAINING.bwd_iters,
+                   help="adjoint MGRIT iterations")
+    g.add_argument("--tol", type=float, default=MGRITOptions.tol,
                    help="absolute residual tolerance (halts earlier if reached)")
-    g.add_argument("--nrelax", type=int, default=1, help="relaxation sweeps (0: F, 1: FCF)")
+    g.add_argument("--nrelax", type=int, default=MGRITOptions.nrelax,
+                   help="relaxation sweeps (0: F, 1: FCF)")
     g.add_argument("--engine", default="native", metavar="{native,xbraid}",
                    help="MGRIT engine: layerpar's own (default) or XBraid itself (when "
                         "built with XBRAID_DIR)")
@@ -843,7 +837,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "batches (0: never)")
     a.add_argument("--adaptive", action="store_true",
                    help="adaptive accuracy: MGRIT iterations follow the measured gradient "
-                        "error (cosine >= 0.99, relative error <= 5%%), exact propagation "
+                        f"error (cosine >= {MIN_COSINE:g}, relative error <= "
+                        f"{100 * MAX_REL_ERROR:g}%%), exact propagation "
                         "where MGRIT stalls")
     a.add_argument("--nested", type=int, default=0, metavar="K",
                    help="nested iteration: train K coarser nets (n/2^K ... n/2 layers) "
@@ -857,10 +852,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "by the adaptive policy")
     a.add_argument("--max-grad-error", type=float, default=None, metavar="E",
                    help="the bound of --adaptive and --auto: largest relative gradient "
-                        "error (default 0.05)")
+                        f"error (default {MAX_REL_ERROR:g})")
     a.add_argument("--min-cosine", type=float, default=None, metavar="C",
                    help="the bound of --adaptive and --auto: smallest cosine between "
-                        "inexact and exact gradients (default 0.99)")
+                        f"inexact and exact gradients (default {MIN_COSINE:g})")
     n = parser.add_argument_group("network, device and stopping")
     n.add_argument("--model", dest="arch", default=None, choices=("dense", "conv"),
                    help="architecture (mnist1d: dense or conv; default: per problem)")

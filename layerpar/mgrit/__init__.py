@@ -8,7 +8,8 @@ from .errors import (
 )
 from .grid import Partition, block_bounds, build_levels, grid_time, reversed_bounds
 from .options import MGRITOptions
-from .solve import MGRITResult, solve
+from .result import MGRITResult
+from .solve import solve
 
 __all__ = [
     "ConvergenceError", "DivergenceError", "MGRITError", "MGRITOptions", "MGRITResult",

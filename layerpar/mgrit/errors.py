@@ -32,10 +32,13 @@ class DivergenceError(MGRITError, ArithmeticError):
 
 
 class RankLostError(RemoteError):
-    """A rank's process is gone (killed, crashed): its connection closed while another
-    rank waited for it, or a census of the rendezvous store found it missing.  `rank`
-    is its rank in the world, or -1 where the backend cannot say which one (the
-    message then reads "rank ?")."""
+    """A rank's process is gone (killed, crashed), as the torch.distributed transport
+    finds out: its connection closed while another rank waited for it, a census of the
+    rendezvous store found it missing, or the store itself became unreachable (rank
+    0's process or the launcher is gone).  `rank` is its rank in the world, or -1
+    where the backend cannot say which one (the message then reads "rank ?").  The
+    mpi4py transport does not raise it: there mpiexec ends the job when a process
+    dies, or else the waiting rank's `timeout` expires (`TimeoutError`)."""
 
     PREFIX = "LOST "  # marks a lost rank on an error channel
 

@@ -1,10 +1,11 @@
 """`MGRITOptions`: validated, immutable MGRIT settings (identical on every rank)."""
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Union
+
+from .._checks import boolean, finite_in, integer
 
 IntOrSeq = Union[int, Sequence[int]]
 
@@ -17,17 +18,11 @@ MAX_STEPS = ENGINE_INT_MAX - 1
 
 
 def _int(name: str, value: Any, lo: int, hi: int = ENGINE_INT_MAX) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
-    if hi == ENGINE_INT_MAX:  # the bound is the engine's C int, not an MGRIT rule
-        if value < lo:
-            raise ValueError(f"`{name}` must be >= {lo}, got {value}")
-        if value > hi:
-            raise ValueError(f"`{name}` must be in [{lo}, {hi}] (the engine holds it in a "
-                             f"C int), got {value}")
-    elif value < lo or value > hi:
-        raise ValueError(f"`{name}` must be in [{lo}, {hi}], got {value}")
-    return value
+    """`value` as an int in [lo, hi]; the engine's C-int bound is named as such."""
+    if hi != ENGINE_INT_MAX:
+        return integer(name, value, lo, hi)
+    return integer(name, integer(name, value, lo), lo, hi,
+                   why=" (the engine holds it in a C int)")
 
 
 def _per_level(name: str, value: Any, lo: int) -> tuple[int, ...]:
@@ -38,23 +33,6 @@ def _per_level(name: str, value: Any, lo: int) -> tuple[int, ...]:
             raise ValueError(f"`{name}` has more than {MAX_LEVELS} entries")
         return tuple(_int(f"{name}[{k}]", v, lo) for k, v in enumerate(value))
     return (_int(name, value, lo),)
-
-
-def _float(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"`{name}` must be a float, got {type(value).__name__} {value!r}")
-    v = float(value)
-    ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
-    if not ok:
-        left = "(" if lo_open else "["
-        raise ValueError(f"`{name}` must be in {left}{lo}, {hi}], got {value!r}")
-    return v
-
-
-def _bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a bool, got {type(value).__name__} {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -89,18 +67,18 @@ class MGRITOptions:
 
     def __post_init__(self) -> None:
         s = object.__setattr__
-        _int("max_levels", self.max_levels, 1, MAX_LEVELS)
+        s(self, "max_levels", _int("max_levels", self.max_levels, 1, MAX_LEVELS))
         s(self, "cfactor", _per_level("cfactor", self.cfactor, 2))
         s(self, "nrelax", _per_level("nrelax", self.nrelax, 0))
-        s(self, "tol", _float("tol", self.tol, 0.0, 1e300))
-        s(self, "rtol", _float("rtol", self.rtol, 0.0, 1.0))
-        _int("max_iter", self.max_iter, 1)
-        _bool("skip", self.skip)
-        _int("min_coarse", self.min_coarse, 1)
-        _bool("fmg", self.fmg)
-        s(self, "cweight", _float("cweight", self.cweight, 0.0, 2.0, lo_open=True))
-        _bool("final_fc_relax", self.final_fc_relax)
-        _bool("strict", self.strict)
+        s(self, "tol", finite_in("tol", self.tol, 0.0, 1e300))
+        s(self, "rtol", finite_in("rtol", self.rtol, 0.0, 1.0))
+        s(self, "max_iter", _int("max_iter", self.max_iter, 1))
+        boolean("skip", self.skip)
+        s(self, "min_coarse", _int("min_coarse", self.min_coarse, 1))
+        boolean("fmg", self.fmg)
+        s(self, "cweight", finite_in("cweight", self.cweight, 0.0, 2.0, lo_open=True))
+        boolean("final_fc_relax", self.final_fc_relax)
+        boolean("strict", self.strict)
 
     def cfactor_at(self, level: int) -> int:
         """Coarsening factor from `level` to `level + 1`."""

@@ -2,17 +2,16 @@
 
 A session owns one `Core` over a fixed grid and partition: it sets the validated
 options once, drives the solve, turns the engine's codes into the `MGRITError` tree,
-and returns a typed `SolveStats`.  With fixed iteration counts (tol = rtol = 0) it
-can defer the residual norms: the app appends each iteration's local norm (a device
-scalar) to `session.deferred` and the history is read back once after the solve
-(or, when asked, only when `residual_history` is first read), so the cycle itself
-needs no host-device synchronisation.
+and returns a typed `MGRITResult` (`result.py`).  With fixed iteration counts
+(tol = rtol = 0) it can defer the residual norms: the app appends each iteration's
+local norm (a device scalar) to `session.deferred` and the history is read back once
+after the solve (or, when asked, only when `residual_history` is first read), so the
+cycle itself needs no host-device synchronisation.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -20,40 +19,9 @@ import torch
 from .._native._core import NAN_ERROR, Core
 from .errors import DivergenceError
 from .options import MGRITOptions
+from .result import MGRITResult
 
-__all__ = ["EngineSession", "SolveStats"]
-
-
-@dataclass
-class SolveStats:
-    """What one MGRIT solve reached (identical on every rank).
-
-    `residual_history` holds r_1, r_2, ... with `skip` on.  It may be read back from
-    the device lazily (deferred norms, one rank): then the first access reads it and
-    raises `DivergenceError` if it is not finite.  Mapping access (``stats["iterations"]``)
-    is kept for code written against the earlier dict reports.
-    """
-
-    iterations: int
-    converged: bool
-    n_levels: int
-    timings: dict[str, float] = field(default_factory=dict)
-    step_counts: list[int] = field(default_factory=list)
-    batch_counts: list[int] = field(default_factory=list)
-    _history: Optional[list[float]] = field(default=None, repr=False)
-    _lazy: Optional[Callable[[], list[float]]] = field(default=None, repr=False)
-
-    @property
-    def residual_history(self) -> list[float]:
-        if self._history is None:
-            self._history = self._lazy() if self._lazy is not None else []
-            self._lazy = None
-        return self._history
-
-    def __getitem__(self, key: str) -> Any:
-        if key.startswith("_") or not hasattr(self, key):
-            raise KeyError(key)
-        return getattr(self, key)
+__all__ = ["EngineSession"]
 
 
 class EngineSession:
@@ -86,7 +54,7 @@ class EngineSession:
         self.what = what
         self.deferred: Optional[list[torch.Tensor]] = [] if defer_norms else None
 
-    def drive(self, *, lazy_history: bool = False) -> SolveStats:
+    def drive(self, *, lazy_history: bool = False) -> MGRITResult:
         """Run the solve; a non-finite residual raises `DivergenceError` (on every rank:
         they all see the same reduced norm).  lazy_history: with deferred norms on one
         rank, read the history back only when it is first looked at."""
@@ -99,7 +67,7 @@ class EngineSession:
             raise DivergenceError(
                 f"{self.what} residual became {hist[-1]} in iteration {core.iterations}: "
                 f"non-finite values (history {hist})")
-        stats = SolveStats(iterations=core.iterations, converged=core.converged,
+        stats = MGRITResult(iterations=core.iterations, converged=core.converged,
                            n_levels=core.n_levels, timings=core.timings,
                            step_counts=core.step_counts(), batch_counts=core.batch_counts())
         if self.deferred is None:

@@ -1,53 +1,22 @@
-"""`solve()`: MGRIT for any propagator on torch tensors, and its result object."""
+"""`solve()`: MGRIT for any propagator on torch tensors (its result: `result.py`)."""
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
+from .._checks import finite_in, integer
 from .errors import ConvergenceError, DivergenceError
 from .grid import block_bounds
 from .options import MAX_STEPS, MGRITOptions
+from .result import MGRITResult
 from .session import EngineSession
 from .transport import DEFAULT_TIMEOUT, Transport, check_timeout, make_transport
 from .xbraid import check_engine, check_options, require_xbraid, xbraid_bounds, xbraid_refusal
 
 StepFn = Callable[[torch.Tensor, float, float, int], torch.Tensor]
 BatchStepFn = Callable[[list, list, list, int], Sequence[torch.Tensor]]
-
-
-@dataclass
-class MGRITResult:
-    """What one MGRIT solve reached; identical on every rank except `states`.
-
-    `converged` says whether a tolerance was met; not converging is reported here,
-    not raised (unless the options are `strict`).  `residual_history` holds r_1, r_2,
-    ... with `skip` on (r_0 does not exist then), r_0, r_1, ... otherwise.
-    """
-
-    final_state: torch.Tensor
-    converged: bool
-    iterations: int
-    residual_history: list[float]
-    n_levels: int
-    timings: dict[str, float] = field(default_factory=dict)
-    step_counts: list[int] = field(default_factory=list)
-    batch_counts: list[int] = field(default_factory=list)
-    states: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def success(self) -> bool:
-        return self.converged
-
-    @property
-    def message(self) -> str:
-        last = f"{self.residual_history[-1]:.3e}" if self.residual_history else "n/a"
-        if self.converged:
-            return f"converged in {self.iterations} iterations (residual {last})"
-        return f"not converged after {self.iterations} iterations (residual {last})"
 
 
 def _check_state(out: Any, like: torch.Tensor, who: str) -> torch.Tensor:
@@ -184,18 +153,12 @@ def _validate(step: Any, u0: Any, n_steps: Any, t_start: Any, t_final: Any, opti
     if u0.is_meta:
         raise ValueError("`u0` is on the meta device: it has a shape but no values to "
                          "step; create it on the CPU or a GPU")
-    if isinstance(n_steps, bool) or not isinstance(n_steps, int):
-        raise TypeError(f"`n_steps` must be an int, got {type(n_steps).__name__}")
-    if n_steps < 1:
-        raise ValueError(f"`n_steps` must be >= 1, got {n_steps}")
-    if n_steps > MAX_STEPS:
-        raise ValueError(f"`n_steps` must be <= {MAX_STEPS} (the engine indexes time points "
-                         f"with C ints), got {n_steps}")
+    integer("n_steps", integer("n_steps", n_steps, 1), hi=MAX_STEPS,
+            why=" (the engine indexes time points with C ints)")
     if n_steps < size:
         raise ValueError(f"`n_steps` ({n_steps}) must be >= the number of ranks ({size})")
-    for name, v in (("t_start", t_start), ("t_final", t_final)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise TypeError(f"`{name}` must be a finite float, got {v!r}")
+    finite_in("t_start", t_start)
+    finite_in("t_final", t_final)
     if not t_final > t_start:
         raise ValueError(f"`t_final` ({t_final}) must be > `t_start` ({t_start})")
     if not isinstance(options, MGRITOptions):
@@ -254,6 +217,7 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
         try:
             _validate(step, u0, n_steps, t_start, t_final, options, init, step_batch,
                       transport.size)
+            n_steps = int(n_steps)
             timeout = check_timeout(timeout)
             _check_engine(engine, transport, options, step_batch)
             key: Any = {"engine": engine, **{f"options.{k}": v for k, v in options.key().items()},
@@ -297,11 +261,9 @@ def solve(step: StepFn, u0: torch.Tensor, n_steps: int, t_final: float,
                     f"propagator produced non-finite values (history {hist})")
             states = {i: session.state(i) for i in range(bounds[transport.rank],
                                                          bounds[transport.rank + 1])}
-            return MGRITResult(final_state=final, converged=stats.converged,
-                               iterations=stats.iterations, residual_history=hist,
-                               n_levels=stats.n_levels, timings=stats.timings,
-                               step_counts=stats.step_counts, batch_counts=stats.batch_counts,
-                               states={i: s for i, s in states.items() if s is not None})
+            stats.final_state = final
+            stats.states = {i: s for i, s in states.items() if s is not None}
+            return stats
 
         from .transport import guarded
 

@@ -7,12 +7,13 @@ the shape of their input, as a residual ODE requires.
 
 from __future__ import annotations
 
-import numbers
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .._checks import boolean, positive_int
 
 __all__ = ["ACTIVATIONS", "get_activation", "Dense", "Conv", "Conv1d", "Transformer"]
 
@@ -41,21 +42,6 @@ def get_activation(activation: str) -> Callable[[Tensor], Tensor]:
     return ACTIVATIONS[activation]
 
 
-def _positive_int(value: object, name: str) -> int:
-    """Return ``value`` as an int, or raise TypeError/ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"`{name}` must be a positive int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"`{name}` must be a positive int, got {value}")
-    return int(value)
-
-
-def _bool(value: object, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a bool, got {type(value).__name__}")
-    return value
-
-
 class Dense(nn.Module):
     """F(u) = act(W u + b) on vectors of length ``width``.
 
@@ -65,10 +51,10 @@ class Dense(nn.Module):
 
     def __init__(self, width: int, activation: str = "tanh", bias: bool = True) -> None:
         super().__init__()
-        width = _positive_int(width, "width")
+        width = positive_int("width", width)
         self._act = get_activation(activation)
         self.activation = activation
-        self.linear = nn.Linear(width, width, bias=_bool(bias, "bias"))
+        self.linear = nn.Linear(width, width, bias=boolean("bias", bias))
 
     def forward(self, u: Tensor) -> Tensor:
         return self._act(self.linear(u))
@@ -101,10 +87,10 @@ class Conv(nn.Module):
         bias: bool | None = None,
     ) -> None:
         super().__init__()
-        channels = _positive_int(channels, "channels")
-        kernel_size = _positive_int(kernel_size, "kernel_size")
-        batch_norm = _bool(batch_norm, "batch_norm")
-        bias = not batch_norm if bias is None else _bool(bias, "bias")
+        channels = positive_int("channels", channels)
+        kernel_size = positive_int("kernel_size", kernel_size)
+        batch_norm = boolean("batch_norm", batch_norm)
+        bias = not batch_norm if bias is None else boolean("bias", bias)
         self._act = get_activation(activation)
         self.activation = activation
         self.conv = nn.Conv2d(channels, channels, kernel_size, padding="same", bias=bias)
@@ -193,15 +179,15 @@ class Transformer(nn.Module):
     def __init__(self, d_model: int, heads: int = 4, mlp_ratio: int = 4,
                  activation: str = "gelu", causal: bool = False) -> None:
         super().__init__()
-        d_model = _positive_int(d_model, "d_model")
-        heads = _positive_int(heads, "heads")
-        mlp_ratio = _positive_int(mlp_ratio, "mlp_ratio")
+        d_model = positive_int("d_model", d_model)
+        heads = positive_int("heads", heads)
+        mlp_ratio = positive_int("mlp_ratio", mlp_ratio)
         if d_model % heads:
             raise ValueError(f"`d_model` ({d_model}) must be a multiple of `heads` ({heads})")
         self._act = get_activation(activation)
         self.activation = activation
         self.heads = heads
-        self.causal = _bool(causal, "causal")
+        self.causal = boolean("causal", causal)
         self.norm1 = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
@@ -258,12 +244,12 @@ class Conv1d(nn.Module):
     def __init__(self, channels: int, kernel_size: int = 3, activation: str = "relu",
                  bias: bool = True) -> None:
         super().__init__()
-        channels = _positive_int(channels, "channels")
-        kernel_size = _positive_int(kernel_size, "kernel_size")
+        channels = positive_int("channels", channels)
+        kernel_size = positive_int("kernel_size", kernel_size)
         self._act = get_activation(activation)
         self.activation = activation
         self.conv = nn.Conv1d(channels, channels, kernel_size, padding="same",
-                              bias=_bool(bias, "bias"))
+                              bias=boolean("bias", bias))
 
     def forward(self, u: Tensor) -> Tensor:
         return self._act(self.conv(u))

@@ -8,29 +8,18 @@ the *serial oracle* every layer-parallel result is tested against.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Sequence
 from typing import Callable
 
 from torch import Tensor, nn
 
-from .blocks import _positive_int
+from .._checks import finite_in, positive_int
 from .coarsening import COARSENINGS
 from .propagator import Propagator
 from .rng import draw_seed, layer_rng, needs_rng
 from .schemes import Scheme, get_scheme
 
 __all__ = ["Segment", "ODENet", "sequential_segment"]
-
-
-def _real(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"`{name}` must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"`{name}` must be finite, got {value}")
-    return value
 
 
 class Segment(nn.Module):
@@ -57,9 +46,9 @@ class Segment(nn.Module):
                 f"`block` must be a callable n -> nn.Module (a factory, not a module; "
                 f"wrap existing modules with sequential_segment), got {type(block).__name__}"
             )
-        self.n_steps = _positive_int(n_steps, "n_steps")
-        self.t_start = _real(t_start, "t_start")
-        self.t_final = _real(t_final, "t_final")
+        self.n_steps = positive_int("n_steps", n_steps)
+        self.t_start = finite_in("t_start", t_start)
+        self.t_final = finite_in("t_final", t_final)
         if not self.t_final > self.t_start:
             raise ValueError(
                 f"`t_final` must be greater than `t_start`, got t_final={self.t_final}, "

@@ -12,17 +12,27 @@ discretisations of one continuous-in-time network.  ``refine`` is that refinemen
 from __future__ import annotations
 
 import copy
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
-from .blocks import _positive_int
+from .._checks import positive_int
 from .net import ODENet, Segment
 
-__all__ = ["INTERPOLATIONS", "refine"]
+__all__ = ["INTERPOLATIONS", "RefinesItself", "refine"]
 
 #: The names ``refine`` accepts for ``interpolation``.
 INTERPOLATIONS = ("constant", "linear")
+
+
+@runtime_checkable
+class RefinesItself(Protocol):
+    """A distributed net that refines itself (`LayerParallel.refine`: each rank
+    receives only the coarse layers it needs, no gather): `refine` hands such a net
+    the work through this method, so `ode` never imports the parallel side."""
+
+    def refine(self, factor: int, interpolation: str) -> nn.Module: ...
 
 
 def _tensors(block: nn.Module) -> dict[str, Tensor]:
@@ -117,15 +127,13 @@ def refine(net: ODENet, factor: int = 2, interpolation: str = "constant") -> ODE
     interval but each step freezes them at its start time, which limits
     convergence to first order for any scheme.
     """
-    if not isinstance(net, ODENet) and isinstance(net, nn.Module) and callable(
-            getattr(net, "refine", None)):
-        # a distributed net refines itself (LayerParallel: on its own ranks, no gather;
-        # collective); ode never imports the parallel side
-        return net.refine(factor, interpolation)
+    if not isinstance(net, ODENet) and isinstance(net, nn.Module) and isinstance(
+            net, RefinesItself):
+        return net.refine(factor, interpolation)  # on its own ranks; collective
     if not isinstance(net, ODENet):
         raise TypeError(f"`net` must be an ODENet or a LayerParallel, got "
                         f"{type(net).__name__}")
-    factor = _positive_int(factor, "factor")
+    factor = positive_int("factor", factor)
     if not isinstance(interpolation, str) or interpolation not in INTERPOLATIONS:
         raise ValueError(
             f"`interpolation` must be one of {list(INTERPOLATIONS)}, got {interpolation!r}"

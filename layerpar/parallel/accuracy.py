@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from ..mgrit.session import SolveStats
+    from ..mgrit.result import MGRITResult
     from .model import LayerParallel
 
 __all__ = ["GradientCheck", "check_gradients"]
@@ -139,7 +139,7 @@ def _cosine(dot: float, a2: float, b2: float) -> float:
     return 1.0 if a2 == b2 else 0.0
 
 
-def _final(stats: list[SolveStats]) -> tuple[tuple[int, ...], tuple[Optional[float], ...]]:
+def _final(stats: list[MGRITResult]) -> tuple[tuple[int, ...], tuple[Optional[float], ...]]:
     iters = tuple(int(s.iterations) for s in stats)
     res = tuple(float(s.residual_history[-1]) if s.residual_history else None for s in stats)
     return iters, res

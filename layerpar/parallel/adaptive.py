@@ -36,30 +36,16 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from .._checks import boolean, finite_in, positive_float, positive_int
+from ..defaults import MAX_REL_ERROR, MIN_COSINE
 from ..mgrit.options import MGRITOptions
 
 if TYPE_CHECKING:
-    from ..mgrit.session import SolveStats
+    from ..mgrit.result import MGRITResult
     from .accuracy import GradientCheck
     from .model import LayerParallel
 
 __all__ = ["AccuracyController", "AccuracyEvent", "AccuracyPolicy", "as_policy"]
-
-
-def _number(value: Any, name: str, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
-            value) or value > hi or value < lo or (lo_open and value == lo):
-        side = "(" if lo_open else "["
-        rng = f"{side}{lo}, inf)" if hi == math.inf else f"{side}{lo}, {hi}]"
-        raise ValueError(f"`accuracy.{name}` must be a finite number in {rng}, got "
-                         f"{value!r}")
-    return float(value)
-
-
-def _count(value: Any, name: str, lo: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"`accuracy.{name}` must be an int >= {lo}, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -83,8 +69,8 @@ class AccuracyPolicy:
         slower than MGRIT at the iteration counts the bound needs.
     """
 
-    min_cosine: float = 0.99
-    max_rel_error: float = 0.05
+    min_cosine: float = MIN_COSINE
+    max_rel_error: float = MAX_REL_ERROR
     check_every: int = 10
     max_iters: int = 8
     stall_factor: float = 0.5
@@ -92,15 +78,13 @@ class AccuracyPolicy:
     prefer_cheaper: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.prefer_cheaper, bool):
-            raise ValueError(f"`accuracy.prefer_cheaper` must be a bool, got "
-                             f"{self.prefer_cheaper!r}")
-        _number(self.min_cosine, "min_cosine", -1.0, 1.0)
-        _number(self.max_rel_error, "max_rel_error", 0.0, math.inf, lo_open=True)
-        _count(self.check_every, "check_every")
-        _count(self.max_iters, "max_iters")
-        _number(self.stall_factor, "stall_factor", 0.0, math.inf, lo_open=True)
-        _count(self.probe_every, "probe_every")
+        boolean("accuracy.prefer_cheaper", self.prefer_cheaper)
+        finite_in("accuracy.min_cosine", self.min_cosine, -1.0, 1.0)
+        positive_float("accuracy.max_rel_error", self.max_rel_error)
+        positive_int("accuracy.check_every", self.check_every)
+        positive_int("accuracy.max_iters", self.max_iters)
+        positive_float("accuracy.stall_factor", self.stall_factor)
+        positive_int("accuracy.probe_every", self.probe_every)
 
     def key(self) -> dict[str, Any]:
         """The fields, for the agreement between ranks."""
@@ -166,10 +150,10 @@ class AccuracyController:
         every = self.policy.check_every * (5 if self.exact else 1)
         return batch % every == 0
 
-    def stalled(self, stats: list[SolveStats]) -> Optional[str]:
+    def stalled(self, stats: list[MGRITResult]) -> Optional[str]:
         """Why the forward solves of a pass stalled or diverged (None if they did not)."""
         for k, s in enumerate(stats):
-            rate = _rate(list(s["residual_history"]))
+            rate = _rate(list(s.residual_history))
             if rate is not None and rate >= self.policy.stall_factor:
                 what = "diverged" if rate > 1.0 else "stalled"
                 return (f"forward MGRIT of segment {k} {what}: residual reduction "

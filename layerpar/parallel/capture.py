@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from .._checks import positive_int
 from .model import LayerParallel
 
 __all__ = ["CapturedStep", "capture_step"]
@@ -77,8 +78,7 @@ def capture_step(model: LayerParallel, optimizer: torch.optim.Optimizer,
         raise ValueError("`model.check_finite` is True: checking every output for NaN "
                          "reads a flag back from the GPU; build the model with "
                          "check_finite=False to capture it")
-    if warmup < 1:
-        raise ValueError(f"`warmup` must be >= 1, got {warmup}")
+    positive_int("warmup", warmup)
     sx, sy = x.detach().clone(), y.detach().clone()
 
     def step() -> Tensor:

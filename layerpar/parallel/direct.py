@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..mgrit.errors import DivergenceError
-from ..mgrit.session import SolveStats
+from ..mgrit.result import MGRITResult
 from .forward import ForwardApp
 
 if TYPE_CHECKING:
@@ -81,6 +81,6 @@ def direct_backward_started(model: LayerParallel, gy: Tensor) -> None:
     if model.check_finite and not bool(torch.isfinite(gy).all()):
         raise DivergenceError("the loss gradient is not finite (NaN or inf loss?)")
     model.last_backward = [
-        SolveStats(iterations=1, converged=True, n_levels=1,
-                   timings=dict.fromkeys(fwd.timings, 0.0), _history=[])
+        MGRITResult(iterations=1, converged=True, n_levels=1,
+                    timings=dict.fromkeys(fwd.timings, 0.0), _history=[])
         for fwd in model.last_forward]

@@ -15,8 +15,8 @@ import os
 import socket
 from typing import Any, Optional, Union
 
+from .._checks import positive_int
 from ..mgrit.transport import DEFAULT_TIMEOUT, Transport, check_timeout, make_transport
-from ..ode.blocks import _positive_int
 from .sync import SlowLink, SyncStrategy, make_sync
 
 __all__ = ["ProcessGrid"]
@@ -63,14 +63,14 @@ class ProcessGrid:
         size = self.world.size
         err: Optional[BaseException] = None
         try:
-            data = _positive_int(data, "data")
-            layers = size // data if layers is None else _positive_int(layers, "layers")
+            data = positive_int("data", data)
+            layers = size // data if layers is None else positive_int("layers", layers)
             if data * layers != size:
                 raise ValueError(f"a grid of `data`={data} x `layers`={layers} = "
                                  f"{data * layers} processes does not match the "
                                  f"{size} processes of `comm`")
             if nodes is not None:
-                nodes = _positive_int(nodes, "nodes")
+                nodes = positive_int("nodes", nodes)
                 if data % nodes:
                     raise ValueError(f"`nodes`={nodes} must divide `data`={data} (each "
                                      "simulated node holds data/nodes replicas)")

@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from .._checks import finite_in, positive_float
+
 __all__ = ["Lion"]
 
 
@@ -38,13 +40,11 @@ class Lion(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-4,
                  betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0) -> None:
-        if not (isinstance(lr, (int, float)) and lr > 0):
-            raise ValueError(f"`lr` must be a positive number, got {lr!r}")
+        positive_float("lr", lr)
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2
                 and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
             raise ValueError(f"`betas` must be two numbers in [0, 1), got {betas!r}")
-        if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0):
-            raise ValueError(f"`weight_decay` must be a number >= 0, got {weight_decay!r}")
+        finite_in("weight_decay", weight_decay, 0.0)
         super().__init__(params, {"lr": float(lr), "betas": tuple(float(b) for b in betas),
                                   "weight_decay": float(weight_decay)})
         self.update_hook: Optional[Callable[[list[tuple[Tensor, Tensor]]], None]] = None

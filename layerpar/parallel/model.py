@@ -22,9 +22,10 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from .._checks import nonneg_int
 from ..mgrit.errors import DivergenceError, RankMismatchError, RemoteError
 from ..mgrit.options import MGRITOptions
-from ..mgrit.session import SolveStats
+from ..mgrit.result import MGRITResult
 from ..mgrit.transport import DEFAULT_TIMEOUT, Transport, check_timeout, make_transport
 from ..mgrit.xbraid import check_engine
 from ..ode.coarsening import COARSENINGS
@@ -119,7 +120,7 @@ class LayerParallel(nn.Module):
         from the device per pass; a non-finite one raises `DivergenceError`).  With
         False and fixed iteration counts (tol = rtol = 0) a training step on one GPU
         has no host-device synchronisation at all; residual histories are then read
-        back when `last_forward[i]["residual_history"]` is first looked at.
+        back when `last_forward[i].residual_history` is first looked at.
     grid: a `ProcessGrid` instead of `comm`: data parallelism x layer parallelism.
         MGRIT runs over this process's layer group, and each parameter gradient is
         averaged over the replicas (bucketed reductions started as the adjoint's
@@ -194,11 +195,7 @@ class LayerParallel(nn.Module):
                                     + (" or 'auto'" if name == "options" else "")
                                     + f", got {o!r}")
             timeout = check_timeout(timeout)
-            if isinstance(check_inputs, bool) or not isinstance(check_inputs, int) \
-                    or check_inputs < 0:
-                raise ValueError(f"`check_inputs` must be an int >= 0 (batches whose input "
-                                 f"and loss gradient are compared between ranks), got "
-                                 f"{check_inputs!r}")
+            nonneg_int("check_inputs", check_inputs)
             check_engine(engine)
             if batched is None:
                 batched = "auto" if engine == "native" else False
@@ -290,8 +287,8 @@ class LayerParallel(nn.Module):
                              "check_inputs": check_inputs}
         self._has_dropout = \
             any(isinstance(m, _DROPOUT) for m in net.modules())
-        self.last_forward: list[SolveStats] = []
-        self.last_backward: list[SolveStats] = []
+        self.last_forward: list[MGRITResult] = []
+        self.last_backward: list[MGRITResult] = []
         # adaptive accuracy (see layerpar.parallel.adaptive); the policy was agreed
         self.accuracy: Optional[AccuracyController] = None if policy is None else \
             AccuracyController(policy, options.max_iter, backward_options.max_iter)
@@ -306,25 +303,25 @@ class LayerParallel(nn.Module):
             self.accuracy = None  # the chosen setting's controller, once tuned
 
     @property
-    def last_forward(self) -> list[SolveStats]:
+    def last_forward(self) -> list[MGRITResult]:
         """Per segment, what the last forward pass's solves reached."""
         if self._auto is not None and self._auto.chosen is not None:
             return self._auto.chosen.last_forward
         return self._last_fwd
 
     @last_forward.setter
-    def last_forward(self, value: list[SolveStats]) -> None:
+    def last_forward(self, value: list[MGRITResult]) -> None:
         self._last_fwd = value
 
     @property
-    def last_backward(self) -> list[SolveStats]:
+    def last_backward(self) -> list[MGRITResult]:
         """Per segment, what the last backward pass's adjoint solves reached."""
         if self._auto is not None and self._auto.chosen is not None:
             return self._auto.chosen.last_backward
         return self._last_bwd
 
     @last_backward.setter
-    def last_backward(self, value: list[SolveStats]) -> None:
+    def last_backward(self, value: list[MGRITResult]) -> None:
         self._last_bwd = value
 
     @property

@@ -40,9 +40,9 @@ def refine_parallel(model: LayerParallel, factor: int = 2,
     """A new LayerParallel over the same ranks (or grid) whose segments have `factor`
     times the layers, with parameters interpolated in time as `layerpar.ode.refine`
     does; options and settings are the model's.  Collective; `model` is unchanged."""
-    from ..ode.blocks import _positive_int
+    from .._checks import positive_int
 
-    factor = _positive_int(factor, "factor")
+    factor = positive_int("factor", factor)
     if not isinstance(interpolation, str) or interpolation not in INTERPOLATIONS:
         raise ValueError(f"`interpolation` must be one of {list(INTERPOLATIONS)}, got "
                          f"{interpolation!r}")

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from ..mgrit.grid import Partition, build_levels, reversed_bounds
 from ..mgrit.options import MGRITOptions
-from ..mgrit.session import EngineSession, SolveStats
+from ..mgrit.result import MGRITResult
+from ..mgrit.session import EngineSession
 from ..ode.net import Segment
 from ..ode.propagator import Propagator
 from ..ode.rng import needs_rng
@@ -305,7 +306,7 @@ class SegmentRunner:
 
     def forward(self, u0: Optional[Tensor], like: Tensor, tape: Tape, *,
                 check_shapes: bool = False, exact: bool = False
-                ) -> tuple[Optional[Tensor], SolveStats]:
+                ) -> tuple[Optional[Tensor], MGRITResult]:
         """Forward solve of the pass that owns `tape` (recorded onto it when it
         records): MGRIT with this runner's options, or exact propagation (sequential
         stepping over the same ranks) where `exact`; the tape remembers which, for the
@@ -332,7 +333,7 @@ class SegmentRunner:
         return out, stats
 
     def forward_direct(self, u0: Tensor, tape: Tape, *, check_shapes: bool = False,
-                       exact: bool = False) -> tuple[Tensor, SolveStats]:
+                       exact: bool = False) -> tuple[Tensor, MGRITResult]:
         """Direct mode (one rank, sequential solves; see `direct.py`): the sweep is
         recorded onto `u0`'s own graph; returns u_N with its graph, and the stats."""
         app, _, session, _ = self._mode(exact)
@@ -354,7 +355,7 @@ class SegmentRunner:
         return out, stats
 
     def backward(self, lam_n: Optional[Tensor], like: Tensor, tape: Tape
-                 ) -> tuple[Optional[Tensor], SolveStats, dict[int, Tensor]]:
+                 ) -> tuple[Optional[Tensor], MGRITResult, dict[int, Tensor]]:
         """Adjoint solve of the pass that recorded `tape` (MGRIT, or exact propagation
         as that pass ran); returns (lambda_0 on rank 0 else None, stats, id(parameter)
         -> gradient of this rank's layers).  The tape's records are consumed."""

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._checks import finite_in, nonneg_int, positive_int
 from ..mgrit.errors import DivergenceError
 from ..mgrit.transport import Pending, Transport, guarded, make_transport
 from .lion import Lion
@@ -70,11 +71,8 @@ class SlowLink:
     as it would on a real link."""
 
     def __init__(self, bandwidth: float = 1e9, latency: float = 50e-6) -> None:
-        for name, v in (("bandwidth", bandwidth), ("latency", latency)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 \
-                    or v != v or v == float("inf"):
-                raise ValueError(f"`{name}` must be a finite number >= 0, got {v!r}")
-        if bandwidth == 0:
+        finite_in("latency", latency, 0.0)
+        if finite_in("bandwidth", bandwidth, 0.0) == 0:
             raise ValueError("`bandwidth` must be > 0 bits per second")
         self.bandwidth, self.latency = float(bandwidth), float(latency)
         self._free_at = 0.0  # when this process's link is free again (perf_counter)
@@ -375,13 +373,10 @@ class DASO(SyncStrategy):
                 isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in cycle):
             raise ValueError(f"`cycle` must be a non-empty sequence of ints >= 1, got "
                              f"{cycle!r}")
-        for name, v in (("warmup", warmup), ("cooldown", cooldown)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"`{name}` must be an int >= 0, got {v!r}")
-        if total_batches is not None and (isinstance(total_batches, bool) or not isinstance(
-                total_batches, int) or total_batches < 1):
-            raise ValueError(f"`total_batches` must be None or an int >= 1, got "
-                             f"{total_batches!r}")
+        nonneg_int("warmup", warmup)
+        nonneg_int("cooldown", cooldown)
+        if total_batches is not None:
+            positive_int("total_batches", total_batches)
         if cooldown and total_batches is None:
             raise ValueError("`cooldown` needs `total_batches` (when training ends)")
         if not (isinstance(local_weight, (int, float)) and local_weight >= 0):
@@ -538,9 +533,7 @@ class LionCub(SyncStrategy):
 
     def __init__(self, momentum_every: int = 64) -> None:
         super().__init__()
-        if isinstance(momentum_every, bool) or not isinstance(momentum_every, int) \
-                or momentum_every < 0:
-            raise ValueError(f"`momentum_every` must be an int >= 0, got {momentum_every!r}")
+        nonneg_int("momentum_every", momentum_every)
         self.momentum_every = momentum_every
 
     def key(self) -> dict[str, Any]:

@@ -79,7 +79,7 @@ def test_fixed_iteration_training_step_does_not_synchronise() -> None:
         step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    hist = model.last_forward[0]["residual_history"]  # read back now, on request
+    hist = model.last_forward[0].residual_history  # read back now, on request
     assert len(hist) == 1 and hist[0] > 0
 
 

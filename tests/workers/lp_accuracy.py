@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -27,6 +28,9 @@ from torch.nn import functional as F
 
 import layerpar
 from layerpar.ode import Segment, blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
+from tolerances import SOLVER_TOL  # noqa: E402
 
 SEED_FORWARD = 123  # global generator state before each pass: the same dropout masks
 
@@ -70,7 +74,7 @@ def _opts(levels: int, cf: int, iters: int, tol: float = 0.0) -> layerpar.MGRITO
 
 
 EXACT = _opts(1, 2, 1)
-CONVERGED = _opts(3, 2, 60, 1e-13)
+CONVERGED = _opts(3, 2, 60, SOLVER_TOL)
 INEXACT = _opts(3, 4, 1)
 
 # name -> (net factory, input shape, forward options, backward options)

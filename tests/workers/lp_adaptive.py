@@ -7,6 +7,7 @@ Run: mpiexec -n P python -m mpi4py tests/workers/lp_adaptive.py
 """
 import copy
 import sys
+from pathlib import Path
 
 import torch
 from mpi4py import MPI
@@ -14,6 +15,9 @@ from mpi4py import MPI
 import layerpar
 from layerpar.ode import blocks
 from layerpar.parallel.adaptive import AccuracyPolicy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
+from tolerances import F64  # noqa: E402
 
 comm = MPI.COMM_WORLD
 FWD = layerpar.MGRITOptions(max_levels=3, cfactor=4, max_iter=3, tol=0.0)
@@ -52,7 +56,7 @@ try:
                                    accuracy=AccuracyPolicy(probe_every=4))
     got, want = steps(model, 0, 3), steps(serial, 0, 3)
     err = max(abs(a - b) / abs(b) for a, b in zip(got, want))
-    if not err <= 1e-12:
+    if not err <= F64.roundoff:
         raise AssertionError(f"exact propagation differs from serial: {err}")
     with torch.no_grad():
         for p in model.parameters():

@@ -59,8 +59,8 @@ def run(net, x, y, fwd, bwd, batched):
     torch.nn.functional.cross_entropy(out, y).backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     used = all(r.bb is not None for r in model._runners.values())
-    stats = (model.last_forward[0]["iterations"], model.last_backward[0]["iterations"],
-             model.last_forward[0]["residual_history"])
+    stats = (model.last_forward[0].iterations, model.last_backward[0].iterations,
+             model.last_forward[0].residual_history)
     model.close()
     return out.detach(), xp.grad, grads, used, stats
 

@@ -7,12 +7,16 @@ Run: mpiexec -n P python -m mpi4py tests/workers/lp_errors.py CASE
 """
 import copy
 import sys
+from pathlib import Path
 
 import torch
 from mpi4py import MPI
 
 import layerpar
 from layerpar.ode import Segment, blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
+from tolerances import F64  # noqa: E402
 
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
@@ -194,7 +198,7 @@ def check(model, ref, x_here, x_ref):
         want = refp[n].grad
         if (p.grad is None) != (want is None):
             raise AssertionError(f"{n}: grad {p.grad is not None}, oracle {want is not None}")
-        if want is not None and rel(p.grad, want) > 1e-10:
+        if want is not None and rel(p.grad, want) > F64.converged:
             raise AssertionError(f"{n}: relative error {rel(p.grad, want)}")
 
 
@@ -218,7 +222,7 @@ def case_x_requires_grad_differs():
     xp = x.clone().requires_grad_(rank == 1)  # not the broadcast root
     xr = x.clone().requires_grad_()
     check(model, ref, xp, xr)
-    if rank == 1 and rel(xp.grad, xr.grad) > 1e-10:
+    if rank == 1 and rel(xp.grad, xr.grad) > F64.converged:
         raise AssertionError(f"x.grad relative error {rel(xp.grad, xr.grad)}")
     if rank != 1 and xp.grad is not None:
         raise AssertionError("x.grad set on a rank whose x does not require grad")

@@ -7,12 +7,16 @@ writes the worst relative errors per case to OUT.json.
 import copy
 import json
 import sys
+from pathlib import Path
 
 import torch
 from mpi4py import MPI
 
 import layerpar
 from layerpar.ode import Segment, blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
+from tolerances import SOLVER_TOL  # noqa: E402
 
 comm = MPI.COMM_WORLD
 
@@ -58,8 +62,8 @@ def check(name, make, x, y, dtype, fwd, bwd, coarsening="injection"):
         pe = max(pe, rel(p.grad, refp[n].grad))
     errs["params"] = pe
     errs["nparams"] = len(names)
-    errs["fwd_iters"] = [s["iterations"] for s in model.last_forward]
-    errs["bwd_iters"] = [s["iterations"] for s in model.last_backward]
+    errs["fwd_iters"] = [s.iterations for s in model.last_forward]
+    errs["bwd_iters"] = [s.iterations for s in model.last_backward]
     allnames = comm.allgather(names)
     flat = sorted(n for ns in allnames for n in ns)
     errs["names_ok"] = flat == sorted(refp.keys())
@@ -77,7 +81,7 @@ def main():
     y = torch.randint(0, 5, (6,))
     xi = torch.randn(4, 1, 8, 8, dtype=torch.float64)
     yi = torch.randint(0, 5, (4,))
-    tight = dict(tol=1e-13, max_iter=60)
+    tight = dict(tol=SOLVER_TOL, max_iter=60)
     results = []
     f64 = torch.float64
     for n in (8, 13):
@@ -122,8 +126,8 @@ def changing_batch_size():
     worst = comm.allreduce(worst, op=MPI.MAX)
     model.close()
     return "batch 6-2-6", {"worst": worst, "names_ok": True, "gather_ok": True,
-                           "fwd_iters": [s["iterations"] for s in model.last_forward],
-                           "bwd_iters": [s["iterations"] for s in model.last_backward]}
+                           "fwd_iters": [s.iterations for s in model.last_forward],
+                           "bwd_iters": [s.iterations for s in model.last_backward]}
 
 
 
@@ -218,8 +222,8 @@ def inexact_matches_one_rank():
     err_oracle = rel(out.detach(), out_ref.detach())
     return "inexact vs 1 rank", {"worst": worst, "names_ok": True, "gather_ok": True,
                                  "oracle_err": err_oracle,
-                                 "fwd_iters": [s["iterations"] for s in model.last_forward],
-                                 "bwd_iters": [s["iterations"] for s in model.last_backward]}
+                                 "fwd_iters": [s.iterations for s in model.last_forward],
+                                 "bwd_iters": [s.iterations for s in model.last_backward]}
 
 
 if __name__ == "__main__":

@@ -21,12 +21,16 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import layerpar
 from layerpar.ode import blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
+from tolerances import F64  # noqa: E402
 
 TORCH = "MASTER_ADDR" in os.environ and "RANK" in os.environ
 if TORCH:
@@ -125,7 +129,7 @@ def case_exact():
         if (R, L) == (2, 2):
             worst["2x2 converged"] = check_against_serial(grid, CONVERGED)
         grid.close()
-    bad = {k: v for k, v in worst.items() if not v <= 1e-10}
+    bad = {k: v for k, v in worst.items() if not v <= F64.converged}
     if bad:
         raise AssertionError(f"grid differs from serial: {bad}")
     return " ".join(f"{k}={v:.1e}" for k, v in worst.items())
@@ -158,7 +162,7 @@ def case_inexact():
         g2.close()
         err = max(max(abs(a - b) / abs(b) for a, b in zip(losses4, losses2)),
                   max(rel(sd4[k], sd2[k]) for k in sd2))
-        if not err <= 1e-10:
+        if not err <= F64.converged:
             raise AssertionError(f"2x2 differs from 1x2: {err:.2e}; {losses4} {losses2}")
         return f"err={err:.1e} losses={[f'{v:.6f}' for v in losses4]}"
     return "idle"
@@ -193,7 +197,7 @@ def case_resume():
         errs[f"{R}x{L}"] = max(rel(got[k], ref[k]) for k in ref)
         m.close()
         g.close()
-    if not all(v <= 1e-10 for v in errs.values()):
+    if not all(v <= F64.converged for v in errs.values()):
         raise AssertionError(f"resumed run differs: {errs}")
     return " ".join(f"{k}={v:.1e}" for k, v in errs.items())
 
@@ -212,7 +216,8 @@ def case_solve():
     ser = solve(step, u0, n_steps=64, t_final=1.0, options=opts, comm=None)
     err = rel(par.final_state, ser.final_state)
     hist = max(abs(a - b) / b for a, b in zip(par.residual_history, ser.residual_history))
-    if not (err <= 1e-12 and par.iterations == ser.iterations and hist <= 1e-10):
+    if not (err <= F64.roundoff and par.iterations == ser.iterations
+            and hist <= F64.converged):
         raise AssertionError(f"solve differs: {err} {par.iterations} {ser.iterations} {hist}")
     return f"iterations={par.iterations} err={err:.1e}"
 

@@ -6,12 +6,16 @@ Prints ``RANK r OK <errors>`` or ``RANK r <Error>: ...``.
 Run: mpiexec -n P python -m mpi4py tests/workers/lp_refine.py
 """
 import sys
+from pathlib import Path
 
 import torch
 from mpi4py import MPI
 
 import layerpar
 from layerpar.ode import blocks, refine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
+from tolerances import F64  # noqa: E402
 
 comm = MPI.COMM_WORLD
 EXACT = layerpar.MGRITOptions(max_levels=1)
@@ -48,7 +52,7 @@ try:
             out = fine(x).detach()
             errs.append(float((out - want(x).detach()).norm() / out.norm()))
             fine.close()
-    if not max(errs) <= 1e-12:
+    if not max(errs) <= F64.roundoff:
         raise AssertionError(f"refined model differs from the serial refinement: {errs}")
     sys.stdout.write(f"RANK {comm.rank} OK {max(errs):.1e}\n")
 except Exception as exc:  # noqa: BLE001

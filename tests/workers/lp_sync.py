@@ -20,6 +20,7 @@ import datetime
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from torch import nn
 import layerpar
 from layerpar.ode import blocks
 from layerpar.parallel import DASO, Lion, LionCub
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
+from tolerances import F64  # noqa: E402
 
 TORCH = "MASTER_ADDR" in os.environ and "RANK" in os.environ
 if TORCH:
@@ -113,7 +117,7 @@ def case_daso_equals_allreduce():
             got[name] = replicas_params(grid.sync.state_dict())
             close(grid, model)
         errs[f"{R}x{L}"] = max_rel(got["daso"], got["allreduce"])
-    if not all(v <= 1e-10 for v in errs.values()):
+    if not all(v <= F64.converged for v in errs.values()):
         raise AssertionError(f"DASO (S=1) differs from all-reduce: {errs}")
     return "daso=allreduce " + " ".join(f"{k}:{v:.1e}" for k, v in errs.items())
 
@@ -143,7 +147,7 @@ def case_lioncub():
                for p, b, t in zip(model.parameters(), before, total))
     ties = sum(int((t == 0).sum()) for t in total)
     close(grid, model)
-    if not (err1 <= 1e-10 and err2 <= 1e-12 and ties > 0):
+    if not (err1 <= F64.converged and err2 <= F64.roundoff and ties > 0):
         raise AssertionError(f"Lion Cub: 1 replica vs Lion {err1}, vote {err2}, ties {ties}")
     return f"lioncub 1x4=lion {err1:.1e} vote {err2:.1e} ({ties} ties)"
 
@@ -190,7 +194,7 @@ def case_resume():
         fin = all(bool(torch.isfinite(v).all()) for sd in replicas_params(
             grid.sync.state_dict()) for v in sd.values())
         close(grid, model)
-        if not (err <= 1e-10 and back == 0.0 and same and fin):
+        if not (err <= F64.converged and back == 0.0 and same and fin):
             raise AssertionError(f"{name}: resumed 2x2 differs {err}, 4x1 state {back} "
                                  f"{same}, finite {fin}")
         out.append(f"{name} {err:.1e}")

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from problems import Dahlquist, TanhResNet, rel_err  # noqa: E402
+from tolerances import F64  # noqa: E402
 
 from layerpar.mgrit import MGRITOptions, solve  # noqa: E402
 
@@ -116,7 +117,7 @@ def case_recovers():
     ref = net.sequential(net.u0(), N, 1.0)
     worst = max(rel_err(s, ref[i]) for i, s in res.states.items())
     final = rel_err(res.final_state, ref[-1])
-    if not (res.converged and worst < 1e-10 and final < 1e-10):
+    if not (res.converged and worst < F64.converged and final < F64.converged):
         raise RuntimeError(f"bad result after the failures: converged={res.converged}, "
                            f"state error {worst:.2e}, final error {final:.2e}")
     return f"iterations={res.iterations}"

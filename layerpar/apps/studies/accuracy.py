@@ -32,12 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ...defaults import MAX_REL_ERROR, MIN_COSINE
+
 __all__ = ["CRITERION", "add_arguments", "add_parser", "build_parser", "main", "run",
            "run_accuracy_study"]
 
 #: "accurate enough": the inexact gradient points where the exact one does and is
 #: within 5% of it
-CRITERION = {"min_cosine": 0.99, "max_rel_error": 0.05}
+CRITERION = {"min_cosine": MIN_COSINE, "max_rel_error": MAX_REL_ERROR}
 
 STATES = ("init", "trained")
 _NORMAL = {"models": "peaks,digits", "states": "init,trained", "fwd_iters": "1,2,3",

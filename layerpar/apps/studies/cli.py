@@ -29,10 +29,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from ...defaults import TRAINING
+
 __all__ = ["add_arguments", "add_parser", "build_parser", "main", "run"]
 
-_NORMAL = {"ranks": "1,2,4", "layers": "1024", "width": "32", "batch": "64", "levels": "3",
-           "cfactor": "4", "fwd_iters": "2", "bwd_iters": "1", "threads": "1", "steps": 4,
+_NORMAL = {"ranks": "1,2,4", "layers": "1024", "width": "32", "batch": "64",
+           "levels": str(TRAINING.levels), "cfactor": str(TRAINING.cfactor),
+           "fwd_iters": str(TRAINING.fwd_iters), "bwd_iters": str(TRAINING.bwd_iters),
+           "threads": "1", "steps": 4,
            "warmup": 1, "diag_iters": 6, "model": "dense"}
 _QUICK = {**_NORMAL, "ranks": "1,2", "layers": "64", "width": "8", "batch": "16",
           "steps": 2, "diag_iters": 4}

@@ -54,6 +54,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
+from ...defaults import TRAINING
+
 __all__ = ["GPU", "GPUPrediction", "H100", "MATMUL_EFFICIENCY", "PASSES", "calibrate",
            "kernel_counts", "main", "predict_gpu", "step_work", "validate"]
 
@@ -188,7 +190,8 @@ class GPUPrediction:
 
 
 def predict_gpu(model: str, layers: int, batch: int, width: int, size: int = 1, *,
-                levels: int = 3, cfactor: int = 4, fwd_iters: int = 2, bwd_iters: int = 1,
+                levels: int = TRAINING.levels, cfactor: int = TRAINING.cfactor,
+                fwd_iters: int = TRAINING.fwd_iters, bwd_iters: int = TRAINING.bwd_iters,
                 heads: int = 4, gpu: GPU = H100, serial_ops: Optional[int] = None,
                 mgrit_ops: Optional[int] = None,
                 batched_efficiency: Optional[float] = None) -> GPUPrediction:
@@ -251,7 +254,8 @@ def _row_prediction(row: dict[str, Any], gpu: GPU) -> GPUPrediction:
     net = ROW_NETS[row["model"]]
     levels = _levels(net["layers"])
     return predict_gpu(row["model"], net["layers"], net["batch"], net["width"], net["size"],
-                       levels=levels, cfactor=4, fwd_iters=2, bwd_iters=1, gpu=gpu,
+                       levels=levels, cfactor=TRAINING.cfactor, fwd_iters=TRAINING.fwd_iters,
+                       bwd_iters=TRAINING.bwd_iters, gpu=gpu,
                        serial_ops=int(row["serial_ops"]), mgrit_ops=int(row["mgrit_ops"]))
 
 
@@ -353,11 +357,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--heads", type=int, default=4, help="transformer heads (4)")
     p.add_argument("--levels", type=int, help="MGRIT levels (default: down to 16 coarsest "
                                               "intervals, as layerpar.apps.opcount)")
-    p.add_argument("--cfactor", type=int, default=4, help="coarsening factor (4)")
-    p.add_argument("--fwd-iters", dest="fwd_iters", type=int, default=2,
-                   help="forward MGRIT iterations (2)")
-    p.add_argument("--bwd-iters", dest="bwd_iters", type=int, default=1,
-                   help="adjoint MGRIT iterations (1)")
+    p.add_argument("--cfactor", type=int, default=TRAINING.cfactor,
+                   help=f"coarsening factor ({TRAINING.cfactor})")
+    p.add_argument("--fwd-iters", dest="fwd_iters", type=int, default=TRAINING.fwd_iters,
+                   help=f"forward MGRIT iterations ({TRAINING.fwd_iters})")
+    p.add_argument("--bwd-iters", dest="bwd_iters", type=int, default=TRAINING.bwd_iters,
+                   help=f"adjoint MGRIT iterations ({TRAINING.bwd_iters})")
     p.add_argument("--validate", action="store_true",
                    help="compare the model with the measured rows in docs/gpu/*.csv")
     args = p.parse_args(argv)

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Optional
 
+from ...defaults import TRAINING
 from ...mgrit.grid import block_bounds, build_levels, reversed_bounds
 from ...mgrit.options import MGRITOptions
 from .runs import app_flags  # the flags `count_steps` and `predict` take, per app
@@ -640,8 +641,9 @@ def _log2(p: int) -> int:
     return math.ceil(math.log2(p)) if p > 1 else 0
 
 
-def predict(ranks: int, layers: int, costs: Costs, *, levels: int = 3, cfactor: int = 4,
-            fwd_iters: int = 2, bwd_iters: int = 1, nrelax: int = 1, skip: bool = True,
+def predict(ranks: int, layers: int, costs: Costs, *, levels: int = TRAINING.levels,
+            cfactor: int = TRAINING.cfactor, fwd_iters: int = TRAINING.fwd_iters,
+            bwd_iters: int = TRAINING.bwd_iters, nrelax: int = 1, skip: bool = True,
             batched: tuple[bool, bool] = (False, False),
             seq: tuple[bool, bool] = (False, False)) -> Prediction:
     """Predicted time of one training batch of LayerParallel at `ranks` ranks.

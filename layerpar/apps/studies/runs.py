@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...defaults import TRAINING
 from ...ode.net import ODENet
 from ..nets import SYNTHETIC_MODELS, synthetic_input_shape, synthetic_net
 
@@ -32,11 +33,11 @@ DEFAULTS: dict[str, Any] = {
     "image": 8,         # conv: image side
     "classes": 10,
     "t_final": 1.0,
-    "levels": 3,        # MGRIT max_levels (forward and adjoint)
-    "cfactor": 4,
+    "levels": TRAINING.levels,  # MGRIT max_levels (forward and adjoint)
+    "cfactor": TRAINING.cfactor,
     "nrelax": 1,        # FCF relaxation
-    "fwd_iters": 2,     # MGRIT iterations per forward solve
-    "bwd_iters": 1,     # ... per adjoint solve
+    "fwd_iters": TRAINING.fwd_iters,  # MGRIT iterations per forward solve
+    "bwd_iters": TRAINING.bwd_iters,  # ... per adjoint solve
     "threads": 1,       # torch intra-op threads per rank
     "steps": 4,         # timed SGD batches
     "warmup": 1,        # untimed SGD batches before them

@@ -148,8 +148,8 @@ def run_layer_parallel(cfg: dict[str, Any], comm: Any) -> dict[str, Any]:
                             bwd.replace(max_iter=diag, tol=0.0))
         x, y = batches[0]
         nn.functional.cross_entropy(lp2(x), y).backward()
-        out["fwd_residual_history"] = lp2.last_forward[0]["residual_history"]
-        out["bwd_residual_history"] = lp2.last_backward[0]["residual_history"]
+        out["fwd_residual_history"] = lp2.last_forward[0].residual_history
+        out["bwd_residual_history"] = lp2.last_backward[0].residual_history
     return out
 
 
