@@ -9,8 +9,10 @@ the ranks that hold the same layers in the other replicas.
 - ``"daso"`` (`DASO`, after Coquelin et al.'s DASO in Helmholtz HeAT): replicas are
   grouped into nodes.  Every batch, gradients are averaged inside a node; every S
   batches one process per node (the node's first replica) starts a non-blocking
-  global average of its *parameters* (sent in bfloat16 by default, as HeAT does),
-  the node trains on, and S-1 batches later the average is merged, local parameters
+  global average of its *parameters* (sent in bfloat16 by default, as HeAT does, as
+  the difference from the previous global average, which every node holds alike:
+  rounding then costs 2^-9 of the drift since the last exchange, not of the
+  parameters, and late, small steps are not rounded away), the node trains on, and S-1 batches later the average is merged, local parameters
   weighted double (``(2 p + avg) / 3``; with S = 1 the average is fresh and replaces
   the parameters), and copied to the node's other replicas.  S cycles (4, 2, 1 by
   default).  Warm-up and cool-down batches use synchronous gradient all-reduce.
@@ -398,6 +400,10 @@ class DASO(SyncStrategy):
         self.glob: Optional[Metered] = None
         self.leader = True
         self.one_node = False
+        # the last global average (leaders; the same on all of them): the exchange
+        # sends parameters minus it.  None: the first exchange sends the parameters
+        # in their own dtype (no reference yet)
+        self.ref: Optional[Tensor] = None
 
     def key(self) -> dict[str, Any]:
         return {"sync": self.name, "cycle": self.cycle, "warmup": self.warmup,
@@ -449,7 +455,11 @@ class DASO(SyncStrategy):
         if self.leader and self.glob is not None:
             # an all-gather of the raw bytes: any dtype on any backend (MPI has no
             # bfloat16 sum); the same payload per process as an all-reduce
-            flat = _flat(self._params(), self.global_dtype).contiguous()
+            flat = _flat(self._params())
+            if self.ref is not None:
+                flat = (flat.to(self.ref.dtype) - self.ref).to(self.global_dtype or
+                                                                flat.dtype)
+            flat = flat.contiguous()
             pend["flat"] = torch.empty((self.glob.size, flat.numel()), dtype=flat.dtype)
             pend["handle"] = self.glob.allgather_start(flat, pend["flat"], "DASO's global "
                                                        "parameter exchange")
@@ -464,7 +474,10 @@ class DASO(SyncStrategy):
             assert self.glob is not None
             parts = pend["flat"]
             acc = torch.float64 if parts.dtype == torch.float64 else torch.float32
-            pend["avg"] = parts.to(acc).sum(0) / self.glob.size
+            avg = parts.to(acc).sum(0) / self.glob.size
+            if self.ref is not None:
+                avg = avg.add_(self.ref)
+            pend["avg"] = self.ref = avg
             pend["handle"] = pend["flat"] = pend["sent"] = None
 
     def _finish(self, advance: bool = True) -> None:
@@ -500,23 +513,30 @@ class DASO(SyncStrategy):
     def _extra_state(self) -> dict[str, Any]:
         self._wait()
         assert self.grid is not None and self.model is not None
-        avg = None
+        names = [n for n, _ in self.model.named_parameters()]
+
+        def named(flat: Optional[Tensor]) -> Optional[dict[str, Tensor]]:
+            return None if flat is None else {
+                n: a.clone() for n, a in zip(names, _unflat(flat, self._params()))}
+
         pend = self.pending
-        if pend is not None and pend["avg"] is not None:
-            names = [n for n, _ in self.model.named_parameters()]
-            avg = {n: a.clone() for n, a in zip(names, _unflat(pend["avg"],
-                                                              self._params()))}
-        parts = self.grid.world.allgather_object(avg, "DASO's pending exchange")
+        avg = named(pend["avg"] if pend is not None else None)
+        parts = self.grid.world.allgather_object((avg, named(self.ref)),
+                                                 "DASO's pending exchange")
         merged: dict[str, Tensor] = {}
-        for part in parts:
-            if part:
-                merged.update(part)
+        ref: dict[str, Tensor] = {}
+        for part, r in parts:
+            merged.update(part or {})
+            ref.update(r or {})
         pending = None if pend is None else {"due": pend["due"], "S": pend["S"],
                                              "avg": merged or None}
-        return {"pos": self.pos, "pending": pending}
+        return {"pos": self.pos, "pending": pending, "ref": ref or None}
 
     def _load_extra(self, state: dict[str, Any]) -> None:
         self.pos = int(state["pos"]) % len(self.cycle)
+        ref = state.get("ref")
+        self.ref = _flat([ref[n] for n, _ in self.model.named_parameters()]) if (
+            ref is not None and self.leader and self.glob is not None) else None
         pend = state.get("pending")
         if pend is None:
             self.pending = None
