@@ -13,6 +13,7 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from mpi_util import describe, run_mpi, run_torchrun
@@ -21,7 +22,7 @@ from tolerances import F64
 import layerpar
 from layerpar.mgrit.transport import SerialTransport
 from layerpar.parallel import DASO, Lion, LionCub, SlowLink
-from layerpar.parallel.sync import Metered
+from layerpar.parallel.sync import Metered, majority_bits
 
 WORKERS = Path(__file__).parent / "workers"
 # a report is `RANK <r> <Type>[: ]<detail>`; mpiexec may glue two reports together
@@ -124,6 +125,7 @@ def test_meter_counts_bytes_and_slow_link_delays() -> None:
     link = SlowLink(bandwidth=8e6, latency=0.01)  # 1 MB/s: 20 kB take 20 ms + 10 ms
     assert link.seconds(20_000) == pytest.approx(0.03)
     m = Metered(SerialTransport(), meter, "internode", link)
+    m.size = 2  # as if over 2 processes: a ring all-reduce or all-gather sends the payload
     t = torch.zeros(5000, dtype=torch.float32)
     t0 = time.perf_counter()
     m.allreduce_start(t).wait()
@@ -137,6 +139,26 @@ def test_meter_counts_bytes_and_slow_link_delays() -> None:
     assert meter == {"internode": 60_000}
     Metered(SerialTransport(), meter, "data").allreduce_start(t[:10]).wait()
     assert meter == {"internode": 60_000, "data": 40}
+    m.size = 4  # 4 processes: all-reduce 1.5, all-gather 3 payloads on the link
+    link = m.link = SlowLink(bandwidth=8e6, latency=0.0)
+    t0 = time.perf_counter()
+    a = m.allreduce_start(t)
+    b = m.allgather_start(t, torch.empty(4, 5000))
+    assert link._free_at - t0 == pytest.approx(0.03 + 0.06, abs=5e-3)
+    a.wait()
+    b.wait()
+
+
+def test_majority_vote_on_packed_bits() -> None:
+    """`majority_bits` = the sign of (ones - zeros) per bit, for 1 to 9 rows (ties at
+    even counts), on a length that is not a multiple of 8."""
+    rng = np.random.default_rng(1)
+    n = 1003
+    for P in range(1, 10):
+        b = rng.integers(0, 2, (P, n)).astype(np.uint8)
+        pos, neg = majority_bits(np.packbits(b, axis=1))
+        got = np.unpackbits(pos, count=n).astype(int) - np.unpackbits(neg, count=n)
+        assert (got == np.sign(2 * b.sum(0).astype(int) - P)).all(), P
 
 
 @pytest.mark.mpi

@@ -1,89 +1,147 @@
-"""Validation accuracy of the replica sync strategies (issue 18), Peaks and digits.
+"""Validation accuracy of the replica sync strategies (issue 18), Peaks and MNIST-1D.
 
-    .venv/bin/python docs/sync/accuracy.py [--epochs-peaks E] [--epochs-digits E]
-                                           [--seeds 0,1,2]
+    .venv/bin/python docs/sync/accuracy.py [--seeds 0,1,2] [--models peaks,mnist1d]
+        [--epochs-peaks 20] [--epochs-mnist1d 10] [--layers-mnist1d 16]
+        [--wrap /work/tools/heavy]
 
-Each run: ``layerpar train MODEL --np 4 --data-parallel 2 --nodes 2 --sync S
---optimizer O --seed s --epochs E`` (2 replicas x 2 layer ranks, the replicas in 2
-simulated nodes; float32; MGRIT 3 levels, cf 4, 2/1 iterations).  Pairs compared:
-DASO vs all-reduce (both Adam), Lion Cub vs all-reduce Lion.  Writes accuracy.csv and
-accuracy.txt beside this script.  MNIST-1D is not bundled (no download at run time),
-so digits stands in for it.
+Each run: ``mpiexec -n 2`` of `layerpar.apps.train.train(MODEL, data_parallel=2, nodes=2,
+sync=S, optimizer=O, seed=s, epochs=E)``: 2 replicas of one process each, in 2
+simulated nodes, so every replica exchange is inter-node; MGRIT with one level (exact
+propagation: the accuracy differences are the strategies', not MGRIT's); float32; the
+recipes' batch size, lr (Lion: a third of Adam's) and cosine schedule.  Pairs
+compared: DASO vs all-reduce (both Adam), Lion Cub vs all-reduce Lion.  Writes
+accuracy.csv (every run, with its per-epoch validation accuracy: the curve) and
+accuracy.txt (the table) beside this script, after every run.  `--wrap` prefixes each
+job's command (on the shared machine: /work/tools/heavy, one lock per run).
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from layerpar.apps.train import parse_summary
-
 HERE = Path(__file__).parent
 CONFIGS = [("allreduce", "adam"), ("daso", "adam"), ("allreduce", "lion"),
            ("lioncub", "lion")]
+MARK = "SYNCACC "
+
+
+def worker(model: str, sync: str, opt: str, seed: int, epochs: int, layers: int) -> None:
+    import torch
+    from mpi4py import MPI
+
+    from layerpar.apps.train import train
+    from layerpar.mgrit import MGRITOptions
+
+    torch.set_num_threads(1)
+    exact = MGRITOptions(max_levels=1)
+    r = train(model, comm=MPI.COMM_WORLD, data_parallel=2, nodes=2, sync=sync,
+              optimizer=opt, seed=seed, epochs=epochs, n_layers=layers or None,
+              fwd=exact, bwd=exact, progress=False)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(MARK + json.dumps({
+            "val_acc": r.val_acc, "train_loss": r.train_loss,
+            "ms_per_batch": r.ms_per_batch, "sync_bytes": r.sync_bytes,
+            "curve": [round(h["val_acc"], 4) for h in r.history]}), flush=True)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--epochs-peaks", type=int, default=8)
-    p.add_argument("--epochs-digits", type=int, default=4)
+    p.add_argument("--epochs-peaks", type=int, default=20)
+    p.add_argument("--epochs-mnist1d", type=int, default=10)
+    p.add_argument("--layers-mnist1d", type=int, default=16)
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--models", default="peaks,mnist1d")
+    p.add_argument("--wrap", default="", help="command prefix for each job")
+    p.add_argument("--out", default="accuracy", help="output name (.csv, .txt)")
+    p.add_argument("--merge", default="", metavar="A,B",
+                   help="only merge these outputs (names) into --out's table")
+    p.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.merge:
+        rows = []
+        for name in args.merge.split(","):
+            with open(HERE / f"{name}.csv", newline="") as fh:
+                rows += [{k: (float(v) if k == "val_acc" else int(v) if k == "seed" else v)
+                          for k, v in r.items()} for r in csv.DictReader(fh)]
+        rows.sort(key=lambda r: (r["seed"], r["model"] != "peaks"))
+        print(write(rows, args.out))
+        return 0
+    if args.worker:
+        m, s, o, seed, e, lay = args.worker
+        worker(m, s, o, int(seed), int(e), int(lay))
+        return 0
+    from layerpar.launch import mpiexec_path
+
     seeds = [int(s) for s in args.seeds.split(",")]
-    rows = []
-    for model, epochs in (("peaks", args.epochs_peaks), ("digits", args.epochs_digits)):
-        for seed in seeds:
+    epochs = {"peaks": args.epochs_peaks, "mnist1d": args.epochs_mnist1d}
+    layers = {"peaks": 0, "mnist1d": args.layers_mnist1d}
+    rows: list[dict] = []
+    for seed in seeds:
+        for model in args.models.split(","):
             for sync, opt in CONFIGS:
-                cmd = [sys.executable, "-m", "layerpar.cli", "train", model, "--np", "4",
-                       "--data-parallel", "2", "--nodes", "2", "--sync", sync,
-                       "--optimizer", opt, "--seed", str(seed), "--epochs", str(epochs),
-                       "--no-progress"]
+                cmd = [*args.wrap.split(), str(mpiexec_path()), "-n", "2", sys.executable,
+                       str(Path(__file__).resolve()), "--worker", model, sync, opt,
+                       str(seed), str(epochs[model]), str(layers[model])]
                 t0 = time.time()
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-                if proc.returncode != 0:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                                      env={**__import__("os").environ,
+                                           "OMP_NUM_THREADS": "1"})
+                got = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
+                if proc.returncode != 0 or not got:
                     raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}"
                                        f"{proc.stderr[-2000:]}")
-                s = parse_summary(proc.stdout)
-                rows.append({"model": model, "epochs": epochs, "seed": seed, "sync": sync,
-                             "optimizer": opt, "val_acc": s["val_acc"],
-                             "train_loss": s["train_loss"], "ms_per_batch": s["ms_per_batch"],
-                             "sync_bytes": s["sync_bytes"],
-                             "seconds": round(time.time() - t0, 1)})
+                r = json.loads(got[0][len(MARK):])
+                rows.append({"model": model, "layers": layers[model] or "recipe",
+                             "epochs": epochs[model], "seed": seed, "sync": sync,
+                             "optimizer": opt, "val_acc": r["val_acc"],
+                             "train_loss": round(r["train_loss"], 4),
+                             "ms_per_batch": round(r["ms_per_batch"], 1),
+                             "sync_bytes": round(r["sync_bytes"]),
+                             "seconds": round(time.time() - t0, 1),
+                             "curve": " ".join(f"{a:.3f}" for a in r["curve"])})
                 print(rows[-1], flush=True)
-                write(rows)  # after every run: a cut-short study keeps what it has
-    print(write(rows))
+                write(rows, args.out)  # after every run: a cut-short study keeps what it has
+    print(write(rows, args.out))
     return 0
 
 
-def write(rows: list[dict]) -> str:
-    """accuracy.csv (every run) and accuracy.txt (the table of the configurations
-    whose runs are all done); returns the table."""
-    with open(HERE / "accuracy.csv", "w", newline="") as fh:
+def write(rows: list[dict], name: str) -> str:
+    """<name>.csv (every run) and <name>.txt (the table: per configuration the
+    accuracy per seed, the mean, the difference from its baseline with the spread of
+    the paired per-seed differences); returns the table."""
+    with open(HERE / f"{name}.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     lines = ["| problem (epochs) | sync | optimizer | val_acc per seed | mean | vs baseline "
-             "(points) | sync_bytes/batch |", "|---|---|---|---|---|---|---|"]
-    for model in ("peaks", "digits"):
-        mean = {}
+             "(points; paired per seed: mean ± sd) | sync_bytes/batch |",
+             "|---|---|---|---|---|---|---|"]
+    for model in ("peaks", "mnist1d"):
         for sync, opt in CONFIGS:
-            rs = [r for r in rows if r["model"] == model and r["sync"] == sync
-                  and r["optimizer"] == opt]
-            if not rs or ("allreduce", opt) not in mean and sync != "allreduce":
+            rs = {r["seed"]: r for r in rows if r["model"] == model and r["sync"] == sync
+                  and r["optimizer"] == opt}
+            base = {r["seed"]: r for r in rows if r["model"] == model
+                    and r["sync"] == "allreduce" and r["optimizer"] == opt}
+            if not rs:
                 continue
-            mean[(sync, opt)] = statistics.mean(r["val_acc"] for r in rs)
-            base = mean[("allreduce", opt)]
-            lines.append(f"| {model} ({rs[0]['epochs']}) | {sync} | {opt} | "
-                         f"{', '.join(format(r['val_acc'], '.3f') for r in rs)} | "
-                         f"{mean[(sync, opt)]:.3f} | "
-                         f"{100 * (mean[(sync, opt)] - base):+.1f} | "
-                         f"{statistics.mean(r['sync_bytes'] for r in rs):.0f} |")
+            mean = statistics.mean(r["val_acc"] for r in rs.values())
+            diffs = [100 * (rs[s]["val_acc"] - base[s]["val_acc"]) for s in rs if s in base]
+            vs = "baseline" if sync == "allreduce" else (
+                f"{statistics.mean(diffs):+.1f} ± "
+                f"{statistics.stdev(diffs) if len(diffs) > 1 else 0:.1f}" if diffs else "-")
+            r0 = next(iter(rs.values()))
+            lines.append(f"| {model} ({r0['epochs']}) | {sync} | {opt} | "
+                         f"{', '.join(format(r['val_acc'], '.3f') for r in rs.values())} | "
+                         f"{mean:.3f} | {vs} | "
+                         f"{statistics.mean(float(r['sync_bytes']) for r in rs.values()):.0f} |")
     text = "\n".join(lines)
-    (HERE / "accuracy.txt").write_text(text + "\n")
+    (HERE / f"{name}.txt").write_text(text + "\n")
     return text
 
 

@@ -9,11 +9,14 @@ the ranks that hold the same layers in the other replicas.
 - ``"daso"`` (`DASO`, after Coquelin et al.'s DASO in Helmholtz HeAT): replicas are
   grouped into nodes.  Every batch, gradients are averaged inside a node; every S
   batches one process per node (the node's first replica) starts a non-blocking
-  global average of its *parameters* (sent in bfloat16 by default, as HeAT does),
-  the node trains on, and S-1 batches later the average is merged, local parameters
-  weighted double (``(2 p + avg) / 3``; with S = 1 the average is fresh and replaces
-  the parameters), and copied to the node's other replicas.  S cycles (4, 2, 1 by
-  default).  Warm-up and cool-down batches use synchronous gradient all-reduce.
+  global average of its *parameters* (sent in bfloat16 by default, as HeAT does, as
+  the difference from the previous global average, which every node holds alike:
+  rounding then costs 2^-9 of the drift since the last exchange, not of the
+  parameters, and late, small steps are not rounded away), the node trains on, and
+  S-1 batches later the average is merged, local parameters weighted double
+  (``(2 p + avg) / 3``; with S = 1 the average is fresh and replaces the parameters),
+  and copied to the node's other replicas.  S cycles (4, 2, 1 by default).  Warm-up
+  and cool-down batches use synchronous gradient all-reduce.
 - ``"lioncub"`` (`LionCub`, after "Lion Cub: minimizing communication overhead in
   distributed Lion"): no gradient reduction at all.  The `Lion` optimizer's update is
   a sign; each replica packs its signs into bits, the bits are all-gathered (1/32 of
@@ -32,8 +35,11 @@ Bytes: the grid's `meter` counts what this process hands to the transport to sen
 and not seen), by kind: ``"p2p"`` (MGRIT's messages in the layer group), ``"data"``
 (collectives of the data group inside a node), ``"internode"`` (collectives whose
 group spans nodes).  `SlowLink` delays the completion of every inter-node operation
-by latency + payload / bandwidth (a model of a slow link between nodes: each
-process as if with its own link; the operation itself runs at local speed).
+by latency + bytes / bandwidth (a model of a slow link between nodes: each process as
+if with its own link; the operation itself runs at local speed), the bytes being what
+a ring algorithm sends per process over P processes: 2 (P-1)/P of the payload for an
+all-reduce, (P-1) payloads for an all-gather, the payload from a broadcast's root
+(with P = 2, all three are the payload).
 """
 from __future__ import annotations
 
@@ -119,16 +125,24 @@ class Metered:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.transport, name)
 
-    def _count(self, nbytes: int) -> float:
+    def _count(self, nbytes: int, wire: Optional[float] = None) -> float:
+        """Count `nbytes` of payload; with a link, queue `wire` bytes on it (default:
+        the payload) and return when they are through."""
         self.meter[self.kind] = self.meter.get(self.kind, 0) + int(nbytes)
-        return self.link.reserve(nbytes) if self.link else time.perf_counter()
+        if self.link is None:
+            return time.perf_counter()
+        return self.link.reserve(int(nbytes if wire is None else wire))
 
     def allreduce_start(self, t: Tensor, what: str = "a gradient reduction") -> Any:
-        ready = self._count(t.numel() * t.element_size())
+        # the link carries a ring all-reduce's traffic: 2 (P-1)/P of the payload
+        n, P = t.numel() * t.element_size(), self.size
+        ready = self._count(n, 2 * (P - 1) * n / P)
         return _Delayed(self.transport.allreduce_start(t, what), ready)
 
     def allgather_start(self, t: Tensor, out: Tensor, what: str = "an all-gather") -> Any:
-        ready = self._count(t.numel() * t.element_size())
+        # a ring all-gather: each process passes on the P-1 other parts
+        n = t.numel() * t.element_size()
+        ready = self._count(n, (self.size - 1) * n)
         return _Delayed(self.transport.allgather_start(t, out, what), ready)
 
     def bcast_tensor(self, t: Optional[Tensor], root: int, shape: Sequence[int],
@@ -393,6 +407,10 @@ class DASO(SyncStrategy):
         self.glob: Optional[Metered] = None
         self.leader = True
         self.one_node = False
+        # the last global average (leaders; the same on all of them): the exchange
+        # sends parameters minus it.  None: the first exchange sends the parameters
+        # in their own dtype (no reference yet)
+        self.ref: Optional[Tensor] = None
 
     def key(self) -> dict[str, Any]:
         return {"sync": self.name, "cycle": self.cycle, "warmup": self.warmup,
@@ -444,7 +462,11 @@ class DASO(SyncStrategy):
         if self.leader and self.glob is not None:
             # an all-gather of the raw bytes: any dtype on any backend (MPI has no
             # bfloat16 sum); the same payload per process as an all-reduce
-            flat = _flat(self._params(), self.global_dtype).contiguous()
+            flat = _flat(self._params())
+            if self.ref is not None:
+                flat = (flat.to(self.ref.dtype) - self.ref).to(self.global_dtype or
+                                                                flat.dtype)
+            flat = flat.contiguous()
             pend["flat"] = torch.empty((self.glob.size, flat.numel()), dtype=flat.dtype)
             pend["handle"] = self.glob.allgather_start(flat, pend["flat"], "DASO's global "
                                                        "parameter exchange")
@@ -459,7 +481,10 @@ class DASO(SyncStrategy):
             assert self.glob is not None
             parts = pend["flat"]
             acc = torch.float64 if parts.dtype == torch.float64 else torch.float32
-            pend["avg"] = parts.to(acc).sum(0) / self.glob.size
+            avg = parts.to(acc).sum(0) / self.glob.size
+            if self.ref is not None:
+                avg = avg.add_(self.ref)
+            pend["avg"] = self.ref = avg
             pend["handle"] = pend["flat"] = pend["sent"] = None
 
     def _finish(self, advance: bool = True) -> None:
@@ -495,23 +520,30 @@ class DASO(SyncStrategy):
     def _extra_state(self) -> dict[str, Any]:
         self._wait()
         assert self.grid is not None and self.model is not None
-        avg = None
+        names = [n for n, _ in self.model.named_parameters()]
+
+        def named(flat: Optional[Tensor]) -> Optional[dict[str, Tensor]]:
+            return None if flat is None else {
+                n: a.clone() for n, a in zip(names, _unflat(flat, self._params()))}
+
         pend = self.pending
-        if pend is not None and pend["avg"] is not None:
-            names = [n for n, _ in self.model.named_parameters()]
-            avg = {n: a.clone() for n, a in zip(names, _unflat(pend["avg"],
-                                                              self._params()))}
-        parts = self.grid.world.allgather_object(avg, "DASO's pending exchange")
+        avg = named(pend["avg"] if pend is not None else None)
+        parts = self.grid.world.allgather_object((avg, named(self.ref)),
+                                                 "DASO's pending exchange")
         merged: dict[str, Tensor] = {}
-        for part in parts:
-            if part:
-                merged.update(part)
+        ref: dict[str, Tensor] = {}
+        for part, r in parts:
+            merged.update(part or {})
+            ref.update(r or {})
         pending = None if pend is None else {"due": pend["due"], "S": pend["S"],
                                              "avg": merged or None}
-        return {"pos": self.pos, "pending": pending}
+        return {"pos": self.pos, "pending": pending, "ref": ref or None}
 
     def _load_extra(self, state: dict[str, Any]) -> None:
         self.pos = int(state["pos"]) % len(self.cycle)
+        ref = state.get("ref")
+        self.ref = _flat([ref[n] for n, _ in self.model.named_parameters()]) if (
+            ref is not None and self.leader and self.glob is not None) else None
         pend = state.get("pending")
         if pend is None:
             self.pending = None
@@ -521,6 +553,38 @@ class DASO(SyncStrategy):
             avg = _flat([pend["avg"][n] for n, _ in self.model.named_parameters()])
         self.pending = {"due": int(pend["due"]), "S": int(pend["S"]), "handle": None,
                         "flat": None, "avg": avg}
+
+
+def majority_bits(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The majority vote of P packed bit rows (uint8, P x bytes), on the packed bits:
+    ``(pos, neg)``, packed, pos set where more than half the rows have a 1, neg where
+    more than half have a 0 (neither: a tie, P even).  Bit-sliced: the per-bit count
+    is added up in log2(P) + 1 bit planes and compared with P / 2 plane by plane, so
+    the work is O(P log P) bitwise operations on the packed bytes (nothing is unpacked
+    or widened to integers)."""
+    P = rows.shape[0]
+    planes: list[np.ndarray] = []  # the count's bits, least significant first
+    for w in rows:
+        carry = w
+        for k in range(len(planes)):
+            planes[k], carry = planes[k] ^ carry, planes[k] & carry
+        planes.append(carry)
+    planes = planes[:P.bit_length()]  # the count is <= P: higher planes are 0
+
+    def above(K: int) -> np.ndarray:  # count > K, bit-sliced, most significant first
+        gt = np.zeros_like(rows[0])
+        eq = np.full_like(rows[0], 0xFF)
+        for k in range(len(planes) - 1, -1, -1):
+            if (K >> k) & 1:
+                eq &= planes[k]
+            else:
+                gt |= eq & planes[k]
+                eq &= ~planes[k]
+        return gt
+
+    pos = above(P // 2)  # count > P/2
+    neg = ~above((P - 1) // 2)  # count <= (P-1)/2, i.e. zeros > P/2
+    return pos, neg
 
 
 class LionCub(SyncStrategy):
@@ -561,15 +625,16 @@ class LionCub(SyncStrategy):
         # torch.sign(NaN) is 0: a NaN would vanish from the update, so look at the grads
         if not bool(torch.isfinite(_flat([p.grad for p, _ in pairs])).all()):
             raise DivergenceError("a gradient is not finite (NaN or inf) on this replica")
-        flat = _flat(signs).cpu()
-        n = flat.numel()
-        bits = torch.from_numpy(np.packbits((flat >= 0).numpy()))
+        plus = torch.cat([(u >= 0).reshape(-1) for u in signs]).cpu()
+        n = plus.numel()
+        bits = torch.from_numpy(np.packbits(plus.numpy()))
         out = torch.empty((self.data.size, bits.numel()), dtype=torch.uint8)
         self.data.allgather_start(bits, out, "Lion Cub's sign bits").wait()
-        ones = np.unpackbits(out.numpy(), axis=1, count=n).sum(axis=0, dtype=np.int64)
-        vote = torch.from_numpy(np.sign(2 * ones - self.data.size))
+        pos, neg = majority_bits(out.numpy())
+        vote = torch.from_numpy(np.unpackbits(pos, count=n).view(np.int8)
+                                - np.unpackbits(neg, count=n).view(np.int8))
         for u, v in zip(signs, _unflat(vote, signs)):
-            u.copy_(v.to(u.dtype))
+            u.copy_(v)  # int8 -1/0/+1 into the sign tensor's dtype
 
     def after_step(self) -> None:
         self.batch += 1
