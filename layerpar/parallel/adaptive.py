@@ -18,13 +18,17 @@ forward and adjoint iteration counts to an `AccuracyController`:
   tensors, so the optimizer and its state carry on unchanged.  The same happens when
   the iteration counts would exceed `max_iters`.
 - **Cost.**  A gradient check also times the inexact and the exact pass (the slowest
-  rank's).  Where MGRIT at the current counts is no faster than exact propagation and
-  the bound needs (or already took) more iterations, the model switches to exact
+  rank's); the controller keeps the last `cost_window` timings of each and compares
+  their medians, with a margin (`cost_margin`, hysteresis), so one disturbed timing on
+  a shared machine decides nothing (`CostWindow`).  Where MGRIT at the current counts
+  is, over that window, more than the margin slower than exact propagation and the
+  bound needs (or already took) more iterations, the model switches to exact
   propagation: it is then both cheaper and exact.
 - **Back to MGRIT.**  While exact, every `probe_every` batches one inexact forward
   pass (no graph) is tried; once its residual shrinks again, MGRIT resumes with the
-  iteration counts it had.  A gradient check that finds MGRIT within the bound and
-  cheaper than exact propagation also brings it back.
+  iteration counts it had.  A gradient check that finds MGRIT within the bound and,
+  over the window, more than the margin cheaper than exact propagation also brings
+  it back.
 
 Every decision is taken from values that are identical on every rank (reduced
 residual norms, the reduced gradient check), so all ranks decide alike without a
@@ -33,6 +37,8 @@ message.  Each change is logged (`controller.log`: batch, what, why).
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -43,7 +49,8 @@ if TYPE_CHECKING:
     from .accuracy import GradientCheck
     from .model import LayerParallel
 
-__all__ = ["AccuracyController", "AccuracyEvent", "AccuracyPolicy", "as_policy"]
+__all__ = ["AccuracyController", "AccuracyEvent", "AccuracyPolicy", "CostWindow",
+           "as_policy"]
 
 
 def _number(value: Any, name: str, lo: float, hi: float, *, lo_open: bool = False) -> float:
@@ -79,8 +86,13 @@ class AccuracyPolicy:
         residuals and the gradient checks can switch to exact propagation.
     probe_every: batches between tries of MGRIT while propagating exactly (after a
         stall; after a switch for cost, the gradient checks decide).
-    prefer_cheaper: switch to exact propagation where a gradient check finds it no
-        slower than MGRIT at the iteration counts the bound needs.
+    prefer_cheaper: switch to exact propagation where the gradient checks find it
+        cheaper than MGRIT at the iteration counts the bound needs.
+    cost_window: the gradient checks' timings kept for the cost rule (the median of
+        the last `cost_window` of MGRIT's and of exact propagation's is compared).
+    cost_margin: one of the two must be slower than the other by more than this share
+        (medians over the window) for the cost rule to switch: hysteresis, so that
+        timings within noise of each other never flip the mode back and forth.
     """
 
     min_cosine: float = 0.99
@@ -90,6 +102,8 @@ class AccuracyPolicy:
     stall_factor: float = 0.5
     probe_every: int = 20
     prefer_cheaper: bool = True
+    cost_window: int = 5
+    cost_margin: float = 0.1
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefer_cheaper, bool):
@@ -101,6 +115,8 @@ class AccuracyPolicy:
         _count(self.max_iters, "max_iters")
         _number(self.stall_factor, "stall_factor", 0.0, math.inf, lo_open=True)
         _count(self.probe_every, "probe_every")
+        _count(self.cost_window, "cost_window")
+        _number(self.cost_margin, "cost_margin", 0.0, math.inf)
 
     def key(self) -> dict[str, Any]:
         """The fields, for the agreement between ranks."""
@@ -143,6 +159,50 @@ def _rate(history: list[float]) -> Optional[float]:
     return (max(history[-1], 0.0) / history[0]) ** (1.0 / (len(history) - 1))
 
 
+class CostWindow:
+    """The last few timed passes of MGRIT and of exact propagation, and the rule that
+    compares them: medians over the window and a margin, so no single timing (a
+    shared machine disturbs many) flips a decision.
+
+    `verdict()` is "exact" when MGRIT's median exceeds exact propagation's by more
+    than `margin` (both with at least `min(3, window)` timings), "mgrit" when exact
+    propagation's exceeds MGRIT's by more than `margin`, else None (no evidence
+    either way: keep the current mode).
+    """
+
+    def __init__(self, window: int = 5, margin: float = 0.1) -> None:
+        self.margin = margin
+        self.need = min(3, window)
+        self.mgrit: deque[float] = deque(maxlen=window)
+        self.exact: deque[float] = deque(maxlen=window)
+
+    def add(self, mgrit_seconds: float, exact_seconds: float) -> None:
+        for q, v in ((self.mgrit, mgrit_seconds), (self.exact, exact_seconds)):
+            if math.isfinite(v) and v > 0:
+                q.append(v)
+
+    def medians(self) -> tuple[float, float]:
+        """(MGRIT's, exact's) median seconds per pass (NaN where none was timed)."""
+        return tuple(statistics.median(q) if q else math.nan  # type: ignore[return-value]
+                     for q in (self.mgrit, self.exact))
+
+    def verdict(self) -> Optional[str]:
+        if len(self.mgrit) < self.need or len(self.exact) < self.need:
+            return None
+        m, e = self.medians()
+        if m > (1.0 + self.margin) * e:
+            return "exact"
+        if e > (1.0 + self.margin) * m:
+            return "mgrit"
+        return None
+
+    def describe(self) -> str:
+        m, e = self.medians()
+        return (f"median of the last {len(self.mgrit)}/{len(self.exact)} timed passes: "
+                f"MGRIT {1000 * m:.1f} ms vs exact {1000 * e:.1f} ms per pass, margin "
+                f"{100 * self.margin:g}%")
+
+
 @dataclass
 class AccuracyController:
     """The state of adaptive accuracy on one model (identical on every rank)."""
@@ -155,6 +215,11 @@ class AccuracyController:
     log: list[AccuracyEvent] = field(default_factory=list)
     last_check: Optional[GradientCheck] = None
     _room: int = 0  # consecutive checks with ample room
+    costs: Optional[CostWindow] = None  # the cost rule's timings (made from the policy)
+
+    def __post_init__(self) -> None:
+        if self.costs is None:
+            self.costs = CostWindow(self.policy.cost_window, self.policy.cost_margin)
 
     def _event(self, batch: int, action: str, reason: str) -> None:
         self.log.append(AccuracyEvent(batch, action, reason))
@@ -193,15 +258,21 @@ class AccuracyController:
         p = self.policy
         cos, err = check.cos, check.error
         bad = not (cos >= p.min_cosine and err <= p.max_rel_error)
-        cheaper = check.inexact_seconds < check.exact_seconds
-        cost = (f"MGRIT {1000 * check.inexact_seconds:.1f} ms vs exact "
-                f"{1000 * check.exact_seconds:.1f} ms per pass")
+        assert self.costs is not None
+        self.costs.add(check.inexact_seconds, check.exact_seconds)
+        verdict = self.costs.verdict()  # medians over a window, with a margin
+        cost = self.costs.describe()
         if self.exact:  # the check measured MGRIT as it would run now
+            # after a switch for cost, only the window brings MGRIT back; after a stall,
+            # with no verdict yet, this check's own timings say
+            cheaper = verdict == "mgrit" or (not self.exact_for_cost and verdict is None
+                                             and check.inexact_seconds < check.exact_seconds)
             if not bad and cheaper and not any(math.isnan(r) for r in (cos, err)):
                 self.to_mgrit(batch, f"a gradient check within the bound: cosine "
                                      f"{cos:.4f}, relative error {err:.3g}; {cost}")
             return
-        if p.prefer_cheaper and not cheaper and (bad or self.fwd_iters + self.bwd_iters > 2):
+        if p.prefer_cheaper and verdict == "exact" and (
+                bad or self.fwd_iters + self.bwd_iters > 2):
             # more iterations would only cost more: exact propagation is cheaper and exact
             self.to_exact(batch, f"exact propagation is cheaper here: {cost}",
                           for_cost=True)
