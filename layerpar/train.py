@@ -38,6 +38,7 @@ from .ode.refine import refine
 from .ode.rng import MAX_SEED
 from .parallel import DASO, LayerParallel, Lion, ProcessGrid, SlowLink
 from .parallel.adaptive import AccuracyPolicy, as_policy
+from .parallel.autotune import auto_policy
 
 __all__ = [
     "MODELS",
@@ -174,7 +175,8 @@ def train(
         eagerly; ``step_mode`` says which, and why.
     auto: MGRIT settings chosen by measurement (``LayerParallel(options="auto")``,
         tuned on the first batch with this loss, then watched by the adaptive policy:
-        ``adaptive``'s, the policy given as ``auto``, or the default bound); the
+        ``adaptive``'s, the policy given as ``auto``, or by default a bound measured
+        on the batch's own gradient noise, `layerpar.parallel.autotune`); the
         candidate table goes to ``auto_log``.
     target_acc: stop once the validation accuracy reaches it; ``time_to_target`` is
         the training time until then (None: not reached).
@@ -244,7 +246,7 @@ def train(
         raise ValueError("`auto` needs a layer-parallel run without data parallelism or "
                          "nested iteration")
     if auto and policy is None:
-        policy = as_policy(True)
+        policy = auto_policy(None)  # the bound measured on the batch's gradient noise
     elif auto and bound is not None:
         policy = bound
     if device not in DEVICES:
@@ -753,7 +755,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "by the adaptive policy")
     a.add_argument("--max-grad-error", type=float, default=None, metavar="E",
                    help="the bound of --adaptive and --auto: largest relative gradient "
-                        "error (default 0.05)")
+                        "error (default 0.05; --auto by default measures its bound: half "
+                        "the batch gradient's sampling error)")
     a.add_argument("--min-cosine", type=float, default=None, metavar="C",
                    help="the bound of --adaptive and --auto: smallest cosine between "
                         "inexact and exact gradients (default 0.99)")

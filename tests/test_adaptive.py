@@ -32,7 +32,7 @@ BAD_POLICY = [
     ("probe_every", 0), ("probe_every", 1.5),
     ("prefer_cheaper", 1), ("prefer_cheaper", "yes"),
     ("cost_window", 0), ("cost_window", 2.5), ("cost_margin", -0.1),
-    ("cost_margin", math.inf),
+    ("cost_margin", math.inf), ("noise_fraction", 0.0), ("noise_fraction", "half"),
 ]
 
 

@@ -222,3 +222,57 @@ def test_tuning_time_is_bounded_by_the_training_to_come() -> None:
     assert got.choice.candidate.exact and "tuning stopped after 1 candidates" in got.reason
     assert got.reason.startswith("no MGRIT setting was measured")
     model.close()
+
+
+# --- the measured bound ---------------------------------------------------
+
+
+def test_gradient_noise_is_the_half_batches_difference() -> None:
+    """`gradient_noise` is |g1 - g2| / |g1 + g2| of the exact gradients of the two
+    half batches (here against the serial net's own autograd), deterministic, and
+    None where the batch cannot be split."""
+    net, x, y = _stiff_batch(1.0)
+    ref = problem_net("peaks", 32, 8, t_final=1.0).double()
+    ref.load_state_dict(net.state_dict())
+    model = LayerParallel(net, None, "auto")
+    got = at.gradient_noise(model, x, y, torch.nn.functional.cross_entropy)
+    halves = []
+    for sl in (slice(0, 10), slice(10, 20)):
+        ref.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x[sl]), y[sl]).backward()
+        halves.append(torch.cat([p.grad.reshape(-1) for p in ref.parameters()]))
+    want = float((halves[0] - halves[1]).norm() / (halves[0] + halves[1]).norm())
+    assert got is not None and math.isclose(got, want, rel_tol=1e-10), (got, want)
+    assert at.gradient_noise(model, x, y, torch.nn.functional.cross_entropy) == got
+    assert all(p.grad is None for p in model.parameters())  # nothing written
+    assert at.gradient_noise(model, x[:1], y[:1], torch.nn.functional.cross_entropy) is None
+    assert at.gradient_noise(model, x, None, at._surrogate_loss) is None
+    model.close()
+
+
+def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default auto holds MGRIT to NOISE_FRACTION of the measured noise (capped at
+    NOISE_CAP), and says so; an explicit bound wins; the chosen setting's adaptive
+    controller gets the bound the tuning used."""
+    _fixed_cost(monkeypatch)
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, "auto")
+    assert model._auto.policy.noise_fraction == at.NOISE_FRACTION
+    got = model.tune(x, y, torch.nn.functional.cross_entropy)
+    noise = at.gradient_noise(model, x, y, torch.nn.functional.cross_entropy)
+    assert got.noise == noise
+    want = min(at.NOISE_CAP, at.NOISE_FRACTION * noise)
+    assert math.isclose(got.bound.max_rel_error, want) and got.bound.noise_fraction is None
+    assert "measured" in got.lines()[1]
+    for m in got.table:  # each verdict follows the measured bound
+        if m.rel_error is not None and not m.candidate.exact:
+            assert m.within == (m.rel_error <= want and m.cosine >= got.bound.min_cosine)
+    if not got.choice.candidate.exact:
+        assert model.accuracy.policy == got.bound
+    model.close()
+    explicit = AccuracyPolicy(max_rel_error=1e-6, max_iters=1)  # 1/1 iterations only
+    model = LayerParallel(net, None, "auto", accuracy=explicit)
+    got = model.tune(x, y, torch.nn.functional.cross_entropy)
+    assert got.noise is None and got.bound == explicit and "given" in got.bound_note
+    assert got.choice.candidate.exact
+    model.close()

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..mgrit.options import MGRITOptions
@@ -93,6 +93,12 @@ class AccuracyPolicy:
     cost_margin: one of the two must be slower than the other by more than this share
         (medians over the window) for the cost rule to switch: hysteresis, so that
         timings within noise of each other never flip the mode back and forth.
+    noise_fraction: with ``options="auto"`` and no explicit bound: the bound is
+        measured, not given: a candidate's relative gradient error may be at most
+        this fraction of the minibatch gradient noise measured on the batch
+        (`layerpar.parallel.autotune.gradient_noise`); `min_cosine` and
+        `max_rel_error` are then derived from it (see `AccuracyPolicy.measured`).
+        None (default): the bound is `min_cosine` / `max_rel_error` as given.
     """
 
     min_cosine: float = 0.99
@@ -104,6 +110,7 @@ class AccuracyPolicy:
     prefer_cheaper: bool = True
     cost_window: int = 5
     cost_margin: float = 0.1
+    noise_fraction: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefer_cheaper, bool):
@@ -117,6 +124,20 @@ class AccuracyPolicy:
         _count(self.probe_every, "probe_every")
         _count(self.cost_window, "cost_window")
         _number(self.cost_margin, "cost_margin", 0.0, math.inf)
+        if self.noise_fraction is not None:
+            _number(self.noise_fraction, "noise_fraction", 0.0, math.inf, lo_open=True)
+
+    def measured(self, noise: float, cap: float) -> AccuracyPolicy:
+        """This policy with the bound measured: relative gradient error at most
+        `noise_fraction` x `noise` (the batch gradient's relative sampling error), at
+        most `cap`; the cosine bound is the one that relative error implies
+        (an error e leaves a cosine of at least sqrt(1 - e^2)), so it adds nothing."""
+        assert self.noise_fraction is not None
+        err = min(cap, self.noise_fraction * noise)
+        err = max(err, 1e-12)
+        return replace(self, max_rel_error=err,
+                       min_cosine=math.sqrt(max(0.0, 1.0 - err * err)) if err < 1 else 0.0,
+                       noise_fraction=None)
 
     def key(self) -> dict[str, Any]:
         """The fields, for the agreement between ranks."""

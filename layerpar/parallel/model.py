@@ -38,7 +38,7 @@ from ..ode.rng import DROPOUT_TYPES as _DROPOUT
 from ..ode.rng import draw_seed
 from . import checkpoint
 from .adaptive import AccuracyController, apply_iterations, as_policy
-from .autotune import AutoTuner
+from .autotune import AutoTuner, auto_policy
 from .batched import structure
 from .direct import direct_backward_started
 from .grads import GradDelivery
@@ -388,9 +388,7 @@ class LayerParallel(nn.Module):
         # options="auto": the settings chosen by measurement run on a twin
         self._auto: Optional[AutoTuner] = None
         if auto:
-            from .adaptive import AccuracyPolicy
-
-            self._auto = AutoTuner(policy or AccuracyPolicy())
+            self._auto = AutoTuner(auto_policy(policy))
             self.accuracy = None  # the chosen setting's controller, once tuned
 
     @property
