@@ -224,7 +224,7 @@ def test_tuning_time_is_bounded_by_the_training_to_come() -> None:
     model.close()
 
 
-# --- the measured bound ---------------------------------------------------
+# --- the measured bound, replicated serial ---------------------------------------------------
 
 
 def test_gradient_noise_is_the_half_batches_difference() -> None:
@@ -276,3 +276,26 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
     assert got.noise is None and got.bound == explicit and "given" in got.bound_note
     assert got.choice.candidate.exact
     model.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_replicated_serial_trains_like_serial(nprocs: int) -> None:
+    """Replicated serial is chosen where it is the fastest (and where only it and exact
+    propagation are within the bound); through Adam steps its outputs and every rank's
+    gradients equal the serial net's (float64, 1e-10); every rank decides alike."""
+    proc = run_mpi(WORKERS / "lp_replicated.py", nprocs, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == list(range(nprocs)), proc.stdout
+    assert all(lines[r] == lines[0] for r in lines), lines
+    got = lines[0]
+    choices = [x for x in got if x.startswith("choice ")]
+    assert len(choices) == 2 and all(c.startswith("choice serial (replicated)")
+                                     for c in choices), choices
+    assert "no MGRIT setting tried is within" in choices[1]
+    steps = [x.split() for x in got if x.startswith("step ")]
+    assert len(steps) == 3
+    for s in steps:
+        assert float(s[3]) <= 1e-10 and float(s[5]) <= 1e-10, s
+    assert float(next(x for x in got if x.startswith("eval ")).split()[1]) <= 1e-10

@@ -6,7 +6,11 @@ fast a setting runs depends on the machine, so neither can be fixed in advance.
 
 1. **Exact propagation** (``max_levels=1`` both ways; at one rank this is *direct
    mode*, plain serial autograd through the same modules) is timed first: it is
-   within any bound, and the time to beat.
+   within any bound, and the time to beat.  At several ranks **replicated serial**
+   (`layerpar.parallel.replicated`: every rank runs the whole net with plain
+   autograd, its own layers' real parameters, the others' refreshed from their
+   owners) is timed next, refresh included: also exact, and at P > 1 ranks usually
+   faster than exact propagation, which is a pipeline of one micro-batch.
 2. **MGRIT candidates**, cheapest first: levels and coarsening factor from
    `STRUCTURES`, each at the iteration counts of `ITERATIONS` (forward/adjoint),
    batched cycles.  A candidate is timed (one untimed pass, then `repeats` passes;
@@ -66,6 +70,7 @@ from ..mgrit.grid import build_levels
 from ..mgrit.options import MGRITOptions
 from .accuracy import TWIN_ATTR, GradientCheck, _exact_twin, _sq, check_gradients
 from .adaptive import AccuracyPolicy
+from .replicated import ReplicatedSerial, supported
 
 if TYPE_CHECKING:
     from .model import LayerParallel
@@ -103,6 +108,7 @@ class Candidate:
     fwd_iters: int = 1
     bwd_iters: int = 1
     batched: bool = True
+    replicated: bool = False
 
     @property
     def exact(self) -> bool:
@@ -119,6 +125,8 @@ class Candidate:
                 MGRITOptions(max_iter=self.bwd_iters, **common))
 
     def name(self, ranks: int = 2) -> str:
+        if self.replicated:
+            return "serial (replicated)"
         if self.exact:
             return "serial autograd (direct mode)" if ranks == 1 else "exact propagation"
         return (f"L{self.levels} cf{self.cfactor} {self.fwd_iters}/{self.bwd_iters} "
@@ -195,11 +203,18 @@ def choose(table: list[Measurement], ranks: int) -> tuple[Measurement, str]:
 
     A pure function of the table: the same table gives the same choice everywhere.
     """
-    exact = next(m for m in table if m.candidate.exact)
-    rep = None
+    exact = next(m for m in table if m.candidate.exact and not m.candidate.replicated)
+    rep = next((m for m in table if m.candidate.replicated), None)
     ok = [m for m in table if m.within]
     best = min(ok, key=lambda m: (m.seconds, table.index(m)))
     what = "serial autograd" if ranks == 1 else "exact propagation"
+    if best is rep:
+        why = (f"every rank runs the whole net serially (plain autograd, its own "
+               f"layers' parameters, the others' refreshed from their owners): "
+               f"{1e3 * rep.seconds:.1f} ms per pass against {1e3 * exact.seconds:.1f} ms "
+               f"for exact propagation; "
+               + _why_no_mgrit(table, rep, "replicated serial", ranks))
+        return best, why
     if best is exact:
         why = _why_no_mgrit(table, exact, what, ranks)
         if ranks > 1 and rep is None:
@@ -371,6 +386,16 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     t_exact = _time_passes(model, exact_twin, x, y, loss_fn, repeats)
     table.append(Measurement(Candidate(1), t_exact, 0.0, 1.0, True))
     best_t = t_exact  # the time to beat
+    if supported(model) is None:  # replicated serial, refresh included in its time
+        rep = ReplicatedSerial(model)
+        rep.training = model.training
+        rep.force_sync = True
+        try:
+            t_rep = _time_passes(model, rep, x, y, loss_fn, repeats)
+        finally:
+            rep.close()
+        table.append(Measurement(Candidate(1, replicated=True), t_rep, 0.0, 1.0, True))
+        best_t = min(best_t, t_rep)
     best: Optional[Candidate] = None
     limit = None if steps is None else BUDGET * best_t * steps
     stopped = False
@@ -506,11 +531,14 @@ class AutoTuner:
         old, self.chosen = self.chosen, None
         _drop(old)
         cand = got.choice.candidate
-        self.chosen = _build(model, cand, None if cand.exact else self.bound)
-        ctl = self.chosen.accuracy
-        if ctl is not None and ctl.costs is not None:  # the tuning's timings count
-            exact = next(m for m in got.table if m.candidate.exact)
-            ctl.costs.add(got.choice.seconds, exact.seconds)
+        if cand.replicated:
+            self.chosen = ReplicatedSerial(model)
+        else:
+            self.chosen = _build(model, cand, None if cand.exact else self.bound)
+            ctl = self.chosen.accuracy
+            if ctl is not None and ctl.costs is not None:  # the tuning's timings count
+                exact = next(m for m in got.table if m.candidate.exact)
+                ctl.costs.add(got.choice.seconds, exact.seconds)
         model.accuracy = self.chosen.accuracy
         return got
 
