@@ -33,6 +33,7 @@ BAD_POLICY = [
     ("prefer_cheaper", 1), ("prefer_cheaper", "yes"),
     ("cost_window", 0), ("cost_window", 2.5), ("cost_margin", -0.1),
     ("cost_margin", math.inf), ("noise_fraction", 0.0), ("noise_fraction", "half"),
+    ("check_backoff", 0), ("check_backoff", 1.5),
 ]
 
 
@@ -259,3 +260,21 @@ def test_decisions_are_the_same_on_every_rank(nprocs: int) -> None:
     reports = {r: ls[-1] for r, ls in lines.items()}
     assert all(r.startswith("OK") for r in reports.values()), describe(proc)
     assert len(set(reports.values())) == 1, reports  # same log, same losses
+
+
+def test_checks_back_off_while_within_the_bound() -> None:
+    """With `check_backoff`, each check within the bound doubles the interval between
+    checks (up to the cap); one outside the bound resets it; the default is off."""
+    from layerpar.parallel.adaptive import AccuracyController
+
+    ctl = AccuracyController(AccuracyPolicy(max_rel_error=0.01, check_backoff=4), 1, 1)
+    due = [b for b in range(1, 200) if ctl.check_due(b)][:2]
+    assert due == [10, 20]
+    for k in range(3):
+        ctl.observe_check(10 * k, _check(0.001, 1.0, 1.0))
+    assert ctl.backoff == 4 and [b for b in range(1, 100) if ctl.check_due(b)] == [40, 80]
+    ctl.observe_check(40, _check(0.05, 1.0, 1.0))
+    assert ctl.backoff == 1 and ctl.check_due(50)
+    plain = AccuracyController(AccuracyPolicy(max_rel_error=0.01), 1, 1)
+    plain.observe_check(10, _check(0.001, 1.0, 1.0))
+    assert plain.backoff == 1

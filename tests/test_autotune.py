@@ -267,8 +267,17 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
     for m in got.table:  # each verdict follows the measured bound
         if m.rel_error is not None and not m.candidate.exact:
             assert m.within == (m.rel_error <= want and m.cosine >= got.bound.min_cosine)
-    if not got.choice.candidate.exact:
-        assert model.accuracy.policy == got.bound
+    assert not got.choice.candidate.exact, got.lines()  # t_final 1: MGRIT is accurate
+    assert model.accuracy.policy == got.bound
+    assert model.accuracy.policy.check_backoff == at.CHECK_BACKOFF
+    # a later check measures the noise again (on another batch here) and holds the
+    # chosen setting to that bound
+    x2 = x.flip(0)
+    model.check_gradients(x2, y.flip(0), torch.nn.functional.cross_entropy)
+    noise2 = at.gradient_noise(model, x2, y.flip(0), torch.nn.functional.cross_entropy)
+    assert model._auto.remeasured.max_rel_error == min(at.NOISE_CAP,
+                                                       at.NOISE_FRACTION * noise2)
+    assert model.accuracy.policy is model._auto.remeasured
     model.close()
     explicit = AccuracyPolicy(max_rel_error=1e-6, max_iters=1)  # 1/1 iterations only
     model = LayerParallel(net, None, "auto", accuracy=explicit)
@@ -299,3 +308,6 @@ def test_replicated_serial_trains_like_serial(nprocs: int) -> None:
     for s in steps:
         assert float(s[3]) <= 1e-10 and float(s[5]) <= 1e-10, s
     assert float(next(x for x in got if x.startswith("eval ")).split()[1]) <= 1e-10
+    budget = next(x for x in got if x.startswith("budget "))
+    assert budget.startswith("budget ['serial (replicated)']") and "not timed" in budget, \
+        budget

@@ -99,6 +99,10 @@ class AccuracyPolicy:
         (`layerpar.parallel.autotune.gradient_noise`); `min_cosine` and
         `max_rel_error` are then derived from it (see `AccuracyPolicy.measured`).
         None (default): the bound is `min_cosine` / `max_rel_error` as given.
+    check_backoff: each gradient check within the bound doubles the interval between
+        checks, up to this many times `check_every` (a check outside the bound
+        resets it): a check costs an MGRIT and an exact pass, which every 10 batches
+        is a large share of a fast training.  1 (default): every `check_every`.
     """
 
     min_cosine: float = 0.99
@@ -111,6 +115,7 @@ class AccuracyPolicy:
     cost_window: int = 5
     cost_margin: float = 0.1
     noise_fraction: Optional[float] = None
+    check_backoff: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefer_cheaper, bool):
@@ -123,6 +128,7 @@ class AccuracyPolicy:
         _number(self.stall_factor, "stall_factor", 0.0, math.inf, lo_open=True)
         _count(self.probe_every, "probe_every")
         _count(self.cost_window, "cost_window")
+        _count(self.check_backoff, "check_backoff")
         _number(self.cost_margin, "cost_margin", 0.0, math.inf)
         if self.noise_fraction is not None:
             _number(self.noise_fraction, "noise_fraction", 0.0, math.inf, lo_open=True)
@@ -237,6 +243,7 @@ class AccuracyController:
     last_check: Optional[GradientCheck] = None
     _room: int = 0  # consecutive checks with ample room
     costs: Optional[CostWindow] = None  # the cost rule's timings (made from the policy)
+    backoff: int = 1  # the interval between checks, in units of check_every
 
     def __post_init__(self) -> None:
         if self.costs is None:
@@ -247,9 +254,10 @@ class AccuracyController:
 
     def check_due(self, batch: int) -> bool:
         """Whether the training loop should measure the gradient error at `batch`:
-        every `check_every` batches under MGRIT, 5 times less often while exact
-        (a check then only asks whether MGRIT has become usable and cheaper)."""
-        every = self.policy.check_every * (5 if self.exact else 1)
+        every `check_every` batches under MGRIT (times `backoff`, see
+        `AccuracyPolicy.check_backoff`), 5 times less often while exact (a check
+        then only asks whether MGRIT has become usable and cheaper)."""
+        every = self.policy.check_every * (5 if self.exact else self.backoff)
         return batch % every == 0
 
     def stalled(self, stats: list[SolveStats]) -> Optional[str]:
@@ -300,6 +308,7 @@ class AccuracyController:
             return
         if bad:
             self._room = 0
+            self.backoff = 1
             why = (f"cosine {cos:.4f} (bound {p.min_cosine:g}), relative error {err:.3g} "
                    f"(bound {p.max_rel_error:g})")
             fwd_first = check.output_error > p.max_rel_error / 2
@@ -317,6 +326,7 @@ class AccuracyController:
             return
         ample = 1.0 - cos <= (1.0 - p.min_cosine) / 4 and err <= p.max_rel_error / 4
         self._room = self._room + 1 if ample else 0
+        self.backoff = min(2 * self.backoff, self.policy.check_backoff)
         if self._room >= 2 and max(self.fwd_iters, self.bwd_iters) > 1:
             self._room = 0
             why = f"room: cosine {cos:.4f}, relative error {err:.3g} in two checks"

@@ -4,13 +4,15 @@ How inexact MGRIT's gradients are depends on the network (its stiffness), and ho
 fast a setting runs depends on the machine, so neither can be fixed in advance.
 `tune` measures both on the user's own net and batch, on these ranks:
 
-1. **Exact propagation** (``max_levels=1`` both ways; at one rank this is *direct
-   mode*, plain serial autograd through the same modules) is timed first: it is
-   within any bound, and the time to beat.  At several ranks **replicated serial**
-   (`layerpar.parallel.replicated`: every rank runs the whole net with plain
-   autograd, its own layers' real parameters, the others' refreshed from their
-   owners) is timed next, refresh included: also exact, and at P > 1 ranks usually
-   faster than exact propagation, which is a pipeline of one micro-batch.
+1. At several ranks **replicated serial** (`layerpar.parallel.replicated`: every
+   rank runs the whole net with plain autograd, its own layers' real parameters,
+   the others' refreshed from their owners) is timed first, refresh included: it is
+   exact, costs nothing to set up, and at P > 1 ranks is usually faster than exact
+   propagation, a pipeline of one micro-batch.  Then **exact propagation**
+   (``max_levels=1`` both ways; at one rank *direct mode*, plain serial autograd
+   through the same modules; skipped where replicated serial alone has used the
+   budget, so a small net's tuning costs a few passes).  Both are within any bound;
+   the faster is the time to beat.
 2. **MGRIT candidates**, cheapest first: levels and coarsening factor from
    `STRUCTURES`, each at the iteration counts of `ITERATIONS` (forward/adjoint),
    batched cycles.  A candidate is timed (one untimed pass, then `repeats` passes;
@@ -92,10 +94,16 @@ NOISE_FRACTION = 0.5
 NOISE_CAP = 0.2
 
 
+#: auto's checks of the chosen setting: every 10 batches at first, up to every 80
+#: while they stay within the bound (`AccuracyPolicy.check_backoff`)
+CHECK_BACKOFF = 8
+
+
 def auto_policy(policy: Optional[AccuracyPolicy]) -> AccuracyPolicy:
     """The policy of ``options="auto"``: the caller's (an explicit bound wins), else
     the measured bound (`NOISE_FRACTION` of the batch's gradient noise)."""
-    return AccuracyPolicy(noise_fraction=NOISE_FRACTION) if policy is None else policy
+    return AccuracyPolicy(noise_fraction=NOISE_FRACTION, check_backoff=CHECK_BACKOFF) \
+        if policy is None else policy
 
 
 @dataclass(frozen=True)
@@ -203,16 +211,18 @@ def choose(table: list[Measurement], ranks: int) -> tuple[Measurement, str]:
 
     A pure function of the table: the same table gives the same choice everywhere.
     """
-    exact = next(m for m in table if m.candidate.exact and not m.candidate.replicated)
     rep = next((m for m in table if m.candidate.replicated), None)
+    exact = next((m for m in table if m.candidate.exact and not m.candidate.replicated), rep)
+    assert exact is not None, "the table holds no exact setting"
     ok = [m for m in table if m.within]
     best = min(ok, key=lambda m: (m.seconds, table.index(m)))
     what = "serial autograd" if ranks == 1 else "exact propagation"
     if best is rep:
+        vs = ("exact propagation not timed (the budget was spent)" if exact is rep else
+              f"against {1e3 * exact.seconds:.1f} ms for exact propagation")
         why = (f"every rank runs the whole net serially (plain autograd, its own "
                f"layers' parameters, the others' refreshed from their owners): "
-               f"{1e3 * rep.seconds:.1f} ms per pass against {1e3 * exact.seconds:.1f} ms "
-               f"for exact propagation; "
+               f"{1e3 * rep.seconds:.1f} ms per pass, {vs}; "
                + _why_no_mgrit(table, rep, "replicated serial", ranks))
         return best, why
     if best is exact:
@@ -381,23 +391,19 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     ranks = model.size
     rng = torch.get_rng_state()
     table: list[Measurement] = []
-    exact_twin = _exact_twin(model)
-    exact_twin.train(model.training)
-    t_exact = _time_passes(model, exact_twin, x, y, loss_fn, repeats)
-    table.append(Measurement(Candidate(1), t_exact, 0.0, 1.0, True))
-    best_t = t_exact  # the time to beat
+    best_t = math.inf  # the time to beat
+    limit: Optional[float] = None
     if supported(model) is None:  # replicated serial, refresh included in its time
         rep = ReplicatedSerial(model)
         rep.training = model.training
         rep.force_sync = True
         try:
-            t_rep = _time_passes(model, rep, x, y, loss_fn, repeats)
+            best_t = _time_passes(model, rep, x, y, loss_fn, repeats)
         finally:
             rep.close()
-        table.append(Measurement(Candidate(1, replicated=True), t_rep, 0.0, 1.0, True))
-        best_t = min(best_t, t_rep)
+        table.append(Measurement(Candidate(1, replicated=True), best_t, 0.0, 1.0, True))
+        limit = None if steps is None else BUDGET * best_t * steps
     best: Optional[Candidate] = None
-    limit = None if steps is None else BUDGET * best_t * steps
     stopped = False
     bound: Optional[AccuracyPolicy] = None if policy.noise_fraction is not None else policy
     noise: Optional[float] = None
@@ -410,6 +416,17 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
         spent = time.perf_counter() - t_start
         return max(model.transport.allgather_object(spent, "the auto-tuning's clock")) \
             > limit
+
+    if over():  # a small net: replicated serial alone has used the budget
+        stopped = True
+    else:
+        exact_twin = _exact_twin(model)
+        exact_twin.train(model.training)
+        t_exact = _time_passes(model, exact_twin, x, y, loss_fn, repeats)
+        table.insert(0, Measurement(Candidate(1), t_exact, 0.0, 1.0, True))
+        best_t = min(best_t, t_exact)
+        if steps is not None:
+            limit = BUDGET * best_t * steps
 
     def held_to() -> AccuracyPolicy:
         """The bound, measured on this batch the first time a candidate needs it."""
@@ -502,6 +519,7 @@ class AutoTuner:
     results: list[TuneResult] = field(default_factory=list)
     chosen: Optional[Any] = None  # LayerParallel or ReplicatedSerial
     batches: int = 0  # forward passes run through `chosen` (training and evaluation)
+    remeasured: Optional[AccuracyPolicy] = None  # the bound measured at the last check
 
     @property
     def tuned(self) -> bool:
@@ -518,6 +536,8 @@ class AutoTuner:
         last tuning (the default bound where none was measured)."""
         if self.policy.noise_fraction is None:
             return self.policy
+        if self.remeasured is not None:
+            return self.remeasured
         got = self.results[-1].bound if self.results else None
         return got if got is not None else replace(self.policy, noise_fraction=None)
 
@@ -528,6 +548,7 @@ class AutoTuner:
         `steps`: the training steps to come, if known (they bound the tuning's time)."""
         got = tune(model, x, y, loss_fn, self.policy, self.repeats, self.batches, steps)
         self.results.append(got)
+        self.remeasured = None
         old, self.chosen = self.chosen, None
         _drop(old)
         cand = got.choice.candidate
@@ -555,8 +576,16 @@ class AutoTuner:
     def check(self, model: LayerParallel, x: Tensor, y: Any,
               loss_fn: Callable[[Tensor, Any], Tensor]) -> GradientCheck:
         """`check_gradients` of the chosen setting (the adaptive policy observes it);
-        outside the bound, tune again on this batch."""
+        outside the bound, tune again on this batch.  With the measured bound, the
+        batch's gradient noise is measured again first (it grows as training
+        converges), and the chosen setting's controller is held to the new bound."""
         assert self.chosen is not None
+        ctl = self.chosen.accuracy
+        if self.policy.noise_fraction is not None and ctl is not None:
+            noise = gradient_noise(model, x, y, loss_fn)
+            if noise is not None:
+                self.remeasured = self.policy.measured(noise, NOISE_CAP)
+                ctl.policy = self.remeasured
         got = self.chosen.check_gradients(x, y, loss_fn)
         if not _within(got, self.bound) and len(self.results) <= self.max_retunes:
             self.tune(model, x, y, loss_fn)

@@ -8,7 +8,8 @@ serial is chosen; three Adam steps then run through it and through the serial ne
 from the same weights (float64), the outputs, losses and every rank's parameter
 gradients compared each step, and a validation pass in eval mode.  A second model,
 with a bound no MGRIT setting meets and MGRIT "faster" (0.1), must still pick
-replicated serial (0.8 against exact's 1.0).  Each rank reports
+replicated serial (0.8 against exact's 1.0); tuned with no training to come, it
+times replicated serial alone (``RANK <r> budget ...``).  Each rank reports
 ``RANK <r> choice <name> | <reason>`` per model and ``RANK <r> step k out .. grad ..``
 with the largest relative differences.
 """
@@ -93,4 +94,7 @@ net2 = problem_net("peaks", 16, 8, t_final=20.0).double()
 model2 = LayerParallel(net2, comm, "auto", accuracy=AccuracyPolicy(max_rel_error=1e-6))
 got = model2.tune(x, y, loss_fn)
 say(f"choice {got.choice.candidate.name(comm.Get_size())} | {got.reason}")
+# no training to come: replicated serial alone spends the budget, exact is not timed
+got = model2.tune(x, y, loss_fn, steps=0)
+say(f"budget {[m.candidate.name(2) for m in got.table]} | {got.reason}")
 model2.close()
