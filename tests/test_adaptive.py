@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,6 +32,9 @@ BAD_POLICY = [
     ("stall_factor", 0.0), ("stall_factor", math.nan),
     ("probe_every", 0), ("probe_every", 1.5),
     ("prefer_cheaper", 1), ("prefer_cheaper", "yes"),
+    ("cost_window", 0), ("cost_window", 2.5), ("cost_margin", -0.1),
+    ("cost_margin", math.inf), ("noise_fraction", 0.0), ("noise_fraction", "half"),
+    ("check_backoff", 0), ("check_backoff", 1.5),
 ]
 
 
@@ -177,12 +181,14 @@ def test_measured_error_raises_then_lowers_iterations() -> None:
 def test_exact_propagation_is_chosen_where_it_is_cheaper(monkeypatch) -> None:
     """A check above the bound where exact propagation timed no slower than MGRIT
     switches to exact (for cost: no residual probes); a later check that finds MGRIT
-    within the bound and cheaper brings it back."""
+    within the bound and cheaper brings it back (a window of one timing: each check
+    decides; `test_cost_rule_needs_a_window_and_a_margin` covers the window)."""
     from layerpar.parallel import accuracy
 
     x, y = data(0)
     loss = torch.nn.functional.cross_entropy
-    model = layerpar.LayerParallel(net(t_final=4.0), None, FWD, BWD, accuracy=True)
+    model = layerpar.LayerParallel(net(t_final=4.0), None, FWD, BWD,
+                                   accuracy=AccuracyPolicy(cost_window=1))
     real = accuracy.check_gradients
     times = {"inexact": 2.0, "exact": 1.0}
 
@@ -206,6 +212,47 @@ def test_exact_propagation_is_chosen_where_it_is_cheaper(monkeypatch) -> None:
     assert not ctl.exact and "back to MGRIT" in ctl.log[-1].action
 
 
+def _check(err: float, t_mgrit: float, t_exact: float) -> Any:
+    from layerpar.parallel.accuracy import GradientCheck
+
+    return GradientCheck(output_error=0.0, loss_error=0.0, input_grad_error=err,
+                         segment_grad_errors=(err,), param_grad_error=err,
+                         cosine=1.0 - err * err, fwd_iterations=(2,), bwd_iterations=(1,),
+                         fwd_residuals=(None,), bwd_residuals=(None,),
+                         inexact_seconds=t_mgrit, exact_seconds=t_exact,
+                         n_params_compared=10)
+
+
+def test_cost_rule_needs_a_window_and_a_margin() -> None:
+    """Injected timings: one slow MGRIT timing (or several within the 10% margin)
+    never switches to exact propagation; the median of the window does; back to
+    MGRIT only once MGRIT's median is more than the margin below exact's."""
+    from layerpar.parallel.adaptive import AccuracyController, CostWindow
+
+    ctl = AccuracyController(AccuracyPolicy(max_rel_error=0.01), 2, 1)
+    bad = 0.05  # outside the bound: the cost rule may switch to exact
+    ctl.observe_check(1, _check(bad, 3.0, 1.0))  # one noisy timing: no verdict yet
+    assert not ctl.exact
+    for b, t in enumerate((1.05, 1.08, 1.02, 1.06), 2):  # median within the margin
+        ctl.observe_check(b, _check(bad, t, 1.0))
+    assert not ctl.exact, ctl.log
+    for b in range(6, 9):  # MGRIT 1.3x exact over the window
+        ctl.observe_check(b, _check(bad, 1.3, 1.0))
+    assert ctl.exact and ctl.exact_for_cost, ctl.log
+    assert "median of the last 5/5" in ctl.log[-1].reason
+    ctl.observe_check(9, _check(0.0, 0.5, 1.0))  # within the bound, one fast timing
+    assert ctl.exact  # the window's median still says MGRIT is dearer
+    for b in range(10, 13):
+        ctl.observe_check(b, _check(0.0, 0.5, 1.0))
+    assert not ctl.exact and "back to MGRIT" in ctl.log[-1].action
+    w = CostWindow(window=4, margin=0.1)
+    for t in (1.0, 1.0, 1.09):
+        w.add(t, 1.0)
+    assert w.verdict() is None  # within the margin: keep the mode
+    w.add(float("nan"), 1.0)  # a failed timing is ignored
+    assert len(w.mgrit) == 3 and len(w.exact) == 4
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_decisions_are_the_same_on_every_rank(nprocs: int) -> None:
@@ -215,3 +262,21 @@ def test_decisions_are_the_same_on_every_rank(nprocs: int) -> None:
     reports = {r: ls[-1] for r, ls in lines.items()}
     assert all(r.startswith("OK") for r in reports.values()), describe(proc)
     assert len(set(reports.values())) == 1, reports  # same log, same losses
+
+
+def test_checks_back_off_while_within_the_bound() -> None:
+    """With `check_backoff`, each check within the bound doubles the interval between
+    checks (up to the cap); one outside the bound resets it; the default is off."""
+    from layerpar.parallel.adaptive import AccuracyController
+
+    ctl = AccuracyController(AccuracyPolicy(max_rel_error=0.01, check_backoff=4), 1, 1)
+    due = [b for b in range(1, 200) if ctl.check_due(b)][:2]
+    assert due == [10, 20]
+    for k in range(3):
+        ctl.observe_check(10 * k, _check(0.001, 1.0, 1.0))
+    assert ctl.backoff == 4 and [b for b in range(1, 100) if ctl.check_due(b)] == [40, 80]
+    ctl.observe_check(40, _check(0.05, 1.0, 1.0))
+    assert ctl.backoff == 1 and ctl.check_due(50)
+    plain = AccuracyController(AccuracyPolicy(max_rel_error=0.01), 1, 1)
+    plain.observe_check(10, _check(0.001, 1.0, 1.0))
+    assert plain.backoff == 1

@@ -222,3 +222,92 @@ def test_tuning_time_is_bounded_by_the_training_to_come() -> None:
     assert got.choice.candidate.exact and "tuning stopped after 1 candidates" in got.reason
     assert got.reason.startswith("no MGRIT setting was measured")
     model.close()
+
+
+# --- the measured bound, replicated serial ---------------------------------------------------
+
+
+def test_gradient_noise_is_the_half_batches_difference() -> None:
+    """`gradient_noise` is |g1 - g2| / |g1 + g2| of the exact gradients of the two
+    half batches (here against the serial net's own autograd), deterministic, and
+    None where the batch cannot be split."""
+    net, x, y = _stiff_batch(1.0)
+    ref = problem_net("peaks", 32, 8, t_final=1.0).double()
+    ref.load_state_dict(net.state_dict())
+    model = LayerParallel(net, None, "auto")
+    got = at.gradient_noise(model, x, y, torch.nn.functional.cross_entropy)
+    halves = []
+    for sl in (slice(0, 10), slice(10, 20)):
+        ref.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x[sl]), y[sl]).backward()
+        halves.append(torch.cat([p.grad.reshape(-1) for p in ref.parameters()]))
+    want = float((halves[0] - halves[1]).norm() / (halves[0] + halves[1]).norm())
+    assert got is not None and math.isclose(got, want, rel_tol=1e-10), (got, want)
+    assert at.gradient_noise(model, x, y, torch.nn.functional.cross_entropy) == got
+    assert all(p.grad is None for p in model.parameters())  # nothing written
+    assert at.gradient_noise(model, x[:1], y[:1], torch.nn.functional.cross_entropy) is None
+    assert at.gradient_noise(model, x, None, at._surrogate_loss) is None
+    model.close()
+
+
+def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default auto holds MGRIT to NOISE_FRACTION of the measured noise (capped at
+    NOISE_CAP), and says so; an explicit bound wins; the chosen setting's adaptive
+    controller gets the bound the tuning used."""
+    _fixed_cost(monkeypatch)
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, "auto")
+    assert model._auto.policy.noise_fraction == at.NOISE_FRACTION
+    got = model.tune(x, y, torch.nn.functional.cross_entropy)
+    noise = at.gradient_noise(model, x, y, torch.nn.functional.cross_entropy)
+    assert got.noise == noise
+    want = min(at.NOISE_CAP, at.NOISE_FRACTION * noise)
+    assert math.isclose(got.bound.max_rel_error, want) and got.bound.noise_fraction is None
+    assert "measured" in got.lines()[1]
+    for m in got.table:  # each verdict follows the measured bound
+        if m.rel_error is not None and not m.candidate.exact:
+            assert m.within == (m.rel_error <= want and m.cosine >= got.bound.min_cosine)
+    assert not got.choice.candidate.exact, got.lines()  # t_final 1: MGRIT is accurate
+    assert model.accuracy.policy == got.bound
+    assert model.accuracy.policy.check_backoff == at.CHECK_BACKOFF
+    # a later check measures the noise again (on another batch here) and holds the
+    # chosen setting to that bound
+    x2 = x.flip(0)
+    model.check_gradients(x2, y.flip(0), torch.nn.functional.cross_entropy)
+    noise2 = at.gradient_noise(model, x2, y.flip(0), torch.nn.functional.cross_entropy)
+    assert model._auto.remeasured.max_rel_error == min(at.NOISE_CAP,
+                                                       at.NOISE_FRACTION * noise2)
+    assert model.accuracy.policy is model._auto.remeasured
+    model.close()
+    explicit = AccuracyPolicy(max_rel_error=1e-6, max_iters=1)  # 1/1 iterations only
+    model = LayerParallel(net, None, "auto", accuracy=explicit)
+    got = model.tune(x, y, torch.nn.functional.cross_entropy)
+    assert got.noise is None and got.bound == explicit and "given" in got.bound_note
+    assert got.choice.candidate.exact
+    model.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_replicated_serial_trains_like_serial(nprocs: int) -> None:
+    """Replicated serial is chosen where it is the fastest (and where only it and exact
+    propagation are within the bound); through Adam steps its outputs and every rank's
+    gradients equal the serial net's (float64, 1e-10); every rank decides alike."""
+    proc = run_mpi(WORKERS / "lp_replicated.py", nprocs, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == list(range(nprocs)), proc.stdout
+    assert all(lines[r] == lines[0] for r in lines), lines
+    got = lines[0]
+    choices = [x for x in got if x.startswith("choice ")]
+    assert len(choices) == 2 and all(c.startswith("choice serial (replicated)")
+                                     for c in choices), choices
+    assert "no MGRIT setting tried is within" in choices[1]
+    steps = [x.split() for x in got if x.startswith("step ")]
+    assert len(steps) == 3
+    for s in steps:
+        assert float(s[3]) <= 1e-10 and float(s[5]) <= 1e-10, s
+    assert float(next(x for x in got if x.startswith("eval ")).split()[1]) <= 1e-10
+    budget = next(x for x in got if x.startswith("budget "))
+    assert budget.startswith("budget ['serial (replicated)']") and "not timed" in budget, \
+        budget

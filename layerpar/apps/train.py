@@ -39,6 +39,7 @@ from ..ode.refine import refine
 from ..ode.rng import MAX_SEED
 from ..parallel import DASO, LayerParallel, Lion, ProcessGrid, SlowLink
 from ..parallel.adaptive import AccuracyPolicy, as_policy
+from ..parallel.autotune import auto_policy
 from . import data
 from .loop import Progress, available_cores, train_steps
 from .nets import PROBLEMS, RECIPES, Recipe, problem_name, problem_net
@@ -284,7 +285,8 @@ def train(
         eagerly; ``step_mode`` says which, and why.
     auto: MGRIT settings chosen by measurement (``LayerParallel(options="auto")``,
         tuned on the first batch with this loss, then watched by the adaptive policy:
-        ``adaptive``'s, the policy given as ``auto``, or the default bound); the
+        ``adaptive``'s, the policy given as ``auto``, or by default a bound measured
+        on the batch's own gradient noise, `layerpar.parallel.autotune`); the
         candidate table goes to ``auto_log``.
     target_acc: stop once the validation accuracy reaches it; ``time_to_target`` is
         the training time until then (None: not reached).
@@ -340,7 +342,7 @@ def train(
         raise ValueError("`auto` needs a layer-parallel run without data parallelism or "
                          "nested iteration")
     if auto and policy is None:
-        policy = as_policy(True)
+        policy = auto_policy(None)  # the bound measured on the batch's gradient noise
     elif auto and bound is not None:
         policy = bound
     if device not in DEVICES:
@@ -852,7 +854,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "by the adaptive policy")
     a.add_argument("--max-grad-error", type=float, default=None, metavar="E",
                    help="the bound of --adaptive and --auto: largest relative gradient "
-                        f"error (default {MAX_REL_ERROR:g})")
+                        f"error (default {MAX_REL_ERROR:g}; --auto by default measures its "
+                        "bound: half the batch gradient's sampling error)")
     a.add_argument("--min-cosine", type=float, default=None, metavar="C",
                    help="the bound of --adaptive and --auto: smallest cosine between "
                         f"inexact and exact gradients (default {MIN_COSINE:g})")

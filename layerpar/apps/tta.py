@@ -332,7 +332,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="seconds any one training may take")
     p.add_argument("--bounds", default="default,0.15",
                    help="one --auto run per gradient-error bound (--max-grad-error), "
-                        "'default' for the adaptive policy's (default: default,0.15)")
+                        "'default' for auto's own (measured on the batch's gradient "
+                        "noise; default: default,0.15)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where both methods train (cuda: one GPU, use --np 1)")
     args = p.parse_args(argv)

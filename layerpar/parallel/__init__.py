@@ -26,7 +26,8 @@ replicas.py   gradients averaged over the replicas (bucketed, overlapped reducti
 checkpoint.py state dicts and optimizer state gathered, loaded on any rank count
 accuracy.py   check_gradients: the inexact gradient against the exact one, measured
 adaptive.py   adaptive accuracy: iteration counts against a bound on gradient error
-autotune.py   options="auto": MGRIT settings chosen by measuring time and gradient error
+autotune.py   options="auto": candidates timed, gradient error against a measured bound
+replicated.py every rank runs the whole net serially: auto's step aside at P > 1 ranks
 refine.py     nested iteration on a LayerParallel (refinement in depth, in place)
 sync.py       how replicas stay in step: all-reduce, DASO, Lion Cub; bytes; slow link
 lion.py       the Lion optimizer

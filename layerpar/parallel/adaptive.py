@@ -18,13 +18,17 @@ forward and adjoint iteration counts to an `AccuracyController`:
   tensors, so the optimizer and its state carry on unchanged.  The same happens when
   the iteration counts would exceed `max_iters`.
 - **Cost.**  A gradient check also times the inexact and the exact pass (the slowest
-  rank's).  Where MGRIT at the current counts is no faster than exact propagation and
-  the bound needs (or already took) more iterations, the model switches to exact
+  rank's); the controller keeps the last `cost_window` timings of each and compares
+  their medians, with a margin (`cost_margin`, hysteresis), so one disturbed timing on
+  a shared machine decides nothing (`CostWindow`).  Where MGRIT at the current counts
+  is, over that window, more than the margin slower than exact propagation and the
+  bound needs (or already took) more iterations, the model switches to exact
   propagation: it is then both cheaper and exact.
 - **Back to MGRIT.**  While exact, every `probe_every` batches one inexact forward
   pass (no graph) is tried; once its residual shrinks again, MGRIT resumes with the
-  iteration counts it had.  A gradient check that finds MGRIT within the bound and
-  cheaper than exact propagation also brings it back.
+  iteration counts it had.  A gradient check that finds MGRIT within the bound and,
+  over the window, more than the margin cheaper than exact propagation also brings
+  it back.
 
 Every decision is taken from values that are identical on every rank (reduced
 residual norms, the reduced gradient check), so all ranks decide alike without a
@@ -33,7 +37,9 @@ message.  Each change is logged (`controller.log`: batch, what, why).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from .._checks import boolean, finite_in, positive_float, positive_int
@@ -45,7 +51,8 @@ if TYPE_CHECKING:
     from .accuracy import GradientCheck
     from .model import LayerParallel
 
-__all__ = ["AccuracyController", "AccuracyEvent", "AccuracyPolicy", "as_policy"]
+__all__ = ["AccuracyController", "AccuracyEvent", "AccuracyPolicy", "CostWindow",
+           "as_policy"]
 
 
 @dataclass(frozen=True)
@@ -65,8 +72,23 @@ class AccuracyPolicy:
         residuals and the gradient checks can switch to exact propagation.
     probe_every: batches between tries of MGRIT while propagating exactly (after a
         stall; after a switch for cost, the gradient checks decide).
-    prefer_cheaper: switch to exact propagation where a gradient check finds it no
-        slower than MGRIT at the iteration counts the bound needs.
+    prefer_cheaper: switch to exact propagation where the gradient checks find it
+        cheaper than MGRIT at the iteration counts the bound needs.
+    cost_window: the gradient checks' timings kept for the cost rule (the median of
+        the last `cost_window` of MGRIT's and of exact propagation's is compared).
+    cost_margin: one of the two must be slower than the other by more than this share
+        (medians over the window) for the cost rule to switch: hysteresis, so that
+        timings within noise of each other never flip the mode back and forth.
+    noise_fraction: with ``options="auto"`` and no explicit bound: the bound is
+        measured, not given: a candidate's relative gradient error may be at most
+        this fraction of the minibatch gradient noise measured on the batch
+        (`layerpar.parallel.autotune.gradient_noise`); `min_cosine` and
+        `max_rel_error` are then derived from it (see `AccuracyPolicy.measured`).
+        None (default): the bound is `min_cosine` / `max_rel_error` as given.
+    check_backoff: each gradient check within the bound doubles the interval between
+        checks, up to this many times `check_every` (a check outside the bound
+        resets it): a check costs an MGRIT and an exact pass, which every 10 batches
+        is a large share of a fast training.  1 (default): every `check_every`.
     """
 
     min_cosine: float = MIN_COSINE
@@ -76,6 +98,10 @@ class AccuracyPolicy:
     stall_factor: float = 0.5
     probe_every: int = 20
     prefer_cheaper: bool = True
+    cost_window: int = 5
+    cost_margin: float = 0.1
+    noise_fraction: Optional[float] = None
+    check_backoff: int = 1
 
     def __post_init__(self) -> None:
         boolean("accuracy.prefer_cheaper", self.prefer_cheaper)
@@ -85,6 +111,23 @@ class AccuracyPolicy:
         positive_int("accuracy.max_iters", self.max_iters)
         positive_float("accuracy.stall_factor", self.stall_factor)
         positive_int("accuracy.probe_every", self.probe_every)
+        positive_int("accuracy.cost_window", self.cost_window)
+        positive_int("accuracy.check_backoff", self.check_backoff)
+        finite_in("accuracy.cost_margin", self.cost_margin, 0.0)
+        if self.noise_fraction is not None:
+            positive_float("accuracy.noise_fraction", self.noise_fraction)
+
+    def measured(self, noise: float, cap: float) -> AccuracyPolicy:
+        """This policy with the bound measured: relative gradient error at most
+        `noise_fraction` x `noise` (the batch gradient's relative sampling error), at
+        most `cap`; the cosine bound is the one that relative error implies
+        (an error e leaves a cosine of at least sqrt(1 - e^2)), so it adds nothing."""
+        assert self.noise_fraction is not None
+        err = min(cap, self.noise_fraction * noise)
+        err = max(err, 1e-12)
+        return replace(self, max_rel_error=err,
+                       min_cosine=math.sqrt(max(0.0, 1.0 - err * err)) if err < 1 else 0.0,
+                       noise_fraction=None)
 
     def key(self) -> dict[str, Any]:
         """The fields, for the agreement between ranks."""
@@ -127,6 +170,50 @@ def _rate(history: list[float]) -> Optional[float]:
     return (max(history[-1], 0.0) / history[0]) ** (1.0 / (len(history) - 1))
 
 
+class CostWindow:
+    """The last few timed passes of MGRIT and of exact propagation, and the rule that
+    compares them: medians over the window and a margin, so no single timing (a
+    shared machine disturbs many) flips a decision.
+
+    `verdict()` is "exact" when MGRIT's median exceeds exact propagation's by more
+    than `margin` (both with at least `min(3, window)` timings), "mgrit" when exact
+    propagation's exceeds MGRIT's by more than `margin`, else None (no evidence
+    either way: keep the current mode).
+    """
+
+    def __init__(self, window: int = 5, margin: float = 0.1) -> None:
+        self.margin = margin
+        self.need = min(3, window)
+        self.mgrit: deque[float] = deque(maxlen=window)
+        self.exact: deque[float] = deque(maxlen=window)
+
+    def add(self, mgrit_seconds: float, exact_seconds: float) -> None:
+        for q, v in ((self.mgrit, mgrit_seconds), (self.exact, exact_seconds)):
+            if math.isfinite(v) and v > 0:
+                q.append(v)
+
+    def medians(self) -> tuple[float, float]:
+        """(MGRIT's, exact's) median seconds per pass (NaN where none was timed)."""
+        return tuple(statistics.median(q) if q else math.nan  # type: ignore[return-value]
+                     for q in (self.mgrit, self.exact))
+
+    def verdict(self) -> Optional[str]:
+        if len(self.mgrit) < self.need or len(self.exact) < self.need:
+            return None
+        m, e = self.medians()
+        if m > (1.0 + self.margin) * e:
+            return "exact"
+        if e > (1.0 + self.margin) * m:
+            return "mgrit"
+        return None
+
+    def describe(self) -> str:
+        m, e = self.medians()
+        return (f"median of the last {len(self.mgrit)}/{len(self.exact)} timed passes: "
+                f"MGRIT {1000 * m:.1f} ms vs exact {1000 * e:.1f} ms per pass, margin "
+                f"{100 * self.margin:g}%")
+
+
 @dataclass
 class AccuracyController:
     """The state of adaptive accuracy on one model (identical on every rank)."""
@@ -139,15 +226,22 @@ class AccuracyController:
     log: list[AccuracyEvent] = field(default_factory=list)
     last_check: Optional[GradientCheck] = None
     _room: int = 0  # consecutive checks with ample room
+    costs: Optional[CostWindow] = None  # the cost rule's timings (made from the policy)
+    backoff: int = 1  # the interval between checks, in units of check_every
+
+    def __post_init__(self) -> None:
+        if self.costs is None:
+            self.costs = CostWindow(self.policy.cost_window, self.policy.cost_margin)
 
     def _event(self, batch: int, action: str, reason: str) -> None:
         self.log.append(AccuracyEvent(batch, action, reason))
 
     def check_due(self, batch: int) -> bool:
         """Whether the training loop should measure the gradient error at `batch`:
-        every `check_every` batches under MGRIT, 5 times less often while exact
-        (a check then only asks whether MGRIT has become usable and cheaper)."""
-        every = self.policy.check_every * (5 if self.exact else 1)
+        every `check_every` batches under MGRIT (times `backoff`, see
+        `AccuracyPolicy.check_backoff`), 5 times less often while exact (a check
+        then only asks whether MGRIT has become usable and cheaper)."""
+        every = self.policy.check_every * (5 if self.exact else self.backoff)
         return batch % every == 0
 
     def stalled(self, stats: list[MGRITResult]) -> Optional[str]:
@@ -177,21 +271,28 @@ class AccuracyController:
         p = self.policy
         cos, err = check.cos, check.error
         bad = not (cos >= p.min_cosine and err <= p.max_rel_error)
-        cheaper = check.inexact_seconds < check.exact_seconds
-        cost = (f"MGRIT {1000 * check.inexact_seconds:.1f} ms vs exact "
-                f"{1000 * check.exact_seconds:.1f} ms per pass")
+        assert self.costs is not None
+        self.costs.add(check.inexact_seconds, check.exact_seconds)
+        verdict = self.costs.verdict()  # medians over a window, with a margin
+        cost = self.costs.describe()
         if self.exact:  # the check measured MGRIT as it would run now
+            # after a switch for cost, only the window brings MGRIT back; after a stall,
+            # with no verdict yet, this check's own timings say
+            cheaper = verdict == "mgrit" or (not self.exact_for_cost and verdict is None
+                                             and check.inexact_seconds < check.exact_seconds)
             if not bad and cheaper and not any(math.isnan(r) for r in (cos, err)):
                 self.to_mgrit(batch, f"a gradient check within the bound: cosine "
                                      f"{cos:.4f}, relative error {err:.3g}; {cost}")
             return
-        if p.prefer_cheaper and not cheaper and (bad or self.fwd_iters + self.bwd_iters > 2):
+        if p.prefer_cheaper and verdict == "exact" and (
+                bad or self.fwd_iters + self.bwd_iters > 2):
             # more iterations would only cost more: exact propagation is cheaper and exact
             self.to_exact(batch, f"exact propagation is cheaper here: {cost}",
                           for_cost=True)
             return
         if bad:
             self._room = 0
+            self.backoff = 1
             why = (f"cosine {cos:.4f} (bound {p.min_cosine:g}), relative error {err:.3g} "
                    f"(bound {p.max_rel_error:g})")
             fwd_first = check.output_error > p.max_rel_error / 2
@@ -209,6 +310,7 @@ class AccuracyController:
             return
         ample = 1.0 - cos <= (1.0 - p.min_cosine) / 4 and err <= p.max_rel_error / 4
         self._room = self._room + 1 if ample else 0
+        self.backoff = min(2 * self.backoff, self.policy.check_backoff)
         if self._room >= 2 and max(self.fwd_iters, self.bwd_iters) > 1:
             self._room = 0
             why = f"room: cosine {cos:.4f}, relative error {err:.3g} in two checks"

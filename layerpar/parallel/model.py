@@ -35,7 +35,7 @@ from ..ode.rng import draw_seed
 from . import checkpoint
 from .adaptive import AccuracyController, apply_iterations, as_policy
 from .agree import Agreed, check_xbraid, fingerprint, same_values, values_fingerprint
-from .autotune import AutoTuner
+from .autotune import AutoTuner, auto_policy
 from .direct import direct_backward_started
 from .grads import GradDelivery
 from .grid import ProcessGrid
@@ -297,9 +297,7 @@ class LayerParallel(nn.Module):
         # options="auto": the settings chosen by measurement run on a twin (`like`)
         self._auto: Optional[AutoTuner] = None
         if auto:
-            from .adaptive import AccuracyPolicy
-
-            self._auto = AutoTuner(policy or AccuracyPolicy())
+            self._auto = AutoTuner(auto_policy(policy))
             self.accuracy = None  # the chosen setting's controller, once tuned
 
     @property
@@ -353,6 +351,30 @@ class LayerParallel(nn.Module):
     def batch(self) -> int:
         """Forward passes run so far (named in errors and timeouts)."""
         return self._batch
+
+    @property
+    def has_dropout(self) -> bool:
+        """Whether a layer of the net has dropout (each rank would draw its own masks
+        outside a layer-parallel pass)."""
+        return self._has_dropout
+
+    @property
+    def averages_replicas(self) -> bool:
+        """Whether data replicas' gradients are averaged inside the pass (a grid with
+        a data dimension)."""
+        return self._averager is not None
+
+    @contextlib.contextmanager
+    def checking(self) -> Iterator[None]:
+        """Passes inside are a gradient check's: no adaptive or auto dispatch, and the
+        batch counter is put back afterwards (they are not training batches)."""
+        checking, self._checking = self._checking, True
+        batch = self._batch
+        try:
+            yield
+        finally:
+            self._checking = checking
+            self._batch = batch
 
     @property
     def closed(self) -> bool:
@@ -752,15 +774,10 @@ class LayerParallel(nn.Module):
 
         if self._auto is not None and self._auto.chosen is not None and not self._checking:
             return self._auto.check(self, x, y, loss_fn)
-        checking, self._checking = self._checking, True
-        batch = self._batch  # the check's passes are not training batches
-        try:
+        with self.checking():
             if self.accuracy is not None:
                 apply_iterations(self)  # measure MGRIT as the controller runs it
             got = check_gradients(self, x, y, loss_fn)
-        finally:
-            self._checking = checking
-            self._batch = batch
         if self.accuracy is not None:
             self.accuracy.observe_check(self._batch, got)
         return got
