@@ -368,8 +368,9 @@ def _drop(twin: Optional[LayerParallel]) -> None:
 
 #: the share of the expected training time (steps x an exact pass) the tuning may take
 BUDGET = 0.05
-#: seconds that setting up exact propagation (its engine sessions) and its first pass take beyond the passes
-#: themselves (measured here, 2-core CPU, 2 ranks: ~0.5 s on an 8-layer net); exact
+#: seconds that setting up exact propagation and its first pass take beyond the passes
+#: themselves (measured with the former exact twin, 2-core CPU, 2 ranks: ~0.5 s on an
+#: 8-layer net; exact mode now reuses the model, so this is an upper bound); exact
 #: propagation is timed only where the budget has room for this and its passes
 EXACT_SETUP = 0.5
 
