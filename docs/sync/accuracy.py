@@ -76,7 +76,7 @@ def main() -> int:
         m, s, o, seed, e, lay = args.worker
         worker(m, s, o, int(seed), int(e), int(lay))
         return 0
-    from layerpar.launch import mpiexec_path
+    from layerpar.apps.launch import mpiexec_path
 
     seeds = [int(s) for s in args.seeds.split(",")]
     epochs = {"peaks": args.epochs_peaks, "mnist1d": args.epochs_mnist1d}

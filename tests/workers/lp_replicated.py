@@ -17,7 +17,7 @@ with the largest relative differences.
 import sys
 
 import torch
-from layerpar.nets import problem_net
+from layerpar.apps.nets import problem_net
 from mpi4py import MPI
 
 from layerpar.parallel import LayerParallel, autotune
