@@ -17,9 +17,9 @@ with the largest relative differences.
 import sys
 
 import torch
-from layerpar.apps.nets import problem_net
 from mpi4py import MPI
 
+from layerpar.apps.nets import problem_net
 from layerpar.parallel import LayerParallel, autotune
 from layerpar.parallel.adaptive import AccuracyPolicy
 from layerpar.parallel.replicated import ReplicatedSerial
