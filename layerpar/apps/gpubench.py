@@ -157,7 +157,7 @@ def _captured_mgrit(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, fwd:
     captured = capture_step(lpc, opt_c, torch.nn.functional.cross_entropy, x, y)
     t = time_cuda(lambda: captured(x, y))
     used = any(any(getattr(getattr(r.bb, "fast", None), "choice", {}).values())
-               for r in lpc._runners.values() if r.bb is not None)
+               for r in lpc.runners if r.bb is not None)
     return t, used
 
 

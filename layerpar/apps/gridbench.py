@@ -83,7 +83,7 @@ def _worker(args: argparse.Namespace) -> None:
             nn.functional.cross_entropy(model(run["x"]), run["y"]).backward()
             opt.step()
             dt = time.perf_counter() - t0
-            ar = model._averager.last_seconds if model._averager is not None else 0.0
+            ar = model.averager.last_seconds if model.averager is not None else 0.0
             got = world.allgather_object((dt, ar), "a benchmark batch's times")
             if rep >= 2:
                 run["times"].append(max(t for t, _ in got))

@@ -530,10 +530,10 @@ def train(
             break
 
     last = history[-1]
-    tuner = getattr(model, "_auto", None)
+    tuner = model.tuner if isinstance(model, LayerParallel) else None
     sync_figures: dict[str, Any] = {}
-    if grid is not None and isinstance(model, LayerParallel) and model._averager is not None:
-        sync_figures["allreduce_ms_per_batch"] = (1000.0 * model._averager.total_seconds
+    if grid is not None and isinstance(model, LayerParallel) and model.averager is not None:
+        sync_figures["allreduce_ms_per_batch"] = (1000.0 * model.averager.total_seconds
                                                   / total_steps)
     if grid is not None:
         sync_figures.update(_sync_bytes(grid, total_steps))

@@ -364,6 +364,24 @@ class LayerParallel(nn.Module):
         a data dimension)."""
         return self._averager is not None
 
+    @property
+    def averager(self) -> Any:
+        """The data replicas' gradient averager (`parallel.replicas.GradAverager`: its
+        `last_seconds`, `total_seconds`, bytes), None without a data dimension."""
+        return self._averager
+
+    @property
+    def tuner(self) -> Optional[AutoTuner]:
+        """The auto-tuner of ``options="auto"`` (its `results`: candidate tables and
+        choices), None otherwise."""
+        return self._auto
+
+    @property
+    def runners(self) -> list[SegmentRunner]:
+        """This rank's segment runners, in layer order (read them: cycle paths, the
+        batched blocks and the fused-kernel choice each uses)."""
+        return list(self._runners.values())
+
     @contextlib.contextmanager
     def checking(self) -> Iterator[None]:
         """Passes inside are a gradient check's: no adaptive or auto dispatch, and the
