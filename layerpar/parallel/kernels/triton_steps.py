@@ -354,47 +354,59 @@ def conv_wgrad(gz: Tensor, x: Tensor, ks: int) -> Tensor:
 # ------------------------------------------------------------------------------------------
 # autograd
 # ------------------------------------------------------------------------------------------
-class DenseStep(torch.autograd.Function):
+class _FusedStep(torch.autograd.Function):
+    """y = x + dt·act(op(x, W) + b), batched over intervals, differentiable in x, W, b;
+    a subclass names the operation's kernels (its step, state VJP, weight gradient)
+    and the dimensions the bias gradient sums over."""
+
+    @staticmethod
+    def step(x: Tensor, weight: Tensor, bias: Optional[Tensor], dt: Tensor, act: str,
+             save_z: bool) -> tuple[Tensor, Optional[Tensor]]:
+        raise NotImplementedError
+
+    @staticmethod
+    def vjp_state(g: Tensor, gz: Tensor, weight: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def wgrad(gz: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    bias_dims: tuple[int, ...] = ()
+
+    @classmethod
+    def forward(cls, ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], dt: Tensor,
+                act: str) -> Tensor:
+        need = any(ctx.needs_input_grad[:3])
+        y, z = cls.step(x, weight, bias, dt, act, save_z=need)
+        if need:
+            ctx.save_for_backward(x, weight, z, dt)
+        ctx.act, ctx.has_bias = act, bias is not None
+        return y
+
+    @classmethod
+    def backward(cls, ctx, g: Tensor):  # type: ignore[override]
+        x, weight, z, dt = ctx.saved_tensors
+        gz = act_grad(g, z, dt, ctx.act)
+        gx = cls.vjp_state(g, gz, weight) if ctx.needs_input_grad[0] else None
+        gw = cls.wgrad(gz, x, weight) if ctx.needs_input_grad[1] else None
+        gb = gz.sum(cls.bias_dims) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None, None
+
+
+class DenseStep(_FusedStep):
     """y = x + dt·act(x W^T + b), batched over intervals, differentiable in x, W, b."""
 
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], dt: Tensor,
-                act: str) -> Tensor:
-        need = any(ctx.needs_input_grad[:3])
-        y, z = dense_step(x, weight, bias, dt, act, save_z=need)
-        if need:
-            ctx.save_for_backward(x, weight, z, dt)
-        ctx.act, ctx.has_bias = act, bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, g: Tensor):  # type: ignore[override]
-        x, weight, z, dt = ctx.saved_tensors
-        gz = act_grad(g, z, dt, ctx.act)
-        gx = dense_vjp_state(g, gz, weight) if ctx.needs_input_grad[0] else None
-        gw = dense_wgrad(gz, x) if ctx.needs_input_grad[1] else None
-        gb = gz.sum(1) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None, None
+    step = staticmethod(dense_step)
+    vjp_state = staticmethod(dense_vjp_state)
+    wgrad = staticmethod(lambda gz, x, weight: dense_wgrad(gz, x))
+    bias_dims = (1,)
 
 
-class ConvStep(torch.autograd.Function):
+class ConvStep(_FusedStep):
     """y = x + dt·act(conv(x, W) + b), batched over intervals, differentiable in x, W, b."""
 
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], dt: Tensor,
-                act: str) -> Tensor:
-        need = any(ctx.needs_input_grad[:3])
-        y, z = conv_step(x, weight, bias, dt, act, save_z=need)
-        if need:
-            ctx.save_for_backward(x, weight, z, dt)
-        ctx.act, ctx.has_bias = act, bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, g: Tensor):  # type: ignore[override]
-        x, weight, z, dt = ctx.saved_tensors
-        gz = act_grad(g, z, dt, ctx.act)
-        gx = conv_vjp_state(g, gz, weight) if ctx.needs_input_grad[0] else None
-        gw = conv_wgrad(gz, x, weight.shape[-1]) if ctx.needs_input_grad[1] else None
-        gb = gz.sum((1, 3, 4)) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None, None
+    step = staticmethod(conv_step)
+    vjp_state = staticmethod(conv_vjp_state)
+    wgrad = staticmethod(lambda gz, x, weight: conv_wgrad(gz, x, weight.shape[-1]))
+    bias_dims = (1, 3, 4)
