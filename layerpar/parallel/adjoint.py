@@ -226,6 +226,13 @@ class AdjointApp(StateOps):
             rec = tape.brecords[rid]
             n_rec = rec.y.shape[0]
             whole = len(groups) == 1 and len(rows) == n_rec
+            if 2 * len(rows) <= n_rec:  # a few rows: recompute them, not the whole record
+                if out is None:
+                    out = torch.empty_like(lam)
+                ks_at = self._index(tuple(ks), lam.device)
+                out.index_copy_(0, ks_at, self._rows_vjp(rec, rows, lam.index_select(
+                    0, ks_at), final))
+                continue
             if whole and rows == list(range(n_rec)):
                 cot = lam  # the whole record in its own order: no index work
             elif whole and rows == list(range(n_rec - 1, -1, -1)):
@@ -243,14 +250,7 @@ class AdjointApp(StateOps):
                 prev = rec.grads.get(name)
                 rec.grads[name] = g if prev is None else prev + g  # type: ignore[assignment]
             if final:
-                if rec.final_rows >= n_rec and self.averager is not None:
-                    raise RuntimeError("internal: a step of the final adjoint sweep ran "
-                                       "twice after its gradients were sent for averaging")
-                rec.final_rows += len(rows)
-                if rec.final_rows == n_rec and self.averager is not None:
-                    # each step of the final sweep runs once: this record's gradients
-                    # are complete, so their average over the replicas can start now
-                    self.averager.add(rec.grads.values())
+                self._final_rows(rec, len(rows))
             if cot is lam:
                 return dx  # type: ignore[return-value]
             if whole and rows[0] == n_rec - 1:
@@ -261,6 +261,45 @@ class AdjointApp(StateOps):
                             dx.index_select(0, self._index(tuple(rows), lam.device)))  # type: ignore[union-attr]
         assert out is not None
         return out
+
+    def _final_rows(self, rec: Any, count: int) -> None:
+        """The final sweep added `count` rows' parameter gradients to record `rec`;
+        once all its rows are in, their average over the replicas can start."""
+        n_rec = rec.y.shape[0]
+        if rec.final_rows >= n_rec and self.averager is not None:
+            raise RuntimeError("internal: a step of the final adjoint sweep ran "
+                               "twice after its gradients were sent for averaging")
+        rec.final_rows += count
+        if rec.final_rows == n_rec and self.averager is not None:
+            # each step of the final sweep runs once: this record's gradients
+            # are complete, so their average over the replicas can start now
+            self.averager.add(rec.grads.values())
+
+    def _rows_vjp(self, rec: Any, rows: list[int], cot: Tensor, final: int) -> Tensor:
+        """Transposed Jacobians of a few rows of record `rec` (cot: their cotangents,
+        in `rows` order), by stepping just those rows again from the recorded inputs
+        and parameters: a VJP through the whole record would cost a full batched step
+        for each of them (the rows next to a rank boundary are swept alone, after the
+        neighbour's message).  The batched path has no random layers, so the step is
+        the recorded one.  At the final sweep the rows' parameter gradients are added
+        to the record's."""
+        at = self._index(tuple(rows), cot.device)
+        names = [n for n, t in rec.params.items() if t.requires_grad] if final else []
+        with torch.enable_grad():
+            x = rec.x.detach().index_select(0, at).requires_grad_()
+            params = {n: t.detach().index_select(0, at).requires_grad_(n in names)
+                      for n, t in rec.params.items()}
+            y = self.bb.step(x, tuple(rec.pairs[r] for r in rows),  # type: ignore[union-attr]
+                             params=params)
+        got = vjp(y, [x, *(params[n] for n in names)], cot)
+        for name, g in zip(names, got[1:]):
+            acc = rec.grads.get(name)
+            if acc is None:
+                acc = rec.grads[name] = torch.zeros_like(rec.params[name])
+            acc.index_add_(0, at, g)  # type: ignore[arg-type]
+        if final:
+            self._final_rows(rec, len(rows))
+        return got[0]  # type: ignore[return-value]
 
     def adjoint_coarse(self, lam: Tensor, pairs: tuple[tuple[int, int], ...]) -> Tensor:
         """Transposed Jacobians of coarse steps a -> b, linearised at the forward states

@@ -146,7 +146,7 @@ class ForwardApp(StateOps):
             leaves = {n: t.requires_grad_(n in trainable) for n, t in stacked.items()}
             y = bb.step(xin, pairs, params=leaves)
         rid = len(tape.brecords)
-        tape.brecords.append(BatchRecord(xin, leaves, y, layers))
+        tape.brecords.append(BatchRecord(xin, leaves, y, pairs))
         for k, a in enumerate(layers):
             tape.where[a] = (rid, k)
         return y.detach()

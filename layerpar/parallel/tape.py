@@ -20,11 +20,12 @@ __all__ = ["BatchRecord", "PassRecord", "PlainRecord", "Tape"]
 class BatchRecord:
     """One batched step of the final forward sweep, kept for the adjoint."""
 
-    __slots__ = ("x", "params", "y", "layers", "grads", "xd", "rows", "final_rows")
+    __slots__ = ("x", "params", "y", "pairs", "layers", "grads", "xd", "rows", "final_rows")
 
     def __init__(self, x: Tensor, params: dict[str, Tensor], y: Tensor,
-                 layers: tuple[int, ...]) -> None:
-        self.x, self.params, self.y, self.layers = x, params, y, layers
+                 pairs: tuple[tuple[int, int], ...]) -> None:
+        self.x, self.params, self.y, self.pairs = x, params, y, pairs
+        self.layers = tuple(a for a, _ in pairs)
         self.grads: dict[str, Tensor] = {}  # stacked parameter gradients (final sweep)
         self.xd: Optional[Tensor] = None  # x detached, when coarse steps read its rows
         self.rows: Optional[tuple[Tensor, ...]] = None  # xd's rows, for lone coarse steps

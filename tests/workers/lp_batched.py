@@ -18,8 +18,19 @@ from mpi4py import MPI
 import layerpar
 from layerpar import MGRITOptions
 from layerpar.ode import Segment, blocks
+from layerpar.parallel.adjoint import AdjointApp
 
 comm = MPI.COMM_WORLD
+SPARSE = [0]  # adjoint steps of a few rows of a record, stepped again (AdjointApp._rows_vjp)
+_rows_vjp = AdjointApp._rows_vjp
+
+
+def _counted(self, rec, rows, cot, final):
+    SPARSE[0] += len(rows)
+    return _rows_vjp(self, rec, rows, cot, final)
+
+
+AdjointApp._rows_vjp = _counted
 
 
 class PreNormMLP(torch.nn.Module):
@@ -80,13 +91,15 @@ def main():
                 net = make().to(dtype)
                 x = torch.randn(*shape, dtype=dtype)
                 y = torch.randint(0, 5, (shape[0],))
+                SPARSE[0] = 0
                 b = run(net, x, y, fwd, bwd, True)
+                sparse = comm.allreduce(SPARSE[0])
                 u = run(net, x, y, fwd, bwd, False)
                 diff = max([rel(b[0], u[0]), rel(b[1], u[1])]
                            + [rel(b[2][n], u[2][n]) for n in b[2]])
                 r = {"batched_vs_steps": comm.allreduce(diff, op=MPI.MAX),
                      "batched_used": comm.allreduce(int(b[3]), op=MPI.MIN) == 1,
-                     "iters": list(b[4][:2]), "iters_steps": list(u[4][:2]),
+                     "sparse_rows": sparse, "iters": list(b[4][:2]), "iters_steps": list(u[4][:2]),
                      "history": b[4][2], "history_steps": u[4][2]}
                 if mode == "exact":
                     ref = copy.deepcopy(net)
