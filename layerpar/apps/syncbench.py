@@ -107,15 +107,10 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _adam(params: Any) -> Any:
-    """Adam, fused where torch has it for the device (one pass over the parameters:
-    ~4x faster than the default on CPU), else the default."""
-    import torch
+    """Adam, fused where torch has it (`layerpar.apps.loop.adam`)."""
+    from .loop import adam
 
-    params = list(params)
-    try:
-        return torch.optim.Adam(params, lr=1e-3, fused=True)
-    except (RuntimeError, TypeError, ValueError):
-        return torch.optim.Adam(params, lr=1e-3)
+    return adam(params, lr=1e-3)
 
 
 def _launch(argv: list[str], timeout: float) -> list[dict]:

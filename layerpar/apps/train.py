@@ -41,7 +41,7 @@ from ..parallel import DASO, LayerParallel, Lion, ProcessGrid, SlowLink
 from ..parallel.adaptive import AccuracyPolicy, as_policy
 from ..parallel.autotune import auto_policy
 from . import data
-from .loop import Progress, available_cores, train_steps
+from .loop import Progress, adam, available_cores, train_steps
 from .nets import PROBLEMS, RECIPES, Recipe, problem_name, problem_net
 
 __all__ = [
@@ -444,7 +444,7 @@ def train(
         if optimizer == "lion":
             opt: torch.optim.Optimizer = Lion(model.parameters(), lr=lr)
         elif step_mode != "captured":
-            opt = torch.optim.Adam(model.parameters(), lr=lr)
+            opt = adam(model.parameters(), lr=lr)  # fused where torch has it
         else:
             opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(lr, device=device),
                                    capturable=True)

@@ -162,7 +162,7 @@ def best_threads(case: Case, batches: int = 4) -> tuple[int, dict[int, float], i
     epoch."""
     import torch
 
-    from .loop import available_cores, train_step
+    from .loop import adam, available_cores, train_step
     from .nets import RECIPES
     from .train import add_arguments, build_net, load_data
 
@@ -182,7 +182,7 @@ def best_threads(case: Case, batches: int = 4) -> tuple[int, dict[int, float], i
             torch.set_num_threads(k)
             torch.manual_seed(0)
             net = build_net(case.problem, a.layers, a.width, arch=a.arch, t_final=a.t_final)
-            opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+            opt = adam(net.parameters(), lr=1e-3)  # as `train` does
             train_step(net, xb, yb, opt)  # warm-up
             per[k] = min(train_step(net, xb, yb, opt).seconds for _ in range(batches))
     finally:

@@ -12,12 +12,14 @@ net's, on every rank.
   their gradients straight into their `.grad` and the optimizer is unchanged.  The
   other ranks' layers are copies with ``requires_grad=False`` (no gradient is
   computed for them: their owners compute their own).
-- **Refresh.**  Before each pass every rank compares the version counters of the
-  tensors it owns (parameters and buffers; an optimizer step or `load_state_dict`
-  bumps them) with the last pass's; one `allgather_object` carries, from each rank
-  whose tensors changed, one flat buffer per dtype, and the copies of the others'
-  layers are overwritten with it.  Nothing changed on any rank: the exchange carries
-  only `None`s.
+- **Refresh.**  Before each pass every rank checks whether the tensors it owns
+  (parameters and buffers) changed since the last pass: their version counters
+  first (an optimizer step or `load_state_dict` bumps them), and where those did
+  not move, their values against the copy sent last (a fused optimizer, such as
+  ``torch.optim.Adam(fused=True)``, writes in place without bumping them).  One
+  `allgather_object` carries, from each rank whose tensors changed, one flat buffer
+  per dtype, and the copies of the others' layers are overwritten with it.  Nothing
+  changed on any rank: the exchange carries only `None`s.
 - **Identical on every rank.**  The same input, the same parameter values and the
   same code on every rank give the same output and loss; each rank's gradients are
   those of the serial net for its own layers.
@@ -105,6 +107,7 @@ class ReplicatedSerial:
             r: [rep[i][1] for i in range(len(rep)) if owners[i] == r]
             for r in range(model.size) if r != self.rank}
         self._seen: Optional[tuple[int, ...]] = None
+        self._sent: Optional[dict[str, Tensor]] = None  # the values sent last
         self.force_sync = False  # the autotuner's timing: exchange on every pass
         self.training = model.training
         self._mode: Optional[bool] = None
@@ -127,7 +130,14 @@ class ReplicatedSerial:
         Returns whether any rank sent new values."""
         seen = tuple(t._version for t in self._sources)
         changed = self.force_sync or seen != self._seen
-        payload = self._flat(self._sources) if changed else None
+        payload = self._flat(self._sources) if changed or self._sent is None else None
+        if not changed:  # in-place writes that bump no version (fused optimizers)
+            now = payload if payload is not None else self._flat(self._sources)
+            changed = self._sent is None or any(
+                not torch.equal(now[k], self._sent[k]) for k in now)
+            payload = now if changed else None
+        if payload is not None:
+            self._sent = payload
         got = self.transport.allgather_object(payload, "the replicated net's refresh")
         self._seen = seen
         any_new = False
