@@ -113,6 +113,36 @@ def test_within_the_bound_picks_mgrit_and_watches(monkeypatch: pytest.MonkeyPatc
     again = model._auto.results[1].choice
     assert again.within and again.rel_error <= c.rel_error / 2
     assert again.candidate != c.candidate
+    # the re-tuning timed only candidates the first did not: pass times depend on the
+    # machine and the shapes, not the weights; the errors were all measured again
+    first = {m.candidate: m.seconds for m in model._auto.results[0].table}
+    second = model._auto.results[1]
+    assert second.reused == sum(m.candidate in first for m in second.table) >= 2
+    assert all(m.seconds == first[m.candidate] for m in second.table if m.candidate in first)
+    assert all(m.rel_error is not None for m in second.table if m.seconds < 1.0)
+    model.close()
+
+
+def test_retuning_reuses_timings_and_the_remaining_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-tuning times nothing already timed on a batch of that shape, and its
+    budget is the first tuning's steps minus the passes run since."""
+    _fixed_cost(monkeypatch)
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, "auto", accuracy=AccuracyPolicy(max_rel_error=0.05))
+    calls: list[Any] = []
+    timed = at._time_passes
+    monkeypatch.setattr(at, "_time_passes", lambda *a, **k: calls.append(a[1]) or timed(*a, **k))
+    seen: list[Any] = []
+    tune = at.tune
+    monkeypatch.setattr(at, "tune", lambda *a, **k: seen.append(a[7]) or tune(*a, **k))
+    model.tune(x, y, torch.nn.functional.cross_entropy, steps=1000)
+    n_first = len(calls)
+    for _ in range(10):
+        model(x)
+    model._auto.tune(model, x, y, torch.nn.functional.cross_entropy)
+    assert len(calls) == n_first and model._auto.results[1].reused >= 2
+    assert seen == [1000, 990]
     model.close()
 
 

@@ -169,6 +169,7 @@ class TuneResult:
     noise: Optional[float] = None
     bound: Optional[AccuracyPolicy] = None
     bound_note: str = ""
+    reused: int = 0  # pass times taken from an earlier tuning (`tune`'s `known`)
 
     def lines(self) -> list[str]:
         """The candidate table and the choice, as text lines."""
@@ -176,6 +177,10 @@ class TuneResult:
                f"at {self.ranks} rank(s) (batch {self.batch})"]
         if self.bound_note:
             out.append(f"auto: bound: {self.bound_note}")
+        if self.reused:
+            out.append(f"auto: {self.reused} pass time(s) reused from the earlier tuning "
+                       "(they depend on the machine and the net's shape, not its weights: "
+                       "only the gradient errors were measured again)")
         out += [
                f"  {'candidate':34s} {'ms/pass':>9s} {'rel.err':>9s} {'cosine':>9s}  ok"]
         for m in self.table:
@@ -377,7 +382,8 @@ EXACT_SETUP = 0.5
 
 def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
          policy: AccuracyPolicy, repeats: int = 3, batch: int = 0,
-         steps: Optional[int] = None) -> TuneResult:
+         steps: Optional[int] = None,
+         known: Optional[dict[Candidate, float]] = None) -> TuneResult:
     """Measure the candidates on one batch and choose (collective; every rank passes
     the same `x`, `y`).  See the module docstring.  Nothing the training sees
     changes (gradients by `torch.autograd.grad`, the random generator put back).
@@ -385,21 +391,32 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     steps: the training steps to come, if known: then no new candidate is measured
     once the tuning has taken `BUDGET` of their expected time (steps x the fastest
     exact pass; the slowest rank's clock), so a small or short training is not
-    swamped by it.  Exact propagation and replicated serial are always timed."""
+    swamped by it.  Exact propagation and replicated serial are always timed.
+
+    known: pass times measured by an earlier tuning of this model on batches of this
+    shape (identical on every rank).  A pass's time depends on the machine and the
+    net's shape, not on its weights, so a re-tuning reuses them and measures only
+    what training changed, the gradient errors."""
     t_start = time.perf_counter()
+    known = {} if known is None else known
+    reused = 0
     ranks = model.size
     rng = torch.get_rng_state()
     table: list[Measurement] = []
     best_t = math.inf  # the time to beat
     limit: Optional[float] = None
     if supported(model) is None:  # replicated serial, refresh included in its time
-        rep = ReplicatedSerial(model)
-        rep.training = model.training
-        rep.force_sync = True
-        try:
-            best_t = _time_passes(model, rep, x, y, loss_fn, repeats)
-        finally:
-            rep.close()
+        if Candidate(1, replicated=True) in known:
+            best_t = known[Candidate(1, replicated=True)]
+            reused += 1
+        else:
+            rep = ReplicatedSerial(model)
+            rep.training = model.training
+            rep.force_sync = True
+            try:
+                best_t = _time_passes(model, rep, x, y, loss_fn, repeats)
+            finally:
+                rep.close()
         table.append(Measurement(Candidate(1, replicated=True), best_t, 0.0, 1.0, True))
         limit = None if steps is None else BUDGET * best_t * steps
     best: Optional[Candidate] = None
@@ -417,11 +434,15 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
         return max(model.transport.allgather_object(spent, "the auto-tuning's clock")) \
             > limit
 
-    if over(EXACT_SETUP + (repeats + 1) * best_t):
+    if Candidate(1) not in known and over(EXACT_SETUP + (repeats + 1) * best_t):
         stopped = True  # a small net: the budget has no room for exact propagation
     else:
-        with model.exact():  # exact propagation on the model itself
-            t_exact = _time_passes(model, model, x, y, loss_fn, repeats)
+        if Candidate(1) in known:
+            t_exact = known[Candidate(1)]
+            reused += 1
+        else:
+            with model.exact():  # exact propagation on the model itself
+                t_exact = _time_passes(model, model, x, y, loss_fn, repeats)
         table.insert(0, Measurement(Candidate(1), t_exact, 0.0, 1.0, True))
         best_t = min(best_t, t_exact)
         if steps is not None:
@@ -449,9 +470,16 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
         return bound
 
     def measure(cand: Candidate) -> Measurement:
+        nonlocal reused
+        t = known.get(cand)
+        if t is not None:
+            reused += 1
+            if t >= best_t:
+                return Measurement(cand, t)
         twin = _build(model, cand, None)
         try:
-            t = _time_passes(model, twin, x, y, loss_fn, repeats, best_t)
+            if t is None:
+                t = _time_passes(model, twin, x, y, loss_fn, repeats, best_t)
             if t >= best_t:
                 return Measurement(cand, t)
             limit_ = held_to()
@@ -492,7 +520,7 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     if bound is None:
         note = (f"to be measured ({policy.noise_fraction:g} x the batch's gradient noise)"
                 "; no MGRIT candidate needed it")
-    return TuneResult(table, choice, reason, spent, ranks, batch, noise, bound, note)
+    return TuneResult(table, choice, reason, spent, ranks, batch, noise, bound, note, reused)
 
 
 def _surrogate_loss(out: Tensor, y: Any) -> Tensor:
@@ -519,6 +547,12 @@ class AutoTuner:
     chosen: Optional[Any] = None  # LayerParallel or ReplicatedSerial
     batches: int = 0  # forward passes run through `chosen` (training and evaluation)
     remeasured: Optional[AccuracyPolicy] = None  # the bound measured at the last check
+    #: the passes the training will run in all (from the first `tune` given `steps`):
+    #: a re-tuning's budget is taken from the steps still to come
+    steps: Optional[int] = None
+    #: pass times measured so far, per batch (shape, dtype, device): a re-tuning on
+    #: such a batch reuses them
+    timings: dict[tuple, dict[Candidate, float]] = field(default_factory=dict)
 
     @property
     def tuned(self) -> bool:
@@ -544,8 +578,17 @@ class AutoTuner:
              loss_fn: Callable[[Tensor, Any], Tensor],
              steps: Optional[int] = None) -> TuneResult:
         """Measure and choose on this batch (collective); the choice runs from now on.
-        `steps`: the training steps to come, if known (they bound the tuning's time)."""
-        got = tune(model, x, y, loss_fn, self.policy, self.repeats, self.batches, steps)
+        `steps`: the training steps to come, if known (they bound the tuning's time; a
+        later call without them counts what is left of the first call's)."""
+        if steps is not None:
+            self.steps = self.batches + steps
+        elif self.steps is not None:
+            steps = max(self.steps - self.batches, 1)
+        known = self.timings.setdefault((tuple(x.shape), x.dtype, x.device), {})
+        got = tune(model, x, y, loss_fn, self.policy, self.repeats, self.batches, steps,
+                   known=dict(known))
+        for m in got.table:
+            known.setdefault(m.candidate, m.seconds)
         self.results.append(got)
         self.remeasured = None
         old, self.chosen = self.chosen, None
