@@ -8,7 +8,11 @@ fast a setting runs depends on the machine, so neither can be fixed in advance.
    rank runs the whole net with plain autograd, its own layers' real parameters,
    the others' refreshed from their owners) is timed first, refresh included: it is
    exact, costs nothing to set up, and at P > 1 ranks is usually faster than exact
-   propagation, a pipeline of one micro-batch.  Then **exact propagation**
+   propagation, a pipeline of one micro-batch.  Where the net has no batch norm,
+   also with the **batch split**: each rank runs the whole net on its share of the
+   rows and one all-reduce sums the gradients (the batch's gradient, to round-off),
+   which pays where a pass's arithmetic, not its operations' launch, is the cost.
+   Then **exact propagation**
    (``max_levels=1`` both ways; at one rank *direct mode*, plain serial autograd
    through the same modules; skipped where the budget has no room for it,
    `EXACT_SETUP` plus its passes, so a small net's tuning costs a few passes).
@@ -72,7 +76,7 @@ from ..mgrit.grid import build_levels
 from ..mgrit.options import MGRITOptions
 from .accuracy import GradientCheck, _sq, check_gradients
 from .adaptive import AccuracyPolicy
-from .replicated import ReplicatedSerial, supported
+from .replicated import ReplicatedSerial, split_supported, supported
 
 if TYPE_CHECKING:
     from .model import LayerParallel
@@ -117,6 +121,7 @@ class Candidate:
     bwd_iters: int = 1
     batched: bool = True
     replicated: bool = False
+    split: bool = False  # replicated, each rank running its share of the batch's rows
 
     @property
     def exact(self) -> bool:
@@ -134,7 +139,7 @@ class Candidate:
 
     def name(self, ranks: int = 2) -> str:
         if self.replicated:
-            return "serial (replicated)"
+            return "serial (replicated, batch split)" if self.split else "serial (replicated)"
         if self.exact:
             return "serial autograd (direct mode)" if ranks == 1 else "exact propagation"
         return (f"L{self.levels} cf{self.cfactor} {self.fwd_iters}/{self.bwd_iters} "
@@ -216,7 +221,8 @@ def choose(table: list[Measurement], ranks: int) -> tuple[Measurement, str]:
 
     A pure function of the table: the same table gives the same choice everywhere.
     """
-    rep = next((m for m in table if m.candidate.replicated), None)
+    rep = min((m for m in table if m.candidate.replicated), default=None,
+              key=lambda m: (m.seconds, table.index(m)))
     exact = next((m for m in table if m.candidate.exact and not m.candidate.replicated), rep)
     assert exact is not None, "the table holds no exact setting"
     ok = [m for m in table if m.within]
@@ -225,7 +231,9 @@ def choose(table: list[Measurement], ranks: int) -> tuple[Measurement, str]:
     if best is rep:
         vs = ("exact propagation not timed (the budget was spent)" if exact is rep else
               f"against {1e3 * exact.seconds:.1f} ms for exact propagation")
-        why = (f"every rank runs the whole net serially (plain autograd, its own "
+        share = (" on its share of the batch's rows (one all-reduce sums the gradients)"
+                 if rep.candidate.split else "")
+        why = (f"every rank runs the whole net serially{share} (plain autograd, its own "
                f"layers' parameters, the others' refreshed from their owners): "
                f"{1e3 * rep.seconds:.1f} ms per pass, {vs}; "
                + _why_no_mgrit(table, rep, "replicated serial", ranks))
@@ -434,6 +442,22 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
         return max(model.transport.allgather_object(spent, "the auto-tuning's clock")) \
             > limit
 
+    split = Candidate(1, replicated=True, split=True)  # rows shared over the ranks
+    if split_supported(model) is None and x.shape[0] >= ranks and (
+            split in known or not over((repeats + 1) * best_t)):
+        if split in known:
+            t_split = known[split]
+            reused += 1
+        else:  # every rank runs the whole net on its share of the rows
+            rep = ReplicatedSerial(model, split=True)
+            rep.training = model.training
+            rep.force_sync = True
+            try:
+                t_split = _time_passes(model, rep, x, y, loss_fn, repeats)
+            finally:
+                rep.close()
+        table.append(Measurement(split, t_split, 0.0, 1.0, True))
+        best_t = min(best_t, t_split)
     if Candidate(1) not in known and over(EXACT_SETUP + (repeats + 1) * best_t):
         stopped = True  # a small net: the budget has no room for exact propagation
     else:
@@ -595,7 +619,7 @@ class AutoTuner:
         _drop(old)
         cand = got.choice.candidate
         if cand.replicated:
-            self.chosen = ReplicatedSerial(model)
+            self.chosen = ReplicatedSerial(model, split=cand.split)
         else:
             self.chosen = _build(model, cand, None if cand.exact else self.bound)
             ctl = self.chosen.accuracy

@@ -41,7 +41,9 @@ from ..mgrit.options import MGRITOptions
 if TYPE_CHECKING:
     from .model import LayerParallel
 
-__all__ = ["ReplicatedSerial", "supported"]
+__all__ = ["ReplicatedSerial", "split_supported", "supported"]
+
+_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def supported(model: LayerParallel) -> Optional[str]:
@@ -53,6 +55,72 @@ def supported(model: LayerParallel) -> Optional[str]:
     if model.has_dropout:
         return "the net has dropout: each rank would draw its own masks"
     return None
+
+
+def split_supported(model: LayerParallel) -> Optional[str]:
+    """None if `model` can run replicated with the batch split over the ranks, else
+    why not (on top of `supported`)."""
+    why = supported(model)
+    if why is not None:
+        return why
+    net = model.whole_net
+    if any(isinstance(m, _BN) for m in net.modules()):
+        return "the net has batch norm: its statistics would be a share of the batch's"
+    if len({p.dtype for p in net.parameters() if p.requires_grad}) > 1:
+        return "the net's parameters have several dtypes"
+    return None
+
+
+class _SplitBatch(torch.autograd.Function):
+    """Every rank runs the whole net on its share of the batch's rows; the outputs are
+    gathered, so every rank holds the whole batch's output.  Backward: each rank
+    back-propagates its rows through the whole net, one all-reduce sums the parameter
+    gradients (and the input's), and each rank keeps its own parameters' sum."""
+
+    @staticmethod
+    def forward(ctx: Any, rep: ReplicatedSerial, graph: bool, x: Tensor,
+                *own: Tensor) -> Tensor:
+        n, size, r = x.shape[0], rep.transport.size, rep.rank
+        whole = n < size  # fewer rows than ranks: every rank runs them all, no exchange
+        lo, hi = (0, n) if whole else (r * n // size, (r + 1) * n // size)
+        with torch.set_grad_enabled(graph):  # (graph: grad mode where the pass was called)
+            xl = x[lo:hi].detach().requires_grad_(graph and x.requires_grad)
+            out = rep.net(xl)
+        ctx.rep, ctx.out, ctx.xl, ctx.rows, ctx.n = rep, out, xl, (lo, hi), n
+        ctx.whole = whole
+        if whole:
+            return out.detach()
+        width = -(-n // size)  # rows per rank, padded to the largest share
+        mine = out.detach().new_zeros((width, *out.shape[1:]))
+        mine[:hi - lo] = out.detach()
+        got = mine.new_empty((size, *mine.shape))
+        rep.transport.allgather_start(mine, got, "the outputs of the batch's shares").wait()
+        return torch.cat([got[q, :(q + 1) * n // size - q * n // size] for q in range(size)])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        rep, (lo, hi) = ctx.rep, ctx.rows
+        wrt = list(rep._trainable) + ([ctx.xl] if ctx.xl.requires_grad else [])
+        with torch.enable_grad():
+            got = torch.autograd.grad(ctx.out, wrt, grad[lo:hi], allow_unused=True)
+        parts = [torch.zeros_like(t).reshape(-1) if g is None else g.reshape(-1)
+                 for t, g in zip(rep._trainable, got)]
+        if ctx.xl.requires_grad:
+            dx = grad.new_zeros((ctx.n, *ctx.xl.shape[1:]))
+            if got[-1] is not None:
+                dx[lo:hi] = got[-1]
+            parts.append(dx.reshape(-1))
+        flat = torch.cat(parts)
+        if not ctx.whole:  # (whole: this rank's own gradients are complete already)
+            rep.transport.allreduce_start(flat, "the batch's shares' gradients").wait()
+        at, sums = 0, []
+        for t in rep._trainable:
+            sums.append(flat[at:at + t.numel()].view_as(t))
+            at += t.numel()
+        dx_all = flat[at:].view(ctx.n, *ctx.xl.shape[1:]) if ctx.xl.requires_grad else None
+        own = [sums[i] for i in rep._own_at]
+        ctx.out = ctx.xl = None
+        return (None, None, dx_all, *own)
 
 
 def _named_tensors(net: nn.Module) -> list[tuple[str, Tensor]]:
@@ -75,10 +143,12 @@ class ReplicatedSerial:
     backward_options = options
     accuracy = None
 
-    def __init__(self, model: LayerParallel) -> None:
-        why = supported(model)
+    def __init__(self, model: LayerParallel, split: bool = False) -> None:
+        why = split_supported(model) if split else supported(model)
         if why is not None:
-            raise ValueError(f"replicated serial is not available here: {why}")
+            raise ValueError(f"replicated serial{' (batch split)' if split else ''} is not "
+                             f"available here: {why}")
+        self.split = split
         self.model = model
         self.transport = model.transport
         self.rank = model.rank
@@ -101,7 +171,15 @@ class ReplicatedSerial:
         self._sources = [rep[i][1] for i in range(len(rep)) if owners[i] == self.rank]
         for i, (_, t) in enumerate(rep):
             if owners[i] != self.rank and isinstance(t, nn.Parameter):
-                t.requires_grad_(False)  # its owner computes its gradient
+                # its owner computes its gradient; split, every rank adds its rows' share
+                t.requires_grad_(split and named[i][1].requires_grad)
+        # split: every trainable tensor (the same list on every rank) and, in the order
+        # of this rank's `parameters()`, where its own ones sit in it
+        self._trainable = [t for i, (_, t) in enumerate(rep)
+                           if isinstance(t, nn.Parameter) and named[i][1].requires_grad]
+        where = {id(t): k for k, t in enumerate(self._trainable)}
+        self._own = [p for p in model.parameters() if id(p) in where]
+        self._own_at = [where[id(p)] for p in self._own]
         # per rank: the copies it refreshes, in that rank's order
         self._copies: dict[int, list[Tensor]] = {
             r: [rep[i][1] for i in range(len(rep)) if owners[i] == r]
@@ -160,6 +238,8 @@ class ReplicatedSerial:
         if self._mode is not self.training:
             self.net.train(self.training)
             self._mode = self.training
+        if self.split:
+            return _SplitBatch.apply(self, torch.is_grad_enabled(), x, *self._own)
         return self.net(x)
 
     def check_gradients(self, x: Tensor, y: Any,
