@@ -32,6 +32,12 @@ refine.py     nested iteration on a LayerParallel (refinement in depth, in place
 sync.py       how replicas stay in step: all-reduce, DASO, Lion Cub; bytes; slow link
 lion.py       the Lion optimizer
 """
+# The first `torch.autograd.grad` with tensor `grad_outputs` in a process imports this
+# module (and sympy: ~0.3-0.5 s); every layer-parallel backward makes such calls, so it
+# is imported with the package rather than inside the first training step, where it
+# would be charged to whichever setting ran first (auto's timings, time to target).
+import torch.fx.experimental.symbolic_shapes  # noqa: F401, E402
+
 from .capture import CapturedStep, capture_step
 from .grid import ProcessGrid
 from .lion import Lion

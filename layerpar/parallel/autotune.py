@@ -420,7 +420,6 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
         else:
             rep = ReplicatedSerial(model)
             rep.training = model.training
-            rep.force_sync = True
             try:
                 best_t = _time_passes(model, rep, x, y, loss_fn, repeats)
             finally:
@@ -451,7 +450,6 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
         else:  # every rank runs the whole net on its share of the rows
             rep = ReplicatedSerial(model, split=True)
             rep.training = model.training
-            rep.force_sync = True
             try:
                 t_split = _time_passes(model, rep, x, y, loss_fn, repeats)
             finally:

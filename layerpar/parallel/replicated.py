@@ -12,14 +12,12 @@ net's, on every rank.
   their gradients straight into their `.grad` and the optimizer is unchanged.  The
   other ranks' layers are copies with ``requires_grad=False`` (no gradient is
   computed for them: their owners compute their own).
-- **Refresh.**  Before each pass every rank checks whether the tensors it owns
-  (parameters and buffers) changed since the last pass: their version counters
-  first (an optimizer step or `load_state_dict` bumps them), and where those did
-  not move, their values against the copy sent last (a fused optimizer, such as
-  ``torch.optim.Adam(fused=True)``, writes in place without bumping them).  One
-  `allgather_object` carries, from each rank whose tensors changed, one flat buffer
-  per dtype, and the copies of the others' layers are overwritten with it.  Nothing
-  changed on any rank: the exchange carries only `None`s.
+- **Refresh.**  Before each pass one all-gather per dtype (into buffers laid out
+  once: the owners are known on every rank) carries every rank's own tensors
+  (parameters and buffers), and the copies of the others' layers are overwritten
+  with them.  Every pass: a fused optimizer (``torch.optim.Adam(fused=True)``)
+  writes in place without bumping version counters, so no cheaper test of change
+  is reliable.
 - **Identical on every rank.**  The same input, the same parameter values and the
   same code on every rank give the same output and loss; each rank's gradients are
   those of the serial net for its own layers.
@@ -123,6 +121,26 @@ class _SplitBatch(torch.autograd.Function):
         return (None, None, dx_all, *own)
 
 
+def _views(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
+    """Consecutive views of `flat` shaped like `tensors`."""
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
+
+
+def _copy(dst: list[Tensor], src: list[Tensor]) -> None:
+    """dst[i] <- src[i]: one call where all are CPU tensors, else one per tensor."""
+    if not dst:
+        return
+    if all(t.device.type == "cpu" for t in (*dst, *src)):
+        torch._foreach_copy_(dst, src)
+    else:
+        for d, t in zip(dst, src):
+            d.copy_(t)
+
+
 def _named_tensors(net: nn.Module) -> list[tuple[str, Tensor]]:
     """The net's parameters and buffers, each once, in a fixed order."""
     seen: set[int] = set()
@@ -168,7 +186,6 @@ class ReplicatedSerial:
         rep = _named_tensors(self.net)
         assert [n for n, _ in rep] == [n for n, _ in named]
         self._owners = owners
-        self._sources = [rep[i][1] for i in range(len(rep)) if owners[i] == self.rank]
         for i, (_, t) in enumerate(rep):
             if owners[i] != self.rank and isinstance(t, nn.Parameter):
                 # its owner computes its gradient; split, every rank adds its rows' share
@@ -180,13 +197,24 @@ class ReplicatedSerial:
         where = {id(t): k for k, t in enumerate(self._trainable)}
         self._own = [p for p in model.parameters() if id(p) in where]
         self._own_at = [where[id(p)] for p in self._own]
-        # per rank: the copies it refreshes, in that rank's order
-        self._copies: dict[int, list[Tensor]] = {
-            r: [rep[i][1] for i in range(len(rep)) if owners[i] == r]
-            for r in range(model.size) if r != self.rank}
-        self._seen: Optional[tuple[int, ...]] = None
-        self._sent: Optional[dict[str, Tensor]] = None  # the values sent last
-        self.force_sync = False  # the autotuner's timing: exchange on every pass
+        # the refresh's exchange, one per dtype (the same on every rank: the owners are
+        # known everywhere): a send buffer of the widest rank's share, views into it
+        # for this rank's tensors, a receive buffer (ranks x width) and the copies with
+        # their views into it
+        by: dict[torch.dtype, dict[int, list[Tensor]]] = {}
+        for i, (_, t) in enumerate(rep):
+            if owners[i] is not None:
+                by.setdefault(t.dtype, {}).setdefault(owners[i], []).append(t)
+        self._xchg: list[tuple[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor],
+                               list[Tensor]]] = []
+        for dtype, per in by.items():
+            width = max(sum(t.numel() for t in ts) for ts in per.values())
+            send = torch.zeros(width, dtype=dtype)
+            recv = torch.zeros((model.size, width), dtype=dtype)
+            mine = [t.detach() for t in per.get(self.rank, [])]
+            copies = [t.detach() for r, ts in per.items() if r != self.rank for t in ts]
+            views = [v for r, ts in per.items() if r != self.rank for v in _views(recv[r], ts)]
+            self._xchg.append((send, recv, mine, _views(send, mine), copies, views))
         self.training = model.training
         self._mode: Optional[bool] = None
         self.last_forward: list[Any] = []
@@ -196,42 +224,23 @@ class ReplicatedSerial:
         """This rank's trainable tensors (those the user's optimizer holds)."""
         return list(self.model.parameters())
 
-    @staticmethod
-    def _flat(tensors: list[Tensor]) -> dict[str, Tensor]:
-        groups: dict[str, list[Tensor]] = {}
-        for t in tensors:
-            groups.setdefault(str(t.dtype), []).append(t.detach().reshape(-1))
-        return {k: torch.cat(v).cpu() for k, v in groups.items()}
-
-    def refresh(self) -> bool:
-        """Bring the copies of the other ranks' layers up to date (collective).
-        Returns whether any rank sent new values."""
-        seen = tuple(t._version for t in self._sources)
-        changed = self.force_sync or seen != self._seen
-        payload = self._flat(self._sources) if changed or self._sent is None else None
-        if not changed:  # in-place writes that bump no version (fused optimizers)
-            now = payload if payload is not None else self._flat(self._sources)
-            changed = self._sent is None or any(
-                not torch.equal(now[k], self._sent[k]) for k in now)
-            payload = now if changed else None
-        if payload is not None:
-            self._sent = payload
-        got = self.transport.allgather_object(payload, "the replicated net's refresh")
-        self._seen = seen
-        any_new = False
+    def refresh(self) -> None:
+        """Bring the copies of the other ranks' layers up to date (collective): one
+        all-gather per dtype of every rank's tensors, into buffers laid out once.  It
+        runs before every pass: a fused optimizer (``torch.optim.Adam(fused=True)``)
+        writes parameters in place without bumping their version counters, so no
+        cheaper sign of change is reliable, and the exchange costs a copy of the
+        parameters (0.25 ms a pass on Peaks at 2 ranks, where the pickled exchange it
+        replaces cost 1 ms of 5)."""
+        pending = []
         with torch.no_grad():
-            for r, flat in enumerate(got):
-                if r == self.rank or flat is None:
-                    continue
-                any_new = True
-                at: dict[str, int] = {}
-                for t in self._copies[r]:
-                    k = str(t.dtype)
-                    n = t.numel()
-                    start = at.get(k, 0)
-                    t.copy_(flat[k][start:start + n].view_as(t))
-                    at[k] = start + n
-        return any_new
+            for send, recv, mine, mine_at, _, _ in self._xchg:
+                _copy(mine_at, mine)
+                pending.append(self.transport.allgather_start(
+                    send, recv, "the replicated net's refresh"))
+            for (_, _, _, _, copies, views), p in zip(self._xchg, pending):
+                p.wait()
+                _copy(copies, views)
 
     def __call__(self, x: Tensor) -> Tensor:
         self.refresh()
@@ -252,5 +261,4 @@ class ReplicatedSerial:
 
     def close(self) -> None:
         """Drop the private copy (nothing to release: no communicator of its own)."""
-        self._copies.clear()
-        self._sources = []
+        self._xchg = []
