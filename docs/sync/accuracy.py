@@ -2,7 +2,7 @@
 
     .venv/bin/python docs/sync/accuracy.py [--seeds 0,1,2] [--models peaks,mnist1d]
         [--epochs-peaks 20] [--epochs-mnist1d 10] [--layers-mnist1d 16]
-        [--wrap /work/tools/heavy]
+        [--configs daso:adam,...] [--wrap /work/tools/heavy]
 
 Each run: ``mpiexec -n 2`` of `layerpar.apps.train.train(MODEL, data_parallel=2, nodes=2,
 sync=S, optimizer=O, seed=s, epochs=E)``: 2 replicas of one process each, in 2
@@ -13,6 +13,9 @@ compared: DASO vs all-reduce (both Adam), Lion Cub vs all-reduce Lion.  Writes
 accuracy.csv (every run, with its per-epoch validation accuracy: the curve) and
 accuracy.txt (the table) beside this script, after every run.  `--wrap` prefixes each
 job's command (on the shared machine: /work/tools/heavy, one lock per run).
+`--configs` runs some of the sync:optimizer pairs only (e.g. a changed DASO against
+baselines measured before: `--merge` them in, later outputs replacing earlier runs of
+the same model, sync, optimizer and seed).
 """
 from __future__ import annotations
 
@@ -57,6 +60,8 @@ def main() -> int:
     p.add_argument("--layers-mnist1d", type=int, default=16)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--models", default="peaks,mnist1d")
+    p.add_argument("--configs", default=",".join(f"{s}:{o}" for s, o in CONFIGS),
+                   metavar="SYNC:OPT,...", help="the pairs to run (default: all)")
     p.add_argument("--wrap", default="", help="command prefix for each job")
     p.add_argument("--out", default="accuracy", help="output name (.csv, .txt)")
     p.add_argument("--merge", default="", metavar="A,B",
@@ -64,12 +69,16 @@ def main() -> int:
     p.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.merge:
-        rows = []
+        runs: dict[tuple, dict] = {}  # a later output's run replaces an earlier one's
         for name in args.merge.split(","):
             with open(HERE / f"{name}.csv", newline="") as fh:
-                rows += [{k: (float(v) if k == "val_acc" else int(v) if k == "seed" else v)
-                          for k, v in r.items()} for r in csv.DictReader(fh)]
-        rows.sort(key=lambda r: (r["seed"], r["model"] != "peaks"))
+                for r in csv.DictReader(fh):
+                    r = {k: (float(v) if k == "val_acc" else int(v) if k == "seed" else v)
+                         for k, v in r.items()}
+                    runs[(r["model"], r["sync"], r["optimizer"], r["seed"])] = r
+        rows = sorted(runs.values(), key=lambda r: (
+            r["seed"], r["model"] != "peaks",
+            CONFIGS.index((r["sync"], r["optimizer"]))))
         print(write(rows, args.out))
         return 0
     if args.worker:
@@ -78,13 +87,17 @@ def main() -> int:
         return 0
     from layerpar.apps.launch import mpiexec_path
 
+    configs = [tuple(c.split(":")) for c in args.configs.split(",")]
+    if not all(c in CONFIGS for c in configs):
+        p.error(f"--configs: each must be one of "
+                f"{', '.join(f'{s}:{o}' for s, o in CONFIGS)}, got {args.configs!r}")
     seeds = [int(s) for s in args.seeds.split(",")]
     epochs = {"peaks": args.epochs_peaks, "mnist1d": args.epochs_mnist1d}
     layers = {"peaks": 0, "mnist1d": args.layers_mnist1d}
     rows: list[dict] = []
     for seed in seeds:
         for model in args.models.split(","):
-            for sync, opt in CONFIGS:
+            for sync, opt in configs:
                 cmd = [*args.wrap.split(), str(mpiexec_path()), "-n", "2", sys.executable,
                        str(Path(__file__).resolve()), "--worker", model, sync, opt,
                        str(seed), str(epochs[model]), str(layers[model])]
