@@ -520,7 +520,7 @@ class DASO(SyncStrategy):
                         p.sub_(sent[i]).add_(a.to(p.dtype))
                     elif self.merge == "weighted" and w:
                         p.mul_(w).add_(a.to(p.dtype)).div_(w + 1.0)
-                    else:  # S = 1: the average is fresh
+                    else:  # S = 1 (the average is fresh), or resumed without p_sent
                         p.copy_(a)
                 if not bool(torch.isfinite(_flat(params)).all()):
                     raise DivergenceError("DASO's merged parameters are not finite (NaN or "
