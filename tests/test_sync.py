@@ -3,8 +3,9 @@
 One process: Lion against a reference written out here, its state_dict, the slow-link
 model and byte meter, argument checks.  Four processes (worker `workers/lp_sync.py`,
 one job per launcher): DASO (S = 1) = all-reduce on 2x2 and 4x1, Lion Cub = Lion on one
-replica and its majority vote on two, checkpoints resumed on 2x2 and 4x1, and a NaN in
-one replica raising on every process under each strategy.
+replica and its majority vote on two, DASO's two merges against a hand computation,
+checkpoints resumed on 2x2 and 4x1, and a NaN in one replica raising on every process
+under each strategy.
 """
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ def test_grid_sync_arguments_are_checked(kw: dict, err: type, text: str) -> None
     (lambda: DASO(cycle=()), "`cycle` must be a non-empty"),
     (lambda: DASO(warmup=-1), "`warmup` must be an int"),
     (lambda: DASO(cooldown=2), "`cooldown` needs `total_batches`"),
+    (lambda: DASO(merge="mean"), "`merge` must be one of ('progress', 'weighted')"),
     (lambda: LionCub(momentum_every=-1), "`momentum_every` must be"),
     (lambda: SlowLink(bandwidth=0), "`bandwidth` must be > 0"),
 ])
@@ -174,6 +176,7 @@ def test_strategies_on_four_processes(launcher: str, nan: str) -> None:
         describe(proc)
     for _, detail in got.values():
         assert "daso=allreduce 2x2" in detail and "resume allreduce" in detail, detail
+        assert "daso merge progress:2x2" in detail and "weighted:4x1" in detail, detail
         for name in nan.split(","):
             m = re.search(rf"{name}=(\w+)@([\d.]+)s", detail)
             assert m, detail

@@ -2,7 +2,7 @@
 
     .venv/bin/python docs/sync/accuracy.py [--seeds 0,1,2] [--models peaks,mnist1d]
         [--epochs-peaks 20] [--epochs-mnist1d 10] [--layers-mnist1d 16]
-        [--wrap /work/tools/heavy]
+        [--configs daso:adam,...] [--lr-scale 1] [--wrap /work/tools/heavy]
 
 Each run: ``mpiexec -n 2`` of `layerpar.apps.train.train(MODEL, data_parallel=2, nodes=2,
 sync=S, optimizer=O, seed=s, epochs=E)``: 2 replicas of one process each, in 2
@@ -13,6 +13,10 @@ compared: DASO vs all-reduce (both Adam), Lion Cub vs all-reduce Lion.  Writes
 accuracy.csv (every run, with its per-epoch validation accuracy: the curve) and
 accuracy.txt (the table) beside this script, after every run.  `--wrap` prefixes each
 job's command (on the shared machine: /work/tools/heavy, one lock per run).
+`--configs` runs some of the sync:optimizer pairs only (e.g. a changed DASO against
+baselines measured before: `--merge` them in, later outputs replacing earlier runs of
+the same model, sync, optimizer and seed).  `--lr-scale` multiplies the learning rate
+(a diagnostic: how sensitive a problem is to a smaller step).
 """
 from __future__ import annotations
 
@@ -31,18 +35,21 @@ CONFIGS = [("allreduce", "adam"), ("daso", "adam"), ("allreduce", "lion"),
 MARK = "SYNCACC "
 
 
-def worker(model: str, sync: str, opt: str, seed: int, epochs: int, layers: int) -> None:
+def worker(model: str, sync: str, opt: str, seed: int, epochs: int, layers: int,
+           lr_scale: float = 1.0) -> None:
     import torch
     from mpi4py import MPI
 
-    from layerpar.apps.train import train
+    from layerpar.apps.train import RECIPES, train
     from layerpar.mgrit import MGRITOptions
 
     torch.set_num_threads(1)
     exact = MGRITOptions(max_levels=1)
+    lr = None if lr_scale == 1.0 else (
+        RECIPES[model].lr / (3 if opt == "lion" else 1) * lr_scale)
     r = train(model, comm=MPI.COMM_WORLD, data_parallel=2, nodes=2, sync=sync,
               optimizer=opt, seed=seed, epochs=epochs, n_layers=layers or None,
-              fwd=exact, bwd=exact, progress=False)
+              lr=lr, fwd=exact, bwd=exact, progress=False)
     if MPI.COMM_WORLD.Get_rank() == 0:
         print(MARK + json.dumps({
             "val_acc": r.val_acc, "train_loss": r.train_loss,
@@ -57,37 +64,50 @@ def main() -> int:
     p.add_argument("--layers-mnist1d", type=int, default=16)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--models", default="peaks,mnist1d")
+    p.add_argument("--configs", default=",".join(f"{s}:{o}" for s, o in CONFIGS),
+                   metavar="SYNC:OPT,...", help="the pairs to run (default: all)")
+    p.add_argument("--lr-scale", type=float, default=1.0,
+                   help="the recipes' learning rates times this (default 1)")
     p.add_argument("--wrap", default="", help="command prefix for each job")
     p.add_argument("--out", default="accuracy", help="output name (.csv, .txt)")
     p.add_argument("--merge", default="", metavar="A,B",
                    help="only merge these outputs (names) into --out's table")
-    p.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.merge:
-        rows = []
+        runs: dict[tuple, dict] = {}  # a later output's run replaces an earlier one's
         for name in args.merge.split(","):
             with open(HERE / f"{name}.csv", newline="") as fh:
-                rows += [{k: (float(v) if k == "val_acc" else int(v) if k == "seed" else v)
-                          for k, v in r.items()} for r in csv.DictReader(fh)]
-        rows.sort(key=lambda r: (r["seed"], r["model"] != "peaks"))
+                for r in csv.DictReader(fh):
+                    r = {k: (float(v) if k == "val_acc" else int(v) if k == "seed" else v)
+                         for k, v in r.items()}
+                    runs[(r["model"], r["sync"], r["optimizer"], r["seed"])] = r
+        rows = sorted(runs.values(), key=lambda r: (
+            r["seed"], r["model"] != "peaks",
+            CONFIGS.index((r["sync"], r["optimizer"]))))
         print(write(rows, args.out))
         return 0
     if args.worker:
-        m, s, o, seed, e, lay = args.worker
-        worker(m, s, o, int(seed), int(e), int(lay))
+        m, s, o, seed, e, lay, scale = args.worker
+        worker(m, s, o, int(seed), int(e), int(lay), float(scale))
         return 0
     from layerpar.apps.launch import mpiexec_path
 
+    configs = [tuple(c.split(":")) for c in args.configs.split(",")]
+    if not all(c in CONFIGS for c in configs):
+        p.error(f"--configs: each must be one of "
+                f"{', '.join(f'{s}:{o}' for s, o in CONFIGS)}, got {args.configs!r}")
     seeds = [int(s) for s in args.seeds.split(",")]
     epochs = {"peaks": args.epochs_peaks, "mnist1d": args.epochs_mnist1d}
     layers = {"peaks": 0, "mnist1d": args.layers_mnist1d}
     rows: list[dict] = []
     for seed in seeds:
         for model in args.models.split(","):
-            for sync, opt in CONFIGS:
+            for sync, opt in configs:
                 cmd = [*args.wrap.split(), str(mpiexec_path()), "-n", "2", sys.executable,
                        str(Path(__file__).resolve()), "--worker", model, sync, opt,
-                       str(seed), str(epochs[model]), str(layers[model])]
+                       str(seed), str(epochs[model]), str(layers[model]),
+                       repr(args.lr_scale)]
                 t0 = time.time()
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                                       env={**__import__("os").environ,

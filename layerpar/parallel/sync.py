@@ -13,9 +13,13 @@ the ranks that hold the same layers in the other replicas.
   the difference from the previous global average, which every node holds alike:
   rounding then costs 2^-9 of the drift since the last exchange, not of the
   parameters, and late, small steps are not rounded away), the node trains on, and
-  S-1 batches later the average is merged, local parameters weighted double
-  (``(2 p + avg) / 3``; with S = 1 the average is fresh and replaces the parameters),
-  and copied to the node's other replicas.  S cycles (4, 2, 1 by default).  Warm-up
+  S-1 batches later the average is merged and copied to the node's other replicas.
+  The merge (``merge=``): ``"progress"`` (the default, delayed averaging) keeps the
+  node's own progress since it sent, on top of the average of what was sent:
+  ``p = avg + (p - p_sent)``; ``"weighted"`` (DASO's published merge) pulls the
+  parameters toward the stale average, local ones weighted double:
+  ``(2 p + avg) / 3``.  With S = 1 both give the average (nothing was trained since
+  the send).  S cycles (4, 2, 1 by default).  Warm-up
   and cool-down batches use synchronous gradient all-reduce.
 - ``"lioncub"`` (`LionCub`, after "Lion Cub: minimizing communication overhead in
   distributed Lion"): no gradient reduction at all.  The `Lion` optimizer's update is
@@ -373,15 +377,21 @@ class DASO(SyncStrategy):
     cycle: the S values, used in turn (batches from one global exchange's start to its
     merge, inclusive: S = 1 is a blocking average); warmup / cooldown: batches of
     synchronous gradient all-reduce at the start / before `total_batches` (cool-down
-    needs it); local_weight: the local parameters' weight in a stale merge
-    (``(w p + avg) / (w + 1)``); global_dtype: the dtype parameters are exchanged in
-    between nodes (None: their own)."""
+    needs it); merge: how a global average of the parameters sent S - 1 batches ago
+    enters the node's parameters p: ``"progress"`` (default) ``p = avg + (p - p_sent)``
+    with p_sent the node's parameters as sent (the node keeps what it trained since),
+    ``"weighted"`` ``(w p + avg) / (w + 1)`` with ``w = local_weight`` (DASO's merge;
+    `local_weight` is used by it only); global_dtype: the dtype parameters are
+    exchanged in between nodes (None: their own)."""
+
+    MERGES = ("progress", "weighted")
 
     name = "daso"
 
     def __init__(self, cycle: Sequence[int] = (4, 2, 1), warmup: int = 0, cooldown: int = 0,
                  total_batches: Optional[int] = None, local_weight: float = 2.0,
-                 global_dtype: Optional[torch.dtype] = torch.bfloat16) -> None:
+                 global_dtype: Optional[torch.dtype] = torch.bfloat16,
+                 merge: str = "progress") -> None:
         super().__init__()
         if isinstance(cycle, int) or not cycle or not all(
                 isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in cycle):
@@ -395,12 +405,15 @@ class DASO(SyncStrategy):
             raise ValueError("`cooldown` needs `total_batches` (when training ends)")
         if not (isinstance(local_weight, (int, float)) and local_weight >= 0):
             raise ValueError(f"`local_weight` must be a number >= 0, got {local_weight!r}")
+        if not isinstance(merge, str) or merge not in self.MERGES:
+            raise ValueError(f"`merge` must be one of {self.MERGES}, got {merge!r}")
         if global_dtype is not None and not isinstance(global_dtype, torch.dtype):
             raise TypeError(f"`global_dtype` must be a torch.dtype or None, got "
                             f"{type(global_dtype).__name__}")
         self.cycle = tuple(cycle)
         self.warmup, self.cooldown, self.total_batches = warmup, cooldown, total_batches
         self.local_weight, self.global_dtype = float(local_weight), global_dtype
+        self.merge = merge
         self.pos = 0  # index into cycle of the exchange in progress or next
         self.pending: Optional[dict[str, Any]] = None
         self.node: Optional[Metered] = None
@@ -415,7 +428,8 @@ class DASO(SyncStrategy):
     def key(self) -> dict[str, Any]:
         return {"sync": self.name, "cycle": self.cycle, "warmup": self.warmup,
                 "cooldown": self.cooldown, "total_batches": self.total_batches,
-                "local_weight": self.local_weight, "global_dtype": str(self.global_dtype)}
+                "local_weight": self.local_weight, "global_dtype": str(self.global_dtype),
+                "merge": self.merge}
 
     def setup(self, grid: ProcessGrid) -> None:
         super().setup(grid)
@@ -458,11 +472,15 @@ class DASO(SyncStrategy):
     def _start(self, b: int, s: Optional[int] = None) -> None:
         s = self.cycle[self.pos] if s is None else s
         pend: dict[str, Any] = {"due": b + s - 1, "S": s, "handle": None, "flat": None,
-                                "avg": None}
+                                "avg": None, "p_sent": None}
+        if self.merge == "progress" and s > 1:
+            # the parameters as sent (every replica of the node holds the same: a
+            # checkpoint saves them per replica); a copy, kept until the merge
+            pend["p_sent"] = _flat(self._params())
         if self.leader and self.glob is not None:
             # an all-gather of the raw bytes: any dtype on any backend (MPI has no
             # bfloat16 sum); the same payload per process as an all-reduce
-            flat = _flat(self._params())
+            flat = _flat(self._params()) if pend["p_sent"] is None else pend["p_sent"]
             if self.ref is not None:
                 flat = (flat.to(self.ref.dtype) - self.ref).to(self.global_dtype or
                                                                 flat.dtype)
@@ -496,10 +514,13 @@ class DASO(SyncStrategy):
             if pend["avg"] is not None:
                 avg = _unflat(pend["avg"], params)
                 w = self.local_weight if pend["S"] > 1 else 0.0
-                for p, a in zip(params, avg):
-                    if w:
+                sent = None if pend["p_sent"] is None else _unflat(pend["p_sent"], params)
+                for i, (p, a) in enumerate(zip(params, avg)):
+                    if sent is not None:  # progress: avg + (p - p_sent)
+                        p.sub_(sent[i]).add_(a.to(p.dtype))
+                    elif self.merge == "weighted" and w:
                         p.mul_(w).add_(a.to(p.dtype)).div_(w + 1.0)
-                    else:
+                    else:  # S = 1 (the average is fresh), or resumed without p_sent
                         p.copy_(a)
                 if not bool(torch.isfinite(_flat(params)).all()):
                     raise DivergenceError("DASO's merged parameters are not finite (NaN or "
@@ -528,15 +549,21 @@ class DASO(SyncStrategy):
 
         pend = self.pending
         avg = named(pend["avg"] if pend is not None else None)
-        parts = self.grid.world.allgather_object((avg, named(self.ref)),
-                                                 "DASO's pending exchange")
+        sent = named(pend["p_sent"] if pend is not None else None)
+        parts = self.grid.world.allgather_object(
+            (avg, named(self.ref), self.grid.data_rank, sent), "DASO's pending exchange")
         merged: dict[str, Tensor] = {}
         ref: dict[str, Tensor] = {}
-        for part, r in parts:
+        # the parameters as sent, per replica (they differ between nodes)
+        by_replica: dict[int, dict[str, Tensor]] = {}
+        for part, r, d, s in parts:
             merged.update(part or {})
             ref.update(r or {})
-        pending = None if pend is None else {"due": pend["due"], "S": pend["S"],
-                                             "avg": merged or None}
+            if s is not None:
+                by_replica.setdefault(d, {}).update(s)
+        pending = None if pend is None else {
+            "due": pend["due"], "S": pend["S"], "avg": merged or None,
+            "p_sent": [by_replica[d] for d in sorted(by_replica)] or None}
         return {"pos": self.pos, "pending": pending, "ref": ref or None}
 
     def _load_extra(self, state: dict[str, Any]) -> None:
@@ -551,8 +578,16 @@ class DASO(SyncStrategy):
         avg = None
         if pend["avg"] is not None and self.leader and self.glob is not None:
             avg = _flat([pend["avg"][n] for n, _ in self.model.named_parameters()])
+        # the parameters as sent by the saved replica this one takes its parameters
+        # from (replica d: saved replica d mod R, as in `load_state_dict`); a state
+        # without them (saved under merge="weighted") merges by replacing
+        sent, p_sent = pend.get("p_sent"), None
+        if sent and self.merge == "progress":
+            assert self.grid is not None
+            p_sent = _flat([sent[self.grid.data_rank % len(sent)][n]
+                            for n, _ in self.model.named_parameters()])
         self.pending = {"due": int(pend["due"]), "S": int(pend["S"]), "handle": None,
-                        "flat": None, "avg": avg}
+                        "flat": None, "avg": avg, "p_sent": p_sent}
 
 
 def majority_bits(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

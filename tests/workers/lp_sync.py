@@ -8,6 +8,11 @@ Every process prints ``RANK <world rank> OK <detail>`` or ``RANK <world rank> <E
              training (SGD with momentum), on 2x2 and 4x1 (2 simulated nodes); in
              bfloat16 (the drift from the last average) within 1.5e-3 on 2x2 (4e-3 when
              the parameters themselves were rounded)
+           - DASO's merges by hand (S = 2, plain SGD, float64, on 2x2 and 4x1 with 2
+             nodes): after batch 1 each replica holds avg + (p_sent - lr g_1)
+             (merge="progress") or (2 (p_sent - lr g_1) + avg) / 3 (merge="weighted"),
+             avg the mean over the replicas of the parameters after batch 0, g_1 its
+             node's gradient of batch 1
            - Lion Cub on 1x4 (one replica) = plain Lion on the serial net
            - Lion Cub on 2x2: the applied step is -lr * sign(sum of the replicas' signs)
            - every strategy: a 2x2 checkpoint with a DASO exchange in flight resumes on
@@ -134,6 +139,35 @@ def case_daso_equals_allreduce():
         f" bf16:{bf16:.1e}"
 
 
+def case_daso_merge():
+    """See the module docstring: the merge computed here from the parameters sent and
+    the gradient of the batch trained meanwhile, against DASO's."""
+    lr, out = 0.1, []
+    for merge in ("progress", "weighted"):
+        for R, L in [(2, 2), (4, 1)]:
+            grid, model, opt = build(R, L, DASO(cycle=(2,), global_dtype=None, merge=merge),
+                                     lambda p: torch.optim.SGD(p, lr=lr), nodes=2)
+            train(model, opt, grid, 0, 1)  # batch 0: the exchange starts (S = 2)
+            sent = [p.detach().clone() for p in model.parameters()]
+            if grid.sync.pending is None or grid.sync.pending["due"] != 1:
+                raise AssertionError(f"DASO {merge} {R}x{L}: no exchange in flight")
+            mine = grid.world.allgather_object((grid.layer_rank, sent), "sent")
+            theirs = [s for q, s in mine if q == grid.layer_rank]
+            avg = [sum(s[i] for s in theirs) / R for i in range(len(sent))]
+            train(model, opt, grid, 1, 2)  # batch 1: trained, then merged
+            local = [s - lr * p.grad for s, p in zip(sent, model.parameters())]
+            want = [a + loc - s if merge == "progress" else (2 * loc + a) / 3
+                    for a, loc, s in zip(avg, local, sent)]
+            err = max(rel(p.detach(), w) for p, w in zip(model.parameters(), want))
+            moved = min(rel(p.detach(), a) for p, a in zip(model.parameters(), avg))
+            close(grid, model)
+            if not (err <= F64.roundoff and moved > 1e-6):
+                raise AssertionError(f"DASO merge={merge} on {R}x{L}: {err} from the "
+                                     f"hand-computed merge (moved from avg {moved})")
+            out.append(f"{merge}:{R}x{L}:{err:.0e}")
+    return "daso merge " + " ".join(out)
+
+
 def case_lioncub():
     # one replica: Lion Cub = plain Lion on the serial net (full batch)
     grid, model, opt = build(1, 4, "lioncub", lambda p: Lion(p, lr=0.01, weight_decay=0.1))
@@ -197,6 +231,13 @@ def case_resume():
         if name == "daso" and saved["pending"]["avg"] is not None:
             back = max(back, max(rel(again["pending"]["avg"][k], v)
                                  for k, v in saved["pending"]["avg"].items()))
+        if name == "daso":  # the parameters as sent, per replica (progress merge)
+            sent = saved["pending"]["p_sent"]
+            if not sent or len(sent) != 2:
+                raise AssertionError("daso: the checkpoint holds no p_sent per replica")
+            back = max(back, max(rel(a[k], v) for a, b in zip(
+                again["pending"]["p_sent"], [sent[d % 2] for d in range(4)])
+                for k, v in b.items()))
         if name == "lioncub":
             back = max(back, max(
                 rel(a["optimizer"]["state"][k]["exp_avg"], b["optimizer"]["state"][k]["exp_avg"])
@@ -214,7 +255,8 @@ def case_resume():
 
 
 def case_correct():
-    return " | ".join(f() for f in (case_daso_equals_allreduce, case_lioncub, case_resume))
+    return " | ".join(f() for f in (case_daso_equals_allreduce, case_daso_merge,
+                                    case_lioncub, case_resume))
 
 
 def case_nan():
