@@ -257,7 +257,14 @@ class AdjointApp(StateOps):
             dx = got[0]
             for name, g in zip(names, got[1:]):
                 prev = rec.grads.get(name)
-                rec.grads[name] = g if prev is None else prev + g  # type: ignore[assignment]
+                g = g if prev is None else prev + g  # type: ignore[assignment,operator]
+                if self.averager is not None:
+                    # row-major, the parameters' layout: under data parallelism the
+                    # rows themselves become `.grad`s (not a concatenated copy), and
+                    # torch's fused CPU Adam reads a non-contiguous gradient wrongly
+                    # (test_grid: one replica against two, with fused Adam)
+                    g = g.contiguous()  # type: ignore[union-attr]
+                rec.grads[name] = g  # type: ignore[assignment]
             if final:
                 self._final_rows(rec, len(rows))
             if cot is lam:

@@ -175,6 +175,9 @@ class TuneResult:
     bound: Optional[AccuracyPolicy] = None
     bound_note: str = ""
     reused: int = 0  # pass times taken from an earlier tuning (`tune`'s `known`)
+    #: the replicated settings timed (built and warm): `AutoTuner.tune` runs the chosen
+    #: one and closes the others
+    kept: dict[Candidate, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def lines(self) -> list[str]:
         """The candidate table and the choice, as text lines."""
@@ -408,6 +411,7 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     t_start = time.perf_counter()
     known = {} if known is None else known
     reused = 0
+    kept: dict[Candidate, ReplicatedSerial] = {}  # timed, warm: the chosen one is used
     ranks = model.size
     rng = torch.get_rng_state()
     table: list[Measurement] = []
@@ -422,8 +426,10 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
             rep.training = model.training
             try:
                 best_t = _time_passes(model, rep, x, y, loss_fn, repeats)
-            finally:
+            except BaseException:
                 rep.close()
+                raise
+            kept[Candidate(1, replicated=True)] = rep
         table.append(Measurement(Candidate(1, replicated=True), best_t, 0.0, 1.0, True))
         limit = None if steps is None else BUDGET * best_t * steps
     best: Optional[Candidate] = None
@@ -452,8 +458,10 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
             rep.training = model.training
             try:
                 t_split = _time_passes(model, rep, x, y, loss_fn, repeats)
-            finally:
+            except BaseException:
                 rep.close()
+                raise
+            kept[split] = rep
         table.append(Measurement(split, t_split, 0.0, 1.0, True))
         best_t = min(best_t, t_split)
     if Candidate(1) not in known and over(EXACT_SETUP + (repeats + 1) * best_t):
@@ -542,7 +550,8 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     if bound is None:
         note = (f"to be measured ({policy.noise_fraction:g} x the batch's gradient noise)"
                 "; no MGRIT candidate needed it")
-    return TuneResult(table, choice, reason, spent, ranks, batch, noise, bound, note, reused)
+    return TuneResult(table, choice, reason, spent, ranks, batch, noise, bound, note, reused,
+                      kept)
 
 
 def _surrogate_loss(out: Tensor, y: Any) -> Tensor:
@@ -616,14 +625,17 @@ class AutoTuner:
         old, self.chosen = self.chosen, None
         _drop(old)
         cand = got.choice.candidate
+        kept, got.kept = got.kept, {}
         if cand.replicated:
-            self.chosen = ReplicatedSerial(model, split=cand.split)
+            self.chosen = kept.pop(cand, None) or ReplicatedSerial(model, split=cand.split)
         else:
             self.chosen = _build(model, cand, None if cand.exact else self.bound)
             ctl = self.chosen.accuracy
             if ctl is not None and ctl.costs is not None:  # the tuning's timings count
                 exact = next(m for m in got.table if m.candidate.exact)
                 ctl.costs.add(got.choice.seconds, exact.seconds)
+        for other in kept.values():
+            other.close()
         model.accuracy = self.chosen.accuracy
         return got
 

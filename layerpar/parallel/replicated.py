@@ -18,6 +18,12 @@ net's, on every rank.
   with them.  Every pass: a fused optimizer (``torch.optim.Adam(fused=True)``)
   writes in place without bumping version counters, so no cheaper test of change
   is reliable.
+- **Batch split** (``split=True``; `split_supported`: not with batch norm, whose
+  statistics would be a share's).  Every rank runs the whole net on its share of the
+  batch's rows; the outputs are all-gathered, so every rank holds the whole output
+  and loss; backward, each rank back-propagates its rows, one all-reduce sums the
+  parameter (and input) gradients, and each keeps its own parameters' sums: the
+  batch's gradient to round-off, the arithmetic shared over the ranks.
 - **Identical on every rank.**  The same input, the same parameter values and the
   same code on every rank give the same output and loss; each rank's gradients are
   those of the serial net for its own layers.
@@ -117,7 +123,6 @@ class _SplitBatch(torch.autograd.Function):
             at += t.numel()
         dx_all = flat[at:].view(ctx.n, *ctx.xl.shape[1:]) if ctx.xl.requires_grad else None
         own = [sums[i] for i in rep._own_at]
-        ctx.out = ctx.xl = None
         return (None, None, dx_all, *own)
 
 
