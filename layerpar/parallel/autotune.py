@@ -417,20 +417,28 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     table: list[Measurement] = []
     best_t = math.inf  # the time to beat
     limit: Optional[float] = None
-    if supported(model) is None:  # replicated serial, refresh included in its time
-        if Candidate(1, replicated=True) in known:
-            best_t = known[Candidate(1, replicated=True)]
+
+    def replicated(cand: Candidate) -> float:
+        """A replicated setting's pass time (refresh included): known, or timed on a
+        new instance, kept warm for `AutoTuner.tune` to run if it is chosen."""
+        nonlocal reused
+        if cand in known:
             reused += 1
+            t = known[cand]
         else:
-            rep = ReplicatedSerial(model)
+            rep = ReplicatedSerial(model, split=cand.split)
             rep.training = model.training
             try:
-                best_t = _time_passes(model, rep, x, y, loss_fn, repeats)
+                t = _time_passes(model, rep, x, y, loss_fn, repeats)
             except BaseException:
                 rep.close()
                 raise
-            kept[Candidate(1, replicated=True)] = rep
-        table.append(Measurement(Candidate(1, replicated=True), best_t, 0.0, 1.0, True))
+            kept[cand] = rep
+        table.append(Measurement(cand, t, 0.0, 1.0, True))
+        return t
+
+    if supported(model) is None:  # replicated serial
+        best_t = replicated(Candidate(1, replicated=True))
         limit = None if steps is None else BUDGET * best_t * steps
     best: Optional[Candidate] = None
     stopped = False
@@ -450,20 +458,7 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     split = Candidate(1, replicated=True, split=True)  # rows shared over the ranks
     if split_supported(model) is None and x.shape[0] >= ranks and (
             split in known or not over((repeats + 1) * best_t)):
-        if split in known:
-            t_split = known[split]
-            reused += 1
-        else:  # every rank runs the whole net on its share of the rows
-            rep = ReplicatedSerial(model, split=True)
-            rep.training = model.training
-            try:
-                t_split = _time_passes(model, rep, x, y, loss_fn, repeats)
-            except BaseException:
-                rep.close()
-                raise
-            kept[split] = rep
-        table.append(Measurement(split, t_split, 0.0, 1.0, True))
-        best_t = min(best_t, t_split)
+        best_t = min(best_t, replicated(split))
     if Candidate(1) not in known and over(EXACT_SETUP + (repeats + 1) * best_t):
         stopped = True  # a small net: the budget has no room for exact propagation
     else:
