@@ -40,6 +40,7 @@ import torch
 
 from ..defaults import TRAINING
 from ..mgrit import MGRITOptions, grid_time, solve
+from .launch import world_comm
 from .loop import train_step
 from .nets import sequential_twin
 
@@ -340,11 +341,7 @@ def _engines_main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="smaller solve, 3 repeats")
     p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
     args = p.parse_args(argv)
-    comm = None
-    from mpi4py import MPI
-
-    if MPI.COMM_WORLD.Get_size() > 1:
-        comm = MPI.COMM_WORLD
+    comm = world_comm()
     torch.set_num_threads(1)
     ctx = BenchContext(quick=args.quick, repeats=3 if args.quick else 7, comm=comm)
     rows = engine_rows(ctx)
@@ -482,14 +479,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             p.error(f"`--csv` {args.csv} cannot be written (a folder, or in a folder that "
                     f"is missing or read-only)")
 
-    comm = None
-    try:
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.Get_size() > 1:
-            comm = MPI.COMM_WORLD
-    except ImportError:
-        pass
+    comm = world_comm()
     size = 1 if comm is None else comm.Get_size()
     torch.set_num_threads(max(1, args.threads))
     ctx = BenchContext(quick=args.quick, repeats=args.repeats or (3 if args.quick else 5),

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Optional, Union
 
-__all__ = ["LAUNCHERS", "JobStatus", "job_command", "kill_job", "load_average",
+__all__ = ["LAUNCHERS", "JobStatus", "job_command", "kill_job", "load_average", "world_comm",
            "mpiexec_path", "run_job", "run_worker_job"]
 
 #: how a job's processes are started: MPI (mpi4py) or torch.distributed's elastic agent
@@ -70,6 +70,16 @@ def job_command(nprocs: int, python_args: Sequence[str], launcher: str = "mpiexe
             f"no mpiexec found beside {sys.executable} or on PATH; install one with "
             f"`pip install \"layerpar[mpich]\"` (or use your cluster's MPI)")
     return [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", *python_args]
+
+
+def world_comm() -> Any:
+    """``MPI.COMM_WORLD`` when this process is one of several mpiexec ranks, else None
+    (one process, or no mpi4py)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
 
 
 def load_average() -> tuple[float, float, float]:

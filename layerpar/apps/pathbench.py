@@ -26,6 +26,7 @@ from ..defaults import TRAINING
 from ..ode import blocks
 from ..ode.net import ODENet, Segment
 from .bench import write_dict_rows
+from .launch import world_comm
 from .loop import train_step
 
 FWD, BWD = TRAINING.fwd_options(), TRAINING.bwd_options()
@@ -79,14 +80,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], ODENet], tuple, int]]:
 def _worker(args: argparse.Namespace) -> None:
     from ..parallel import LayerParallel
 
-    comm = None
-    try:
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.Get_size() > 1:
-            comm = MPI.COMM_WORLD
-    except ImportError:
-        pass
+    comm = world_comm()
     rank, size = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
     torch.set_num_threads(1)
     for name, make, shape, classes in cases(args.quick):

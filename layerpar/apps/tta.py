@@ -110,16 +110,12 @@ def worker(argv: list[str]) -> int:
     """``python -m layerpar.apps.tta worker OUT.json PROBLEM [train options]``: train (on
     the ranks of the MPI job, if any) and write the history as JSON from rank 0."""
     from . import cli
+    from .launch import world_comm
     from .train import train_from_arguments
 
     out, rest = argv[0], argv[1:]
     args = cli.parse_args(["train", *rest])
-    comm = None
-    if cli.under_mpi():
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.Get_size() > 1:
-            comm = MPI.COMM_WORLD
+    comm = world_comm() if cli.under_mpi() else None
     res = train_from_arguments(args.model, args, comm)
     if comm is None or comm.Get_rank() == 0:
         keep = {k: getattr(res, k) for k in ("history", "auto_log", "auto_choice", "accuracy_log",
