@@ -235,8 +235,9 @@ class ReplicatedSerial:
         runs before every pass: a fused optimizer (``torch.optim.Adam(fused=True)``)
         writes parameters in place without bumping their version counters, so no
         cheaper sign of change is reliable, and the exchange costs a copy of the
-        parameters (0.25 ms a pass on Peaks at 2 ranks, where the pickled exchange it
-        replaces cost 1 ms of 5)."""
+        parameters (0.21 ms a pass on Peaks at 2 ranks; the pickled exchange it
+        replaces took 0.25 ms where versions had moved, and with a fused optimizer
+        also concatenated and compared every tensor on every pass)."""
         pending = []
         with torch.no_grad():
             for send, recv, mine, mine_at, _, _ in self._xchg:
