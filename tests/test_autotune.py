@@ -301,7 +301,9 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
     assert model.accuracy.policy == got.bound
     assert model.accuracy.policy.check_backoff == at.CHECK_BACKOFF
     # a later check measures the noise again (on another batch here) and holds the
-    # chosen setting to that bound
+    # chosen setting to that bound (forced: this batch's noise pins the bound at the
+    # cap, which is re-measured every few checks only, see the next test)
+    model._auto.noise = None
     x2 = x.flip(0)
     model.check_gradients(x2, y.flip(0), torch.nn.functional.cross_entropy)
     noise2 = at.gradient_noise(model, x2, y.flip(0), torch.nn.functional.cross_entropy)
@@ -314,6 +316,62 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
     got = model.tune(x, y, torch.nn.functional.cross_entropy)
     assert got.noise is None and got.bound == explicit and "given" in got.bound_note
     assert got.choice.candidate.exact
+    model.close()
+
+
+def test_tuning_runs_the_exact_pass_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The candidates checked on the tuning's batch share one exact pass
+    (`exact_reference`), and their errors are those of a check that runs its own."""
+    _fixed_cost(monkeypatch)
+    net, x, y = _stiff_batch(20.0)  # nothing within: every MGRIT candidate is checked
+    model = LayerParallel(net, None, "auto", accuracy=AccuracyPolicy(max_rel_error=1e-6))
+    refs: list[Any] = []
+    make = at.exact_reference
+    monkeypatch.setattr(at, "exact_reference", lambda *a: refs.append(make(*a)) or refs[-1])
+    got = model.tune(x, y, torch.nn.functional.cross_entropy)
+    checked = [m for m in got.table if m.rel_error is not None and not m.candidate.exact]
+    assert len(checked) >= 4 and len(refs) == 1, got.lines()
+    for m in checked:  # the same error as a check with an exact pass of its own
+        twin = at._build(model, m.candidate, None)
+        alone = twin.check_gradients(x, y, torch.nn.functional.cross_entropy)
+        assert alone.param_grad_error == m.rel_error and alone.cosine == m.cosine
+        at._drop(twin)
+    model.close()
+
+
+def test_pinned_bound_measures_the_noise_every_few_checks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check measures the gradient noise again, unless the last measurement pinned
+    the bound at NOISE_CAP with NOISE_MARGIN to spare: then every NOISE_EVERY-th."""
+    _fixed_cost(monkeypatch)
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, "auto")
+    model.tune(x, y, torch.nn.functional.cross_entropy)
+    auto = model._auto
+    assert model.accuracy is not None, auto.results[-1].lines()
+    calls: list[float] = []
+    noise = at.gradient_noise
+
+    def counted(*a: Any) -> Any:
+        calls.append(1.0)
+        return noise(*a)
+
+    monkeypatch.setattr(at, "gradient_noise", counted)
+    frac = at.NOISE_FRACTION
+    # below the margin: every check measures it
+    auto.noise = 0.99 * at.NOISE_MARGIN * at.NOISE_CAP / frac
+    model.check_gradients(x, y, torch.nn.functional.cross_entropy)
+    assert len(calls) == 1 and auto.noise == noise(model, x, y,
+                                                   torch.nn.functional.cross_entropy)
+    # pinned with room (as when the batch noise is large): every NOISE_EVERY-th check
+    calls.clear()
+    auto.noise, auto.checks_since_noise = 1.01 * at.NOISE_MARGIN * at.NOISE_CAP / frac, 0
+    bound = model.accuracy.policy
+    for k in range(1, 2 * at.NOISE_EVERY + 1):
+        model.check_gradients(x, y, torch.nn.functional.cross_entropy)
+        assert len(calls) == k // at.NOISE_EVERY, (k, len(calls))
+        if k < at.NOISE_EVERY:  # skipped: the bound in force is unchanged
+            assert model.accuracy.policy is bound
     model.close()
 
 

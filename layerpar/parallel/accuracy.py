@@ -13,6 +13,10 @@ Nothing the training sees changes: gradients come from `torch.autograd.grad` (no
 is put back (both solves draw the same dropout masks: those the next training pass
 would draw), batch-norm running statistics are put back, and so are
 `model.last_forward` / `model.last_backward`.
+
+Several checks of one batch at the same parameter values (auto-tuning compares each
+candidate setting with exact propagation on its first batch) share one exact pass:
+`exact_reference` runs it once, and ``check_gradients(..., reference=...)`` reuses it.
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ if TYPE_CHECKING:
     from ..mgrit.result import MGRITResult
     from .model import LayerParallel
 
-__all__ = ["GradientCheck", "check_gradients"]
+__all__ = ["ExactReference", "GradientCheck", "check_gradients", "exact_reference"]
+
 
 @dataclass(frozen=True)
 class GradientCheck:
@@ -121,6 +126,91 @@ def _grads(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, A
     return out.detach(), loss.detach(), gx, gp
 
 
+@dataclass(frozen=True)
+class ExactReference:
+    """One batch's exact pass, as `check_gradients` compares with it: the output, the
+    loss, the input gradient, this rank's parameter gradients and the pass's seconds
+    (this rank's clock).  Valid for the same `x`, `y`, loss and parameter values only;
+    `check_gradients` checks that it is given the same `x` and `y` objects and the
+    same parameter tensors, the caller that no parameter was written in between."""
+
+    x: Tensor
+    y: Any
+    params: tuple[int, ...]  # ids of the parameters the gradients belong to
+    out: Tensor
+    loss: Tensor
+    input_grad: Tensor
+    param_grads: tuple[Tensor, ...]
+    seconds: float
+
+
+def _check_params(model: LayerParallel) -> tuple[list[Tensor], dict[int, Optional[int]]]:
+    """This rank's trainable parameters (its own layers) and the segment each belongs
+    to (None: a plain layer)."""
+    params: list[Tensor] = []
+    group: dict[int, Optional[int]] = {}
+    for k, (kind, info) in enumerate(model.layer_kinds):
+        for p in model.layers[k].parameters():
+            if p.requires_grad and id(p) not in group:
+                params.append(p)
+                group[id(p)] = info if kind == "segment" else None
+    return params, group
+
+
+class _Restore:
+    """Puts back what a measuring pass may change: the random generators (CPU and,
+    where initialised, CUDA), the buffers (batch-norm statistics) and the model's
+    last solve statistics.  `rng()` puts the generators back alone (so that two
+    passes draw the same dropout masks); leaving the `with` puts back everything."""
+
+    def __init__(self, model: LayerParallel) -> None:
+        self.model = model
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self._rng = torch.get_rng_state()
+        self._rng_cuda = torch.cuda.get_rng_state_all() if cuda else None
+        self._buffers = list(model.buffers())
+        self._saved = [b.detach().clone() for b in self._buffers]
+        self._stats = (model.last_forward, model.last_backward)
+
+    def rng(self) -> None:
+        torch.set_rng_state(self._rng)
+        if self._rng_cuda is not None:
+            torch.cuda.set_rng_state_all(self._rng_cuda)
+
+    def buffers(self) -> None:
+        with torch.no_grad():
+            for b, s in zip(self._buffers, self._saved):
+                b.copy_(s)
+
+    def __enter__(self) -> _Restore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.rng()
+        self.buffers()
+        self.model.last_forward, self.model.last_backward = self._stats
+
+
+def _exact(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
+           params: list[Tensor]) -> ExactReference:
+    t0 = time.perf_counter()
+    with model.exact():
+        out, loss, gx, gp = _grads(model, x, y, loss_fn, params)
+    return ExactReference(x, y, tuple(id(p) for p in params), out, loss, gx, tuple(gp),
+                          time.perf_counter() - t0)
+
+
+def exact_reference(model: LayerParallel, x: Tensor, y: Any,
+                    loss_fn: Callable[[Tensor, Any], Tensor]) -> ExactReference:
+    """The exact pass `check_gradients` compares with, run once (collective) for
+    several checks of this batch at these parameter values (models sharing the
+    parameter tensors: `LayerParallel.like`).  Nothing the training sees changes."""
+    _check_arguments(model, x, y, loss_fn)
+    params, _ = _check_params(model)
+    with _Restore(model):
+        return _exact(model, x, y, loss_fn, params)
+
+
 def _sq(t: Tensor) -> float:
     return float(torch.sum(t.detach().to(torch.float64) ** 2))
 
@@ -164,58 +254,39 @@ def _check_arguments(model: LayerParallel, x: Any, y: Any, loss_fn: Any) -> None
 
 
 def check_gradients(model: LayerParallel, x: Tensor, y: Any,
-                    loss_fn: Callable[[Tensor, Any], Tensor]) -> GradientCheck:
+                    loss_fn: Callable[[Tensor, Any], Tensor], *,
+                    reference: Optional[ExactReference] = None) -> GradientCheck:
     """Compare one batch's inexact gradient with the exact one (collective).
 
     Every rank calls it with the same `x` and `y`.  The batch runs once with the
     model's options and once exactly (`LayerParallel.exact`: sequential solves on the
     same plan and ranks); see the module docstring for what is left unchanged.  Returns a
     `GradientCheck`, identical on every rank.
+
+    reference: the exact pass of this batch, from `exact_reference` (several checks
+    of one batch at the same parameter values run it once); None runs it here.
     """
     _check_arguments(model, x, y, loss_fn)
-    # this rank's trainable parameters (its own layers), and the segment each belongs
-    # to (None: a plain layer)
-    params: list[Tensor] = []
-    group: dict[int, Optional[int]] = {}
-    kinds = model.layer_kinds
-    for k, (kind, info) in enumerate(kinds):
-        for p in model.layers[k].parameters():
-            if p.requires_grad and id(p) not in group:
-                params.append(p)
-                group[id(p)] = info if kind == "segment" else None
-    n_segments = sum(1 for kind, _ in kinds if kind == "segment")
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    rng = torch.get_rng_state()
-    rng_cuda = torch.cuda.get_rng_state_all() if cuda else None
-    buffers = list(model.buffers())
-    saved_buffers = [b.detach().clone() for b in buffers]
-    saved_stats = (model.last_forward, model.last_backward)
-
-    def put_rng_back() -> None:
-        torch.set_rng_state(rng)
-        if rng_cuda is not None:
-            torch.cuda.set_rng_state_all(rng_cuda)
-
-    try:
+    params, group = _check_params(model)
+    n_segments = sum(1 for kind, _ in model.layer_kinds if kind == "segment")
+    if reference is not None and not (reference.x is x and reference.y is y and
+                                      reference.params == tuple(id(p) for p in params)):
+        raise ValueError("`reference` was measured on another batch or other parameters "
+                         "(it must come from exact_reference on this x, y and a model "
+                         "sharing these parameter tensors)")
+    with _Restore(model) as restore:
         t0 = time.perf_counter()
         out_i, loss_i, gx_i, gp_i = _grads(model, x, y, loss_fn, params)
         t_inexact = time.perf_counter() - t0
         fwd_it, fwd_res = _final(model.last_forward)
         bwd_it, bwd_res = _final(model.last_backward)
-        put_rng_back()  # the same dropout masks in both solves
-        with torch.no_grad():
-            for b, s in zip(buffers, saved_buffers):
-                b.copy_(s)  # and the same batch-norm statistics
-        t0 = time.perf_counter()
-        with model.exact():
-            out_e, loss_e, gx_e, gp_e = _grads(model, x, y, loss_fn, params)
-        t_exact = time.perf_counter() - t0
-    finally:
-        put_rng_back()
-        with torch.no_grad():
-            for b, s in zip(buffers, saved_buffers):
-                b.copy_(s)
-        model.last_forward, model.last_backward = saved_stats
+        if reference is None:
+            restore.rng()  # the same dropout masks in both solves
+            restore.buffers()  # and the same batch-norm statistics
+            reference = _exact(model, x, y, loss_fn, params)
+    out_e, loss_e, gx_e, gp_e = (reference.out, reference.loss, reference.input_grad,
+                                 reference.param_grads)
+    t_exact = reference.seconds
 
     # this rank's sums; the output, loss and input gradient are the same on every rank
     seg_d2, seg_e2 = [0.0] * n_segments, [0.0] * n_segments

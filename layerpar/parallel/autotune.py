@@ -24,7 +24,8 @@ fast a setting runs depends on the machine, so neither can be fixed in advance.
    first pass above `GIVE_UP` times the time to beat ends it there); if it is no
    faster than the best candidate found so far it is dropped (more iterations
    would only cost more), else its gradient error is measured with
-   `check_gradients` against exact propagation.
+   `check_gradients` against exact propagation (one exact pass of the batch, run
+   for the first candidate checked, serves them all: `exact_reference`).
    The first iteration counts within the bound end that structure's ladder.
 
    **The bound.**  Given explicitly (`AccuracyPolicy` with `min_cosine` /
@@ -74,7 +75,7 @@ from torch import Tensor
 
 from ..mgrit.grid import build_levels
 from ..mgrit.options import MGRITOptions
-from .accuracy import GradientCheck, _sq, check_gradients
+from .accuracy import ExactReference, GradientCheck, _sq, check_gradients, exact_reference
 from .adaptive import AccuracyPolicy
 from .replicated import ReplicatedSerial, split_supported, supported
 
@@ -101,6 +102,16 @@ NOISE_CAP = 0.2
 #: auto's checks of the chosen setting: every 10 batches at first, up to every 80
 #: while they stay within the bound (`AccuracyPolicy.check_backoff`)
 CHECK_BACKOFF = 8
+
+#: a check re-measures the batch's gradient noise (two exact half-batch passes, as
+#: much as the check itself) unless the last measurement pinned the bound at
+#: `NOISE_CAP` with this margin (``NOISE_FRACTION x noise >= NOISE_MARGIN x
+#: NOISE_CAP``: the noise would have to fall below 1/`NOISE_MARGIN` of itself to move
+#: the bound) ...
+NOISE_MARGIN = 2.0
+#: ... and then at every `NOISE_EVERY`-th check only (noise grows as training
+#: converges; this catches it where it falls)
+NOISE_EVERY = 4
 
 
 def auto_policy(policy: Optional[AccuracyPolicy]) -> AccuracyPolicy:
@@ -494,6 +505,8 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
                            > NOISE_CAP else ""))
         return bound
 
+    exact: list[ExactReference] = []  # the batch's exact pass, run for the first check
+
     def measure(cand: Candidate) -> Measurement:
         nonlocal reused
         t = known.get(cand)
@@ -509,7 +522,9 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
                 return Measurement(cand, t)
             limit_ = held_to()
             torch.set_rng_state(rng)
-            check = check_gradients(twin, x, y, loss_fn)
+            if not exact:
+                exact.append(exact_reference(model, x, y, loss_fn))
+            check = check_gradients(twin, x, y, loss_fn, reference=exact[0])
             return Measurement(cand, t, check.param_grad_error, check.cosine,
                                _within(check, limit_))
         finally:
@@ -573,6 +588,9 @@ class AutoTuner:
     chosen: Optional[Any] = None  # LayerParallel or ReplicatedSerial
     batches: int = 0  # forward passes run through `chosen` (training and evaluation)
     remeasured: Optional[AccuracyPolicy] = None  # the bound measured at the last check
+    #: the last gradient noise measured (tuning or check) and the checks since then
+    noise: Optional[float] = None
+    checks_since_noise: int = 0
     #: the passes the training will run in all (from the first `tune` given `steps`):
     #: a re-tuning's budget is taken from the steps still to come
     steps: Optional[int] = None
@@ -617,6 +635,8 @@ class AutoTuner:
             known.setdefault(m.candidate, m.seconds)
         self.results.append(got)
         self.remeasured = None
+        if got.noise is not None:
+            self.noise, self.checks_since_noise = got.noise, 0
         old, self.chosen = self.chosen, None
         _drop(old)
         cand = got.choice.candidate
@@ -649,18 +669,35 @@ class AutoTuner:
         """`check_gradients` of the chosen setting (the adaptive policy observes it);
         outside the bound, tune again on this batch.  With the measured bound, the
         batch's gradient noise is measured again first (it grows as training
-        converges), and the chosen setting's controller is held to the new bound."""
+        converges), and the chosen setting's controller is held to the new bound;
+        where the last measurement left the bound pinned at its cap with room to
+        spare, only every few checks (`noise_due`: it costs as much as the check)."""
         assert self.chosen is not None
         ctl = self.chosen.accuracy
         if self.policy.noise_fraction is not None and ctl is not None:
-            noise = gradient_noise(model, x, y, loss_fn)
-            if noise is not None:
-                self.remeasured = self.policy.measured(noise, NOISE_CAP)
-                ctl.policy = self.remeasured
+            if self.noise_due():
+                noise = gradient_noise(model, x, y, loss_fn)
+                self.checks_since_noise = 0
+                if noise is not None:
+                    self.noise = noise
+                    self.remeasured = self.policy.measured(noise, NOISE_CAP)
+                    ctl.policy = self.remeasured
+            else:
+                self.checks_since_noise += 1
         got = self.chosen.check_gradients(x, y, loss_fn)
         if not _within(got, self.bound) and len(self.results) <= self.max_retunes:
             self.tune(model, x, y, loss_fn)
         return got
+
+    def noise_due(self) -> bool:
+        """Whether a check should measure the gradient noise again: always, unless
+        the last measurement pinned the bound at `NOISE_CAP` with `NOISE_MARGIN` to
+        spare; then every `NOISE_EVERY`-th check (the same on every rank: the noise
+        is reduced over the ranks)."""
+        frac = self.policy.noise_fraction
+        if self.noise is None or frac is None or frac * self.noise < NOISE_MARGIN * NOISE_CAP:
+            return True
+        return self.checks_since_noise + 1 >= NOISE_EVERY
 
     def close(self) -> None:
         _drop(self.chosen)

@@ -28,6 +28,7 @@ from torch.nn import functional as F
 
 import layerpar
 from layerpar.ode import Segment, blocks
+from layerpar.parallel.accuracy import check_gradients, exact_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
 from tolerances import SOLVER_TOL  # noqa: E402
@@ -179,6 +180,20 @@ def one_case(comm: Any, name: str) -> dict[str, Any]:
             assert p.grad is b[0] and torch.equal(p.grad, b[1]), ".grad changed"
     again = model.check_gradients(x, y, F.cross_entropy)  # exact mode again, same result
     assert again == got, (again, got)
+    # the exact pass run once and reused (as auto-tuning's checks of one batch do): the
+    # same result, and again nothing the training sees moved
+    ref = exact_reference(model, x, y, F.cross_entropy)
+    assert torch.equal(torch.get_rng_state(), rng), "the random generator moved"
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), buffers)), "buffers moved"
+    assert (model.last_forward, model.last_backward) == stats
+    for _ in range(2):
+        shared = check_gradients(model, x, y, F.cross_entropy, reference=ref)
+        assert shared == got, (shared, got)
+    try:  # a reference of another batch is refused (on every rank alike: same x)
+        check_gradients(model, x.clone(), y, F.cross_entropy, reference=ref)
+        raise AssertionError("a reference of another batch was accepted")
+    except ValueError as e:
+        assert "`reference`" in str(e)
     model.eval()
     model.check_gradients(x, y, F.cross_entropy)  # eval mode: runs, mode kept
     assert not model.training and not any(m.training for m in model.modules())
