@@ -8,6 +8,7 @@ import csv
 from pathlib import Path
 
 import pytest
+import torch
 
 from layerpar.apps import bench, tta
 from layerpar.apps.launch import mpiexec_path
@@ -50,3 +51,54 @@ def test_tta_bad_values(argv: list[str], flag: str, capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit) as exc:
         bench.main(["tta", *argv])
     assert exc.value.code == 2 and f"`{flag}`" in capsys.readouterr().err
+
+
+def test_captured_serial_baseline_is_serial_training() -> None:
+    """On CUDA the serial baseline also runs captured (`SERIAL_CAPTURED`: direct mode
+    at one rank, which ``layerpar train`` captures); here on the CPU (eager) it trains
+    exactly what ``--serial`` trains: same losses and accuracies, epoch by epoch."""
+    case = tta.Case("t", "peaks", "Peaks tiny", 2, ("--layers", "8", "--batch-size", "500"))
+    serial, _ = tta._launch(case, ["--serial"], 1, 1, 120)
+    direct, _ = tta._launch(case, [*tta.SERIAL_CAPTURED, "--device", "cpu"], 1, 1, 120)
+    assert direct["step_mode"].startswith("eager")  # captured only on CUDA
+    for a, b in zip(serial["history"], direct["history"], strict=True):
+        assert a["val_acc"] == b["val_acc"]
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+
+
+def test_cuda_case_runs_both_serial_baselines(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    """The plan of a CUDA case (launches recorded, not run: no GPU here): serial
+    eagerly, serial captured, then auto; the target is the eager run's, and the summary
+    gives each time against the eager and against the fastest serial baseline."""
+    launched: list[list[str]] = []
+
+    def fake(case: tta.Case, extra: list[str], nprocs: int, threads: int, timeout: object
+             ) -> tuple[dict, float]:
+        launched.append(extra)
+        k = len(launched)  # eager 10 s, captured 4 s, auto 2 s per epoch
+        per = {1: 10.0, 2: 4.0, 3: 2.0}[k]
+        hist = [{"epoch": e, "train_seconds": per * e, "val_acc": 0.5 + 0.1 * e,
+                 "val_loss": 1.0, "train_loss": 1.0} for e in (1, 2, 3)]
+        return ({"history": hist, "summary": "s", "step_mode": "captured" if k < 3 else
+                 "eager (not captured: auto/adaptive settings change between batches)",
+                 "auto_choice": "L3 cf8 1/1", "auto_log": ["auto: chose L3"],
+                 "accuracy_log": []}, 1.0)
+
+    monkeypatch.setattr(tta, "_launch", fake)
+    case = tta.Case("a", "mnist1d", "dense", 3)
+    runs, target, _ = tta.run_case(case, 1, say=lambda _: None, probe=(1, {1: 0.1}, 10),
+                                   device="cuda")
+    assert launched[0] == ["--serial", "--device", "cuda"]
+    assert launched[1] == [*tta.SERIAL_CAPTURED, "--device", "cuda"]
+    assert launched[2][0] == "--auto" and "cuda" in launched[2]
+    assert [r.serial for r in runs] == [True, True, False]
+    assert runs[1].method == "serial (CUDA graph, cuda)"
+    assert target == pytest.approx(runs[0].best_acc - 0.005)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a test GPU")
+    tta._write(tmp_path, [(case, runs, target)], "cmd", False, "0", device="cuda")
+    rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
+    # target 0.795: every run reaches it at epoch 3
+    assert [r["time_vs_serial"] for r in rows] == ["1.00", "0.40", "0.20"]
+    assert [r["time_vs_best_serial"] for r in rows] == ["2.50", "1.00", "0.50"]
+    assert "auto: chose L3" in (tmp_path / "README.md").read_text()

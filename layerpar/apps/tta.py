@@ -5,7 +5,8 @@
 
 For each case, the best serial training on this machine (plain `ODENet` with
 autograd, at the torch thread count that runs a batch fastest here: each count from 1
-to the cores this process may use, in powers of two, is timed on a few batches) and
+to the cores this process may use, in powers of two, is timed on a few batches; on
+CUDA also the serial step captured in one CUDA graph, `SERIAL_CAPTURED`) and
 layer-parallel training with settings chosen by measurement (``layerpar train --auto
 --np N``) train the same network from the same seed: same data split, batch order,
 initial weights, optimiser (Adam) and learning-rate schedule (cosine over the run).
@@ -88,6 +89,7 @@ class Run:
     settings: str
     wall_seconds: float
     log: list[str] = field(default_factory=list)
+    serial: bool = False  # a serial baseline (the first one sets the target)
 
     @property
     def best_acc(self) -> float:
@@ -192,6 +194,13 @@ def expected_seconds(case: Case, step: float, steps_per_epoch: int, runs: int = 
     return runs * 1.1 * step * steps_per_epoch * case.epochs
 
 
+#: ``layerpar train`` options of the captured serial baseline on CUDA: one rank in
+#: direct mode (``--levels 1``: plain serial autograd through the same modules, what
+#: `LayerParallel` runs at one rank), no residual tolerance, so that ``layerpar train``
+#: captures each step with `layerpar.parallel.capture_step`
+SERIAL_CAPTURED: tuple[str, ...] = ("--levels", "1", "--tol", "0")
+
+
 def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any = print,
              probe: Optional[tuple[int, dict[int, float], int]] = None,
              device: str = "cpu", bounds: tuple[Optional[float], ...] = (None,)
@@ -200,7 +209,8 @@ def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any 
     gradient-error bound in `bounds` (``--max-grad-error``; None: the default bound):
     the runs, the target accuracy and the serial step time per thread count (`probe`:
     what `best_threads` measured, if it already ran).  On ``device="cuda"`` both train on
-    the GPU (serial eagerly; the thread probe is still the host's)."""
+    the GPU (the thread probe is still the host's), and serial twice: eagerly (the
+    target's run) and captured in one CUDA graph per step (`SERIAL_CAPTURED`)."""
     threads, per, _ = best_threads(case) if probe is None else probe
     dev = ["--device", device]
     say(f"[{case.key}] {case.label}: serial step "
@@ -210,8 +220,15 @@ def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any 
     got, wall = _launch(case, ["--serial", *dev], 1, threads, timeout)
     where = "" if device == "cpu" else f", {device}"
     runs.append(Run(f"serial ({threads} thr{where})", 1, threads, got["history"],
-                    "serial autograd", wall))
+                    "serial autograd", wall, serial=True))
     say(f"[{case.key}]   serial: {got['summary']} ({wall:.0f} s wall)")
+    if device == "cuda":
+        got, wall = _launch(case, [*SERIAL_CAPTURED, *dev], 1, threads, timeout)
+        mode = got.get("step_mode", "?")
+        runs.append(Run(f"serial ({'CUDA graph' if mode == 'captured' else mode}{where})",
+                        1, threads, got["history"], f"serial autograd (direct mode), {mode}",
+                        wall, serial=True))
+        say(f"[{case.key}]   serial, captured: {got['summary']} ({wall:.0f} s wall)")
     for bound in bounds:
         extra = [] if bound is None else ["--max-grad-error", repr(bound)]
         got, wall = _launch(case, ["--auto", *dev, *extra], nprocs, 1, timeout)
@@ -244,16 +261,23 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
     rows = []
     for case, runs, target in results:
         serial_s = runs[0].to_target(target)[0]
+        reached = [t for t in (r.to_target(target)[0] for r in runs if r.serial)
+                   if t is not None]
+        best_s = min(reached) if reached else None
+
+        def ratio(s: Optional[float], base: Optional[float]) -> str:
+            return "" if s is None or not base else f"{s / base:.2f}"
+
         for r in runs:
             s, e = r.to_target(target)
-            ratio = None if s is None or not serial_s else s / serial_s
             rows.append([case.key, case.label, r.method, r.ranks, r.threads,
                          f"{target:.4f}", "" if s is None else f"{s:.2f}",
                          "" if e is None else str(e), f"{r.final_acc:.4f}",
-                         f"{r.best_acc:.4f}", "" if ratio is None else f"{ratio:.2f}",
+                         f"{r.best_acc:.4f}", ratio(s, serial_s), ratio(s, best_s),
                          r.settings])
     head = ["case", "label", "method", "ranks", "threads", "target", "seconds_to_target",
-            "epochs_to_target", "final_acc", "best_acc", "time_vs_serial", "settings"]
+            "epochs_to_target", "final_acc", "best_acc", "time_vs_serial",
+            "time_vs_best_serial", "settings"]
     with open(out / "summary.csv", "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(head)
@@ -297,7 +321,8 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
            "Target: serial's best validation accuracy minus 0.5 points. Seconds are "
            "training seconds from the first batch (auto-tuning and gradient checks "
            "included, evaluation excluded); `time_vs_serial` is seconds to target over "
-           "serial's.", "",
+           "the first serial run's (eager), `time_vs_best_serial` over the fastest serial "
+           "baseline's (on CUDA also the step captured in a CUDA graph).", "",
            "| " + " | ".join(head[:1] + head[2:]) + " |",
            "|" + "---|" * (len(head) - 1)]
     md += ["| " + " | ".join(str(c) for c in (r[:1] + r[2:])) + " |" for r in rows]
@@ -306,8 +331,9 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
                                      for c, _, _ in results), "",
            "What auto measured and chose:", ""]
     for case, runs, _ in results:
-        for r in runs[1:]:
-            md += [f"({case.key}) {r.method}:", "", "```", *r.log, "```", ""]
+        for r in runs:
+            if not r.serial:
+                md += [f"({case.key}) {r.method}:", "", "```", *r.log, "```", ""]
     md += ["![accuracy against seconds](tta.png)", ""]
     (out / "README.md").write_text("\n".join(md))
 
