@@ -76,6 +76,24 @@ def test_exact_layer_parallel_trains_like_serial_oracle() -> None:
         got.val_acc = 0.0  # type: ignore[misc]
 
 
+def test_training_freezes_the_collector_only_while_it_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train` hides its setup from the cyclic collector (`gc.freeze`) and gives it
+    back at the end, unless the caller had frozen objects itself."""
+    import gc
+
+    frozen: list[int] = []
+    freeze = gc.freeze
+    monkeypatch.setattr(gc, "freeze", lambda: (freeze(), frozen.append(gc.get_freeze_count())))
+    gc.unfreeze()
+    train("peaks", serial=True, epochs=1, n_layers=4, batch_size=1000, progress=False)
+    assert frozen and frozen[0] > 0 and gc.get_freeze_count() == 0
+    freeze()  # the caller's own freeze stays
+    train("peaks", serial=True, epochs=1, n_layers=4, batch_size=1000, progress=False)
+    assert gc.get_freeze_count() > 0
+    gc.unfreeze()
+
+
 # -- fast checks of the front doors ----------------------------------------------------------
 
 def test_summary_line_round_trip() -> None:
