@@ -319,6 +319,35 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
     model.close()
 
 
+def test_timing_stops_when_two_passes_agree() -> None:
+    """`_time_passes`: one untimed pass, then timed passes until two agree within
+    AGREE (or `repeats` ran); the fastest is the time."""
+    import time
+
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, "auto")
+
+    class Clocked(torch.nn.Module):
+        def __init__(self, pauses: list[float]) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+            self.pauses, self.calls = pauses, 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(self.pauses[min(self.calls, len(self.pauses) - 1)])
+            self.calls += 1
+            return x * self.w
+
+    loss = torch.nn.functional.mse_loss
+    steady = Clocked([0.1])  # within AGREE: 3 ms of jitter allowed
+    got = at._time_passes(model, steady, x, x, loss, 3)
+    assert steady.calls == 3 and 0.1 <= got < 0.11
+    unsteady = Clocked([0.1, 0.1, 0.15, 0.12])
+    got = at._time_passes(model, unsteady, x, x, loss, 3)
+    assert unsteady.calls == 4 and 0.1 <= got < 0.11
+    model.close()
+
+
 def test_tuning_runs_the_exact_pass_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The candidates checked on the tuning's batch share one exact pass
     (`exact_reference`), and their errors are those of a check that runs its own."""

@@ -20,8 +20,9 @@ fast a setting runs depends on the machine, so neither can be fixed in advance.
 2. **MGRIT candidates**, cheapest first: levels and coarsening factor from
    `STRUCTURES`, each at the iteration counts of `ITERATIONS` (forward/adjoint),
    batched cycles.  A candidate is timed (one untimed pass, then `repeats` passes;
-   the fastest of them, the least disturbed by other load, on the slowest rank; a
-   first pass above `GIVE_UP` times the time to beat ends it there); if it is no
+   the fastest of them, the least disturbed by other load, on the slowest rank; two
+   within `AGREE` of each other end it early; a first pass above `GIVE_UP` times the
+   time to beat ends it there); if it is no
    faster than the best candidate found so far it is dropped (more iterations
    would only cost more), else its gradient error is measured with
    `check_gradients` against exact propagation (one exact pass of the batch, run
@@ -288,6 +289,8 @@ def _params(m: LayerParallel) -> list[Tensor]:
 #: a candidate whose first pass takes this many times the time to beat is not timed
 #: further (its first pass, one-time costs included, is what the table shows)
 GIVE_UP = 3.0
+#: two timed passes this close (relative) are taken as the pass's time: a third is not run
+AGREE = 0.03
 
 
 def _time_passes(model: LayerParallel, m: LayerParallel, x: Tensor, y: Any,
@@ -295,12 +298,14 @@ def _time_passes(model: LayerParallel, m: LayerParallel, x: Tensor, y: Any,
                  bound: float = float("inf")) -> float:
     """Fewest seconds of a forward and backward pass (`torch.autograd.grad`: no
     `.grad` is written) after one untimed pass; the slowest rank's, on every rank.
-    A first pass above `GIVE_UP` x `bound` ends the timing there."""
+    A first pass above `GIVE_UP` x `bound` ends the timing there; two timed passes
+    within `AGREE` of each other on every rank end it early (a third would not move
+    the minimum by more)."""
     params = _params(m)
     xi = x if params else x.detach().clone().requires_grad_()
     inputs = params or [xi]
     cuda = x.is_cuda
-    times = []
+    times: list[float] = []
     for k in range(repeats + 1):
         if cuda:
             torch.cuda.synchronize()
@@ -312,6 +317,11 @@ def _time_passes(model: LayerParallel, m: LayerParallel, x: Tensor, y: Any,
             torch.cuda.synchronize()
         if k:
             times.append(time.perf_counter() - t0)
+            if len(times) == 2 and k < repeats:
+                # every rank decides alike: the passes are collective
+                steady = abs(times[1] - times[0]) <= AGREE * min(times)
+                if all(model.transport.allgather_object(steady, "the auto-tuning's timings")):
+                    break
         elif bound < float("inf"):
             first = max(model.transport.allgather_object(time.perf_counter() - t0,
                                                          "the auto-tuning's first pass"))
