@@ -35,7 +35,7 @@ and for nets with dropout (each rank would draw its own masks).
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -94,6 +94,12 @@ class _SplitBatch(torch.autograd.Function):
         ctx.whole = whole
         if whole:
             return out.detach()
+        if n % size == 0:  # equal shares: gathered straight into the whole output
+            got = out.new_empty((n, *out.shape[1:]))
+            rep.transport.allgather_start(out.detach().contiguous(),
+                                          got.view(size, hi - lo, *out.shape[1:]),
+                                          "the outputs of the batch's shares").wait()
+            return got
         width = -(-n // size)  # rows per rank, padded to the largest share
         mine = out.detach().new_zeros((width, *out.shape[1:]))
         mine[:hi - lo] = out.detach()
@@ -103,27 +109,41 @@ class _SplitBatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
-        rep, (lo, hi) = ctx.rep, ctx.rows
-        wrt = list(rep._trainable) + ([ctx.xl] if ctx.xl.requires_grad else [])
+        rep, (lo, hi), dx_wanted = ctx.rep, ctx.rows, ctx.xl.requires_grad
+        wrt = rep._trainable + [ctx.xl] if dx_wanted else rep._trainable
         with torch.enable_grad():
             got = torch.autograd.grad(ctx.out, wrt, grad[lo:hi], allow_unused=True)
-        parts = [torch.zeros_like(t).reshape(-1) if g is None else g.reshape(-1)
-                 for t, g in zip(rep._trainable, got)]
-        if ctx.xl.requires_grad:
-            dx = grad.new_zeros((ctx.n, *ctx.xl.shape[1:]))
-            if got[-1] is not None:
-                dx[lo:hi] = got[-1]
-            parts.append(dx.reshape(-1))
-        flat = torch.cat(parts)
+        # this rank's rows' gradients into the flat buffer laid out by owner
+        if dx_wanted:
+            got, dxl = got[:-1], got[-1]
+        if any(g is None for g in got):
+            rep._gflat.zero_()
+            _copy([v for v, g in zip(rep._gviews, got) if g is not None],
+                  [g for g in got if g is not None])
+        else:
+            _copy(rep._gviews, list(got))
+        pending = []
         if not ctx.whole:  # (whole: this rank's own gradients are complete already)
-            rep.transport.allreduce_start(flat, "the batch's shares' gradients").wait()
-        at, sums = 0, []
-        for t in rep._trainable:
-            sums.append(flat[at:at + t.numel()].view_as(t))
-            at += t.numel()
-        dx_all = flat[at:].view(ctx.n, *ctx.xl.shape[1:]) if ctx.xl.requires_grad else None
-        own = [sums[i] for i in rep._own_at]
-        return (None, None, dx_all, *own)
+            pending.append(rep.transport.allreduce_start(
+                rep._gflat, "the batch's shares' gradients"))
+        dx = None
+        if dx_wanted:  # each rank's rows of the input gradient, summed likewise
+            dx = grad.new_zeros((ctx.n, *ctx.xl.shape[1:]))
+            if dxl is not None:
+                dx[lo:hi] = dxl
+            if not ctx.whole:
+                pending.append(rep.transport.allreduce_start(
+                    dx, "the batch's shares' input gradients"))
+        for p in pending:
+            p.wait()
+        # this rank's own sums, fresh (autograd may hand them to the caller): one slice
+        # where they lie together (laid out by owner), else one tensor each
+        if rep._own_span is not None:
+            own = torch._C._nn.unflatten_dense_tensors(
+                rep._gflat[rep._own_span[0]:rep._own_span[1]].clone(), rep._own)
+        else:
+            own = [rep._gviews[k].clone() for k in rep._own_at]
+        return (None, None, dx, *own)
 
 
 def _views(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
@@ -133,6 +153,17 @@ def _views(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
         out.append(flat[at:at + t.numel()].view(t.shape))
         at += t.numel()
     return out
+
+
+class _Exchange(NamedTuple):
+    """One dtype's share of the refresh (see `ReplicatedSerial.__init__`)."""
+
+    send: Tensor
+    recv: Tensor
+    mine: list[Tensor]  # this rank's tensors (flat where `into` is one tensor)
+    into: Union[Tensor, list[Tensor]]  # the head of `send` they fill, or its views
+    copies: list[Tensor]  # what is copied out of `recv` after the exchange
+    views: list[Tensor]  # ... from these views of it
 
 
 def _copy(dst: list[Tensor], src: list[Tensor]) -> None:
@@ -195,31 +226,64 @@ class ReplicatedSerial:
             if owners[i] != self.rank and isinstance(t, nn.Parameter):
                 # its owner computes its gradient; split, every rank adds its rows' share
                 t.requires_grad_(split and named[i][1].requires_grad)
-        # split: every trainable tensor (the same list on every rank) and, in the order
-        # of this rank's `parameters()`, where its own ones sit in it
-        self._trainable = [t for i, (_, t) in enumerate(rep)
-                           if isinstance(t, nn.Parameter) and named[i][1].requires_grad]
+        # split: every trainable tensor (the same list on every rank, laid out by owner
+        # so that each rank's own ones lie together) with views into one flat gradient
+        # buffer, and where this rank's own ones (its `parameters()`) sit in it
+        trainable = [i for i, (_, t) in enumerate(rep)
+                     if isinstance(t, nn.Parameter) and named[i][1].requires_grad]
+        trainable.sort(key=lambda i: (owners[i] is None, owners[i] or 0))
+        self._trainable = [rep[i][1] for i in trainable]
+        self._gflat = torch.zeros(0)
+        self._gviews: list[Tensor] = []
+        if split and self._trainable:
+            self._gflat = torch.zeros(sum(t.numel() for t in self._trainable),
+                                      dtype=self._trainable[0].dtype,
+                                      device=self._trainable[0].device)
+            self._gviews = _views(self._gflat, self._trainable)
         where = {id(t): k for k, t in enumerate(self._trainable)}
-        self._own = [p for p in model.parameters() if id(p) in where]
-        self._own_at = [where[id(p)] for p in self._own]
+        self._own_at = sorted(where[id(p)] for p in model.parameters() if id(p) in where)
+        self._own = [self._trainable[k] for k in self._own_at]
+        self._own_span: Optional[tuple[int, int]] = None
+        if self._own_at and self._own_at == list(range(self._own_at[0],
+                                                        self._own_at[-1] + 1)):
+            at = sum(t.numel() for t in self._trainable[:self._own_at[0]])
+            self._own_span = (at, at + sum(t.numel() for t in self._own))
         # the refresh's exchange, one per dtype (the same on every rank: the owners are
-        # known everywhere): a send buffer of the widest rank's share, views into it
-        # for this rank's tensors, a receive buffer (ranks x width) and the copies with
-        # their views into it
+        # known everywhere): a send buffer of the widest rank's share, which this rank's
+        # tensors are concatenated into, and a receive buffer (ranks x width).  The
+        # private copies of the others' tensors live in the receive buffer (their
+        # storage is a view of it), so the exchange itself updates them; only what
+        # cannot live there (a copy on another device; a tensor this rank holds but
+        # another rank owns first) is copied out of it.
         by: dict[torch.dtype, dict[int, list[Tensor]]] = {}
         for i, (_, t) in enumerate(rep):
             if owners[i] is not None:
                 by.setdefault(t.dtype, {}).setdefault(owners[i], []).append(t)
-        self._xchg: list[tuple[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor],
-                               list[Tensor]]] = []
+        real = {id(named[i][1]) for i in local}
+        self._xchg: list[_Exchange] = []
         for dtype, per in by.items():
             width = max(sum(t.numel() for t in ts) for ts in per.values())
             send = torch.zeros(width, dtype=dtype)
             recv = torch.zeros((model.size, width), dtype=dtype)
             mine = [t.detach() for t in per.get(self.rank, [])]
-            copies = [t.detach() for r, ts in per.items() if r != self.rank for t in ts]
-            views = [v for r, ts in per.items() if r != self.rank for v in _views(recv[r], ts)]
-            self._xchg.append((send, recv, mine, _views(send, mine), copies, views))
+            copies, views = [], []
+            with torch.no_grad():
+                for r, ts in per.items():
+                    if r == self.rank:
+                        continue
+                    for t, v in zip(ts, _views(recv[r], ts)):
+                        if id(t) in real or t.device.type != "cpu":
+                            copies.append(t.detach())
+                            views.append(v)
+                        else:
+                            v.copy_(t)
+                            t.data = v
+            if mine and all(t.device.type == "cpu" and t.is_contiguous() for t in mine):
+                into: Any = send[:sum(t.numel() for t in mine)]
+                mine = [t.view(-1) for t in mine]
+            else:
+                into = _views(send, mine)
+            self._xchg.append(_Exchange(send, recv, mine, into, copies, views))
         self.training = model.training
         self._mode: Optional[bool] = None
         self.last_forward: list[Any] = []
@@ -240,13 +304,16 @@ class ReplicatedSerial:
         also concatenated and compared every tensor on every pass)."""
         pending = []
         with torch.no_grad():
-            for send, recv, mine, mine_at, _, _ in self._xchg:
-                _copy(mine_at, mine)
+            for x in self._xchg:
+                if isinstance(x.into, Tensor):
+                    torch.cat(x.mine, out=x.into)
+                else:
+                    _copy(x.into, x.mine)
                 pending.append(self.transport.allgather_start(
-                    send, recv, "the replicated net's refresh"))
-            for (_, _, _, _, copies, views), p in zip(self._xchg, pending):
+                    x.send, x.recv, "the replicated net's refresh"))
+            for x, p in zip(self._xchg, pending):
                 p.wait()
-                _copy(copies, views)
+                _copy(x.copies, x.views)
 
     def __call__(self, x: Tensor) -> Tensor:
         self.refresh()
