@@ -113,37 +113,26 @@ class _SplitBatch(torch.autograd.Function):
         wrt = rep._trainable + [ctx.xl] if dx_wanted else rep._trainable
         with torch.enable_grad():
             got = torch.autograd.grad(ctx.out, wrt, grad[lo:hi], allow_unused=True)
-        # this rank's rows' gradients into the flat buffer laid out by owner
+        # this rank's rows' gradients in one fresh buffer (autograd may hand the sums on
+        # to the caller), laid out by owner; then the input's (zero outside its rows)
+        parts = [torch.zeros_like(t) if g is None else g for t, g in zip(rep._trainable, got)]
         if dx_wanted:
-            got, dxl = got[:-1], got[-1]
-        if any(g is None for g in got):
-            rep._gflat.zero_()
-            _copy([v for v, g in zip(rep._gviews, got) if g is not None],
-                  [g for g in got if g is not None])
-        else:
-            _copy(rep._gviews, list(got))
-        pending = []
-        if not ctx.whole:  # (whole: this rank's own gradients are complete already)
-            pending.append(rep.transport.allreduce_start(
-                rep._gflat, "the batch's shares' gradients"))
-        dx = None
-        if dx_wanted:  # each rank's rows of the input gradient, summed likewise
             dx = grad.new_zeros((ctx.n, *ctx.xl.shape[1:]))
-            if dxl is not None:
-                dx[lo:hi] = dxl
-            if not ctx.whole:
-                pending.append(rep.transport.allreduce_start(
-                    dx, "the batch's shares' input gradients"))
-        for p in pending:
-            p.wait()
-        # this rank's own sums, fresh (autograd may hand them to the caller): one slice
-        # where they lie together (laid out by owner), else one tensor each
+            if got[-1] is not None:
+                dx[lo:hi] = got[-1]
+            parts.append(dx)
+        flat = torch._C._nn.flatten_dense_tensors(parts) if parts else grad.new_zeros(0)
+        if not ctx.whole:  # (whole: this rank's own gradients are complete already)
+            rep.transport.allreduce_start(flat, "the batch's shares' gradients").wait()
+        dx_all = flat[flat.numel() - dx.numel():].view_as(dx) if dx_wanted else None
+        # this rank's own sums: views of one slice where they lie together
         if rep._own_span is not None:
             own = torch._C._nn.unflatten_dense_tensors(
-                rep._gflat[rep._own_span[0]:rep._own_span[1]].clone(), rep._own)
+                flat[rep._own_span[0]:rep._own_span[1]], rep._own)
         else:
-            own = [rep._gviews[k].clone() for k in rep._own_at]
-        return (None, None, dx, *own)
+            every = torch._C._nn.unflatten_dense_tensors(flat, rep._trainable)
+            own = [every[k] for k in rep._own_at]
+        return (None, None, dx_all, *own)
 
 
 def _views(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
@@ -227,19 +216,12 @@ class ReplicatedSerial:
                 # its owner computes its gradient; split, every rank adds its rows' share
                 t.requires_grad_(split and named[i][1].requires_grad)
         # split: every trainable tensor (the same list on every rank, laid out by owner
-        # so that each rank's own ones lie together) with views into one flat gradient
-        # buffer, and where this rank's own ones (its `parameters()`) sit in it
+        # so that each rank's own ones lie together in the flat gradient), and where
+        # this rank's own ones (its `parameters()`) sit in it
         trainable = [i for i, (_, t) in enumerate(rep)
                      if isinstance(t, nn.Parameter) and named[i][1].requires_grad]
         trainable.sort(key=lambda i: (owners[i] is None, owners[i] or 0))
         self._trainable = [rep[i][1] for i in trainable]
-        self._gflat = torch.zeros(0)
-        self._gviews: list[Tensor] = []
-        if split and self._trainable:
-            self._gflat = torch.zeros(sum(t.numel() for t in self._trainable),
-                                      dtype=self._trainable[0].dtype,
-                                      device=self._trainable[0].device)
-            self._gviews = _views(self._gflat, self._trainable)
         where = {id(t): k for k, t in enumerate(self._trainable)}
         self._own_at = sorted(where[id(p)] for p in model.parameters() if id(p) in where)
         self._own = [self._trainable[k] for k in self._own_at]
