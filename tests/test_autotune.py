@@ -426,7 +426,7 @@ def test_replicated_serial_trains_like_serial(nprocs: int) -> None:
         assert float(s[3]) <= 1e-10 and float(s[5]) <= 1e-10, s
     assert float(next(x for x in got if x.startswith("eval ")).split()[1]) <= 1e-10
     split = [x.split() for x in got if x.startswith("split ")]
-    assert [s[1] for s in split] == ["32", "7", "1", "eval"], split
+    assert [s[1] for s in split] == ["32", "7", "1", "32", "eval"], split
     assert all(float(s[2]) <= 1e-10 for s in split), split
     budget = next(x for x in got if x.startswith("budget "))
     assert budget.startswith("budget ['serial (replicated)']") and "not timed" in budget, \

@@ -14,16 +14,17 @@ net's, on every rank.
   computed for them: their owners compute their own).
 - **Refresh.**  Before each pass one all-gather per dtype (into buffers laid out
   once: the owners are known on every rank) carries every rank's own tensors
-  (parameters and buffers), and the copies of the others' layers are overwritten
-  with them.  Every pass: a fused optimizer (``torch.optim.Adam(fused=True)``)
-  writes in place without bumping version counters, so no cheaper test of change
-  is reliable.
+  (parameters and buffers); the copies of the others' layers live in its receive
+  buffer (their storage is a view of it), so the exchange itself updates them.
+  Every pass: a fused optimizer (``torch.optim.Adam(fused=True)``) writes in place
+  without bumping version counters, so no cheaper test of change is reliable.
 - **Batch split** (``split=True``; `split_supported`: not with batch norm, whose
   statistics would be a share's).  Every rank runs the whole net on its share of the
   batch's rows; the outputs are all-gathered, so every rank holds the whole output
   and loss; backward, each rank back-propagates its rows, one all-reduce sums the
-  parameter (and input) gradients, and each keeps its own parameters' sums: the
-  batch's gradient to round-off, the arithmetic shared over the ranks.
+  parameter (and input) gradients, flat and laid out by owner, and each keeps its
+  own parameters' sums (one slice of it): the batch's gradient to round-off, the
+  arithmetic shared over the ranks.
 - **Identical on every rank.**  The same input, the same parameter values and the
   same code on every rank give the same output and loss; each rank's gradients are
   those of the serial net for its own layers.
@@ -35,12 +36,14 @@ and for nets with dropout (each rank would draw its own masks).
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.variable import Variable
 
 from ..mgrit.options import MGRITOptions
+from ..ode.rng import DROPOUT_TYPES
 
 if TYPE_CHECKING:
     from .model import LayerParallel
@@ -94,6 +97,12 @@ class _SplitBatch(torch.autograd.Function):
         ctx.whole = whole
         if whole:
             return out.detach()
+        if n % size == 0:  # equal shares: gathered straight into the whole output
+            got = out.new_empty((n, *out.shape[1:]))
+            rep.transport.allgather_start(out.detach().contiguous(),
+                                          got.view(size, hi - lo, *out.shape[1:]),
+                                          "the outputs of the batch's shares").wait()
+            return got
         width = -(-n // size)  # rows per rank, padded to the largest share
         mine = out.detach().new_zeros((width, *out.shape[1:]))
         mine[:hi - lo] = out.detach()
@@ -103,27 +112,41 @@ class _SplitBatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
-        rep, (lo, hi) = ctx.rep, ctx.rows
-        wrt = list(rep._trainable) + ([ctx.xl] if ctx.xl.requires_grad else [])
+        rep, (lo, hi), dx_wanted = ctx.rep, ctx.rows, ctx.xl.requires_grad
+        wrt = rep._trainable + [ctx.xl] if dx_wanted else rep._trainable
         with torch.enable_grad():
-            got = torch.autograd.grad(ctx.out, wrt, grad[lo:hi], allow_unused=True)
-        parts = [torch.zeros_like(t).reshape(-1) if g is None else g.reshape(-1)
-                 for t, g in zip(rep._trainable, got)]
-        if ctx.xl.requires_grad:
+            got = _grad(ctx.out, wrt, grad[lo:hi])
+        # this rank's rows' gradients in one fresh buffer (autograd may hand the sums on
+        # to the caller), laid out by owner; then the input's (zero outside its rows)
+        parts = [torch.zeros_like(t) if g is None else g for t, g in zip(rep._trainable, got)]
+        if dx_wanted:
             dx = grad.new_zeros((ctx.n, *ctx.xl.shape[1:]))
             if got[-1] is not None:
                 dx[lo:hi] = got[-1]
-            parts.append(dx.reshape(-1))
-        flat = torch.cat(parts)
+            parts.append(dx)
+        flat = torch._C._nn.flatten_dense_tensors(parts) if parts else grad.new_zeros(0)
         if not ctx.whole:  # (whole: this rank's own gradients are complete already)
             rep.transport.allreduce_start(flat, "the batch's shares' gradients").wait()
-        at, sums = 0, []
-        for t in rep._trainable:
-            sums.append(flat[at:at + t.numel()].view_as(t))
-            at += t.numel()
-        dx_all = flat[at:].view(ctx.n, *ctx.xl.shape[1:]) if ctx.xl.requires_grad else None
-        own = [sums[i] for i in rep._own_at]
+        dx_all = flat[flat.numel() - dx.numel():].view_as(dx) if dx_wanted else None
+        # this rank's own sums: views of one slice where they lie together
+        if rep._own_span is not None:
+            own = torch._C._nn.unflatten_dense_tensors(
+                flat[rep._own_span[0]:rep._own_span[1]], rep._own)
+        else:
+            every = torch._C._nn.unflatten_dense_tensors(flat, rep._trainable)
+            own = [every[k] for k in rep._own_at]
         return (None, None, dx_all, *own)
+
+
+def _grad(out: Tensor, wrt: list[Tensor], g: Tensor) -> tuple[Optional[Tensor], ...]:
+    """``torch.autograd.grad(out, wrt, g, allow_unused=True)`` (`g` shaped like `out`)
+    straight through the engine's entry point (the one `torch.autograd.grad` calls,
+    the same arguments since torch 1.9), without the Python argument handling that
+    costs ~50 us a call with 19 inputs."""
+    return _ENGINE.run_backward((out,), (g,), False, False, tuple(wrt), True, False)
+
+
+_ENGINE = Variable._execution_engine
 
 
 def _views(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
@@ -135,6 +158,17 @@ def _views(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
     return out
 
 
+class _Exchange(NamedTuple):
+    """One dtype's share of the refresh (see `ReplicatedSerial.__init__`)."""
+
+    send: Tensor
+    recv: Tensor
+    mine: list[Tensor]  # this rank's tensors (flat where `into` is one tensor)
+    into: Union[Tensor, list[Tensor]]  # the head of `send` they fill, or its views
+    copies: list[Tensor]  # what is copied out of `recv` after the exchange
+    views: list[Tensor]  # ... from these views of it
+
+
 def _copy(dst: list[Tensor], src: list[Tensor]) -> None:
     """dst[i] <- src[i]: one call where all are CPU tensors, else one per tensor."""
     if not dst:
@@ -144,6 +178,11 @@ def _copy(dst: list[Tensor], src: list[Tensor]) -> None:
     else:
         for d, t in zip(dst, src):
             d.copy_(t)
+
+
+def _no_seed() -> None:
+    """`ODENet.forward_seed` of a net without dropout."""
+    return None
 
 
 def _named_tensors(net: nn.Module) -> list[tuple[str, Tensor]]:
@@ -190,36 +229,68 @@ class ReplicatedSerial:
         self.net: nn.Module = copy.deepcopy(net, memo)
         rep = _named_tensors(self.net)
         assert [n for n, _ in rep] == [n for n, _ in named]
+        if hasattr(self.net, "forward_seed") and not any(
+                isinstance(m, DROPOUT_TYPES) for m in self.net.modules()):
+            # no dropout in the private copy, ever (nothing adds modules to it): its
+            # forward never draws a seed, so skip the walk over every module that
+            # finds that out on each pass (36 us on digits, 96 us on Peaks)
+            self.net.forward_seed = _no_seed
         self._owners = owners
         for i, (_, t) in enumerate(rep):
             if owners[i] != self.rank and isinstance(t, nn.Parameter):
                 # its owner computes its gradient; split, every rank adds its rows' share
                 t.requires_grad_(split and named[i][1].requires_grad)
-        # split: every trainable tensor (the same list on every rank) and, in the order
-        # of this rank's `parameters()`, where its own ones sit in it
-        self._trainable = [t for i, (_, t) in enumerate(rep)
-                           if isinstance(t, nn.Parameter) and named[i][1].requires_grad]
+        # split: every trainable tensor (the same list on every rank, laid out by owner
+        # so that each rank's own ones lie together in the flat gradient), and where
+        # this rank's own ones (its `parameters()`) sit in it
+        trainable = [i for i, (_, t) in enumerate(rep)
+                     if isinstance(t, nn.Parameter) and named[i][1].requires_grad]
+        trainable.sort(key=lambda i: (owners[i] is None, owners[i] or 0))
+        self._trainable = [rep[i][1] for i in trainable]
         where = {id(t): k for k, t in enumerate(self._trainable)}
-        self._own = [p for p in model.parameters() if id(p) in where]
-        self._own_at = [where[id(p)] for p in self._own]
+        self._own_at = sorted(where[id(p)] for p in model.parameters() if id(p) in where)
+        self._own = [self._trainable[k] for k in self._own_at]
+        self._own_span: Optional[tuple[int, int]] = None
+        if self._own_at and self._own_at == list(range(self._own_at[0],
+                                                        self._own_at[-1] + 1)):
+            at = sum(t.numel() for t in self._trainable[:self._own_at[0]])
+            self._own_span = (at, at + sum(t.numel() for t in self._own))
         # the refresh's exchange, one per dtype (the same on every rank: the owners are
-        # known everywhere): a send buffer of the widest rank's share, views into it
-        # for this rank's tensors, a receive buffer (ranks x width) and the copies with
-        # their views into it
+        # known everywhere): a send buffer of the widest rank's share, which this rank's
+        # tensors are concatenated into, and a receive buffer (ranks x width).  The
+        # private copies of the others' tensors live in the receive buffer (their
+        # storage is a view of it), so the exchange itself updates them; only what
+        # cannot live there (a copy on another device; a tensor this rank holds but
+        # another rank owns first) is copied out of it.
         by: dict[torch.dtype, dict[int, list[Tensor]]] = {}
         for i, (_, t) in enumerate(rep):
             if owners[i] is not None:
                 by.setdefault(t.dtype, {}).setdefault(owners[i], []).append(t)
-        self._xchg: list[tuple[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor],
-                               list[Tensor]]] = []
+        real = {id(named[i][1]) for i in local}
+        self._xchg: list[_Exchange] = []
         for dtype, per in by.items():
             width = max(sum(t.numel() for t in ts) for ts in per.values())
             send = torch.zeros(width, dtype=dtype)
             recv = torch.zeros((model.size, width), dtype=dtype)
             mine = [t.detach() for t in per.get(self.rank, [])]
-            copies = [t.detach() for r, ts in per.items() if r != self.rank for t in ts]
-            views = [v for r, ts in per.items() if r != self.rank for v in _views(recv[r], ts)]
-            self._xchg.append((send, recv, mine, _views(send, mine), copies, views))
+            copies, views = [], []
+            with torch.no_grad():
+                for r, ts in per.items():
+                    if r == self.rank:
+                        continue
+                    for t, v in zip(ts, _views(recv[r], ts)):
+                        if id(t) in real or t.device.type != "cpu":
+                            copies.append(t.detach())
+                            views.append(v)
+                        else:
+                            v.copy_(t)
+                            t.data = v
+            if mine and all(t.device.type == "cpu" and t.is_contiguous() for t in mine):
+                into: Any = send[:sum(t.numel() for t in mine)]
+                mine = [t.view(-1) for t in mine]
+            else:
+                into = _views(send, mine)
+            self._xchg.append(_Exchange(send, recv, mine, into, copies, views))
         self.training = model.training
         self._mode: Optional[bool] = None
         self.last_forward: list[Any] = []
@@ -234,19 +305,22 @@ class ReplicatedSerial:
         all-gather per dtype of every rank's tensors, into buffers laid out once.  It
         runs before every pass: a fused optimizer (``torch.optim.Adam(fused=True)``)
         writes parameters in place without bumping their version counters, so no
-        cheaper sign of change is reliable, and the exchange costs a copy of the
-        parameters (0.21 ms a pass on Peaks at 2 ranks; the pickled exchange it
-        replaces took 0.25 ms where versions had moved, and with a fused optimizer
-        also concatenated and compared every tensor on every pass)."""
+        cheaper sign of change is reliable, and the exchange costs one concatenation
+        of this rank's tensors and the all-gather (0.04 ms alone on Peaks at 2 ranks,
+        against 0.20 ms when the copies were copied out of the receive buffer; about
+        0.1 ms inside a training step, where it also absorbs the ranks' skew)."""
         pending = []
         with torch.no_grad():
-            for send, recv, mine, mine_at, _, _ in self._xchg:
-                _copy(mine_at, mine)
+            for x in self._xchg:
+                if isinstance(x.into, Tensor):
+                    torch.cat(x.mine, out=x.into)
+                else:
+                    _copy(x.into, x.mine)
                 pending.append(self.transport.allgather_start(
-                    send, recv, "the replicated net's refresh"))
-            for (_, _, _, _, copies, views), p in zip(self._xchg, pending):
+                    x.send, x.recv, "the replicated net's refresh"))
+            for x, p in zip(self._xchg, pending):
                 p.wait()
-                _copy(copies, views)
+                _copy(x.copies, x.views)
 
     def __call__(self, x: Tensor) -> Tensor:
         self.refresh()

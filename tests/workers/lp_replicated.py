@@ -103,7 +103,8 @@ model2.close()
 
 # the batch split over the ranks: each runs the whole net on its share of the rows, one
 # all-reduce sums the gradients; 32 rows, 7 (not divisible by the ranks), 1 (fewer rows
-# than ranks: every rank runs it whole); input gradients too; then a pass without grad
+# than ranks: every rank runs it whole), 32 again with the own sums picked one by one;
+# input gradients too; then a pass without grad
 from layerpar.mgrit import MGRITOptions  # noqa: E402
 
 torch.manual_seed(0)
@@ -115,7 +116,9 @@ rep3 = ReplicatedSerial(m3, split=True)
 opt3 = torch.optim.Adam(rep3.parameters(), lr=1e-2, fused=True)
 opt3s = torch.optim.Adam(serial3.parameters(), lr=1e-2, fused=True)
 sp3 = dict(serial3.named_parameters())
-for step, n in enumerate((32, 7, 1)):
+for step, n in enumerate((32, 7, 1, 32)):
+    if step == 3:  # own parameters not side by side in the flat gradient (shared ones)
+        rep3._own_span = None
     opt3.zero_grad()
     opt3s.zero_grad()
     xb = (x[:n] + 0.1 * step).clone().requires_grad_()

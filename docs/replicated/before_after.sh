@@ -1,0 +1,20 @@
+#!/bin/bash
+# Before (replicated.py of af80ed0) and after (this tree), alternated twice, at 2 ranks;
+# then `layerpar.bench tta` case (c) with each.  Run from the repository root:
+#   /work/tools/quiet bash docs/replicated/before_after.sh
+# It swaps layerpar/parallel/replicated.py and puts it back (git checkout).
+set -e
+trap 'git checkout -q layerpar/parallel/replicated.py' EXIT
+run() { .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py docs/replicated/split_passes.py digits,peaks,prenorm 5; }
+for i in 1 2; do
+  git show af80ed0:layerpar/parallel/replicated.py > layerpar/parallel/replicated.py
+  echo "before:"; run
+  git checkout -q layerpar/parallel/replicated.py
+  echo "after:"; run
+done
+if [ "$1" = tta ]; then
+  git show af80ed0:layerpar/parallel/replicated.py > layerpar/parallel/replicated.py
+  echo "before:"; .venv/bin/python -m layerpar.bench tta --np 2 --cases c --bounds default --out /tmp/tta_before | grep -E "target|batch split\)  "
+  git checkout -q layerpar/parallel/replicated.py
+  echo "after:"; .venv/bin/python -m layerpar.bench tta --np 2 --cases c --bounds default --out /tmp/tta_after | grep -E "target|batch split\)  "
+fi
