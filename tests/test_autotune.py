@@ -431,3 +431,22 @@ def test_replicated_serial_trains_like_serial(nprocs: int) -> None:
     budget = next(x for x in got if x.startswith("budget "))
     assert budget.startswith("budget ['serial (replicated)']") and "not timed" in budget, \
         budget
+
+
+def test_split_vjp_entry_point_matches_autograd_grad(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch split's vector-Jacobian product goes through the autograd engine's
+    entry point; it gives what `torch.autograd.grad` gives, and a torch without that
+    private entry point falls back to `torch.autograd.grad`."""
+    from layerpar.parallel import replicated
+
+    w = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)  # unused: None, as allow_unused gives
+    x = torch.randn(5, 3)
+    g = torch.randn(5, 4)
+    want = torch.autograd.grad(torch.tanh(x @ w), [w, b], g, allow_unused=True)
+    got = replicated._grad(torch.tanh(x @ w), [w, b], g)
+    monkeypatch.setattr(replicated, "_ENGINE", None)
+    fallback = replicated._grad(torch.tanh(x @ w), [w, b], g)
+    for res in (got, fallback):
+        torch.testing.assert_close(res[0], want[0], rtol=0, atol=0)
+        assert res[1] is None and want[1] is None

@@ -142,11 +142,14 @@ def _grad(out: Tensor, wrt: list[Tensor], g: Tensor) -> tuple[Optional[Tensor], 
     """``torch.autograd.grad(out, wrt, g, allow_unused=True)`` (`g` shaped like `out`)
     straight through the engine's entry point (the one `torch.autograd.grad` calls,
     the same arguments since torch 1.9), without the Python argument handling that
-    costs ~50 us a call with 19 inputs."""
+    costs ~50 us a call with 19 inputs.  A torch without that private entry point
+    gets `torch.autograd.grad` itself."""
+    if _ENGINE is None:
+        return torch.autograd.grad(out, wrt, g, allow_unused=True)
     return _ENGINE.run_backward((out,), (g,), False, False, tuple(wrt), True, False)
 
 
-_ENGINE = Variable._execution_engine
+_ENGINE = getattr(Variable, "_execution_engine", None)
 
 
 def _views(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
