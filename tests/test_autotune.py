@@ -300,6 +300,11 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
     assert not got.choice.candidate.exact, got.lines()  # t_final 1: MGRIT is accurate
     assert model.accuracy.policy == got.bound
     assert model.accuracy.policy.check_backoff == at.CHECK_BACKOFF
+    # the tuning's own check of the choice counts as the first: the next is due after
+    # 2 x check_every batches, not check_every
+    every = model.accuracy.policy.check_every
+    assert model.accuracy.backoff == 2
+    assert not model.accuracy.check_due(every) and model.accuracy.check_due(2 * every)
     # a later check measures the noise again (on another batch here) and holds the
     # chosen setting to that bound (forced: this batch's noise pins the bound at the
     # cap, which is re-measured every few checks only, see the next test)

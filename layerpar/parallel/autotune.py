@@ -100,8 +100,9 @@ NOISE_FRACTION = 0.5
 NOISE_CAP = 0.2
 
 
-#: auto's checks of the chosen setting: every 10 batches at first, up to every 80
-#: while they stay within the bound (`AccuracyPolicy.check_backoff`)
+#: auto's checks of the chosen setting: every 20 batches at first (the tuning's check
+#: of it was the first of every 10), up to every 80 while they stay within the bound
+#: (`AccuracyPolicy.check_backoff`)
 CHECK_BACKOFF = 8
 
 #: a check re-measures the batch's gradient noise (two exact half-batch passes, as
@@ -659,6 +660,8 @@ class AutoTuner:
             if ctl is not None and ctl.costs is not None:  # the tuning's timings count
                 exact = next(m for m in got.table if m.candidate.exact)
                 ctl.costs.add(got.choice.seconds, exact.seconds)
+            if ctl is not None:  # the tuning's check of it, within the bound, was the
+                ctl.backoff = min(2, ctl.policy.check_backoff)  # first: back off once
         for other in kept.values():
             other.close()
         model.accuracy = self.chosen.accuracy
