@@ -76,7 +76,7 @@ from torch import Tensor
 
 from ..mgrit.grid import build_levels
 from ..mgrit.options import MGRITOptions
-from .accuracy import ExactReference, GradientCheck, _sq, check_gradients, exact_reference
+from .accuracy import ExactReference, GradientCheck, _Restore, _sq, check_gradients, exact_reference
 from .adaptive import AccuracyPolicy
 from .replicated import ReplicatedSerial, split_supported, supported
 
@@ -349,8 +349,8 @@ def gradient_noise(model: LayerParallel, x: Tensor, y: Any,
     relative to its own size, whatever the loss's scaling (mean or sum).  None where
     it cannot be measured: fewer than 2 samples, targets that are not a tensor with
     one row per sample, no trainable parameter.  Identical on every rank (norms
-    summed in rank order); the random generator and buffers are put back, no `.grad`
-    is written.
+    summed in rank order); the random generators, buffers and last solve statistics
+    are put back, no `.grad` is written.
     """
     n = x.shape[0] if x.dim() else 0
     params = _params(model)
@@ -358,26 +358,16 @@ def gradient_noise(model: LayerParallel, x: Tensor, y: Any,
     if not model.transport.allgather_object(ok and bool(params), "the noise estimate")[0]:
         return None
     h = n // 2
-    rng = torch.get_rng_state()
-    buffers = list(model.buffers())
-    saved = [b.detach().clone() for b in buffers]
     grads = []
-    try:
+    with _Restore(model) as restore:
         for sl in (slice(0, h), slice(h, 2 * h)):
-            torch.set_rng_state(rng)
-            with torch.no_grad():
-                for b_, s_ in zip(buffers, saved):
-                    b_.copy_(s_)
+            restore.rng()
+            restore.buffers()
             with torch.enable_grad(), model.exact():
                 loss = loss_fn(model(x[sl]), y[sl])
                 got = torch.autograd.grad(loss, params, allow_unused=True)
             grads.append([torch.zeros_like(p) if g is None else g for p, g in
                           zip(params, got)])
-    finally:
-        torch.set_rng_state(rng)
-        with torch.no_grad():
-            for b_, s_ in zip(buffers, saved):
-                b_.copy_(s_)
     d2 = sum(_sq(a.double() - b.double()) for a, b in zip(*grads))
     s2 = sum(_sq(a.double() + b.double()) for a, b in zip(*grads))
     got = model.transport.allgather_object((d2, s2), "the noise estimate's norms")
