@@ -324,32 +324,35 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
     model.close()
 
 
-def test_timing_stops_when_two_passes_agree() -> None:
+def test_timing_stops_when_two_passes_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     """`_time_passes`: one untimed pass, then timed passes until two agree within
-    AGREE (or `repeats` ran); the fastest is the time."""
-    import time
+    AGREE (or `repeats` ran); the fastest is the time.  The passes' durations come
+    from a clock the net itself advances, so the test does not depend on the machine."""
+    import types
 
     net, x, y = _stiff_batch(1.0)
     model = LayerParallel(net, None, "auto")
+    now = [0.0]
+    monkeypatch.setattr(at, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
     class Clocked(torch.nn.Module):
-        def __init__(self, pauses: list[float]) -> None:
+        def __init__(self, durations: list[float]) -> None:
             super().__init__()
             self.w = torch.nn.Parameter(torch.ones(()))
-            self.pauses, self.calls = pauses, 0
+            self.durations, self.calls = durations, 0
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            time.sleep(self.pauses[min(self.calls, len(self.pauses) - 1)])
+            now[0] += self.durations[self.calls]
             self.calls += 1
             return x * self.w
 
     loss = torch.nn.functional.mse_loss
-    steady = Clocked([0.1])  # within AGREE: 3 ms of jitter allowed
-    got = at._time_passes(model, steady, x, x, loss, 3)
-    assert steady.calls == 3 and 0.1 <= got < 0.11
-    unsteady = Clocked([0.1, 0.1, 0.15, 0.12])
-    got = at._time_passes(model, unsteady, x, x, loss, 3)
-    assert unsteady.calls == 4 and 0.1 <= got < 0.11
+    steady = Clocked([0.5, 0.100, 0.102, 0.09])  # 2 % apart: the third is not run
+    assert at._time_passes(model, steady, x, x, loss, 3) == pytest.approx(0.100)
+    assert steady.calls == 3
+    unsteady = Clocked([0.5, 0.100, 0.150, 0.090])  # 50 % apart: all three run
+    assert at._time_passes(model, unsteady, x, x, loss, 3) == pytest.approx(0.090)
+    assert unsteady.calls == 4
     model.close()
 
 

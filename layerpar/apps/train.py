@@ -484,7 +484,7 @@ def train(
                     # the net, the data and (with --auto) the tuning's objects are made:
                     # out of the cyclic garbage collector's sight, whose full collections
                     # would scan them all (~130 ms a collection at 1,024 layers: 4 % of
-                    # case a's step, issue 20); `gc.freeze` costs nothing
+                    # case a's step, issue 20); `gc.freeze` moves them, it collects nothing
                     gc.freeze()
                 step_time += step.seconds
                 losses.append(step.loss.item())

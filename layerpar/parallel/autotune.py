@@ -650,8 +650,9 @@ class AutoTuner:
             if ctl is not None and ctl.costs is not None:  # the tuning's timings count
                 exact = next(m for m in got.table if m.candidate.exact)
                 ctl.costs.add(got.choice.seconds, exact.seconds)
-            if ctl is not None:  # the tuning's check of it, within the bound, was the
-                ctl.backoff = min(2, ctl.policy.check_backoff)  # first: back off once
+            if ctl is not None:
+                # the tuning's check of it, within the bound, was its first: back off once
+                ctl.backoff = min(2, ctl.policy.check_backoff)
         for other in kept.values():
             other.close()
         model.accuracy = self.chosen.accuracy
