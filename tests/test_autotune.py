@@ -458,3 +458,44 @@ def test_split_vjp_entry_point_matches_autograd_grad(monkeypatch: pytest.MonkeyP
     for res in (got, fallback):
         torch.testing.assert_close(res[0], want[0], rtol=0, atol=0)
         assert res[1] is None and want[1] is None
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_online_trial_times_exact_settings_on_training_steps(nprocs: int) -> None:
+    """``tune(..., online=True)`` (``layerpar train --auto``): a small net's replicated
+    settings are timed on the training's own steps (a fake clock the loop advances by
+    a fixed cost per setting), the faster is kept, the steps train exactly like the
+    serial net (float64), an evaluation pass between steps is not taken for a step,
+    and every rank decides alike; with room in the budget, the full tuning runs
+    after the first timed step."""
+    proc = run_mpi(WORKERS / "lp_online.py", nprocs, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == list(range(nprocs)), proc.stdout
+    assert all(lines[r] == lines[0] for r in lines), lines
+    got = {x.split(" tune ")[0]: x for x in lines[0]}
+    split, whole, room = (got[k] for k in ("cheap split", "cheap whole", "room"))
+    # warm-up + two agreeing timed steps per candidate; the evaluation pass adds one
+    # untimed step (the interval across it is no step)
+    assert "tune None | steps 8 | online 7 | timed True | choice serial (replicated, " \
+           "batch split) | table serial (replicated) 0.002, serial (replicated, batch " \
+           "split) 0.001 |" in split, split
+    assert "tune None | steps 7 | online 6 | timed True | choice serial (replicated) | " \
+           "table serial (replicated) 0.001, serial (replicated, batch split) 0.002 |" \
+           in whole, whole
+    assert "tune None | steps 3 | online 2 | timed False | choice serial (replicated) " \
+           "| table exact propagation 1, " in room and "L2 cf4 1/1 batched 2" in room, room
+    for x in (split, whole, room):
+        assert float(x.split("worst ")[1]) <= 1e-10, x
+
+
+def test_online_at_one_rank_tunes_at_once() -> None:
+    """At one rank there is no replicated setting to time on the steps: ``online``
+    changes nothing, the tuning runs and returns its result."""
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, "auto")
+    got = model.tune(x, y, torch.nn.functional.cross_entropy, steps=1, online=True)
+    assert got is not None and [m.candidate for m in got.table] == [Candidate(1)]
+    assert model.tuner.trial is None and not got.timed_online
+    model.close()

@@ -428,8 +428,9 @@ def train(
         assert isinstance(model, LayerParallel)
         x0, y0 = _first_batch(loader)
         with clock:
+            # (online: small nets time their exact settings on the training's steps)
             model.tune(x0.to(device), y0.to(device), nn.functional.cross_entropy,
-                       steps=epochs * len(loader))
+                       steps=epochs * len(loader), online=True)
     history: list[dict[str, Any]] = []
     batch_losses: list[float] = []
     checks: list[dict[str, Any]] = []
@@ -567,9 +568,14 @@ def train(
         train_seconds=clock.seconds, target_acc=target_acc,
         time_to_target=time_to_target, epochs_to_target=epochs_to_target,
         auto=auto, auto_log=[] if tuner is None else
-        [line for r in tuner.results for line in r.lines()],
-        auto_choice=None if tuner is None or not tuner.results else
-        tuner.results[-1].choice.candidate.name(size),
+        [line for r in tuner.results for line in r.lines()] + (
+            [] if tuner.trial is None else
+            [f"auto: training ended while the replicated settings were timed on its steps "
+             f"({tuner.trial.steps_run} steps): it ran "
+             f"{tuner.trial.cand.name(size)}"]),
+        auto_choice=None if tuner is None else
+        tuner.results[-1].choice.candidate.name(size) if tuner.results else
+        None if tuner.trial is None else tuner.trial.cand.name(size),
         sync=sync, optimizer=optimizer, **sync_figures)
     if rank == 0:
         if device == "cuda":

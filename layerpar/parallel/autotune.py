@@ -188,22 +188,41 @@ class TuneResult:
     bound: Optional[AccuracyPolicy] = None
     bound_note: str = ""
     reused: int = 0  # pass times taken from an earlier tuning (`tune`'s `known`)
+    #: training steps timed online before this result (`AutoTuner.tune` with
+    #: ``online``): with `timed_online`, the table's times are those steps' (ms per
+    #: training step); else replicated serial ran them and the budget had room for
+    #: this tuning, whose times are passes as usual
+    online: int = 0
+    timed_online: bool = False
     #: the replicated settings timed (built and warm): `AutoTuner.tune` runs the chosen
     #: one and closes the others
     kept: dict[Candidate, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def lines(self) -> list[str]:
         """The candidate table and the choice, as text lines."""
-        out = [f"auto: {len(self.table)} candidates measured in {self.seconds:.2f} s "
-               f"at {self.ranks} rank(s) (batch {self.batch})"]
+        if self.timed_online:
+            out = [f"auto: {len(self.table)} candidates timed on the training's own first "
+                   f"{self.online} steps at {self.ranks} rank(s): each ran real training "
+                   "steps in turn (exact: they train as serial does), its first one a "
+                   "warm-up, not counted; the time is a whole step's (pass, optimizer and "
+                   f"data alike for each); {1e3 * self.seconds:.1f} ms of the tuning's "
+                   "own work (builds, exchanges) inside those steps"]
+        else:
+            out = [f"auto: {len(self.table)} candidates measured in {self.seconds:.2f} s "
+                   f"at {self.ranks} rank(s) (batch {self.batch})"]
+            if self.online:
+                out.append(f"auto: replicated serial trained the first {self.online} "
+                           "step(s), one of them timed: the budget has room for this "
+                           "tuning")
         if self.bound_note:
             out.append(f"auto: bound: {self.bound_note}")
         if self.reused:
             out.append(f"auto: {self.reused} pass time(s) reused from the earlier tuning "
                        "(they depend on the machine and the net's shape, not its weights: "
                        "only the gradient errors were measured again)")
+        unit = "ms/step" if self.timed_online else "ms/pass"
         out += [
-               f"  {'candidate':34s} {'ms/pass':>9s} {'rel.err':>9s} {'cosine':>9s}  ok"]
+               f"  {'candidate':34s} {unit:>9s} {'rel.err':>9s} {'cosine':>9s}  ok"]
         for m in self.table:
             err = "-" if m.rel_error is None else f"{m.rel_error:.3g}"
             cos = "-" if m.cosine is None else f"{m.cosine:.5f}"
@@ -232,8 +251,10 @@ def _why_no_mgrit(table: list[Measurement], base: Measurement, what: str,
             f"({1e3 * base.seconds:.1f} ms per pass)")
 
 
-def choose(table: list[Measurement], ranks: int) -> tuple[Measurement, str]:
-    """The fastest measurement within the bound (ties: the earlier one), and why.
+def choose(table: list[Measurement], ranks: int, unit: str = "pass"
+           ) -> tuple[Measurement, str]:
+    """The fastest measurement within the bound (ties: the earlier one), and why
+    (`unit`: what the table's times are of, a pass or a training step).
 
     A pure function of the table: the same table gives the same choice everywhere.
     """
@@ -251,7 +272,7 @@ def choose(table: list[Measurement], ranks: int) -> tuple[Measurement, str]:
                  if rep.candidate.split else "")
         why = (f"every rank runs the whole net serially{share} (plain autograd, its own "
                f"layers' parameters, the others' refreshed from their owners): "
-               f"{1e3 * rep.seconds:.1f} ms per pass, {vs}; "
+               f"{1e3 * rep.seconds:.1f} ms per {unit}, {vs}; "
                + _why_no_mgrit(table, rep, "replicated serial", ranks))
         return best, why
     if best is exact:
@@ -574,6 +595,38 @@ def _surrogate_loss(out: Tensor, y: Any) -> Tensor:
 
 
 @dataclass
+class _Trial:
+    """Replicated settings timed on the training's own steps (`AutoTuner.tune` with
+    ``online=True``).  They are exact, so their steps are real training steps, not
+    passes thrown away: each candidate runs a few in turn, its first one a warm-up
+    (new shapes' one-time costs), the others timed until two agree within `AGREE`
+    (or `repeats` ran).  A step's time runs from one training forward to the next:
+    pass, optimizer step and data loading, alike for every candidate, so their
+    order is fair; the slowest rank's, so every rank decides alike.  The first
+    batch is kept for a full tuning, should the budget turn out to have room for it."""
+
+    x: Tensor
+    y: Any
+    loss_fn: Callable[[Tensor, Any], Tensor]
+    steps: int  # the training steps to come when the trial began
+    batch: int  # the training batch at which it began
+    cand: Candidate  # the candidate running now
+    queue: list[Candidate]  # those still to run
+    kept: dict[Candidate, ReplicatedSerial]
+    done: list[Measurement] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # `cand`'s timed steps
+    count: int = 0  # `cand`'s steps whose time is known (the first: its warm-up)
+    last: Optional[float] = None  # when the last training forward began its step
+    steps_run: int = 0  # training forwards during the trial
+    seconds: float = 0.0  # the trial's own work (builds, exchanges), slowest rank
+
+    def close(self) -> None:
+        for rep in self.kept.values():
+            rep.close()
+        self.kept.clear()
+
+
+@dataclass
 class AutoTuner:
     """The auto settings of one `LayerParallel` (identical on every rank).
 
@@ -598,10 +651,12 @@ class AutoTuner:
     #: pass times measured so far, per batch (shape, dtype, device): a re-tuning on
     #: such a batch reuses them
     timings: dict[tuple, dict[Candidate, float]] = field(default_factory=dict)
+    #: replicated settings being timed on the training's own steps (``online``)
+    trial: Optional[_Trial] = None
 
     @property
     def tuned(self) -> bool:
-        return bool(self.results)
+        return bool(self.results) or self.trial is not None
 
     @property
     def seconds(self) -> float:
@@ -621,14 +676,31 @@ class AutoTuner:
 
     def tune(self, model: LayerParallel, x: Tensor, y: Any,
              loss_fn: Callable[[Tensor, Any], Tensor],
-             steps: Optional[int] = None) -> TuneResult:
+             steps: Optional[int] = None, online: bool = False) -> Optional[TuneResult]:
         """Measure and choose on this batch (collective); the choice runs from now on.
         `steps`: the training steps to come, if known (they bound the tuning's time; a
-        later call without them counts what is left of the first call's)."""
+        later call without them counts what is left of the first call's).
+
+        online: the caller trains with the passes that follow (``layerpar train``
+        does), so where replicated serial can run, the first tuning times it on the
+        training's own steps instead of on passes of its own (`_Trial`): replicated
+        serial trains the first steps; once one is timed, if the budget (`BUDGET` of
+        the training to come) has room for exact propagation and MGRIT, the full
+        tuning runs on this batch then, else the replicated settings (with and
+        without the batch split) are timed on the steps and the faster kept: a small
+        net's tuning costs nothing but those steps.  Returns None then (the result
+        is in `results` once the steps have decided)."""
+        if self.trial is not None:  # asked again before the steps decided: tune now
+            self.trial.close()
+            self.trial = self.chosen = None
         if steps is not None:
             self.steps = self.batches + steps
         elif self.steps is not None:
             steps = max(self.steps - self.batches, 1)
+        if online and steps is not None and not self.results and model.training \
+                and supported(model) is None:
+            self._start_trial(model, x, y, loss_fn, steps)
+            return None
         known = self.timings.setdefault((tuple(x.shape), x.dtype, x.device), {})
         got = tune(model, x, y, loss_fn, self.policy, self.repeats, self.batches, steps,
                    known=dict(known))
@@ -658,9 +730,84 @@ class AutoTuner:
         model.accuracy = self.chosen.accuracy
         return got
 
+    def _start_trial(self, model: LayerParallel, x: Tensor, y: Any,
+                     loss_fn: Callable[[Tensor, Any], Tensor], steps: int) -> None:
+        """Begin timing the replicated settings on the training's steps (`_Trial`)."""
+        t0 = time.perf_counter()
+        first = Candidate(1, replicated=True)
+        queue = []
+        if split_supported(model) is None and x.shape[0] >= model.size:
+            queue.append(Candidate(1, replicated=True, split=True))
+        rep = ReplicatedSerial(model)
+        rep.training = model.training
+        _drop(self.chosen)
+        self.chosen = rep
+        model.accuracy = None  # exact: nothing to watch
+        self.trial = _Trial(x, y, loss_fn, steps, self.batches, first, queue, {first: rep})
+        self.trial.seconds = time.perf_counter() - t0
+
+    def _trial_step(self, model: LayerParallel) -> None:
+        """At a forward during the trial: the previous training step's time, and what
+        it decides (collective: every rank runs the same forwards)."""
+        tr = self.trial
+        assert tr is not None
+        now = time.perf_counter()
+        if not model.training:  # an evaluation pass: the next interval is no step
+            tr.last = None
+            return
+        tr.steps_run += 1
+        if tr.last is None:
+            tr.last = now
+            return
+        tr.count += 1
+        if tr.count < 2:  # the candidate's first step: its warm-up
+            tr.last = now
+            return
+        t = max(model.transport.allgather_object(now - tr.last, "the auto-tuning's steps"))
+        tr.times.append(t)
+        if not tr.done and len(tr.times) == 1 and \
+                BUDGET * t * tr.steps > EXACT_SETUP + (self.repeats + 1) * t:
+            # a net whose training has room for the full tuning: run it on the first batch
+            tr.close()
+            self.trial = self.chosen = None
+            got = self.tune(model, tr.x, tr.y, tr.loss_fn)
+            assert got is not None
+            got.online = tr.steps_run - 1  # (this forward's step runs the choice)
+            return
+        ts = tr.times
+        if not (len(ts) >= self.repeats or len(ts) == 2 and abs(ts[1] - ts[0]) <=
+                AGREE * min(ts) or not tr.queue and not tr.done):
+            tr.last = now
+            return
+        # (one candidate alone needs no comparison: its first timed step is enough)
+        tr.done.append(Measurement(tr.cand, min(ts), 0.0, 1.0, True))
+        if tr.queue:  # the next candidate trains the coming steps
+            tr.cand, tr.times, tr.count = tr.queue.pop(0), [], 0
+            rep = ReplicatedSerial(model, split=tr.cand.split)
+            rep.training = True
+            tr.kept[tr.cand] = rep
+            self.chosen = rep
+            tr.seconds += time.perf_counter() - now
+            tr.last = time.perf_counter()
+            return
+        choice, reason = choose(tr.done, model.size, "training step")
+        self.chosen = tr.kept.pop(choice.candidate)
+        tr.close()
+        self.trial = None
+        reason += (f" (timed on the training's own steps: the budget, {100 * BUDGET:g}% of "
+                   f"the expected training time, {tr.steps} steps x "
+                   f"{1e3 * choice.seconds:.1f} ms, has no room for exact propagation or "
+                   "MGRIT)")
+        tr.seconds += time.perf_counter() - now
+        spent = max(model.transport.allgather_object(tr.seconds, "the auto-tuning's time"))
+        self.results.append(TuneResult(tr.done, choice, reason, spent, model.size, tr.batch,
+                                       online=tr.steps_run - 1, timed_online=True))
+
     def forward(self, model: LayerParallel, x: Tensor) -> Tensor:
         """A pass of `model`: tuned first if it never was (with a surrogate loss,
         since a forward pass knows no targets; `layerpar.apps.train` tunes with its loss)."""
+        if self.trial is not None:
+            self._trial_step(model)
         if not self.tuned:
             self.tune(model, x, None, _surrogate_loss)
         assert self.chosen is not None
@@ -704,5 +851,8 @@ class AutoTuner:
         return self.checks_since_noise + 1 >= NOISE_EVERY
 
     def close(self) -> None:
+        if self.trial is not None:
+            self.trial.close()  # (the running one, `chosen`, among them)
+            self.trial = self.chosen = None
         _drop(self.chosen)
         self.chosen = None

@@ -801,14 +801,20 @@ class LayerParallel(nn.Module):
         return got
 
     def tune(self, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
-             steps: Optional[int] = None) -> Any:
+             steps: Optional[int] = None, online: bool = False) -> Any:
         """With ``options="auto"``: measure the candidate settings on this batch with
         this loss and choose (collective; see `layerpar.parallel.autotune`; `steps`,
         the training steps to come, bounds the tuning's time).  Returns the
-        `TuneResult` (candidate table and choice), identical on every rank."""
+        `TuneResult` (candidate table and choice), identical on every rank.
+
+        online: the passes that follow are training steps (forward, backward,
+        optimizer step), so with `steps` given the exact replicated settings may be
+        timed on those steps rather than on passes of their own; then None is
+        returned, and the result lands in ``tuner.results`` once they decided
+        (`layerpar.parallel.autotune.AutoTuner.tune`)."""
         if self._auto is None:
             raise RuntimeError("tune() needs a LayerParallel built with options='auto'")
-        return self._auto.tune(self, x, y, loss_fn, steps)
+        return self._auto.tune(self, x, y, loss_fn, steps, online)
 
     # -- portability ------------------------------------------------------------------------------
     def gather_state_dict(self) -> dict[str, Tensor]:
