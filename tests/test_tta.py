@@ -46,7 +46,9 @@ def test_tta_tiny(tmp_path: Path) -> None:
 @pytest.mark.parametrize("argv,flag", [(["--cases", "z"], "--cases"),
                                        (["--np", "0"], "--np"),
                                        (["--timeout", "0"], "--timeout"),
-                                       (["--bounds", "x"], "--bounds")])
+                                       (["--bounds", "x"], "--bounds"),
+                                       (["--seeds", "1,x"], "--seeds"),
+                                       (["--seeds", "1,1"], "--seeds")])
 def test_tta_bad_values(argv: list[str], flag: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         bench.main(["tta", *argv])
@@ -102,3 +104,30 @@ def test_cuda_case_runs_both_serial_baselines(monkeypatch: pytest.MonkeyPatch,
     assert [r["time_vs_serial"] for r in rows] == ["1.00", "0.40", "0.20"]
     assert [r["time_vs_best_serial"] for r in rows] == ["2.50", "1.00", "0.50"]
     assert "auto: chose L3" in (tmp_path / "README.md").read_text()
+
+
+def test_seeds_give_one_comparison_each(tmp_path: Path) -> None:
+    """``--seeds``: each seed's comparison passes ``--seed`` to both methods (seed 0 is
+    ``layerpar train``'s default, passed as nothing), the CSVs say which seed a row is
+    of, and the README gives each method's ratios per seed and their median."""
+    base = tta.Case("c", "digits", "digits", 3)
+    assert base.train_args() == ["digits", "--epochs", "3"]
+    one = base.with_seed(1)
+    assert one.train_args() == ["digits", "--epochs", "3", "--seed", "1"]
+    assert one.label == "digits, seed 1" and one.with_seed(2).label == "digits, seed 2"
+    results = []
+    for seed, auto_per_epoch in ((0, 1.0), (1, 3.0), (2, 1.4)):  # serial: 2 s per epoch
+        runs = [tta.Run(method, ranks, 1, [{"epoch": e, "train_seconds": per * e,
+                                            "val_acc": 0.5 + 0.1 * e, "val_loss": 1.0,
+                                            "train_loss": 1.0} for e in (1, 2, 3)],
+                        "x", 1.0, serial=ranks == 1)
+                for method, ranks, per in (("serial", 1, 2.0), ("auto", 2, auto_per_epoch))]
+        results.append((base.with_seed(seed), runs, 0.795))
+    tta._write(tmp_path, results, "cmd", False, "0")
+    rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
+    assert [(r["seed"], r["time_vs_best_serial"]) for r in rows if r["method"] == "auto"] \
+        == [("0", "0.50"), ("1", "1.50"), ("2", "0.70")]
+    assert {r["seed"] for r in csv.DictReader(open(tmp_path / "tta.csv"))} == {"0", "1", "2"}
+    text = (tmp_path / "README.md").read_text()
+    assert "| c | auto | seed 0: 0.50, seed 1: 1.50, seed 2: 0.70 | 0.70 (3 of 3 " \
+        "reached) |" in text, text

@@ -33,11 +33,12 @@ import csv
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -53,9 +54,16 @@ class Case:
     label: str
     epochs: int
     args: tuple[str, ...] = ()  # more ``layerpar train`` options (--model, --layers ...)
+    #: ``layerpar train --seed``: data split, initial weights, batch order (both methods)
+    seed: int = 0
 
     def train_args(self) -> list[str]:
-        return [self.problem, "--epochs", str(self.epochs), *self.args]
+        seed = ["--seed", str(self.seed)] if self.seed else []
+        return [self.problem, "--epochs", str(self.epochs), *self.args, *seed]
+
+    def with_seed(self, seed: int) -> Case:
+        """The same case from another seed (its label says which)."""
+        return replace(self, seed=seed, label=f"{self.label.split(', seed ')[0]}, seed {seed}")
 
 
 CASES: dict[str, Case] = {
@@ -242,6 +250,30 @@ def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any 
     return runs, target, per
 
 
+def _over_seeds(rows: list[list[Any]], head: list[str]) -> list[str]:
+    """README lines: per case run from several seeds, each method's time to target
+    against the best serial's, per seed and their median (none for one seed)."""
+    col = {h: i for i, h in enumerate(head)}
+    per: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    for r in rows:
+        per.setdefault((r[col["case"]], r[col["method"]]), []).append(
+            (r[col["seed"]], r[col["time_vs_best_serial"]]))
+    md: list[str] = []
+    for (key, method), got in per.items():
+        if len({seed for seed, _ in got}) < 2:
+            continue
+        vals = sorted(float(v) for _, v in got if v)
+        med = f"{statistics.median(vals):.2f}" if vals else ""
+        md.append(f"| {key} | {method} | " + ", ".join(
+            f"seed {seed}: {v or 'not reached'}" for seed, v in got)
+            + f" | {med or 'n/a'} ({len(vals)} of {len(got)} reached) |")
+    if not md:
+        return []
+    return ["", "Over seeds (time to target against the best serial's, each seed's own "
+            "target):", "", "| case | method | per seed | median |", "|---|---|---|---|",
+            *md]
+
+
 def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str,
            smoke: bool, load: str, device: str = "cpu") -> None:
     import torch
@@ -250,12 +282,12 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "tta.csv", "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["case", "method", "ranks", "threads", "epoch", "train_seconds",
+        w.writerow(["case", "seed", "method", "ranks", "threads", "epoch", "train_seconds",
                     "val_acc", "val_loss", "train_loss"])
         for case, runs, _ in results:
             for r in runs:
                 for h in r.history:
-                    w.writerow([case.key, r.method, r.ranks, r.threads, h["epoch"],
+                    w.writerow([case.key, case.seed, r.method, r.ranks, r.threads, h["epoch"],
                                 f"{h['train_seconds']:.3f}", f"{h['val_acc']:.4f}",
                                 f"{h['val_loss']:.4f}", f"{h['train_loss']:.4f}"])
     rows = []
@@ -270,12 +302,13 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
 
         for r in runs:
             s, e = r.to_target(target)
-            rows.append([case.key, case.label, r.method, r.ranks, r.threads,
+            rows.append([case.key, case.seed, case.label, r.method, r.ranks, r.threads,
                          f"{target:.4f}", "" if s is None else f"{s:.2f}",
                          "" if e is None else str(e), f"{r.final_acc:.4f}",
                          f"{r.best_acc:.4f}", ratio(s, serial_s), ratio(s, best_s),
                          r.settings])
-    head = ["case", "label", "method", "ranks", "threads", "target", "seconds_to_target",
+    head = ["case", "seed", "label", "method", "ranks", "threads", "target",
+            "seconds_to_target",
             "epochs_to_target", "final_acc", "best_acc", "time_vs_serial",
             "time_vs_best_serial", "settings"]
     with open(out / "summary.csv", "w", newline="") as fh:
@@ -323,9 +356,10 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
            "included, evaluation excluded); `time_vs_serial` is seconds to target over "
            "the first serial run's (eager), `time_vs_best_serial` over the fastest serial "
            "baseline's (on CUDA also the step captured in a CUDA graph).", "",
-           "| " + " | ".join(head[:1] + head[2:]) + " |",
+           "| " + " | ".join(head[:2] + head[3:]) + " |",
            "|" + "---|" * (len(head) - 1)]
-    md += ["| " + " | ".join(str(c) for c in (r[:1] + r[2:])) + " |" for r in rows]
+    md += ["| " + " | ".join(str(c) for c in (r[:2] + r[3:])) + " |" for r in rows]
+    md += _over_seeds(rows, head)
     md += ["", "Cases: " + "; ".join(f"({c.key}) {c.label}, {c.epochs} epochs, "
                                      f"`layerpar train {' '.join(c.train_args())}`"
                                      for c, _, _ in results), "",
@@ -358,7 +392,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "noise; default: default,0.15)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where both methods train (cuda: one GPU, use --np 1)")
+    p.add_argument("--seeds", default="0",
+                   help="one comparison per seed (data split, initial weights, batch "
+                        "order: ``layerpar train --seed``), comma-separated (default 0)")
     args = p.parse_args(argv)
+    try:
+        seeds = [int(v) for v in args.seeds.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or any(v < 0 for v in seeds) or len(set(seeds)) < len(seeds):
+        p.error(f"`--seeds` must be distinct integers >= 0, comma-separated, got "
+                f"{args.seeds!r}")
     table = SMOKE if args.smoke else CASES
     keys = [k.strip() for k in args.cases.split(",") if k.strip()]
     bad = [k for k in keys if k not in table]
@@ -387,19 +431,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     total = 0.0
     for k in keys:
         threads, per, steps = probes[k]
-        est = expected_seconds(table[k], per[threads], steps, 1 + len(bounds))
+        est = len(seeds) * expected_seconds(table[k], per[threads], steps, 1 + len(bounds))
         total += est
         print(f"[{k}] {table[k].label}: {steps} steps per epoch, best serial step "
               f"{1e3 * per[threads]:.1f} ms at {threads} thread(s): expect about "
               f"{est / 60:.1f} min", flush=True)
     print(f"layerpar.bench tta: expect about {total / 60:.0f} min in all (time budgets "
           f"in the cases' options shorten it)", flush=True)
-    for k in keys:
-        runs, target, _ = run_case(table[k], args.np, args.timeout, probe=probes[k],
+    for k, seed in ((k, seed) for k in keys for seed in seeds):
+        case = table[k] if seeds == [0] else table[k].with_seed(seed)
+        runs, target, _ = run_case(case, args.np, args.timeout, probe=probes[k],
                                    device=args.device, bounds=bounds)
-        results.append((table[k], runs, target))
+        results.append((case, runs, target))
         _write(out, results, command.strip(), args.smoke, load, args.device)
-        print(f"[{k}] target {target:.4f}: " + "; ".join(
+        print(f"[{k}{'' if seeds == [0] else f' seed {seed}'}] target {target:.4f}: " + "; ".join(
             f"{r.method} {r.to_target(target)[0]} s" for r in runs), flush=True)
     print(f"layerpar.bench tta: {len(keys)} case(s) in {time.perf_counter() - t0:.0f} s; "
           f"wrote {out}/tta.csv, summary.csv, tta.png, README.md")
