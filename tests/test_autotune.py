@@ -468,7 +468,7 @@ def test_online_trial_times_exact_settings_on_training_steps(nprocs: int) -> Non
     a fixed cost per setting), the faster is kept, the steps train exactly like the
     serial net (float64), an evaluation pass between steps is not taken for a step,
     and every rank decides alike; with room in the budget, the full tuning runs
-    after the first timed step."""
+    after the first timed step, on the replicated instance the trial built."""
     proc = run_mpi(WORKERS / "lp_online.py", nprocs, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = rank_lines(proc.stdout)
@@ -488,6 +488,8 @@ def test_online_trial_times_exact_settings_on_training_steps(nprocs: int) -> Non
            "| table exact propagation 1, " in room and "L2 cf4 1/1 batched 2" in room, room
     for x in (split, whole, room):
         assert float(x.split("worst ")[1]) <= 1e-10, x
+        # one instance per replicated setting: the full tuning times the trial's
+        assert "| builds 2 |" in x, x
 
 
 def test_online_at_one_rank_tunes_at_once() -> None:
@@ -497,5 +499,5 @@ def test_online_at_one_rank_tunes_at_once() -> None:
     model = LayerParallel(net, None, "auto")
     got = model.tune(x, y, torch.nn.functional.cross_entropy, steps=1, online=True)
     assert got is not None and [m.candidate for m in got.table] == [Candidate(1)]
-    assert model.tuner.trial is None and not got.timed_online
+    assert model.tuner.trial is None and not got.timed_online and got.online == 0
     model.close()

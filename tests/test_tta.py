@@ -38,7 +38,7 @@ def test_tta_tiny(tmp_path: Path) -> None:
     assert [r["method"] for r in rows] == [serial.method, auto.method]
     assert rows[0]["time_vs_serial"] == "1.00" and rows[1]["settings"] == auto.settings
     text = (tmp_path / "README.md").read_text()
-    assert "SMOKE RUN" in text and "| t | serial" in text
+    assert "SMOKE RUN" in text and "| t | 0 | serial" in text
     assert (tmp_path / "tta.png").stat().st_size > 0
     assert len(list(csv.DictReader(open(tmp_path / "tta.csv")))) == 2
 

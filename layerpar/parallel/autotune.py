@@ -188,15 +188,15 @@ class TuneResult:
     bound: Optional[AccuracyPolicy] = None
     bound_note: str = ""
     reused: int = 0  # pass times taken from an earlier tuning (`tune`'s `known`)
+    #: the replicated settings timed (built and warm): `AutoTuner.tune` runs the chosen
+    #: one and closes the others
+    kept: dict[Candidate, Any] = field(default_factory=dict, repr=False, compare=False)
     #: training steps timed online before this result (`AutoTuner.tune` with
     #: ``online``): with `timed_online`, the table's times are those steps' (ms per
     #: training step); else replicated serial ran them and the budget had room for
     #: this tuning, whose times are passes as usual
     online: int = 0
     timed_online: bool = False
-    #: the replicated settings timed (built and warm): `AutoTuner.tune` runs the chosen
-    #: one and closes the others
-    kept: dict[Candidate, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def lines(self) -> list[str]:
         """The candidate table and the choice, as text lines."""
@@ -427,7 +427,8 @@ EXACT_SETUP = 0.5
 def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
          policy: AccuracyPolicy, repeats: int = 3, batch: int = 0,
          steps: Optional[int] = None,
-         known: Optional[dict[Candidate, float]] = None) -> TuneResult:
+         known: Optional[dict[Candidate, float]] = None,
+         built: Optional[dict[Candidate, ReplicatedSerial]] = None) -> TuneResult:
     """Measure the candidates on one batch and choose (collective; every rank passes
     the same `x`, `y`).  See the module docstring.  Nothing the training sees
     changes (gradients by `torch.autograd.grad`, the random generator put back).
@@ -440,8 +441,12 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     known: pass times measured by an earlier tuning of this model on batches of this
     shape (identical on every rank).  A pass's time depends on the machine and the
     net's shape, not on its weights, so a re-tuning reuses them and measures only
-    what training changed, the gradient errors."""
+    what training changed, the gradient errors.
+
+    built: replicated settings already built on this model (`AutoTuner`'s trial ran
+    them): timed instead of new ones; the tuning closes those it does not keep."""
     t_start = time.perf_counter()
+    built = {} if built is None else built
     known = {} if known is None else known
     reused = 0
     kept: dict[Candidate, ReplicatedSerial] = {}  # timed, warm: the chosen one is used
@@ -459,7 +464,7 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
             reused += 1
             t = known[cand]
         else:
-            rep = ReplicatedSerial(model, split=cand.split)
+            rep = built.pop(cand, None) or ReplicatedSerial(model, split=cand.split)
             rep.training = model.training
             try:
                 t = _time_passes(model, rep, x, y, loss_fn, repeats)
@@ -572,6 +577,8 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
         table.append(measure(Candidate(best.levels, best.cfactor, best.fwd_iters,
                                        best.bwd_iters, batched=False)))
     torch.set_rng_state(rng)
+    for rep in built.values():  # (built, not timed: not kept)
+        rep.close()
     choice, reason = choose(table, ranks)
     if stopped:
         reason += (f" (tuning stopped after {len(table)} candidates: it may take "
@@ -583,7 +590,7 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
         note = (f"to be measured ({policy.noise_fraction:g} x the batch's gradient noise)"
                 "; no MGRIT candidate needed it")
     return TuneResult(table, choice, reason, spent, ranks, batch, noise, bound, note, reused,
-                      kept)
+                      kept=kept)
 
 
 def _surrogate_loss(out: Tensor, y: Any) -> Tensor:
@@ -676,7 +683,9 @@ class AutoTuner:
 
     def tune(self, model: LayerParallel, x: Tensor, y: Any,
              loss_fn: Callable[[Tensor, Any], Tensor],
-             steps: Optional[int] = None, online: bool = False) -> Optional[TuneResult]:
+             steps: Optional[int] = None, online: bool = False,
+             built: Optional[dict[Candidate, ReplicatedSerial]] = None
+             ) -> Optional[TuneResult]:
         """Measure and choose on this batch (collective); the choice runs from now on.
         `steps`: the training steps to come, if known (they bound the tuning's time; a
         later call without them counts what is left of the first call's).
@@ -689,7 +698,10 @@ class AutoTuner:
         tuning runs on this batch then, else the replicated settings (with and
         without the batch split) are timed on the steps and the faster kept: a small
         net's tuning costs nothing but those steps.  Returns None then (the result
-        is in `results` once the steps have decided)."""
+        is in `results` once the steps have decided).
+
+        built: replicated settings already built on `model` (the trial's), timed by
+        the tuning instead of new ones."""
         if self.trial is not None:  # asked again before the steps decided: tune now
             self.trial.close()
             self.trial = self.chosen = None
@@ -703,7 +715,7 @@ class AutoTuner:
             return None
         known = self.timings.setdefault((tuple(x.shape), x.dtype, x.device), {})
         got = tune(model, x, y, loss_fn, self.policy, self.repeats, self.batches, steps,
-                   known=dict(known))
+                   known=dict(known), built=built)
         for m in got.table:
             known.setdefault(m.candidate, m.seconds)
         self.results.append(got)
@@ -767,10 +779,10 @@ class AutoTuner:
         tr.times.append(t)
         if not tr.done and len(tr.times) == 1 and \
                 BUDGET * t * tr.steps > EXACT_SETUP + (self.repeats + 1) * t:
-            # a net whose training has room for the full tuning: run it on the first batch
-            tr.close()
+            # a net whose training has room for the full tuning: run it on the first
+            # batch (replicated serial, built for the trial, is timed there, not rebuilt)
             self.trial = self.chosen = None
-            got = self.tune(model, tr.x, tr.y, tr.loss_fn)
+            got = self.tune(model, tr.x, tr.y, tr.loss_fn, built=tr.kept)
             assert got is not None
             got.online = tr.steps_run - 1  # (this forward's step runs the choice)
             return

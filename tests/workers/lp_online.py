@@ -16,7 +16,8 @@ each against the serial net trained from the same weights with the same fused Ad
    fixed costs: replicated serial 0.5, exact propagation 1.0, MGRIT 2.0).
 
 Each rank reports ``RANK <r> <case> tune <None|result> | steps <k> | online <n> |
-timed <bool> | choice <name> | table <names and times> | worst <rel. difference>``.
+timed <bool> | choice <name> | table <names and times> | builds <replicated serial
+instances built> | worst <rel. difference>``.
 """
 
 import sys
@@ -53,6 +54,18 @@ def fake_passes(model, m, x, y, loss_fn, repeats, bound=float("inf")):
 
 timed = autotune._time_passes
 autotune._time_passes = fake_passes
+builds = [0]
+
+
+class Counted(ReplicatedSerial):
+    """Replicated serial, its builds counted (each deep-copies the net)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        builds[0] += 1
+        super().__init__(*args, **kwargs)
+
+
+autotune.ReplicatedSerial = Counted
 
 
 def train(case: str, costs: dict[bool, float], steps_to_come: int, evaluate_at: int) -> None:
@@ -64,6 +77,7 @@ def train(case: str, costs: dict[bool, float], steps_to_come: int, evaluate_at: 
     x = torch.randn(32, 2, generator=g, dtype=torch.float64)
     y = torch.randint(0, 5, (32,), generator=g)
     model = LayerParallel(net, comm, "auto")
+    builds[0] = 0
     autotune.time = fake
     got = model.tune(x, y, loss_fn, steps=steps_to_come, online=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
@@ -109,7 +123,7 @@ def train(case: str, costs: dict[bool, float], steps_to_come: int, evaluate_at: 
         f"{None if res is None else res.online} | timed "
         f"{None if res is None else res.timed_online} | choice "
         f"{None if res is None else res.choice.candidate.name(2)} | table {table} | "
-        f"worst {worst:.1e}")
+        f"builds {builds[0]} | worst {worst:.1e}")
     if res is not None and rank == 0:
         for line in res.lines():
             sys.stderr.write(line + "\n")
