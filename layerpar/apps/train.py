@@ -424,6 +424,12 @@ def train(
     epochs_to_target: Optional[int] = None
     stop = False
     frozen_before = gc.get_freeze_count() > 0  # the caller's own gc.freeze() is kept
+    # what exists now (torch, its imports, the data, the net) out of the cyclic
+    # collector's sight before the clock runs: a full collection scans every tracked
+    # object, 75-125 ms here with torch's imports, and lands on the ranks at different
+    # batches, so that the others wait for it (digits, 2 ranks: 83 ms of a first
+    # epoch's 300); `gc.freeze` moves objects to a permanent generation, collects nothing
+    gc.freeze()
     if auto:  # tune on the first batch, with the training loss; the time counts
         assert isinstance(model, LayerParallel)
         x0, y0 = _first_batch(loader)
