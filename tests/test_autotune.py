@@ -353,6 +353,9 @@ def test_timing_stops_when_two_passes_agree(monkeypatch: pytest.MonkeyPatch) -> 
     unsteady = Clocked([0.5, 0.100, 0.150, 0.090])  # 50 % apart: all three run
     assert at._time_passes(model, unsteady, x, x, loss, 3) == pytest.approx(0.090)
     assert unsteady.calls == 4
+    warm = Clocked([0.100, 0.102, 0.09])  # warm already (it trained): no untimed pass
+    assert at._time_passes(model, warm, x, x, loss, 3, warm=True) == pytest.approx(0.100)
+    assert warm.calls == 2
     model.close()
 
 
@@ -466,9 +469,10 @@ def test_online_trial_times_exact_settings_on_training_steps(nprocs: int) -> Non
     """``tune(..., online=True)`` (``layerpar train --auto``): a small net's replicated
     settings are timed on the training's own steps (a fake clock the loop advances by
     a fixed cost per setting), the faster is kept, the steps train exactly like the
-    serial net (float64), an evaluation pass between steps is not taken for a step,
-    and every rank decides alike; with room in the budget, the full tuning runs
-    after the first timed step, on the replicated instance the trial built."""
+    serial net (float64), passes between steps that train nothing (eval mode, no
+    grad) are not taken for steps, and every rank decides alike; with room in the
+    budget, the full tuning runs after the first timed step, on the replicated
+    instance the trial built."""
     proc = run_mpi(WORKERS / "lp_online.py", nprocs, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = rank_lines(proc.stdout)
@@ -476,8 +480,8 @@ def test_online_trial_times_exact_settings_on_training_steps(nprocs: int) -> Non
     assert all(lines[r] == lines[0] for r in lines), lines
     got = {x.split(" tune ")[0]: x for x in lines[0]}
     split, whole, room = (got[k] for k in ("cheap split", "cheap whole", "room"))
-    # warm-up + two agreeing timed steps per candidate; the evaluation pass adds one
-    # untimed step (the interval across it is no step)
+    # warm-up + two agreeing timed steps per candidate; the evaluation passes add one
+    # untimed step (the interval across them is no step)
     assert "tune None | steps 8 | online 7 | timed True | choice serial (replicated, " \
            "batch split) | table serial (replicated) 0.002, serial (replicated, batch " \
            "split) 0.001 |" in split, split

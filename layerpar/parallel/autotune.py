@@ -317,9 +317,10 @@ AGREE = 0.03
 
 def _time_passes(model: LayerParallel, m: LayerParallel, x: Tensor, y: Any,
                  loss_fn: Callable[[Tensor, Any], Tensor], repeats: int,
-                 bound: float = float("inf")) -> float:
+                 bound: float = float("inf"), warm: bool = False) -> float:
     """Fewest seconds of a forward and backward pass (`torch.autograd.grad`: no
-    `.grad` is written) after one untimed pass; the slowest rank's, on every rank.
+    `.grad` is written) after one untimed pass (none if `m` is `warm`: it ran passes
+    of this batch's shape already); the slowest rank's, on every rank.
     A first pass above `GIVE_UP` x `bound` ends the timing there; two timed passes
     within `AGREE` of each other on every rank end it early (a third would not move
     the minimum by more)."""
@@ -328,7 +329,7 @@ def _time_passes(model: LayerParallel, m: LayerParallel, x: Tensor, y: Any,
     inputs = params or [xi]
     cuda = x.is_cuda
     times: list[float] = []
-    for k in range(repeats + 1):
+    for k in range(1 if warm else 0, repeats + 1):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -464,10 +465,12 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
             reused += 1
             t = known[cand]
         else:
-            rep = built.pop(cand, None) or ReplicatedSerial(model, split=cand.split)
+            rep = built.pop(cand, None)
+            warm = rep is not None  # (it trained steps of this shape: no warm-up pass)
+            rep = rep or ReplicatedSerial(model, split=cand.split)
             rep.training = model.training
             try:
-                t = _time_passes(model, rep, x, y, loss_fn, repeats)
+                t = _time_passes(model, rep, x, y, loss_fn, repeats, warm=warm)
             except BaseException:
                 rep.close()
                 raise
@@ -764,8 +767,8 @@ class AutoTuner:
         tr = self.trial
         assert tr is not None
         now = time.perf_counter()
-        if not model.training:  # an evaluation pass: the next interval is no step
-            tr.last = None
+        if not (model.training and torch.is_grad_enabled()):
+            tr.last = None  # an evaluation pass: the interval across it is no step
             return
         tr.steps_run += 1
         if tr.last is None:

@@ -43,7 +43,7 @@ real = model.tune(x, y, loss_fn)
 timed = autotune._time_passes
 
 
-def fake_clock(model, m, x, y, loss_fn, repeats, bound=float("inf")):
+def fake_clock(model, m, x, y, loss_fn, repeats, bound=float("inf"), **kw):
     timed(model, m, x, y, loss_fn, repeats)  # the passes and exchanges, as usual
     fwd, bwd = m.options, m.backward_options
     if fwd.max_levels == 1:

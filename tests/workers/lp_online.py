@@ -9,7 +9,8 @@ each against the serial net trained from the same weights with the same fused Ad
 (outputs, losses and every rank's gradients compared at every step):
 
 1. ``cheap split``: the batch split costs 1 ms per step, replicated serial 2 ms;
-   an evaluation pass after the second step (its interval is no step);
+   after the second step an evaluation pass, and a pass without grad in training
+   mode (as for a training accuracy): the interval across them is no step;
 2. ``cheap whole``: the opposite costs;
 3. ``room``: so many steps to come that the budget has room for the full tuning:
    after the first timed step, the tuning runs on the first batch (its passes on
@@ -44,7 +45,7 @@ def say(text: str) -> None:
     sys.stdout.flush()
 
 
-def fake_passes(model, m, x, y, loss_fn, repeats, bound=float("inf")):
+def fake_passes(model, m, x, y, loss_fn, repeats, bound=float("inf"), **kw):
     """The full tuning's timings (case 3): the passes as usual, fixed costs."""
     timed(model, m, x, y, loss_fn, 1)
     if isinstance(m, ReplicatedSerial):
@@ -106,12 +107,14 @@ def train(case: str, costs: dict[bool, float], steps_to_come: int, evaluate_at: 
         now[0] += costs[bool(getattr(chosen, "split", False))] if isinstance(
             chosen, ReplicatedSerial) else 1e-4
         step += 1
-        if step == evaluate_at:  # an evaluation pass: the next interval is no step
+        if step == evaluate_at:  # evaluation passes: the interval across them is no step
             model.eval()
             with torch.no_grad():
                 model(x)
-            now[0] += 1.0
             model.train()
+            with torch.no_grad():  # (in training mode, as for a training accuracy)
+                model(x)
+            now[0] += 1.0
         if step > 20:
             break
     autotune.time = real

@@ -36,7 +36,7 @@ def say(text: str) -> None:
     sys.stdout.flush()
 
 
-def fake_clock(model, m, x, y, loss_fn, repeats, bound=float("inf")):
+def fake_clock(model, m, x, y, loss_fn, repeats, bound=float("inf"), **kw):
     timed(model, m, x, y, loss_fn, 1)  # the passes and exchanges, as usual
     if isinstance(m, ReplicatedSerial):
         return costs["replicated"]
