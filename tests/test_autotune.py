@@ -326,7 +326,8 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_timing_stops_when_two_passes_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     """`_time_passes`: one untimed pass, then timed passes until two agree within
-    AGREE (or `repeats` ran); the fastest is the time.  The passes' durations come
+    AGREE (or `repeats` ran), or the first is SLOWER times the time to beat; the
+    fastest is the time.  The passes' durations come
     from a clock the net itself advances, so the test does not depend on the machine."""
     import types
 
@@ -356,6 +357,13 @@ def test_timing_stops_when_two_passes_agree(monkeypatch: pytest.MonkeyPatch) -> 
     warm = Clocked([0.100, 0.102, 0.09])  # warm already (it trained): no untimed pass
     assert at._time_passes(model, warm, x, x, loss, 3, warm=True) == pytest.approx(0.100)
     assert warm.calls == 2
+    # against a time to beat: a first timed pass SLOWER times it ends the timing ...
+    slow = Clocked([0.2, 0.13, 0.09, 0.09])
+    assert at._time_passes(model, slow, x, x, loss, 3, 0.1) == pytest.approx(0.13)
+    assert slow.calls == 2
+    close = Clocked([0.2, 0.11, 0.09, 0.0902])  # ... one within it goes on
+    assert at._time_passes(model, close, x, x, loss, 3, 0.1) == pytest.approx(0.09)
+    assert close.calls == 4
     model.close()
 
 

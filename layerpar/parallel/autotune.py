@@ -313,6 +313,10 @@ def _params(m: LayerParallel) -> list[Tensor]:
 GIVE_UP = 3.0
 #: two timed passes this close (relative) are taken as the pass's time: a third is not run
 AGREE = 0.03
+#: a candidate whose first timed pass takes this many times the time to beat is not
+#: timed further: it is slower (run-to-run spread on a quiet machine is ~3 %), and more
+#: passes of it only cost (about 1 s per candidate on case b's conv net, issue 20)
+SLOWER = 1.2
 
 
 def _time_passes(model: LayerParallel, m: LayerParallel, x: Tensor, y: Any,
@@ -321,9 +325,9 @@ def _time_passes(model: LayerParallel, m: LayerParallel, x: Tensor, y: Any,
     """Fewest seconds of a forward and backward pass (`torch.autograd.grad`: no
     `.grad` is written) after one untimed pass (none if `m` is `warm`: it ran passes
     of this batch's shape already); the slowest rank's, on every rank.
-    A first pass above `GIVE_UP` x `bound` ends the timing there; two timed passes
-    within `AGREE` of each other on every rank end it early (a third would not move
-    the minimum by more)."""
+    A first pass above `GIVE_UP` x `bound` ends the timing there, as does a first
+    timed pass above `SLOWER` x `bound`; two timed passes within `AGREE` of each other
+    on every rank end it early (a third would not move the minimum by more)."""
     params = _params(m)
     xi = x if params else x.detach().clone().requires_grad_()
     inputs = params or [xi]
@@ -340,6 +344,11 @@ def _time_passes(model: LayerParallel, m: LayerParallel, x: Tensor, y: Any,
             torch.cuda.synchronize()
         if k:
             times.append(time.perf_counter() - t0)
+            if len(times) == 1 and k < repeats and bound < float("inf"):
+                first = max(model.transport.allgather_object(times[0], "the auto-tuning's "
+                                                             "first timed pass"))
+                if first > SLOWER * bound:
+                    return first
             if len(times) == 2 and k < repeats:
                 # every rank decides alike: the passes are collective
                 steady = abs(times[1] - times[0]) <= AGREE * min(times)
