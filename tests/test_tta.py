@@ -31,6 +31,9 @@ def test_tta_tiny(tmp_path: Path) -> None:
     # exact propagation computes what serial training computes: the same accuracy
     assert auto.final_acc == pytest.approx(serial.final_acc, abs=0.01)
     assert any(line.startswith("auto: chose ") for line in auto.log), auto.log
+    # `layerpar train --auto` tunes online: this net's budget has no room for the full
+    # tuning, so its replicated settings were timed on the training's own steps
+    assert any("timed on the training's own" in line for line in auto.log), auto.log
     assert serial.to_target(target)[1] == 1
     tta._write(tmp_path, [(case, runs, target)], "python -m layerpar.bench tta (test)",
                True, "0")

@@ -51,6 +51,15 @@ fast a setting runs depends on the machine, so neither can be fixed in advance.
    of exact propagation and replicated serial (serial autograd at one rank) and
    says why.
 
+**Online** (``tune(..., online=True)``, what ``layerpar train --auto`` asks for, as
+it trains with the passes that follow): where replicated serial can run, the first
+tuning times the exact replicated settings on the training's own steps instead of on
+passes of their own (`_Trial`): replicated serial trains the first steps; once one is
+timed, either the budget has room for the rest (exact propagation's setup and
+passes), and the tuning above runs then on the first batch, or the two replicated
+settings train a few steps each in turn and the faster is kept.  Their steps are
+exact, so a small net's tuning costs no pass that does not train.
+
 Every rank decides alike: times are the slowest rank's (one small exchange per
 candidate) and gradient checks are reduced over ranks, so the table, and the
 choice taken from it by `choose`, are identical on every rank.  The table and the
