@@ -275,7 +275,7 @@ def choose(table: list[Measurement], ranks: int, unit: str = "pass"
     best = min(ok, key=lambda m: (m.seconds, table.index(m)))
     what = "serial autograd" if ranks == 1 else "exact propagation"
     if best is rep:
-        vs = ("exact propagation not timed (the budget was spent)" if exact is rep else
+        vs = ("exact propagation not timed (the budget had no room for it)" if exact is rep else
               f"against {1e3 * exact.seconds:.1f} ms for exact propagation")
         share = (" on its share of the batch's rows (one all-reduce sums the gradients)"
                  if rep.candidate.split else "")

@@ -16,21 +16,15 @@ import sys
 
 import torch
 from mpi4py import MPI
+from peaks_twins import peaks_twins
 
-from layerpar.apps.nets import problem_net
 from layerpar.parallel import LayerParallel, autotune
 from layerpar.parallel.autotune import choose
 
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
-torch.manual_seed(0)
-net = problem_net("peaks", 16, 8).double()
-serial = problem_net("peaks", 16, 8).double()
-serial.load_state_dict(net.state_dict())
+net, serial, x, y = peaks_twins(64)
 model = LayerParallel(net, comm, "auto")
-g = torch.Generator().manual_seed(1)
-x = torch.randn(64, 2, generator=g, dtype=torch.float64)
-y = torch.randint(0, 5, (64,), generator=g)
 loss_fn = torch.nn.functional.cross_entropy
 
 

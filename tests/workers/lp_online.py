@@ -26,8 +26,8 @@ import types
 
 import torch
 from mpi4py import MPI
+from peaks_twins import peaks_twins
 
-from layerpar.apps.nets import problem_net
 from layerpar.parallel import LayerParallel, autotune
 from layerpar.parallel.replicated import ReplicatedSerial
 
@@ -70,13 +70,7 @@ autotune.ReplicatedSerial = Counted
 
 
 def train(case: str, costs: dict[bool, float], steps_to_come: int, evaluate_at: int) -> None:
-    torch.manual_seed(0)
-    net = problem_net("peaks", 16, 8).double()
-    serial = problem_net("peaks", 16, 8).double()
-    serial.load_state_dict(net.state_dict())
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(32, 2, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 5, (32,), generator=g)
+    net, serial, x, y = peaks_twins()
     model = LayerParallel(net, comm, "auto")
     builds[0] = 0
     autotune.time = fake

@@ -18,6 +18,7 @@ import sys
 
 import torch
 from mpi4py import MPI
+from peaks_twins import peaks_twins
 
 from layerpar.apps.nets import problem_net
 from layerpar.parallel import LayerParallel, autotune
@@ -45,13 +46,7 @@ def fake_clock(model, m, x, y, loss_fn, repeats, bound=float("inf"), **kw):
 
 autotune._time_passes = fake_clock
 autotune.STRUCTURES = ((2, 4),)
-torch.manual_seed(0)
-net = problem_net("peaks", 16, 8).double()
-serial = problem_net("peaks", 16, 8).double()
-serial.load_state_dict(net.state_dict())
-g = torch.Generator().manual_seed(1)
-x = torch.randn(32, 2, generator=g, dtype=torch.float64)
-y = torch.randint(0, 5, (32,), generator=g)
+net, serial, x, y = peaks_twins()
 
 model = LayerParallel(net, comm, "auto")
 got = model.tune(x, y, loss_fn)
@@ -107,10 +102,7 @@ model2.close()
 # input gradients too; then a pass without grad
 from layerpar.mgrit import MGRITOptions  # noqa: E402
 
-torch.manual_seed(0)
-net3 = problem_net("peaks", 16, 8).double()
-serial3 = problem_net("peaks", 16, 8).double()
-serial3.load_state_dict(net3.state_dict())
+net3, serial3, _, _ = peaks_twins()
 m3 = LayerParallel(net3, comm, MGRITOptions(max_levels=1))
 rep3 = ReplicatedSerial(m3, split=True)
 opt3 = torch.optim.Adam(rep3.parameters(), lr=1e-2, fused=True)
