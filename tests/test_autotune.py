@@ -480,13 +480,18 @@ def test_online_trial_times_exact_settings_on_training_steps(nprocs: int) -> Non
     serial net (float64), passes between steps that train nothing (eval mode, no
     grad) are not taken for steps, and every rank decides alike; with room in the
     budget, the full tuning runs after the first timed step, on the replicated
-    instance the trial built."""
+    instance the trial built; a training that ends before the steps decided says so
+    in the log."""
     proc = run_mpi(WORKERS / "lp_online.py", nprocs, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = rank_lines(proc.stdout)
     assert sorted(lines) == list(range(nprocs)), proc.stdout
     assert all(lines[r] == lines[0] for r in lines), lines
-    got = {x.split(" tune ")[0]: x for x in lines[0]}
+    got = {x.split(" tune ")[0]: x for x in lines[0] if " tune " in x}
+    short = next(x for x in lines[0] if x.startswith("short "))
+    assert short.startswith("short choice serial (replicated) | results 0 | auto: training "
+                            "ended while the replicated settings were timed on its steps "
+                            "(2 steps): it ran serial (replicated)"), short
     split, whole, room = (got[k] for k in ("cheap split", "cheap whole", "room"))
     # warm-up + two agreeing timed steps per candidate; the evaluation passes add one
     # untimed step (the interval across them is no step)

@@ -488,10 +488,9 @@ def train(
                 batch += 1
                 total_steps += 1
                 if total_steps == 1:
-                    # the net, the data and (with --auto) the tuning's objects are made:
-                    # out of the cyclic garbage collector's sight, whose full collections
-                    # would scan them all (~130 ms a collection at 1,024 layers: 4 % of
-                    # case a's step, issue 20); `gc.freeze` moves them, it collects nothing
+                    # what the tuning and the first step made (settings, optimizer
+                    # state) out of the collector's sight too (~130 ms a full collection
+                    # at 1,024 layers: 4 % of case a's step, issue 20)
                     gc.freeze()
                 step_time += step.seconds
                 losses.append(step.loss.item())
@@ -573,15 +572,8 @@ def train(
         device=device, step_mode=step_mode, arch=arch, t_final=t_final,
         train_seconds=clock.seconds, target_acc=target_acc,
         time_to_target=time_to_target, epochs_to_target=epochs_to_target,
-        auto=auto, auto_log=[] if tuner is None else
-        [line for r in tuner.results for line in r.lines()] + (
-            [] if tuner.trial is None else
-            [f"auto: training ended while the replicated settings were timed on its steps "
-             f"({tuner.trial.steps_run} steps): it ran "
-             f"{tuner.trial.cand.name(size)}"]),
-        auto_choice=None if tuner is None else
-        tuner.results[-1].choice.candidate.name(size) if tuner.results else
-        None if tuner.trial is None else tuner.trial.cand.name(size),
+        auto=auto, auto_log=[] if tuner is None else tuner.log(size),
+        auto_choice=None if tuner is None else tuner.choice_name(size),
         sync=sync, optimizer=optimizer, **sync_figures)
     if rank == 0:
         if device == "cuda":

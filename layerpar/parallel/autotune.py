@@ -883,6 +883,22 @@ class AutoTuner:
             return True
         return self.checks_since_noise + 1 >= NOISE_EVERY
 
+    def log(self, ranks: int) -> list[str]:
+        """Every tuning's table and choice as text lines, and a line if the training
+        ended while the replicated settings were still being timed on its steps."""
+        out = [line for r in self.results for line in r.lines()]
+        if self.trial is not None:
+            out.append(f"auto: training ended while the replicated settings were timed on "
+                       f"its steps ({self.trial.steps_run} steps): it ran "
+                       f"{self.trial.cand.name(ranks)}")
+        return out
+
+    def choice_name(self, ranks: int) -> Optional[str]:
+        """The setting running now, by name (None: never tuned)."""
+        if self.results:
+            return self.results[-1].choice.candidate.name(ranks)
+        return None if self.trial is None else self.trial.cand.name(ranks)
+
     def close(self) -> None:
         if self.trial is not None:
             self.trial.close()  # (the running one, `chosen`, among them)

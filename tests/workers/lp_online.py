@@ -14,7 +14,8 @@ each against the serial net trained from the same weights with the same fused Ad
 2. ``cheap whole``: the opposite costs;
 3. ``room``: so many steps to come that the budget has room for the full tuning:
    after the first timed step, the tuning runs on the first batch (its passes on
-   fixed costs: replicated serial 0.5, exact propagation 1.0, MGRIT 2.0).
+   fixed costs: replicated serial 0.5, exact propagation 1.0, MGRIT 2.0);
+4. ``short``: two steps only, so the trial never decides (``RANK <r> short ...``).
 
 Each rank reports ``RANK <r> <case> tune <None|result> | steps <k> | online <n> |
 timed <bool> | choice <name> | table <names and times> | builds <replicated serial
@@ -131,3 +132,15 @@ def train(case: str, costs: dict[bool, float], steps_to_come: int, evaluate_at: 
 train("cheap split", {True: 1e-3, False: 2e-3}, 1000, evaluate_at=2)
 train("cheap whole", {True: 2e-3, False: 1e-3}, 1000, evaluate_at=0)
 train("room", {True: 1e-3, False: 1e-3}, 10**6, evaluate_at=0)
+
+# a training that ends before the steps decided: the log says so, the choice is the
+# setting that ran
+net, _, x, y = peaks_twins()
+model = LayerParallel(net, comm, "auto")
+model.tune(x, y, loss_fn, steps=1000, online=True)
+for _ in range(2):
+    loss_fn(model(x), y).backward()
+tuner = model.tuner
+say(f"short choice {tuner.choice_name(comm.Get_size())} | results {len(tuner.results)} | "
+    f"{tuner.log(comm.Get_size())[-1]}")
+model.close()
