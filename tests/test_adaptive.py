@@ -280,3 +280,26 @@ def test_checks_back_off_while_within_the_bound() -> None:
     plain = AccuracyController(AccuracyPolicy(max_rel_error=0.01), 1, 1)
     plain.observe_check(10, _check(0.001, 1.0, 1.0))
     assert plain.backoff == 1
+
+
+def test_checks_back_off_further_far_from_the_bound() -> None:
+    """A check within 1/FAR of the bound lets the interval grow FAR_BACKOFF times past
+    `check_backoff`; the next check nearer the bound brings it back to the cap, one
+    outside the bound to every `check_every`; with `check_backoff` 1 nothing changes."""
+    from layerpar.parallel.adaptive import FAR, FAR_BACKOFF, AccuracyController
+
+    far = 0.01 / FAR / 2
+    ctl = AccuracyController(AccuracyPolicy(max_rel_error=0.01, check_backoff=4), 1, 1)
+    for k in range(6):
+        ctl.observe_check(10 * k, _check(far, 1.0, 1.0))
+    assert ctl.backoff == 4 * FAR_BACKOFF
+    ctl.observe_check(100, _check(0.001, 1.0, 1.0))  # within the bound, not far
+    assert ctl.backoff == 4
+    ctl.observe_check(140, _check(far, 1.0, 1.0))
+    assert ctl.backoff == 8
+    ctl.observe_check(200, _check(0.05, 1.0, 1.0))
+    assert ctl.backoff == 1
+    plain = AccuracyController(AccuracyPolicy(max_rel_error=0.01), 1, 1)
+    for k in range(4):
+        plain.observe_check(10 * k, _check(far, 1.0, 1.0))
+    assert plain.backoff == 1

@@ -163,7 +163,7 @@ def test_batched_equals_per_step_at_every_rank_count(nprocs: int, tmp_path: Path
     proc = run_mpi(WORKERS / "lp_batched.py", nprocs, str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
-    assert len(results) == 9
+    assert len(results) == 18
     for name, r in results.items():
         tol = (F32 if "float32" in name else F64).roundoff
         assert r["batched_used"], name
@@ -179,3 +179,34 @@ def test_batched_equals_per_step_at_every_rank_count(nprocs: int, tmp_path: Path
             assert r["oracle"] <= F64.converged, (name, r)
     if nprocs > 1:  # the rows next to a rank boundary are swept alone: stepped again
         assert all(r["sparse_rows"] > 0 for r in results.values()), results
+
+
+@pytest.mark.parametrize("blocks_from", [0, 5])
+def test_averaged_coarse_parameters_match_coarse_block(blocks_from: int) -> None:
+    """`BatchedBlocks.averaged` (one stack and one mean per span, rows of it) gives the
+    parameters `coarse_block(..., "average")` averages, for aligned intervals that
+    follow each other, out of order, truncated at the end, and starting before the
+    blocks' range (blocks from layer 5: the fallback, interval by interval)."""
+    from layerpar.ode.coarsening import coarse_block
+    from layerpar.parallel.batched import BatchedBlocks
+
+    torch.manual_seed(0)
+    seg = dense_net(n=30, width=4).layers[1]
+    have = {k: seg.blocks[k] for k in range(blocks_from, 30)}
+    bb = BatchedBlocks(have, seg.scheme, [seg.time(i) for i in range(31)], "average")
+    cases = [((6, 9), (9, 12), (12, 15)), ((12, 15), (6, 9)), ((27, 30),), ((24, 30),),
+             ((18, 27),), ((28, 30),), ((10, 14),)]
+    for pairs in cases:
+        if min(a for a, _ in pairs) < blocks_from:
+            continue
+        got = bb.averaged(pairs)
+        for k, (a, b) in enumerate(pairs):
+            # what coarse_block evaluates: block a with the spanned layers' mean
+            u = torch.randn(3, 4)
+            want = coarse_block(list(seg.blocks), a, b, "average")(u)
+            one = {n: t[k:k + 1] for n, t in got.items()}
+            assert torch.allclose(bb.fn(one, {}, u[None])[0], want, rtol=1e-6,
+                                  atol=1e-7), pairs
+            assert not any(t.requires_grad for t in got.values())
+    bb.new_pass()
+    assert not any(key[0] == "average" for key in bb._stacked if isinstance(key[0], str))

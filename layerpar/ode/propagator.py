@@ -41,13 +41,30 @@ class Propagator:
             list(times).__getitem__
         self.scheme = scheme
         self.coarsening = coarsening
+        # averaged coarse blocks of the current pass (None: not cached, see `new_pass`)
+        self._coarse: Optional[dict[tuple[int, int], Callable[[Tensor], Tensor]]] = None
+
+    def new_pass(self) -> None:
+        """A layer-parallel pass begins (the parameters may have changed since the
+        last): from now until the next call, each averaged coarse block is built once,
+        detached (a coarse step's parameters get no gradient: only fine steps'
+        do), instead of at every step that uses it.  Without it (the serial oracle)
+        every step builds its own, differentiable."""
+        self._coarse = {}
 
     def block(self, a: int, b: int) -> Callable[[Tensor], Tensor]:
         """The layer function of the step a -> b (`coarse_block`)."""
         if b == a + 1 or self.coarsening == "injection":
             return self.blocks[a]
-        return coarse_block([self.blocks[k] for k in range(a, b)], 0, b - a,
-                            self.coarsening)
+        cache = self._coarse
+        got = None if cache is None else cache.get((a, b))
+        if got is None:
+            with torch.set_grad_enabled(cache is None and torch.is_grad_enabled()):
+                got = coarse_block([self.blocks[k] for k in range(a, b)], 0, b - a,
+                                   self.coarsening)
+            if cache is not None:
+                cache[(a, b)] = got
+        return got
 
     def dt(self, a: int, b: int) -> float:
         """t_b - t_a."""

@@ -14,6 +14,11 @@ How the batch is evaluated, per block type:
 - any other block, a user's own included, is evaluated with ``torch.func.vmap`` over
   ``functional_call`` of the first block with the stacked parameters.
 
+Coarse steps evaluate the block of their interval's first layer (injection) or, with
+"average" coarsening, that block with the interval's mean parameters: the means of a
+level's intervals are one mean over a stack of all the blocks' parameters, made once
+per pass (`BatchedBlocks.averaged`).
+
 Engine states are tensors or `Row` handles: the outputs of a batch are the rows of
 one tensor, and `stack_rows` turns a list of states back into one tensor without a
 copy when they are exactly those rows in order (the common case: offset k+1 of an
@@ -316,12 +321,22 @@ class BatchedBlocks:
         structure of `proto`.
     scheme: the segment's time-stepping scheme (its `step_many` advances [n, *state]).
     times: the fine grid's times (step sizes are differences of these, as in `phi`).
+    coarsening: what a coarse step a -> b evaluates (`layerpar.ode.coarsening`): the
+        block of layer a ("injection"), or that block with the parameters averaged over
+        layers a..b-1 ("average"; buffers stay layer a's).  Fine steps are the same.
     """
 
-    def __init__(self, blocks: dict[int, nn.Module], scheme: Scheme, times: list[float]):
+    def __init__(self, blocks: dict[int, nn.Module], scheme: Scheme, times: list[float],
+                 coarsening: str = "injection"):
         self.blocks = blocks
         self.scheme = scheme
         self.times = times
+        self.coarsening = coarsening
+        # the blocks' layers as one range [lo, hi), where they are one (averaged coarse
+        # steps are then slices of one stack, see `averaged`)
+        lo, hi = min(blocks), max(blocks) + 1
+        self._range = (lo, hi) if len(blocks) == hi - lo else None
+        self._every = tuple(range(lo, hi))
         self.proto = blocks[min(blocks)]
         self.param_names = [n for n, _ in self.proto.named_parameters()]
         self.buffer_names = [n for n, _ in self.proto.named_buffers()]
@@ -367,6 +382,68 @@ class BatchedBlocks:
             got = self._stacked[layers] = (params, bufs)
         return got
 
+    def averaged(self, pairs: tuple[tuple[int, int], ...]) -> dict[str, Tensor]:
+        """The parameters of the coarse steps a -> b averaged over layers a..b-1
+        (`coarse_block`'s "average"), stacked along dim 0, detached (a coarse step's
+        parameters get no gradient); cached for the current pass.
+
+        Where the blocks are one range of layers, the averages of a level's aligned
+        intervals [j s, (j + 1) s) come from one stack of all the blocks' parameters
+        and one mean per parameter and span, made once per pass; the steps asked for
+        are rows of it.  Other intervals (a segment's truncated last one) are averaged
+        alone."""
+        key = ("average", pairs)
+        got = self._stacked.get(key)
+        if got is not None:
+            return got[0]
+        span = pairs[0][1] - pairs[0][0]
+        rows = self._span_rows(pairs, span)
+        with torch.no_grad():
+            if rows is not None:
+                means, j0 = self._span_means(span)
+                r0 = rows[0]
+                if rows == list(range(r0, r0 + len(rows))):
+                    params = {n: t[r0:r0 + len(rows)] for n, t in means.items()}
+                else:
+                    at = torch.tensor(rows, device=next(iter(means.values())).device)
+                    params = {n: t.index_select(0, at) for n, t in means.items()}
+            else:
+                each = [{n: t.mean(dim=0) for n, t in
+                         self.stacked(tuple(range(a, b)))[0].items()} for a, b in pairs]
+                params = {n: torch.stack([m[n] for m in each]) for n in self.param_names}
+        self._stacked[key] = (params, {})
+        return params
+
+    def _span_rows(self, pairs: tuple[tuple[int, int], ...], span: int
+                   ) -> Optional[list[int]]:
+        """Rows of `_span_means(span)` of these steps, or None where one is not an
+        aligned whole interval of the blocks' range."""
+        if self._range is None:
+            return None
+        lo, hi = self._range
+        j0 = -(-lo // span)
+        rows = []
+        for a, b in pairs:
+            if b - a != span or a % span or a < lo or b > hi:
+                return None
+            rows.append(a // span - j0)
+        return rows
+
+    def _span_means(self, span: int) -> tuple[dict[str, Tensor], int]:
+        """({name: [m, *shape]} the parameters averaged over each aligned interval
+        [j s, (j + 1) s) inside the blocks' range, j from j0; j0) for this pass."""
+        key = ("span", span)
+        got = self._stacked.get(key)
+        if got is None:
+            lo, hi = self._range  # type: ignore[misc]
+            j0, j1 = -(-lo // span), hi // span
+            flat = self.stacked(self._every)[0]
+            m = max(0, j1 - j0)
+            means = {n: t[j0 * span - lo:j0 * span - lo + m * span].view(
+                m, span, *t.shape[1:]).mean(dim=1) for n, t in flat.items()}
+            got = self._stacked[key] = (means, {"j0": j0})  # type: ignore[dict-item]
+        return got[0], got[1]["j0"]  # type: ignore[return-value]
+
     def dt(self, pairs: tuple[tuple[int, int], ...], like: Tensor) -> Tensor:
         """Step sizes times[b] - times[a] as a [n, 1, ...] tensor on like's device,
         exactly the floats the per-step path uses; cached across passes."""
@@ -384,9 +461,14 @@ class BatchedBlocks:
         of layer a_k (injection); `params` replaces the stacked parameters (leaves whose
         gradients the adjoint wants)."""
         layers = tuple(a for a, _ in pairs)
-        p, b = self.stacked(layers)
-        if params is not None:
-            p = params
+        if params is None and self.coarsening == "average" and \
+                any(b_ - a > 1 for a, b_ in pairs):
+            p = self.averaged(pairs)  # buffers stay layer a's (`coarse_block`)
+            b = self.stacked(layers)[1] if self.buffer_names else {}
+        else:
+            p, b = self.stacked(layers)
+            if params is not None:
+                p = params
         fn = self.fn
 
         def branch(v: Tensor) -> Tensor:

@@ -96,8 +96,8 @@ class SegmentRunner:
         self.bn = {k: batch_norms(blk) for k, blk in self.blocks.items()}
         self.sequential_adjoint = len(build_levels(n, bwd)) == 1
         self.sequential_forward = len(build_levels(n, fwd)) == 1
-        # vectorised steps (batched.py): for MGRIT in both directions with injection;
-        # sequential solves have nothing to batch
+        # vectorised steps (batched.py): for MGRIT in both directions (either parameter
+        # coarsening); sequential solves have nothing to batch
         # `vectorised`: the segment's BatchedBlocks where its blocks allow them; `bb`: the
         # same where the latest pass used them (per input: "auto" measures both paths at
         # the first pass for an input shape, see choose_path), else None (per-step path)
@@ -107,13 +107,14 @@ class SegmentRunner:
         # what every rank has alike (agreed options): whether vectorised cycles are
         # possible at all, and whether the ranks time them against per-step cycles
         # (collectively: a rank whose own blocks cannot be vectorised takes part too)
-        possible = bool(batched) and coarsening == "injection" and not \
+        possible = bool(batched) and not \
             self.sequential_forward and not self.sequential_adjoint
         self.measure = possible and batched == "auto"
         if possible:
             why = unbatchable_reason(list(self.blocks.values()))
             if why is None:
-                self.vectorised = BatchedBlocks(self.blocks, self.scheme, self.times)
+                self.vectorised = BatchedBlocks(self.blocks, self.scheme, self.times,
+                                                coarsening)
             else:
                 warn_once(seg.blocks[self.owned[0]], why)
         self.check_finite = True  # set by LayerParallel
@@ -194,6 +195,13 @@ class SegmentRunner:
         keeps the state's shape and changes neither its input nor (`own_buffers`) its
         own buffers in place."""
         seg_index = self.seg_index
+        bb = self.bb
+        if bb is not None and b > a + 1 and bb.coarsening != "injection" and not (
+                check or self.bn.get(a) or a in tape.rng_layers):
+            # an averaged coarse step stepped alone (a sequential stretch of a coarse
+            # level): the pass's averaged parameters (`BatchedBlocks.averaged`), not a
+            # new average of every spanned layer at every step
+            return bb.step(u.unsqueeze(0), ((a, b),))[0]
 
         def wrap(f: Callable[[Tensor], Tensor], a: int, b: int) -> Callable[[Tensor], Tensor]:
             f = layer_function(f, a, seg_index, tape.seed, a in tape.rng_layers,
@@ -319,6 +327,7 @@ class SegmentRunner:
         bb = self.bb = None if exact else self.use_path(like)
         if bb is not None:
             bb.new_pass()
+        self.prop.new_pass()
         tape.bb = bb  # as recorded: the backward steps through the same path
         tape.layer_params = self.layer_params
         tape.exact = exact

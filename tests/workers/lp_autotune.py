@@ -77,5 +77,7 @@ for name, p in model.named_parameters():
     num += float(((p.grad - sp[name].grad) ** 2).sum())
     den += float((sp[name].grad ** 2).sum())
 num, den = comm.allreduce(num), comm.allreduce(den)
-say(f"step loss {float(loss.detach())!r} serial {float(ref)!r} grad_rel {(num / den) ** 0.5:.3e}")
+chosen = results[-1].choice.rel_error
+say(f"step loss {float(loss.detach())!r} serial {float(ref)!r} grad_rel {(num / den) ** 0.5:.6e} "
+    f"chosen_err {chosen!r}")
 model.close()
