@@ -309,10 +309,20 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
     assert model.accuracy.policy == got.bound
     assert model.accuracy.policy.check_backoff == at.CHECK_BACKOFF
     # the tuning's own check of the choice counts as the first: the next is due after
-    # 2 x check_every batches, not check_every
-    every = model.accuracy.policy.check_every
-    assert model.accuracy.backoff == 2
-    assert not model.accuracy.check_due(every) and model.accuracy.check_due(2 * every)
+    # 2 x check_every batches, not check_every, and no sooner than the checks' share
+    # of the training allows (CHECK_SHARE: here exact propagation costs 5 MGRIT passes)
+    ctl = model.accuracy
+    every = ctl.policy.check_every
+    assert ctl.backoff == 2
+    exact = min(m.seconds for m in got.table if m.candidate.exact)
+    share = model._auto._noise_share()
+    assert ctl.min_every == at._check_interval(got.choice.seconds, exact, share) == \
+        math.ceil((got.choice.seconds + exact * (1 + share))
+                  / (at.CHECK_SHARE * got.choice.seconds))
+    due = max(2 * every, ctl.min_every)
+    assert not ctl.check_due(every) and not ctl.check_due(2 * every) and ctl.check_due(due)
+    ctl.min_every = 0  # without the share: every 2 x check_every
+    assert ctl.check_due(2 * every)
     # a later check measures the noise again (on another batch here) and holds the
     # chosen setting to that bound (forced: this batch's noise pins the bound at the
     # cap, which is re-measured every few checks only, see the next test)
@@ -525,4 +535,34 @@ def test_online_at_one_rank_tunes_at_once() -> None:
     got = model.tune(x, y, torch.nn.functional.cross_entropy, steps=1, online=True)
     assert got is not None and [m.candidate for m in got.table] == [Candidate(1)]
     assert model.tuner.trial is None and not got.timed_online and got.online == 0
+    model.close()
+
+
+def test_average_coarsening_is_tried_after_the_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a structure's 1/1 candidate is timed but outside the bound, the same with
+    "average" coarsening is measured after the injection ladder (never taking its
+    budget), fastest first, while it may beat the best found; here (Peaks, bound 0.05)
+    it is within at 1/1 where injection needed 2/2, and is chosen."""
+    _fixed_cost(monkeypatch)
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, "auto", accuracy=AccuracyPolicy(max_rel_error=0.05))
+    got = model.tune(x, y, torch.nn.functional.cross_entropy)
+    names = [m.candidate.coarsening for m in got.table if not m.candidate.exact]
+    first_avg = names.index("average")
+    assert all(c is None for c in names[:first_avg]), got.lines()
+    c = got.choice
+    assert c.candidate.coarsening == "average" and c.within and c.rel_error <= 0.05
+    inj = next(m for m in got.table if m.candidate == Candidate(2, 4, 1, 1))
+    assert not inj.within and inj.rel_error > 4 * c.rel_error, got.lines()
+    assert "avg" in c.candidate.name()
+    assert model.coarsening == "injection"  # the model's own is unchanged; the twin's:
+    assert model._auto.chosen.coarsening == "average"
+    out = model(x)  # trains through it: a pass of the chosen twin
+    out.sum().backward()
+    model.close()
+    # a model with "average" coarsening already: no separate candidate
+    model = LayerParallel(net, None, "auto", accuracy=AccuracyPolicy(max_rel_error=0.05),
+                          coarsening="average")
+    got = model.tune(x, y, torch.nn.functional.cross_entropy)
+    assert all(m.candidate.coarsening is None for m in got.table), got.lines()
     model.close()

@@ -238,6 +238,9 @@ class AccuracyController:
     _room: int = 0  # consecutive checks with ample room
     costs: Optional[CostWindow] = None  # the cost rule's timings (made from the policy)
     backoff: int = 1  # the interval between checks, in units of check_every
+    #: the least interval between checks under MGRIT, in batches (0: none): set by
+    #: auto from what a check costs against a pass (`autotune.CHECK_SHARE`)
+    min_every: int = 0
 
     def __post_init__(self) -> None:
         if self.costs is None:
@@ -249,9 +252,12 @@ class AccuracyController:
     def check_due(self, batch: int) -> bool:
         """Whether the training loop should measure the gradient error at `batch`:
         every `check_every` batches under MGRIT (times `backoff`, see
-        `AccuracyPolicy.check_backoff`), 5 times less often while exact (a check
-        then only asks whether MGRIT has become usable and cheaper)."""
+        `AccuracyPolicy.check_backoff`, and at least every `min_every`), 5 times less
+        often while exact (a check then only asks whether MGRIT has become usable and
+        cheaper)."""
         every = self.policy.check_every * (5 if self.exact else self.backoff)
+        if not self.exact:
+            every = max(every, self.min_every)
         return batch % every == 0
 
     def stalled(self, stats: list[MGRITResult]) -> Optional[str]:

@@ -27,14 +27,15 @@ fast a setting runs depends on the machine, so neither can be fixed in advance.
    would only cost more), else its gradient error is measured with
    `check_gradients` against exact propagation (one exact pass of the batch, run
    for the first candidate checked, serves them all: `exact_reference`).
-   The first iteration counts within the bound end that structure's ladder.  Where
-   the first counts (1/1) are timed but outside the bound, and the model's coarse
-   levels use injection, the same structure with **"average" coarsening** (coarse
-   steps evaluate the mean of the spanned layers' parameters, `layerpar.ode.coarsening`;
-   vectorised too, a few % more per pass) is tried before more iterations.  It is a
-   candidate, not a default: on case a of issue 20 it was 40x more accurate than
-   injection at initialisation (relative error 0.003 against 0.13, 3 levels, cf 8,
-   1/1) and far less after 480 batches of training (1.78 against 0.20, 4 levels, cf 4).
+   The first iteration counts within the bound end that structure's ladder.  After
+   the ladder, where the model's coarse levels use injection, structures whose first
+   counts (1/1) were timed but outside the bound are tried, fastest first, with
+   **"average" coarsening** (coarse steps evaluate the mean of the spanned layers'
+   parameters, `layerpar.ode.coarsening`; vectorised too, a few % more per pass), as
+   long as they may beat the best found.  A candidate, not a default: on case a of
+   issue 20 it was 40x more accurate than injection at initialisation (relative error
+   0.003 against 0.13, 3 levels, cf 8, 1/1) and 10x less after 480-660 batches of
+   training (1.78-2.14 against 0.20-0.23, 3 and 4 levels, cf 4).
 
    **The bound.**  Given explicitly (`AccuracyPolicy` with `min_cosine` /
    `max_rel_error`: the cosine and relative error of the parameter gradient), it is
@@ -78,7 +79,10 @@ After tuning, the chosen setting runs as a twin of the model (`LayerParallel.lik
 same ranks, same parameter tensors) under the existing adaptive policy
 (`layerpar.parallel.adaptive`), which keeps watching the gradient error.  A gradient
 check that finds the error outside the bound tunes again on that batch (at most
-`max_retunes` times).  An exact choice has nothing to watch.
+`max_retunes` times).  An exact choice has nothing to watch.  The checks back off
+while within the bound (`CHECK_BACKOFF`), and are spread so that they take about
+`CHECK_SHARE` of the training's time: a check costs an exact pass, which can be
+several times the chosen setting's.
 """
 from __future__ import annotations
 
@@ -120,6 +124,14 @@ NOISE_CAP = 0.2
 #: of it was the first of every 10), up to every 80 while they stay within the bound
 #: (`AccuracyPolicy.check_backoff`)
 CHECK_BACKOFF = 8
+
+#: auto's checks may take about this share of the training's time: a check costs the
+#: chosen setting's pass and an exact pass (and, when the noise is measured again,
+#: two exact half-batch passes), so where exact propagation is much slower than the
+#: chosen setting the checks are spread out further than `CHECK_BACKOFF` alone would
+#: (case a of issue 20: a check took 0.26-0.37 s against a 63 ms pass, and 26 checks
+#: took 13 % of the training; tuning's share, `BUDGET`, is 5 %)
+CHECK_SHARE = 0.03
 
 #: a check re-measures the batch's gradient noise (two exact half-batch passes, as
 #: much as the check itself) unless the last measurement pinned the bound at
@@ -605,7 +617,7 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
         finally:
             _drop(twin)
 
-    average = _average_possible(model)
+    missed: list[Measurement] = []  # first iteration counts timed, outside the bound
     for levels, cf in _structures(model):
         if stopped:
             break
@@ -615,25 +627,30 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
             if over():
                 stopped = True
                 break
-            tries = [Candidate(levels, cf, fi, bi)]
-            if average and (fi, bi) == ITERATIONS[0]:
-                # outside the bound: averaged coarse levels at the same iterations
-                # first (a few % more per pass, often far more accurate)
-                tries.append(Candidate(levels, cf, fi, bi, coarsening="average"))
-            for cand in tries:
-                if cand is not tries[0] and over():
-                    stopped = True
-                    break
-                m = measure(cand)
-                table.append(m)
-                if m.rel_error is None or m.within:
-                    break
-            if stopped:
-                break
+            m = measure(Candidate(levels, cf, fi, bi))
+            table.append(m)
             if m.rel_error is None:  # slower than what we have: more iterations won't help
                 break
             if m.within:
                 best, best_t = m.candidate, m.seconds
+                break
+            if (fi, bi) == ITERATIONS[0]:
+                missed.append(m)
+    if _average_possible(model):
+        # structures timed at the first counts but outside the bound, with averaged
+        # coarse levels (a few % more per pass; sometimes far more accurate, sometimes
+        # far less): after the ladder, so that they never take its budget, and only
+        # where they may beat the best found (their time is that of injection's + 10 %)
+        for m in sorted(missed, key=lambda m: m.seconds):
+            if stopped or m.seconds * 1.1 >= best_t:
+                break
+            if over():
+                stopped = True
+                break
+            got = measure(replace(m.candidate, coarsening="average"))
+            table.append(got)
+            if got.within:
+                best, best_t = got.candidate, got.seconds
                 break
     if best is not None and not (stopped or over()):  # the same with per-step cycles
         table.append(measure(replace(best, batched=False)))
@@ -652,6 +669,18 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
                 "; no MGRIT candidate needed it")
     return TuneResult(table, choice, reason, spent, ranks, batch, noise, bound, note, reused,
                       kept=kept)
+
+
+def _check_interval(pass_s: float, exact_s: float, noise_share: float) -> int:
+    """The least number of batches between auto's checks for them to take about
+    `CHECK_SHARE` of the training: a check's passes (the chosen setting's, an exact
+    one, and, in `noise_share` of the checks, two exact half-batch ones for the
+    gradient noise) over `CHECK_SHARE` of a pass.  From the slowest rank's timings:
+    the same on every rank."""
+    if not (pass_s > 0 and math.isfinite(pass_s) and math.isfinite(exact_s)):
+        return 0
+    cost = pass_s + exact_s * (1 + noise_share)
+    return math.ceil(cost / (CHECK_SHARE * pass_s))
 
 
 def _surrogate_loss(out: Tensor, y: Any) -> Tensor:
@@ -798,6 +827,9 @@ class AutoTuner:
             if ctl is not None:
                 # the tuning's check of it, within the bound, was its first: back off once
                 ctl.backoff = min(2, ctl.policy.check_backoff)
+                exact = min(m.seconds for m in got.table if m.candidate.exact)
+                ctl.min_every = _check_interval(got.choice.seconds, exact,
+                                                self._noise_share())
         for other in kept.values():
             other.close()
         model.accuracy = self.chosen.accuracy
@@ -909,9 +941,21 @@ class AutoTuner:
             else:
                 self.checks_since_noise += 1
         got = self.chosen.check_gradients(x, y, loss_fn)
+        if ctl is not None and got.inexact_seconds > 0:
+            ctl.min_every = _check_interval(got.inexact_seconds, got.exact_seconds,
+                                            self._noise_share())
         if not _within(got, self.bound) and len(self.results) <= self.max_retunes:
             self.tune(model, x, y, loss_fn)
         return got
+
+    def _noise_share(self) -> float:
+        """The share of checks that measure the gradient noise (`noise_due`)."""
+        frac = self.policy.noise_fraction
+        if frac is None:
+            return 0.0
+        if self.noise is None or frac * self.noise < NOISE_MARGIN * NOISE_CAP:
+            return 1.0
+        return 1.0 / NOISE_EVERY
 
     def noise_due(self) -> bool:
         """Whether a check should measure the gradient noise again: always, unless
