@@ -105,11 +105,20 @@ def test_within_the_bound_picks_mgrit_and_watches(monkeypatch: pytest.MonkeyPatc
     model(x).sum().backward()  # a training pass through the chosen setting
     assert model.last_forward[0].iterations == c.candidate.fwd_iters
     # the bound tightens below the chosen setting's error: the next gradient check
-    # leaves it and tunes again, on that batch
+    # finds it outside; nothing changes until the check after confirms it (one batch's
+    # error is a noisy estimate), which is due after check_every batches
     model._auto.policy = AccuracyPolicy(max_rel_error=c.rel_error / 2)
+    ctl = model.accuracy
+    iters = (ctl.fwd_iters, ctl.bwd_iters)
     got = model.check_gradients(x, y, torch.nn.functional.cross_entropy)
     assert got.param_grad_error == c.rel_error  # the chosen setting, measured again
+    assert len(model._auto.results) == 1 and model._auto.unconfirmed
+    assert model.accuracy is ctl and (ctl.fwd_iters, ctl.bwd_iters) == iters
+    assert ctl.check_due(ctl.policy.check_every) and not ctl.log
+    # ... and then tunes again, on that batch
+    got = model.check_gradients(x, y, torch.nn.functional.cross_entropy)
     assert len(model._auto.results) == 2, model._auto.results[-1].lines()
+    assert not model._auto.unconfirmed
     again = model._auto.results[1].choice
     assert again.within and again.rel_error <= c.rel_error / 2
     assert again.candidate != c.candidate
