@@ -1,6 +1,7 @@
 """Vectorised or per-step MGRIT cycles: the default (``batched="auto"``) against both.
 
-    python -m layerpar.bench paths [--ranks 1 2] [--quick] [--csv PATH]
+    python -m layerpar.bench paths [--ranks 1 2] [--coarsening average] [--quick]
+        [--csv PATH]
 
 For each case (a user's two-convolution block as in TorchBraid's MNIST example, a
 dense net, a pre-norm MLP block) and each rank count, three `LayerParallel` models of
@@ -9,6 +10,9 @@ both paths at its first pass), ``batched=True`` and ``batched=False``.  Seconds 
 training batch (forward, loss, backward; the first batches, the auto choice's
 measurement included, are warm-up) are rank 0's, the median of the timed batches.
 The default must be within 5% of the faster of the other two in every row.
+``--coarsening average``: the coarse levels evaluate the spanned layers' mean
+parameters (before vectorised average coarsening, such a model ran per-step cycles:
+the per-step column is what it cost then).
 """
 from __future__ import annotations
 
@@ -87,8 +91,8 @@ def _worker(args: argparse.Namespace) -> None:
         torch.manual_seed(0)
         net = make()
         x, y = torch.randn(*shape), torch.randint(0, classes, (shape[0],))
-        models = [LayerParallel(copy.deepcopy(net), comm, FWD, BWD, batched=b)
-                  for _, b in MODES]
+        models = [LayerParallel(copy.deepcopy(net), comm, FWD, BWD, batched=b,
+                                coarsening=args.coarsening) for _, b in MODES]
         for m in models:  # warm-up: the auto model measures both paths here
             train_step(m, x, y)
             train_step(m, x, y)
@@ -101,7 +105,7 @@ def _worker(args: argparse.Namespace) -> None:
             med = {label: statistics.median(t) for (label, _), t in zip(MODES, times)}
             best = min(med["batched"], med["per-step"])
             print("PATHBENCH " + json.dumps({
-                "case": name, "ranks": size,
+                "case": name, "ranks": size, "coarsening": args.coarsening,
                 **{f"{label}_ms": round(1e3 * v, 2) for label, v in med.items()},
                 "auto_chose": "batched" if choice.batched else "per-step",
                 "auto_vs_best": round(med["auto"] / best, 3)}), flush=True)
@@ -128,6 +132,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--quick", action="store_true", help="small cases, 3 repeats")
     p.add_argument("--repeats", type=int, default=None, help="timed batches (default 9)")
     p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
+    p.add_argument("--coarsening", choices=("injection", "average"), default="injection",
+                   help="parameter coarsening of the coarse levels (default injection)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per job")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -141,10 +147,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     from .launch import run_worker_job
 
-    inner = ["--worker", "--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
+    inner = ["--worker", "--repeats", str(args.repeats), "--coarsening", args.coarsening] + (
+        ["--quick"] if args.quick else [])
     rows = [r for n in args.ranks for r in run_worker_job(
         "layerpar.apps.pathbench", n, inner, marker="PATHBENCH", timeout=args.timeout)]
-    print(f"layerpar.bench paths: 3 levels cf 4, 2/1 iterations, 1 thread per rank, "
+    print(f"layerpar.bench paths: 3 levels cf 4, 2/1 iterations, {args.coarsening} "
+          "coarsening, 1 thread per rank, "
           f"median of {args.repeats} batches (forward + loss + backward), models taking "
           "turns")
     print(format_rows(rows))
