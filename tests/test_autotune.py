@@ -575,3 +575,25 @@ def test_average_coarsening_is_tried_after_the_ladder(monkeypatch: pytest.Monkey
     got = model.tune(x, y, torch.nn.functional.cross_entropy)
     assert all(m.candidate.coarsening is None for m in got.table), got.lines()
     model.close()
+
+
+def test_one_check_outside_the_bound_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check outside the bound followed by one within it: no re-tuning, the chosen
+    setting and its iteration counts untouched, the next check due soon after the
+    miss (check_every), then spread again."""
+    _fixed_cost(monkeypatch)
+    net, x, y = _stiff_batch(1.0)
+    loss = torch.nn.functional.cross_entropy
+    model = LayerParallel(net, None, "auto", accuracy=AccuracyPolicy(max_rel_error=0.05))
+    c = model.tune(x, y, loss).choice
+    auto, ctl = model._auto, model.accuracy
+    auto.policy = AccuracyPolicy(max_rel_error=c.rel_error / 2)
+    model.check_gradients(x, y, loss)
+    assert auto.unconfirmed and ctl.min_every == 0 and ctl.backoff == 1
+    auto.policy = AccuracyPolicy(max_rel_error=0.05)
+    model.check_gradients(x, y, loss)
+    assert not auto.unconfirmed and len(auto.results) == 1 and model.accuracy is ctl
+    assert not ctl.log and (ctl.fwd_iters, ctl.bwd_iters) == (c.candidate.fwd_iters,
+                                                              c.candidate.bwd_iters)
+    assert ctl.min_every > ctl.policy.check_every  # exact costs 5 passes here
+    model.close()

@@ -837,7 +837,10 @@ class AutoTuner:
             if ctl is not None:
                 # the tuning's check of it, within the bound, was its first: back off once
                 ctl.backoff = min(2, ctl.policy.check_backoff)
+                # a check's exact pass is exact propagation's (where it was timed)
                 exact = min(m.seconds for m in got.table if m.candidate.exact)
+                exact = next((m.seconds for m in got.table if m.candidate.exact
+                              and not m.candidate.replicated), exact)
                 ctl.min_every = _check_interval(got.choice.seconds, exact,
                                                 self._noise_share())
         for other in kept.values():
@@ -936,11 +939,11 @@ class AutoTuner:
         outside the bound on two checks in a row, tune again on the second's batch
         (after the first, nothing changes and the next check is due after
         `check_every` batches: one batch's error is a noisy estimate).  With the
-        measured bound, the
-        batch's gradient noise is measured again first (it grows as training
-        converges), and the chosen setting's controller is held to the new bound;
-        where the last measurement left the bound pinned at its cap with room to
-        spare, only every few checks (`noise_due`: it costs as much as the check)."""
+        measured bound, the batch's gradient noise is measured again first (it grows
+        as training converges), and the chosen setting's controller is held to the
+        new bound; where the last measurement left the bound pinned at its cap with
+        room to spare, only every few checks (`noise_due`: it costs as much as the
+        check)."""
         assert self.chosen is not None
         ctl = self.chosen.accuracy
         if self.policy.noise_fraction is not None and ctl is not None:
@@ -973,24 +976,25 @@ class AutoTuner:
             self.tune(model, x, y, loss_fn)
         return got
 
+    def _pinned(self) -> bool:
+        """Whether the last noise measurement pinned the measured bound at `NOISE_CAP`
+        with `NOISE_MARGIN` to spare."""
+        frac = self.policy.noise_fraction
+        return not (self.noise is None or frac is None
+                    or frac * self.noise < NOISE_MARGIN * NOISE_CAP)
+
     def _noise_share(self) -> float:
         """The share of checks that measure the gradient noise (`noise_due`)."""
-        frac = self.policy.noise_fraction
-        if frac is None:
+        if self.policy.noise_fraction is None:
             return 0.0
-        if self.noise is None or frac * self.noise < NOISE_MARGIN * NOISE_CAP:
-            return 1.0
-        return 1.0 / NOISE_EVERY
+        return 1.0 / NOISE_EVERY if self._pinned() else 1.0
 
     def noise_due(self) -> bool:
         """Whether a check should measure the gradient noise again: always, unless
         the last measurement pinned the bound at `NOISE_CAP` with `NOISE_MARGIN` to
         spare; then every `NOISE_EVERY`-th check (the same on every rank: the noise
         is reduced over the ranks)."""
-        frac = self.policy.noise_fraction
-        if self.noise is None or frac is None or frac * self.noise < NOISE_MARGIN * NOISE_CAP:
-            return True
-        return self.checks_since_noise + 1 >= NOISE_EVERY
+        return not self._pinned() or self.checks_since_noise + 1 >= NOISE_EVERY
 
     def log(self, ranks: int) -> list[str]:
         """Every tuning's table and choice as text lines, and a line if the training
