@@ -210,3 +210,25 @@ def test_averaged_coarse_parameters_match_coarse_block(blocks_from: int) -> None
             assert not any(t.requires_grad for t in got.values())
     bb.new_pass()
     assert not any(key[0] == "average" for key in bb._stacked if isinstance(key[0], str))
+
+
+def test_average_two_forwards_then_one_backward() -> None:
+    """Average coarsening, two forward passes before one backward: the vectorised
+    cycle's gradients equal the per-step cycle's (each backward steps through its own
+    pass's path and averages)."""
+    torch.manual_seed(0)
+    net = dense_net(n=37, width=6).double()
+    x1, x2 = torch.randn(9, 3, dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)
+    y = torch.randint(0, 4, (9,))
+    grads = []
+    for batched in (True, False):
+        m = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT, batched=batched,
+                                   coarsening="average")
+        first = torch.nn.functional.cross_entropy(m(x1), y)
+        second = torch.nn.functional.cross_entropy(m(x2), y)
+        (first + 2 * second).backward()
+        assert all(r.bb is not None for r in m._runners.values()) == batched
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+        m.close()
+    for n, g in grads[0].items():
+        assert rel(g, grads[1][n]) <= F64.roundoff, n

@@ -195,7 +195,7 @@ class SegmentRunner:
         keeps the state's shape and changes neither its input nor (`own_buffers`) its
         own buffers in place."""
         seg_index = self.seg_index
-        bb = self.bb
+        bb = tape.bb  # the path of the pass that owns the tape (a later pass may differ)
         if bb is not None and b > a + 1 and bb.coarsening != "injection" and not (
                 check or self.bn.get(a) or a in tape.rng_layers):
             # an averaged coarse step stepped alone (a sequential stretch of a coarse
