@@ -39,6 +39,18 @@ def test_grids_match_serial_training(launcher: str) -> None:
     assert proc.stdout.count("exact: 2x2=") == 4, describe(proc)
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_replicas_take_one_path_whatever_their_timings(launcher: str) -> None:
+    """batched="auto" times vectorised and per-step cycles; where the replicas' own
+    timings disagree, every process takes the path of the summed timings (it hung
+    before: a batched and a per-step pass hand gradients to the replicas' averaging
+    in different buckets) and trains as that path given explicitly does."""
+    proc = LAUNCHERS[launcher](WORKERS / "lp_grid.py", 4, "paths_differ", timeout=200)
+    seen = reports(proc)
+    assert seen == {0: "OK", 1: "OK", 2: "OK", 3: "OK"}, describe(proc)
+
+
 # case -> (the error of the rank that fails, of the others, a text every rank prints)
 FAILURES = {
     "raise_in_layer": ("RuntimeError", "RemoteError", "a layer exploded on rank 3"),
@@ -48,6 +60,8 @@ FAILURES = {
     "grid_not_divide": ("ValueError", "ValueError", "does not match the 4 processes"),
     "shapes_differ": ("RankMismatchError", "RankMismatchError",
                       "the input differs between data replicas"),
+    "exact_differs": ("RankMismatchError", "RankMismatchError",
+                      "run this pass with exact propagation and the others with MGRIT"),
 }
 
 

@@ -257,6 +257,7 @@ class LayerParallel(nn.Module):
                                         backward_options, coarsening, batched,
                                         engine=engine, direct_ok=direct_ok)
                 runner.averager = self._averager
+                runner.replicas = self._data_transport
                 self._runners[k] = runner
                 shards.append(_SegmentShard(layer, runner.owned))
                 self._layers_meta.append(("segment", seg_index))
@@ -513,9 +514,12 @@ class LayerParallel(nn.Module):
             else None
         key = (tuple(x.shape), str(x.dtype), self.training, grad_mode)
         if self._data_transport is not None:  # replicas hold other samples, same shapes
+            # ... and take the same kind of pass: exact propagation hands its gradients
+            # to the replicas' averaging layer by layer, MGRIT's batched records several
+            # layers at a time, and the reductions must pair up bucket by bucket
             keys = self.guard(lambda: self._data_transport.allgather_object(
-                key, "the forward pass's agreement between replicas"))
-            if any(k != keys[0] for k in keys):
+                (*key, self._exact_pass), "the forward pass's agreement between replicas"))
+            if any(k[:4] != keys[0][:4] for k in keys):
                 detail = "; ".join(f"replica {d} has shape {k[0]}, dtype {k[1]}, "
                                    f"training={k[2]}, grad mode={k[3]}"
                                    for d, k in enumerate(keys))
@@ -523,6 +527,14 @@ class LayerParallel(nn.Module):
                     f"the input differs between data replicas: {detail}. Every replica "
                     "must pass batches of the same shape (use ProcessGrid.sampler, "
                     "drop_last=True, and the same per-replica batch size)")
+            if any(k[4] != keys[0][4] for k in keys):
+                exact = [d for d, k in enumerate(keys) if k[4]]
+                raise RankMismatchError(
+                    f"data replica(s) {exact} run this pass with exact propagation and the "
+                    "others with MGRIT: the replicas' gradients could not be averaged "
+                    "(`model.exact()` on some replicas only, or an adaptive accuracy "
+                    "policy that decided differently on their batches: its decisions are "
+                    "each replica's own)")
         if self.size == 1:
             return Agreed(grad_mode and (x_rg or p_rg), x_rg, seed)
         probe = values_fingerprint(x) if self._batch <= self.check_inputs else None

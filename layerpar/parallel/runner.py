@@ -119,6 +119,10 @@ class SegmentRunner:
                 warn_once(seg.blocks[self.owned[0]], why)
         self.check_finite = True  # set by LayerParallel
         self.transport = transport
+        # the data group of a process grid (set by LayerParallel): the path choice is
+        # agreed with the other replicas too (their gradients are averaged bucket by
+        # bucket, and a batched and a per-step pass hand them over differently)
+        self.replicas: Any = None
         self.rtransport = transport.reversed()
         self._seg, self._engine = seg, engine
         self.fwd_options = fwd.replace(final_fc_relax=True)
@@ -243,7 +247,8 @@ class SegmentRunner:
     def choose_path(self, like: Tensor, repeats: int = 3) -> PathChoice:
         """Time one fine-level batch of this rank's steps, each step with its
         vector-Jacobian product (input and parameters, as the final sweeps need),
-        vectorised and one by one; the faster path (summed over ranks) wins."""
+        vectorised and one by one; the faster path (summed over the ranks, and over
+        the replicas of a process grid) wins."""
         bb = self.vectorised
         k = max(1, len(self.owned) // self.fwd_options.cfactor_at(0))
         layers = tuple(self.owned[:k])
@@ -278,6 +283,12 @@ class SegmentRunner:
         got = [mine] if self.transport.size == 1 else self.transport.allgather_object(
             mine, "the timing of vectorised and per-step cycles")
         t_vec, t_seq = sum(t for t, _ in got), sum(t for _, t in got)
+        if self.replicas is not None and self.replicas.size > 1:
+            # every replica takes the same path: the sums of all replicas' layer groups
+            # (the same list on every process), not each replica's own timing
+            sums = self.replicas.allgather_object(
+                (t_vec, t_seq), "the replicas' timings of vectorised and per-step cycles")
+            t_vec, t_seq = sum(t for t, _ in sums), sum(t for _, t in sums)
         choice = PathChoice(t_vec <= t_seq, t_vec, t_seq)
         _log.info("layerpar: segment %d, input %s: %s (vectorised %.3g ms, per-step "
                   "%.3g ms for %d steps with their VJPs, summed over %d rank(s))",

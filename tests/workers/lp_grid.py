@@ -14,7 +14,8 @@ Correctness cases compare with the serial oracle (float64, <= 1e-10 relative):
   correct   the four above in one job
 Failure cases (each rank reports the exception it ended with):
   raise_one_rank, raise_in_layer, nan_one_replica, options_differ, grid_not_divide,
-  shapes_differ, sigkill
+  shapes_differ, exact_differs, sigkill
+  paths_differ  batched="auto" with replica timings that disagree: one path everywhere
 """
 import datetime
 import os
@@ -166,6 +167,82 @@ def case_inexact():
             raise AssertionError(f"2x2 differs from 1x2: {err:.2e}; {losses4} {losses2}")
         return f"err={err:.1e} losses={[f'{v:.6f}' for v in losses4]}"
     return "idle"
+
+
+def paths_run(grid, batched, steps=4):
+    """Losses and final parameters of a 2x2 training with `batched` cycles, and the
+    path each segment took (collective)."""
+    model = layerpar.LayerParallel(net(n=32), grid=grid, options=FWD, backward_options=BWD,
+                                   batched=batched, timeout=60)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = data(step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(shard(x, grid)), shard(y, grid))
+        loss.backward()
+        opt.step()
+        losses.append(replica_mean(grid, loss.item()))
+    paths = [c.batched for r in model._runners.values() for c in r.paths.values()]
+    sd = model.gather_state_dict()
+    model.close()
+    return losses, sd, paths
+
+
+def case_paths_differ():
+    """batched="auto" where the replicas' own timings disagree (replica 0 finds the
+    vectorised cycles faster, replica 1 the per-step ones): every process takes the
+    path of the summed timings, here vectorised, and trains as batched=True does.
+    Each replica deciding alone paired a batched pass's gradient buckets with a
+    per-step pass's and hung."""
+    from layerpar.parallel import runner
+
+    grid = layerpar.ProcessGrid(comm, data=2, layers=2, timeout=60)
+    own = {0: {"vectorised": 1.0, "per_step": 3.0},
+           1: {"vectorised": 3.0, "per_step": 1.5}}[grid.data_rank]
+    real = runner.best_seconds
+    runner.best_seconds = lambda fn, device, repeats: (fn(), own[fn.__name__])[1]
+    try:
+        losses, sd, paths = paths_run(grid, "auto")
+    finally:
+        runner.best_seconds = real
+    want_losses, want_sd, _ = paths_run(grid, True)
+    grid.close()
+    seen = comm_allgather(paths)
+    if any(p != [True] for p in seen):
+        raise AssertionError(f"the processes took different paths: {seen}")
+    err = max(max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)),
+              max(rel(sd[k], want_sd[k]) for k in want_sd))
+    if not err <= F64.converged:
+        raise AssertionError(f"auto differs from batched=True: {err:.2e}")
+    return f"paths={seen} err={err:.1e}"
+
+
+def comm_allgather(value):
+    if TORCH:
+        out = [None] * size
+        dist.all_gather_object(out, value)
+        return out
+    return comm.allgather(value)
+
+
+def case_exact_differs():
+    """One replica runs a pass under `model.exact()`, the other with MGRIT."""
+    grid = layerpar.ProcessGrid(comm, data=2, layers=2, timeout=60)
+    model = layerpar.LayerParallel(net(), grid=grid, options=FWD, backward_options=BWD,
+                                   timeout=60)
+    x, y = data()
+    t0 = time.perf_counter()
+    try:
+        if grid.data_rank == 1:
+            with model.exact():
+                out = model(shard(x, grid))
+        else:
+            out = model(shard(x, grid))
+        nn.functional.cross_entropy(out, shard(y, grid)).backward()
+    finally:
+        print(f"RANK {rank} took {time.perf_counter() - t0:.1f} s", flush=True)
+    return "no error"
 
 
 def adam_steps(model, opt, grid, first, last):
