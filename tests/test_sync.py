@@ -23,7 +23,7 @@ from tolerances import F64
 import layerpar
 from layerpar.mgrit.transport import SerialTransport
 from layerpar.parallel import DASO, Lion, LionCub, SlowLink
-from layerpar.parallel.sync import Metered, majority_bits
+from layerpar.parallel.sync import Metered, _all_finite, majority_bits
 
 WORKERS = Path(__file__).parent / "workers"
 # a report is `RANK <r> <Type>[: ]<detail>`; mpiexec may glue two reports together
@@ -161,6 +161,27 @@ def test_majority_vote_on_packed_bits() -> None:
         pos, neg = majority_bits(np.packbits(b, axis=1))
         got = np.unpackbits(pos, count=n).astype(int) - np.unpackbits(neg, count=n)
         assert (got == np.sign(2 * b.sum(0).astype(int) - P)).all(), P
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_finite_check_finds_every_nan_and_infinity(dtype: torch.dtype) -> None:
+    """The replicas' check (least and greatest element of each tensor) finds one NaN,
+    +inf or -inf anywhere, in any tensor of the list; empty tensors and lists pass."""
+    def tensors() -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(3)
+        return [torch.randn(shape, generator=g).to(dtype) for shape in
+                [(7, 5), (0,), (13,), (2, 3, 4)]]
+
+    assert _all_finite(tensors()) and _all_finite([]) and _all_finite([torch.zeros(0)])
+    big = tensors()
+    big[0][3, 2] = torch.finfo(dtype).max  # finite, however large
+    assert _all_finite(big)
+    for which, index in ((0, (6, 4)), (2, (0,)), (3, (1, 2, 3))):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            ts = tensors()
+            ts[which][index] = bad
+            assert not _all_finite(ts), (which, bad)
+            assert not _all_finite(iter(ts)), (which, bad)  # any iterable
 
 
 @pytest.mark.mpi
