@@ -184,6 +184,61 @@ def test_finite_check_finds_every_nan_and_infinity(dtype: torch.dtype) -> None:
             assert not _all_finite(iter(ts)), (which, bad)  # any iterable
 
 
+class _FakeGlobal:
+    """A global group of P leaders for `DASO` on one process: this leader's part is
+    row 0 of the all-gather, the other leaders' are given; what was sent is kept."""
+
+    def __init__(self, others: list[torch.Tensor]) -> None:
+        self.size, self.others, self.sent = len(others) + 1, others, []
+
+    def allgather_start(self, t: torch.Tensor, out: torch.Tensor, what: str = "") -> object:
+        self.sent.append(t.clone())
+        out[0].copy_(t)
+        for row, o in zip(out[1:], self.others):
+            row.copy_(o)
+        return type("Done", (), {"wait": lambda self: None})()
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_daso_exchange_arithmetic_is_exact(P: int) -> None:
+    """DASO's exchanges in bfloat16 (kept buffers, each part widened before it is
+    added): the difference sent is the float32 difference rounded once, the average is
+    the reference plus the float32 sum of the parts over P, bitwise; and it equals a
+    float32 `sum` over the gathered parts (the form it replaces).  Three exchanges in a
+    row (the first sends the parameters, the next two differences: the kept buffers
+    are reused), each merged by the progress rule."""
+    torch.manual_seed(P)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 17), torch.nn.Linear(17, 5))
+    d = DASO(cycle=(2,))
+    d.model, d.leader, d.node = model, True, None
+    ref = None
+    for ex in range(3):
+        p0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        dt = torch.float32 if ref is None else torch.bfloat16
+        others = [(p0 + torch.randn_like(p0) * 0.1 - (0 if ref is None else ref)).to(dt)
+                  for _ in range(P - 1)]
+        d.glob = fake = _FakeGlobal(others)
+        d._start(2 * ex)
+        sent = fake.sent[0]
+        want_sent = p0 if ref is None else (p0 - ref).to(torch.bfloat16)
+        assert sent.dtype == want_sent.dtype and torch.equal(sent, want_sent), ex
+        with torch.no_grad():  # the node trains on before the merge
+            for p in model.parameters():
+                p.add_(0.01)
+        parts = torch.stack([sent] + others)
+        acc = parts[0].float()
+        for r in parts[1:]:
+            acc = acc + r.float()
+        want = acc / P if ref is None else ref + acc / P
+        assert torch.equal(want, (parts.sum(0, dtype=torch.float32) / P) if ref is None
+                           else ref + parts.sum(0, dtype=torch.float32) / P)
+        d._finish()
+        assert torch.equal(d.ref, want), ex
+        got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        assert torch.allclose(got, want + 0.01, rtol=0, atol=1e-6), ex  # avg + progress
+        ref = want.clone()
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("launcher, nan", [("mpiexec", "allreduce,daso,lioncub,unattached"),
                                            ("torchrun", "daso")])

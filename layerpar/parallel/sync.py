@@ -434,6 +434,30 @@ class DASO(SyncStrategy):
         # sends parameters minus it.  None: the first exchange sends the parameters
         # in their own dtype (no reference yet)
         self.ref: Optional[Tensor] = None
+        self._bufs: dict[str, Tensor] = {}  # see `_buffer`
+
+    def _buffer(self, name: str, like: Tensor, dtype: torch.dtype, rows: int = 0) -> Tensor:
+        """A buffer of `like`'s numel (x `rows`) kept between exchanges: one exchange
+        is in flight at a time, and a fresh tensor of the parameters' size per exchange
+        costs its page faults (~10 ms per 8.9 M float32 on the development machine)."""
+        shape = (rows, like.numel()) if rows else (like.numel(),)
+        b = self._bufs.get(name)
+        if b is None or b.shape != shape or b.dtype != dtype or b.device != like.device:
+            b = self._bufs[name] = torch.empty(shape, dtype=dtype, device=like.device)
+        return b
+
+    def _flat_params(self, name: str) -> Tensor:
+        """The parameters, concatenated into the kept buffer `name`."""
+        params = [p.detach().reshape(-1) for p in self._params()]
+        if not params or any(p.dtype != params[0].dtype for p in params):
+            return _flat(params)  # (mixed dtypes: promoted, as a concatenation does)
+        out = self._bufs.get(name)
+        n = sum(p.numel() for p in params)
+        if out is None or out.shape != (n,) or out.dtype != params[0].dtype or \
+                out.device != params[0].device:
+            out = self._bufs[name] = torch.empty(n, dtype=params[0].dtype,
+                                                 device=params[0].device)
+        return torch.cat(params, out=out)
 
     def key(self) -> dict[str, Any]:
         return {"sync": self.name, "cycle": self.cycle, "warmup": self.warmup,
@@ -486,16 +510,22 @@ class DASO(SyncStrategy):
         if self.merge == "progress" and s > 1:
             # the parameters as sent (every replica of the node holds the same: a
             # checkpoint saves them per replica); a copy, kept until the merge
-            pend["p_sent"] = _flat(self._params())
+            pend["p_sent"] = self._flat_params("p_sent")
         if self.leader and self.glob is not None:
             # an all-gather of the raw bytes: any dtype on any backend (MPI has no
             # bfloat16 sum); the same payload per process as an all-reduce
-            flat = _flat(self._params()) if pend["p_sent"] is None else pend["p_sent"]
+            flat = self._flat_params("send") if pend["p_sent"] is None else pend["p_sent"]
             if self.ref is not None:  # the difference, rounded once into the wire dtype
-                diff = torch.empty(flat.shape, dtype=self.global_dtype or flat.dtype)
-                flat = torch.sub(flat.to(self.ref.dtype), self.ref, out=diff)
-            flat = flat.contiguous()
-            pend["flat"] = torch.empty((self.glob.size, flat.numel()), dtype=flat.dtype)
+                ref = self.ref
+                wire = self.global_dtype or flat.dtype
+                diff = self._buffer("diff", flat, wire)
+                if wire == ref.dtype and flat.dtype == ref.dtype:
+                    flat = torch.sub(flat, ref, out=diff)
+                else:  # in the reference's dtype, then rounded: a subtraction with a
+                    # bfloat16 output computes as slowly as mixed dtypes do (2x here)
+                    flat = diff.copy_(torch.sub(flat.to(ref.dtype), ref,
+                                                out=self._buffer("scratch", flat, ref.dtype)))
+            pend["flat"] = self._buffer("parts", flat, flat.dtype, rows=self.glob.size)
             pend["handle"] = self.glob.allgather_start(flat, pend["flat"], "DASO's global "
                                                        "parameter exchange")
             pend["sent"] = flat
@@ -509,9 +539,19 @@ class DASO(SyncStrategy):
             assert self.glob is not None
             parts = pend["flat"]
             acc = torch.float64 if parts.dtype == torch.float64 else torch.float32
-            avg = parts.sum(0, dtype=acc).div_(self.glob.size)  # (no float32 copy of parts)
-            if self.ref is not None:
-                avg = avg.add_(self.ref)
+            if self.ref is None:  # the first exchange: parameters (a fresh average)
+                avg = parts.sum(0, dtype=acc).div_(self.glob.size)
+            else:  # differences: their mean goes onto the reference, in place
+                mean = self._buffer("mean", parts[0], acc)
+                if parts.dtype == acc:
+                    torch.sum(parts, 0, out=mean)
+                else:  # part by part, each widened first: a sum over bfloat16 with a
+                    # float32 result, or an add of mixed dtypes, is 3-4x slower here
+                    mean.copy_(parts[0])
+                    tmp = self._buffer("scratch", parts[0], acc)
+                    for row in parts[1:]:
+                        mean.add_(tmp.copy_(row))
+                avg = self.ref.add_(mean.div_(self.glob.size))
             pend["avg"] = self.ref = avg
             pend["handle"] = pend["flat"] = pend["sent"] = None
 
@@ -536,7 +576,7 @@ class DASO(SyncStrategy):
                     raise DivergenceError("DASO's merged parameters are not finite (NaN or "
                                           "inf in some replica)")
             if self.node is not None:  # the node's leader is its group rank 0
-                flat = _flat(params) if self.node.group_rank == 0 else None
+                flat = self._flat_params("bcast") if self.node.group_rank == 0 else None
                 got = self.node.bcast_tensor(flat, 0, (sum(p.numel() for p in params),),
                                              params[0].dtype if params else torch.float32,
                                              params[0].device if params else
@@ -644,6 +684,7 @@ class LionCub(SyncStrategy):
         super().__init__()
         nonneg_int("momentum_every", momentum_every)
         self.momentum_every = momentum_every
+        self._plus: Optional[Tensor] = None  # where this replica's update is >= 0
 
     def key(self) -> dict[str, Any]:
         return {"sync": self.name, "momentum_every": self.momentum_every}
@@ -670,15 +711,21 @@ class LionCub(SyncStrategy):
         # torch.sign(NaN) is 0: a NaN would vanish from the update, so look at the grads
         if not _all_finite(p.grad for p, _ in pairs):
             raise DivergenceError("a gradient is not finite (NaN or inf) on this replica")
-        plus = torch.cat([(u >= 0).reshape(-1) for u in signs]).cpu()
-        n = plus.numel()
-        bits = torch.from_numpy(np.packbits(plus.numpy()))
+        n = sum(u.numel() for u in signs)
+        if self._plus is None or self._plus.numel() != n:  # kept: no page faults per step
+            self._plus = torch.empty(n, dtype=torch.bool)
+        for u, b in zip(signs, _unflat(self._plus, signs)):
+            if u.device.type == "cpu":
+                torch.ge(u, 0, out=b)
+            else:  # the bits are packed by numpy, on the host
+                b.copy_(u >= 0)
+        bits = torch.from_numpy(np.packbits(self._plus.numpy()))
         out = torch.empty((self.data.size, bits.numel()), dtype=torch.uint8)
         self.data.allgather_start(bits, out, "Lion Cub's sign bits").wait()
         pos, neg = majority_bits(out.numpy())
-        vote = torch.from_numpy(np.unpackbits(pos, count=n).view(np.int8)
-                                - np.unpackbits(neg, count=n).view(np.int8))
-        for u, v in zip(signs, _unflat(vote, signs)):
+        vote = np.unpackbits(pos, count=n).view(np.int8)
+        np.subtract(vote, np.unpackbits(neg, count=n).view(np.int8), out=vote)
+        for u, v in zip(signs, _unflat(torch.from_numpy(vote), signs)):
             u.copy_(v)  # int8 -1/0/+1 into the sign tensor's dtype
 
     def after_step(self) -> None:
