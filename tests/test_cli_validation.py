@@ -164,6 +164,10 @@ def test_bench_bad_value_before_any_measurement(argv: list[str], flag: str,
      "the batch size 5 must be divisible by `--data-parallel` 2"),
     (["--np", "66", "--data-parallel", "2"],
      "`--np` / `--data-parallel` (ranks per replica) must be <= 32"),
+    (["--np", "4", "--data-parallel", "2", "--adaptive"],
+     "`--adaptive` decides from each replica's own batches: not with `--data-parallel`"),
+    (["--np", "4", "--data-parallel", "2", "--auto"],
+     "`--auto` chooses layer-parallel settings: not with `--serial`"),
 ])
 def test_train_data_parallel_values(argv: list[str], message: str,
                                     capsys: pytest.CaptureFixture) -> None:

@@ -62,6 +62,10 @@ FAILURES = {
                       "the input differs between data replicas"),
     "exact_differs": ("RankMismatchError", "RankMismatchError",
                       "run this pass with exact propagation and the others with MGRIT"),
+    "auto_replicas": ("ValueError", "ValueError",
+                      "options='auto' cannot be used with data replicas"),
+    "accuracy_replicas": ("ValueError", "ValueError",
+                          "`accuracy` cannot be used with data replicas"),
 }
 
 

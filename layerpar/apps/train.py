@@ -333,6 +333,9 @@ def train(
     if serial and (policy is not None or check_every):
         raise ValueError("`adaptive` and `check_every` need a layer-parallel run (they "
                          "compare MGRIT with exact propagation), not `serial`")
+    if policy is not None and data_parallel > 1:
+        raise ValueError("`adaptive` needs a run without data parallelism (each replica "
+                         "would decide from its own batches: see LayerParallel's `accuracy`)")
     bound = auto if isinstance(auto, AccuracyPolicy) else None
     if bound is not None:
         auto = True
@@ -953,6 +956,9 @@ def check_arguments(args: argparse.Namespace) -> None:
                                          or getattr(args, "data_parallel", 1) > 1):
         raise ValueError("`--auto` chooses layer-parallel settings: not with `--serial`, "
                          "`--nested` or `--data-parallel`")
+    if getattr(args, "adaptive", False) and getattr(args, "data_parallel", 1) > 1:
+        raise ValueError("`--adaptive` decides from each replica's own batches: not with "
+                         "`--data-parallel`")
     if args.serial and (getattr(args, "adaptive", False) or getattr(args, "check_every", 0)):
         raise ValueError("`--adaptive` and `--check-every` compare MGRIT with exact "
                          "propagation: not with `--serial`")

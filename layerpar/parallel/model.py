@@ -128,7 +128,10 @@ class LayerParallel(nn.Module):
         Each replica passes its own shard of the batch (`ProcessGrid.sampler`); the
         gradients are then those of the mean loss over the global batch.  Buffers
         (batch-norm running statistics) stay per replica; checkpoints come from
-        each replica's own layers and load on any grid shape.
+        each replica's own layers and load on any grid shape.  With data > 1,
+        ``options="auto"`` and `accuracy` are refused: they decide from each replica's
+        own batches and clocks, and replicas that decided differently could not
+        average their gradients.
 
     Same forward signature as the serial net: pass the input on every rank; the output
     (and so the loss) is returned on every rank.  `named_parameters()` yields only this
@@ -206,6 +209,17 @@ class LayerParallel(nn.Module):
                 raise TypeError(f"`check_finite` must be a bool, got "
                                 f"{type(check_finite).__name__}")
             policy = as_policy(accuracy)
+            if grid is not None and grid.data > 1 and (auto or policy is not None):
+                # each replica would decide from its own batches and clocks: replicas
+                # that chose different iteration counts, paths or exact propagation
+                # could not average their gradients (different buckets hang)
+                what = "options='auto'" if auto else "`accuracy`"
+                raise ValueError(
+                    f"{what} cannot be used with data replicas (the grid has data="
+                    f"{grid.data}): it decides from each replica's own batches and "
+                    "timings, and replicas that decided differently could not average "
+                    "their gradients. Tune on a grid with data=1 (or `layerpar train "
+                    "--auto`) and give the chosen MGRITOptions here")
             if coarsening not in COARSENINGS:
                 raise ValueError(f"`coarsening` must be one of {COARSENINGS}, got "
                                  f"{coarsening!r}")
@@ -532,9 +546,7 @@ class LayerParallel(nn.Module):
                 raise RankMismatchError(
                     f"data replica(s) {exact} run this pass with exact propagation and the "
                     "others with MGRIT: the replicas' gradients could not be averaged "
-                    "(`model.exact()` on some replicas only, or an adaptive accuracy "
-                    "policy that decided differently on their batches: its decisions are "
-                    "each replica's own)")
+                    "(`model.exact()` on some replicas only)")
         if self.size == 1:
             return Agreed(grad_mode and (x_rg or p_rg), x_rg, seed)
         probe = values_fingerprint(x) if self._batch <= self.check_inputs else None

@@ -14,7 +14,8 @@ Correctness cases compare with the serial oracle (float64, <= 1e-10 relative):
   correct   the four above in one job
 Failure cases (each rank reports the exception it ended with):
   raise_one_rank, raise_in_layer, nan_one_replica, options_differ, grid_not_divide,
-  shapes_differ, exact_differs, sigkill
+  shapes_differ, exact_differs, sigkill, auto_replicas, accuracy_replicas (options="auto"
+  or an adaptive policy with data replicas: refused on every process)
   paths_differ  batched="auto" with replica timings that disagree: one path everywhere
 """
 import datetime
@@ -364,6 +365,18 @@ def case_options_differ():
     grid = layerpar.ProcessGrid(comm, data=2, layers=2)
     layerpar.LayerParallel(net(), grid=grid, options=FWD if rank != 2 else
                            FWD.replace(max_iter=3))
+    return "no error"
+
+
+def case_auto_replicas():
+    grid = layerpar.ProcessGrid(comm, data=2, layers=2)
+    layerpar.LayerParallel(net(), grid=grid, options="auto")
+    return "no error"
+
+
+def case_accuracy_replicas():
+    grid = layerpar.ProcessGrid(comm, data=2, layers=2)
+    layerpar.LayerParallel(net(), grid=grid, options=FWD, accuracy=True)
     return "no error"
 
 
