@@ -137,44 +137,11 @@ def case_exact():
     return " ".join(f"{k}={v:.1e}" for k, v in worst.items())
 
 
-def train_run(grid, steps=5):
-    model = layerpar.LayerParallel(net(n=32), grid=grid, options=FWD, backward_options=BWD)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(steps):
-        x, y = data(step)
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(shard(x, grid)), shard(y, grid))
-        loss.backward()
-        opt.step()
-        losses.append(replica_mean(grid, loss.item()))
-    sd = model.gather_state_dict()
-    model.close()
-    return losses, sd
-
-
-def case_inexact():
-    grid = layerpar.ProcessGrid(comm, data=2, layers=2)
-    losses4, sd4 = train_run(grid)
-    grid.close()
-    pair = sub_comm([0, 1])
-    if pair is not None:
-        g2 = layerpar.ProcessGrid(pair, data=1, layers=2)
-        losses2, sd2 = train_run(g2)
-        g2.close()
-        err = max(max(abs(a - b) / abs(b) for a, b in zip(losses4, losses2)),
-                  max(rel(sd4[k], sd2[k]) for k in sd2))
-        if not err <= F64.converged:
-            raise AssertionError(f"2x2 differs from 1x2: {err:.2e}; {losses4} {losses2}")
-        return f"err={err:.1e} losses={[f'{v:.6f}' for v in losses4]}"
-    return "idle"
-
-
-def paths_run(grid, batched, steps=4):
-    """Losses and final parameters of a 2x2 training with `batched` cycles, and the
-    path each segment took (collective)."""
+def train_run(grid, steps=5, **kw):
+    """Losses and final parameters of a training with SGD on `grid`, and the path
+    (batched or not) each segment took (collective); `kw` goes to LayerParallel."""
     model = layerpar.LayerParallel(net(n=32), grid=grid, options=FWD, backward_options=BWD,
-                                   batched=batched, timeout=60)
+                                   **kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
@@ -188,6 +155,23 @@ def paths_run(grid, batched, steps=4):
     sd = model.gather_state_dict()
     model.close()
     return losses, sd, paths
+
+
+def case_inexact():
+    grid = layerpar.ProcessGrid(comm, data=2, layers=2)
+    losses4, sd4, _ = train_run(grid)
+    grid.close()
+    pair = sub_comm([0, 1])
+    if pair is not None:
+        g2 = layerpar.ProcessGrid(pair, data=1, layers=2)
+        losses2, sd2, _ = train_run(g2)
+        g2.close()
+        err = max(max(abs(a - b) / abs(b) for a, b in zip(losses4, losses2)),
+                  max(rel(sd4[k], sd2[k]) for k in sd2))
+        if not err <= F64.converged:
+            raise AssertionError(f"2x2 differs from 1x2: {err:.2e}; {losses4} {losses2}")
+        return f"err={err:.1e} losses={[f'{v:.6f}' for v in losses4]}"
+    return "idle"
 
 
 def case_paths_differ():
@@ -204,10 +188,10 @@ def case_paths_differ():
     real = runner.best_seconds
     runner.best_seconds = lambda fn, device, repeats: (fn(), own[fn.__name__])[1]
     try:
-        losses, sd, paths = paths_run(grid, "auto")
+        losses, sd, paths = train_run(grid, steps=4, batched="auto", timeout=60)
     finally:
         runner.best_seconds = real
-    want_losses, want_sd, _ = paths_run(grid, True)
+    want_losses, want_sd, _ = train_run(grid, steps=4, batched=True, timeout=60)
     grid.close()
     seen = comm_allgather(paths)
     if any(p != [True] for p in seen):
