@@ -9,6 +9,8 @@ differentiates (`begin` ... `end`), nothing between passes.
 """
 from __future__ import annotations
 
+from itertools import chain, compress
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -39,6 +41,8 @@ RESTEP_SHARE = 0.5
 #: not their arithmetic, and restepping issues more operations (measured: Peaks 32 x 8 at
 #: 2 ranks, records of 2-4 rows, 5-20 % slower; 1,024 x 32, records of 64 rows, 8 % faster)
 RESTEP_MIN_ROWS = 8
+
+_REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 class AdjointApp(StateOps):
@@ -342,13 +346,10 @@ class AdjointApp(StateOps):
     def gradients(self) -> dict[int, Tensor]:
         """id(parameter) -> gradient of this rank's layers, from the final adjoint
         sweep (handed to the replicas' averaging first, where there is one)."""
+        if self.bb is not None:
+            return self.batched_grads()
         grads: dict[int, Tensor] = {}
         tape = self.tape
-        if self.bb is not None:
-            for pairs in self.collect_batched_grads().values():
-                for p, gp in pairs:
-                    grads[id(p)] = gp
-            return grads
         if self.averager is not None:
             self.averager.add(g for k in sorted(tape.param_grads)
                               for g in tape.param_grads[k])
@@ -358,33 +359,37 @@ class AdjointApp(StateOps):
                     grads[id(p)] = gp
         return grads
 
-    def collect_batched_grads(self) -> dict[int, list]:
-        """Per owned layer, its parameter gradients (rows of one tensor per parameter
-        name: no copy per layer), from the records of the final adjoint sweep."""
+    def batched_grads(self) -> dict[int, Tensor]:
+        """id(parameter) -> gradient of this rank's layers, from the records of the
+        final adjoint sweep: rows of stacked gradients, as views (no copy per layer),
+        matched to their parameters without a Python step per layer
+        (`BatchedBlocks.column`).  Frozen parameters get none."""
         bb = self.bb
         assert bb is not None
         recs = [r for r in self.tape.brecords if r.grads]
+        out: dict[int, Tensor] = {}
         if not recs:
-            return {}
-        layers = [a for r in recs for a in r.layers]
-        names = bb.param_names
-        rows: dict[str, list[Tensor]] = {}
+            return out
         if self.averager is not None:
             self.averager.add(g for r in recs for g in r.grads.values())  # not yet added
-            for name in names:
-                # each record's rows as views, not concatenated: the average over the
-                # replicas, done in place on the records' tensors later, reaches them
-                rows[name] = [row for r in recs for row in
-                              (r.grads[name] if name in r.grads
-                               else torch.zeros_like(r.params[name])).unbind(0)]
-        for name in names if self.averager is None else ():
+        layers = recs[0].layers if len(recs) == 1 else \
+            tuple(a for r in recs for a in r.layers)
+        for k, name in enumerate(bb.param_names):
             parts = [r.grads.get(name) for r in recs]
             if any(g is None for g in parts):
                 parts = [torch.zeros_like(r.params[name]) if g is None else g
                          for r, g in zip(recs, parts)]
-            rows[name] = list((torch.cat(parts) if len(parts) > 1 else parts[0]).unbind(0))  # type: ignore[arg-type]
-        out: dict[int, list] = {}
-        for k, a in enumerate(layers):
-            out[a] = [(p, rows[name][k]) for name, p in zip(names, bb.layer_tensors(a))
-                      if p.requires_grad]
+            if self.averager is not None:
+                # each record's rows as views, not concatenated: the average over the
+                # replicas, done in place on the records' tensors later, reaches them
+                rows = list(chain.from_iterable(g.unbind(0) for g in parts))  # type: ignore[union-attr]
+            else:
+                # one tensor, row-major like the parameters (a weight's gradient comes
+                # out of the batched GEMM transposed): torch's fused CPU Adam reads a
+                # non-contiguous gradient wrongly
+                rows = (torch.cat(parts) if len(parts) > 1  # type: ignore[arg-type]
+                        else parts[0].contiguous()).unbind(0)  # type: ignore[union-attr]
+            params = bb.column(k, layers)
+            # frozen layers' rows dropped; C-level iteration throughout
+            out.update(compress(zip(map(id, params), rows), map(_REQUIRES_GRAD, params)))
         return out

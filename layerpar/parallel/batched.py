@@ -358,11 +358,23 @@ class BatchedBlocks:
             self.fn = vmap(one)
         self._stacked: dict[tuple, tuple[dict, dict]] = {}
         self._dt: dict[tuple, Tensor] = {}
+        self._columns: dict[tuple, list[Tensor]] = {}
         self.fast = fused_step_for(self.proto, scheme)  # Triton step on CUDA (kernels/)
 
     def layer_tensors(self, a: int) -> list[Tensor]:
         """Layer a's parameters in `param_names` order."""
         return self._tensors[a][0]
+
+    def column(self, k: int, layers: tuple[int, ...]) -> list[Tensor]:
+        """Parameter `param_names[k]` of each of these layers, in their order: the
+        tensors whose gradients are the rows of a record's stacked gradient.  Kept
+        across passes (the tensors are the blocks' own, as in `layer_tensors`), so a
+        pass's gradients reach their parameters without a Python step per layer."""
+        key = (k, layers)
+        got = self._columns.get(key)
+        if got is None:
+            got = self._columns[key] = [self._tensors[a][0][k] for a in layers]
+        return got
 
     def new_pass(self) -> None:
         """Parameters may have changed since the last pass: drop the stacked copies."""
