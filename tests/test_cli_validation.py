@@ -180,7 +180,8 @@ def test_train_launcher_choices(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         cli.parse_args(["train", "peaks", "--launcher", "srun"])
     assert "invalid choice: 'srun'" in capsys.readouterr().err
-    assert cli.parse_args(["train", "peaks", "--launcher", "torchrun"]).launcher == "torchrun"
+    assert cli.parse_args(["train", "peaks", "--np", "2", "--launcher",
+                           "torchrun"]).launcher == "torchrun"
 
 
 def test_torchrun_workers_do_not_get_the_launch_options() -> None:
@@ -254,3 +255,40 @@ def test_accuracy_policy_bound_message() -> None:
     with pytest.raises(ValueError, match=r"max_rel_error` must be a finite number > 0, "
                                          r"got inf"):
         AccuracyPolicy(max_rel_error=float("inf"))
+
+
+# --- sizes, engines and options that act only with another (a new user's trial) -----------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layers", "-3"], "`--layers` must be >= 1, got -3"),  # not an `--np` message
+    (["--layers", str(2**31)], "`--layers` must be <= 2147483647"),
+    (["--width", str(2**31)], "`--width` must be <= 2147483647"),
+    (["--layers", str(10**9)], "`--layers` 1000000000 x `--width` 8: the net needs about"),
+    (["--layers", "1000", "--width", str(10**6)], "the net needs about"),
+    (["--sync", "daso"], "`--sync` acts between data replicas"),
+    (["--slow-link", "1"], "`--slow-link` acts between data replicas"),
+    (["--launcher", "torchrun"], "`--launcher` torchrun starts the processes of `--np`"),
+    (["--nested-epochs", "3"], "`--nested-epochs` sets the epochs of each `--nested`"),
+])
+def test_train_refuses_in_one_line_before_building(argv: list, message: str,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    """Each of these used to run (building 10^9 layers; ignoring the option) or end in a
+    traceback; now one line naming the option, exit 2, before any layer is built."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cli.parse_args(["train", "peaks", *argv])
+    assert cli.main(["train", "peaks", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_train_engine_xbraid_not_built_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    from layerpar.apps import train as train_mod
+
+    monkeypatch.setattr(train_mod, "xbraid_available", lambda: False)
+    with pytest.raises(ValueError, match="`--engine` xbraid: layerpar's XBraid engine was "
+                                         "not built: build it from an XBraid source tree"):
+        cli.parse_args(["train", "peaks", "--engine", "xbraid"])
+    assert cli.main(["train", "peaks", "--engine", "xbraid"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

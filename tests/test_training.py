@@ -168,6 +168,14 @@ def test_checks_nesting_and_adaptive_decisions_reach_the_results() -> None:
     assert got.accuracy_log and "iterations ->" in got.accuracy_log[0]
 
 
+def test_adaptive_checks_at_the_interval_asked_for() -> None:
+    """--adaptive --check-every K: the controller checks every K batches (it used to keep
+    its own default of 10 and ignore K)."""
+    got = train("peaks", epochs=1, n_layers=16, check_every=7, adaptive=True, progress=False)
+    batches = [c["batch"] for c in got.checks]
+    assert len(batches) >= 3 and all(b % 7 == 0 for b in batches), batches
+
+
 def test_missing_mpiexec_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setattr(launch, "mpiexec_path", lambda: None)  # what job_command finds

@@ -114,6 +114,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "(N processes form R replicas of N/R ranks)")
         from .nets import ARCHITECTURES
 
+        # the net's size first: the checks below divide it among the ranks
+        check_net_size(args)
         if args.arch is not None and args.arch not in ARCHITECTURES[args.model]:
             raise ValueError(f"`--model` must be one of {list(ARCHITECTURES[args.model])} "
                              f"for {args.model}, got {args.arch!r}")
@@ -143,8 +145,49 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if args.slow_link is not None and not args.slow_link > 0:
             raise ValueError(f"`--slow-link` must be a positive number of Gbit/s, got "
                              f"{args.slow_link}")
+        # options that act only with another: refused alone, not silently ignored
+        if args.data_parallel == 1:
+            for flag, given in (("--sync", args.sync != "allreduce"),
+                                ("--slow-link", args.slow_link is not None)):
+                if given:
+                    raise ValueError(f"`{flag}` acts between data replicas: give "
+                                     "`--data-parallel` R > 1")
+        if args.launcher != "mpiexec" and args.np == 1 and not launched():
+            raise ValueError(f"`--launcher` {args.launcher} starts the processes of `--np` "
+                             "N > 1: give `--np`")
         check_arguments(args)
     return args
+
+
+def check_net_size(args: argparse.Namespace) -> None:
+    """Refuse ``--layers`` / ``--width`` the engine's C ints cannot hold, or a net whose
+    parameters, gradients and Adam's two moments alone would not fit in this machine's
+    memory: one line naming the options, not minutes of building layers and then an
+    allocator's traceback."""
+    from ..mgrit.options import ENGINE_INT_MAX
+    from .nets import RECIPES
+
+    layers, width = args.layers, getattr(args, "width", None)
+    for flag, value in (("--layers", layers), ("--width", width)):
+        if value is not None and value < 1:
+            raise ValueError(f"`{flag}` must be >= 1, got {value}")
+        if value is not None and value > ENGINE_INT_MAX:
+            raise ValueError(f"`{flag}` must be <= {ENGINE_INT_MAX}, got {value}")
+    if layers is None and width is None:
+        return  # the problem's own size
+    recipe = RECIPES[args.model]
+    n, w = layers or recipe.n_layers, width or recipe.width
+    conv = (args.arch or "") == "conv" or args.model == "digits"
+    per_layer = w * w * (9 if conv else 1) + w  # a 3x3 (or 3-tap) conv bounds both
+    need = n * (per_layer * (8 if args.float64 else 4) * 4 + 2048)  # + a module's own
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > have:
+        raise ValueError(f"`--layers` {n} x `--width` {w}: the net needs about "
+                         f"{need / 2**30:.1f} GiB (parameters, gradients and Adam's "
+                         f"state), more than this machine's {have / 2**30:.1f} GiB")
 
 
 def under_torchrun() -> bool:

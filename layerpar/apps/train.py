@@ -24,7 +24,7 @@ import os
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 import torch
@@ -34,7 +34,7 @@ from .._checks import nonneg_int, positive_float, positive_int
 from ..defaults import MAX_REL_ERROR, MIN_COSINE, TRAINING
 from ..mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MGRITOptions
 from ..mgrit.transport import DEFAULT_TIMEOUT
-from ..mgrit.xbraid import ENGINES
+from ..mgrit.xbraid import BUILD_HINT, ENGINES, xbraid_available
 from ..ode.net import ODENet
 from ..ode.refine import refine
 from ..ode.rng import MAX_SEED
@@ -358,8 +358,11 @@ def train(
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                               or not (lo < v <= hi)):
             raise ValueError(f"`{name}` must be a number in ({lo:g}, {hi:g}], got {v!r}")
-    if policy is not None and not check_every and not auto:
+    if policy is not None and not auto:
+        # the controller schedules the checks (`check_due`): at the interval asked for
         # (under auto, the chosen setting's controller says when; exact needs none)
+        if check_every:
+            policy = replace(policy, check_every=check_every)
         check_every = policy.check_every
     if sync not in ("allreduce", "daso", "lioncub"):
         raise ValueError(f"`sync` must be 'allreduce', 'daso' or 'lioncub', got {sync!r}")
@@ -865,7 +868,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a.add_argument("--nested", type=int, default=0, metavar="K",
                    help="nested iteration: train K coarser nets (n/2^K ... n/2 layers) "
                         "first, refining each onto the next")
-    a.add_argument("--nested-epochs", type=int, default=2, metavar="E",
+    a.add_argument("--nested-epochs", type=int, default=None, metavar="E",
                    help="epochs of each coarser net (default 2)")
     a.add_argument("--auto", action="store_true",
                    help="MGRIT settings chosen by measurement on the first batch (time "
@@ -931,6 +934,12 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"`--lr` must be a positive number, got {args.lr}")
     if getattr(args, "engine", "native") not in ENGINES:
         raise ValueError(f"`--engine` must be one of {', '.join(ENGINES)}, got {args.engine!r}")
+    if getattr(args, "engine", "native") == "xbraid" and not xbraid_available():
+        raise ValueError("`--engine` xbraid: layerpar's XBraid engine was not built: "
+                         + BUILD_HINT)
+    if getattr(args, "nested_epochs", None) is not None and not getattr(args, "nested", 0):
+        raise ValueError("`--nested-epochs` sets the epochs of each `--nested` stage: "
+                         "give `--nested`")
     for flag, value, hi in (("--t-final", getattr(args, "t_final", None), math.inf),
                             ("--target-acc", getattr(args, "target_acc", None), 1.0),
                             ("--time-budget", getattr(args, "time_budget", None), math.inf)):
@@ -1001,7 +1010,8 @@ def train_from_arguments(model_name: str, args: argparse.Namespace,
                  data_parallel=getattr(args, "data_parallel", 1),
                  adaptive=AccuracyPolicy(**_bound(args)) if args.adaptive and _bound(args)
                  else args.adaptive, check_every=args.check_every, nested=args.nested,
-                 nested_epochs=args.nested_epochs, n_layers=getattr(args, "layers", None),
+                 nested_epochs=2 if args.nested_epochs is None else args.nested_epochs,
+                 n_layers=getattr(args, "layers", None),
                  width=getattr(args, "width", None), arch=getattr(args, "arch", None),
                  t_final=getattr(args, "t_final", None),
                  device=getattr(args, "device", "cpu"),
