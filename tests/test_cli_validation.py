@@ -270,6 +270,7 @@ def test_accuracy_policy_bound_message() -> None:
     (["--slow-link", "1"], "`--slow-link` acts between data replicas"),
     (["--launcher", "torchrun"], "`--launcher` torchrun starts the processes of `--np`"),
     (["--nested-epochs", "3"], "`--nested-epochs` sets the epochs of each `--nested`"),
+    (["--auto", "--check-every", "5"], "`--check-every` with `--auto`: auto spreads"),
 ])
 def test_train_refuses_in_one_line_before_building(argv: list, message: str,
                                                    capsys: pytest.CaptureFixture) -> None:

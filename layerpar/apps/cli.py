@@ -114,7 +114,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "(N processes form R replicas of N/R ranks)")
         from .nets import ARCHITECTURES
 
-        # the net's size first: the checks below divide it among the ranks
+        # every value's own range first (so a negative `--layers` names `--layers`), and
+        # the net's size: the checks below divide it among the ranks
+        check_arguments(args)
         check_net_size(args)
         if args.arch is not None and args.arch not in ARCHITECTURES[args.model]:
             raise ValueError(f"`--model` must be one of {list(ARCHITECTURES[args.model])} "
@@ -155,30 +157,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if args.launcher != "mpiexec" and args.np == 1 and not launched():
             raise ValueError(f"`--launcher` {args.launcher} starts the processes of `--np` "
                              "N > 1: give `--np`")
-        check_arguments(args)
     return args
 
 
 def check_net_size(args: argparse.Namespace) -> None:
-    """Refuse ``--layers`` / ``--width`` the engine's C ints cannot hold, or a net whose
-    parameters, gradients and Adam's two moments alone would not fit in this machine's
-    memory: one line naming the options, not minutes of building layers and then an
-    allocator's traceback."""
-    from ..mgrit.options import ENGINE_INT_MAX
-    from .nets import RECIPES
+    """Refuse a net whose parameters, gradients and Adam's two moments alone would not
+    fit in this machine's memory: one line naming the options, not minutes of building
+    layers and then an allocator's traceback (values already in range:
+    `check_arguments`)."""
+    from .nets import ARCHITECTURES, RECIPES
 
-    layers, width = args.layers, getattr(args, "width", None)
-    for flag, value in (("--layers", layers), ("--width", width)):
-        if value is not None and value < 1:
-            raise ValueError(f"`{flag}` must be >= 1, got {value}")
-        if value is not None and value > ENGINE_INT_MAX:
-            raise ValueError(f"`{flag}` must be <= {ENGINE_INT_MAX}, got {value}")
-    if layers is None and width is None:
+    if args.layers is None and getattr(args, "width", None) is None:
         return  # the problem's own size
     recipe = RECIPES[args.model]
-    n, w = layers or recipe.n_layers, width or recipe.width
-    conv = (args.arch or "") == "conv" or args.model == "digits"
-    per_layer = w * w * (9 if conv else 1) + w  # a 3x3 (or 3-tap) conv bounds both
+    n, w = args.layers or recipe.n_layers, args.width or recipe.width
+    arch = args.arch or ARCHITECTURES[args.model][0]
+    per_layer = w * w * (9 if arch == "conv" else 1) + w  # 3x3 bounds a 3-tap conv too
     need = n * (per_layer * (8 if args.float64 else 4) * 4 + 2048)  # + a module's own
     try:
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

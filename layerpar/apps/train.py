@@ -345,6 +345,9 @@ def train(
     if auto and (serial or data_parallel > 1 or nested):
         raise ValueError("`auto` needs a layer-parallel run without data parallelism or "
                          "nested iteration")
+    if auto and check_every:
+        raise ValueError("`check_every` with `auto`: auto spreads its own gradient checks "
+                         "(about 3 % of the training's time)")
     if auto and policy is None:
         policy = auto_policy(None)  # the bound measured on the batch's gradient noise
     elif auto and bound is not None:
@@ -922,6 +925,8 @@ def check_arguments(args: argparse.Namespace) -> None:
                             ("--fwd-iters", args.fwd_iters, ENGINE_INT_MAX),
                             ("--bwd-iters", args.bwd_iters, ENGINE_INT_MAX),
                             ("--nrelax", args.nrelax, ENGINE_INT_MAX),
+                            ("--layers", getattr(args, "layers", None) or 1, ENGINE_INT_MAX),
+                            ("--width", getattr(args, "width", None) or 1, ENGINE_INT_MAX),
                             ("--seed", args.seed, MAX_SEED)]:
         if value > hi:
             raise ValueError(f"`{flag}` must be <= {hi}, got {value}")
@@ -968,6 +973,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     if getattr(args, "adaptive", False) and getattr(args, "data_parallel", 1) > 1:
         raise ValueError("`--adaptive` decides from each replica's own batches: not with "
                          "`--data-parallel`")
+    if getattr(args, "auto", False) and getattr(args, "check_every", 0):
+        raise ValueError("`--check-every` with `--auto`: auto spreads its own gradient "
+                         "checks (about 3 % of the training's time)")
     if args.serial and (getattr(args, "adaptive", False) or getattr(args, "check_every", 0)):
         raise ValueError("`--adaptive` and `--check-every` compare MGRIT with exact "
                          "propagation: not with `--serial`")

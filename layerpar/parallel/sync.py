@@ -436,11 +436,14 @@ class DASO(SyncStrategy):
         self.ref: Optional[Tensor] = None
         self._bufs: dict[str, Tensor] = {}  # see `_buffer`
 
-    def _buffer(self, name: str, like: Tensor, dtype: torch.dtype, rows: int = 0) -> Tensor:
-        """A buffer of `like`'s numel (x `rows`) kept between exchanges: one exchange
-        is in flight at a time, and a fresh tensor of the parameters' size per exchange
-        costs its page faults (~10 ms per 8.9 M float32 on the development machine)."""
-        shape = (rows, like.numel()) if rows else (like.numel(),)
+    def _buffer(self, name: str, like: Tensor, dtype: torch.dtype, rows: int = 0,
+                numel: Optional[int] = None) -> Tensor:
+        """A buffer of `like`'s numel (or `numel`; x `rows`) on its device, kept between
+        exchanges: one exchange is in flight at a time, and a fresh tensor of the
+        parameters' size per exchange costs its page faults (~10 ms per 8.9 M float32
+        on the development machine)."""
+        n = like.numel() if numel is None else numel
+        shape = (rows, n) if rows else (n,)
         b = self._bufs.get(name)
         if b is None or b.shape != shape or b.dtype != dtype or b.device != like.device:
             b = self._bufs[name] = torch.empty(shape, dtype=dtype, device=like.device)
@@ -451,12 +454,8 @@ class DASO(SyncStrategy):
         params = [p.detach().reshape(-1) for p in self._params()]
         if not params or any(p.dtype != params[0].dtype for p in params):
             return _flat(params)  # (mixed dtypes: promoted, as a concatenation does)
-        out = self._bufs.get(name)
-        n = sum(p.numel() for p in params)
-        if out is None or out.shape != (n,) or out.dtype != params[0].dtype or \
-                out.device != params[0].device:
-            out = self._bufs[name] = torch.empty(n, dtype=params[0].dtype,
-                                                 device=params[0].device)
+        out = self._buffer(name, params[0], params[0].dtype,
+                           numel=sum(p.numel() for p in params))
         return torch.cat(params, out=out)
 
     def key(self) -> dict[str, Any]:
