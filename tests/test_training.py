@@ -27,6 +27,8 @@ from layerpar import MGRITOptions
 from layerpar.apps import cli, launch
 from layerpar.apps.train import (
     TrainResult,
+    _exact_kind,
+    _summary_notes,
     add_arguments,
     check_arguments,
     format_summary,
@@ -70,8 +72,13 @@ def test_exact_layer_parallel_trains_like_serial_oracle() -> None:
     params = got.module.gather_state_dict()
     for name, p in ref.module.state_dict().items():
         torch.testing.assert_close(params[name], p, rtol=F64.converged, atol=0)
-    assert got.fwd_iters == got.bwd_iters == 1
+    # one level: sequential sweeps, no MGRIT cycle; the summary says so
+    assert got.fwd_iters is got.bwd_iters is None
+    assert (got.exact_kind, got.exact_steps, got.last_epoch_steps) == \
+        ("sequential sweeps", 10, 10)
     assert isinstance(got, TrainResult) and got.summary == format_summary(got)
+    assert "| exact (sequential sweeps) |" in got.summary
+    assert parse_summary(got.summary)["exact_kind"] == "sequential sweeps"
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.val_acc = 0.0  # type: ignore[misc]
 
@@ -110,8 +117,51 @@ def test_summary_line_round_trip() -> None:
     assert back["ranks"] == 4 and not back["serial"]
     serial = format_summary({**res, "serial": True, "ranks": 1})
     assert parse_summary(serial)["serial"]
+    exact = format_summary({**res, "fwd_iters": None, "bwd_iters": None,
+                            "exact_kind": "replicated serial"})
+    assert "| exact (replicated serial) | ranks 4" in exact
+    back = parse_summary(exact)
+    assert back["exact_kind"] == "replicated serial" and back["fwd_iters"] is None
+    assert parse_summary(line)["exact_kind"] is None
     with pytest.raises(ValueError, match="`text`"):
         parse_summary("no summary here")
+
+
+def test_summary_notes_say_why_training_stopped_and_what_ran(
+        capsys: pytest.CaptureFixture) -> None:
+    """An early stop by the time budget, steps that ran exactly and a residual that
+    reads "n/a" are each explained above the summary (a new user's trial: the summary
+    alone looked like a finished training with unexplained figures)."""
+    one = MGRITOptions(max_levels=2, cfactor=2, max_iter=1, tol=0.0)
+    got = train("peaks", fwd=one, bwd=one, epochs=3, batch_size=500, n_layers=4,
+                time_budget=1e-9, progress=False)
+    out = capsys.readouterr().out
+    assert got.stopped_by_budget and len(got.history) == 1 and got.last_epoch_steps == 1
+    assert "peaks: stopped by the time budget (1e-09 s) after" in out
+    assert "in epoch 1 of 3 after 1 of its 10 batches" in out
+    assert got.fwd_iters == 1 and got.fwd_res is None and "peaks: res n/a: " in out
+    assert got.exact_steps == 0 and "ran sequential sweeps" not in out
+    assert out.strip().splitlines()[-1] == got.summary
+    # a full training: no budget note, and the iteration means of MGRIT steps only
+    whole = train("peaks", fwd=one, bwd=one, epochs=1, batch_size=500, n_layers=4,
+                  progress=False)
+    assert not whole.stopped_by_budget and "time budget" not in capsys.readouterr().out
+    mixed = dataclasses.replace(whole, exact_steps=4, exact_kind="replicated serial")
+    notes = _summary_notes(mixed, None, 10, 1)
+    assert any(n.startswith("4 of the last epoch's 10 steps ran replicated serial")
+               for n in notes)
+
+
+def test_exact_kind_names_what_a_step_ran() -> None:
+    from layerpar.mgrit.result import MGRITResult
+
+    def res(levels: int) -> MGRITResult:
+        return MGRITResult(iterations=1, converged=True, n_levels=levels, timings={})
+
+    assert _exact_kind(None) is None  # the serial oracle
+    assert _exact_kind([]) == "replicated serial"
+    assert _exact_kind([res(1), res(1)]) == "sequential sweeps"
+    assert _exact_kind([res(1), res(3)]) is None
 
 
 @pytest.mark.parametrize("flag, value", [

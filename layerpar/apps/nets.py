@@ -54,7 +54,8 @@ class Recipe:
 
 
 RECIPES: dict[str, Recipe] = {
-    # DESIGN.md: width 8, 32 layers u <- u + h tanh(K u + b), T = 5
+    # the Peaks benchmark of the layer-parallel literature: width 8, 32 layers
+    # u <- u + h tanh(K u + b), T = 5
     "peaks": Recipe(epochs=20, batch_size=100, lr=0.02, n_layers=32, width=8, t_final=5.0),
     # a small convolutional ODE-net on 1x8x8 images; width = channels
     "digits": Recipe(epochs=8, batch_size=50, lr=0.01, n_layers=8, width=8, t_final=2.0),
@@ -81,7 +82,7 @@ def problem_net(model_name: str, n_layers: Optional[int] = None,
     """The `ODENet` of a problem, with fresh parameters from the global torch generator.
 
     peaks: Linear(2, w) -> n residual layers u <- u + h tanh(K u + b) on [0, 5] ->
-    Linear(w, 5) (DESIGN.md: w = 8, n = 32).
+    Linear(w, 5) (the literature's Peaks net: w = 8, n = 32).
     digits: Conv2d(1, c, 3) -> n residual layers u <- u + h relu(conv3x3(u)) on [0, 2]
     -> 2x2 average pooling -> Linear(16 c, 10) (c = 8, n = 8).
     mnist1d, arch "dense": Linear(40, w) -> n layers u <- u + h tanh(K u + b) on

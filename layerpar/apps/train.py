@@ -204,6 +204,18 @@ class TrainResult:
     """Bytes each process sent for the data dimension per batch (mean over processes)."""
     bytes_by_kind: Optional[dict[str, float]] = None
     """Bytes per process per batch by kind: "p2p" (MGRIT), "data", "internode"."""
+    # -- how the last epoch ran and why training ended --
+    exact_steps: int = 0
+    """Steps of the last epoch that ran no MGRIT cycle (`auto` or the adaptive policy
+    stepped aside to `exact_kind`); the iteration figures are the other steps' means."""
+    exact_kind: Optional[str] = None
+    """What those steps ran: "replicated serial" or "sequential sweeps" (exact
+    propagation: one level); None where every step ran MGRIT."""
+    last_epoch_steps: int = 0
+    """Steps of the last epoch."""
+    stopped_by_budget: bool = False
+    """True: `time_budget` ended training before its epochs did (the figures are those
+    of the epoch it stopped in, evaluated where it stopped)."""
 
     @property
     def summary(self) -> str:
@@ -431,7 +443,7 @@ def train(
     clock = _Clock(model if isinstance(model, LayerParallel) else None)
     time_to_target: Optional[float] = None
     epochs_to_target: Optional[int] = None
-    stop = False
+    stop = stopped_by_budget = False
     frozen_before = gc.get_freeze_count() > 0  # the caller's own gc.freeze() is kept
     # what exists now (torch, its imports, the data, the net) out of the cyclic
     # collector's sight before the clock runs: a full collection scans every tracked
@@ -488,6 +500,7 @@ def train(
             model.train()
             losses, correct, seen = [], 0, 0
             fwd_it, fwd_res, bwd_it, bwd_res = [], [], [], []
+            exact_kinds: list[str] = []  # steps of this epoch that ran no MGRIT cycle
             t_epoch = time.perf_counter()
             clock.start()
             steps = train_steps(model, loader, opt, scheduler=schedule,
@@ -506,11 +519,15 @@ def train(
                 if step.output is not None:
                     correct += int((step.output.detach().argmax(1) == step.target).sum())
                     seen += len(step.target)
-                for stats, its, res in ((step.fwd, fwd_it, fwd_res),
-                                        (step.bwd, bwd_it, bwd_res)):
-                    if stats is not None:
-                        its.append(stats.iterations)
-                        res += [] if stats.residual is None else [stats.residual]
+                kind = _exact_kind(step.fwd_stats)
+                if kind is not None:  # iteration figures are MGRIT's; these ran none
+                    exact_kinds.append(kind)
+                else:
+                    for stats, its, res in ((step.fwd, fwd_it, fwd_res),
+                                            (step.bwd, bwd_it, bwd_res)):
+                        if stats is not None:
+                            its.append(stats.iterations)
+                            res += [] if stats.residual is None else [stats.residual]
                 ctl = getattr(model, "accuracy", None)
                 due = ctl.check_due(batch) if ctl is not None else \
                     bool(check_every) and batch % check_every == 0
@@ -526,7 +543,7 @@ def train(
                     gc.freeze()  # a check may have tuned again: new settings, new objects
                 bar.update(b, _bar_note(losses[-1], fwd_res, bwd_res, checks))
                 if time_budget is not None and clock.over(time_budget):
-                    stop = True
+                    stop = stopped_by_budget = True
                     break
             clock.stop()
             if grid is not None and grid.data > 1:  # the global batch's figures
@@ -543,6 +560,8 @@ def train(
                 "bwd_iters": _mean(bwd_it), "bwd_res": _mean(bwd_res),
                 "grad_cosine": checks[-1]["cosine"] if checks else None,
                 "grad_error": checks[-1]["rel_error"] if checks else None,
+                "steps": len(losses), "exact_steps": len(exact_kinds),
+                "exact_kind": exact_kinds[-1] if exact_kinds else None,
             }
             history.append(record)
             bar.close(f"train_loss {record['train_loss']:.3f} | val_acc {val_acc:.3f} | "
@@ -583,7 +602,9 @@ def train(
         time_to_target=time_to_target, epochs_to_target=epochs_to_target,
         auto=auto, auto_log=[] if tuner is None else tuner.log(size),
         auto_choice=None if tuner is None else tuner.choice_name(size),
-        sync=sync, optimizer=optimizer, **sync_figures)
+        sync=sync, optimizer=optimizer, exact_steps=last["exact_steps"],
+        exact_kind=last["exact_kind"], last_epoch_steps=last["steps"],
+        stopped_by_budget=stopped_by_budget, **sync_figures)
     if rank == 0:
         if device == "cuda":
             print(f"{model_name}: step on cuda: {step_mode}", flush=True)
@@ -599,8 +620,47 @@ def train(
                    f"{c['rel_error']:.3g}")
             print(f"{model_name}: last gradient check (batch {c['batch']}): {how}",
                   flush=True)
+        for line in _summary_notes(result, time_budget, len(loader),
+                                   sum(e for _, e in stages)):
+            print(f"{model_name}: {line}", flush=True)
         print(result.summary, flush=True)
     return result
+
+
+def _exact_kind(fwd_stats: Optional[list]) -> Optional[str]:
+    """What a `LayerParallel` step ran where it ran no MGRIT cycle: "replicated serial"
+    (no solves at all) or "sequential sweeps" (exact propagation: every segment's
+    solve has one level); None for an MGRIT step or the serial oracle (no stats)."""
+    if fwd_stats is None:
+        return None
+    if not fwd_stats:
+        return "replicated serial"
+    if all(s.n_levels == 1 for s in fwd_stats):
+        return "sequential sweeps"
+    return None
+
+
+def _summary_notes(result: TrainResult, time_budget: Optional[float],
+                   batches_per_epoch: int, total_epochs: int) -> list[str]:
+    """Lines printed above the summary that say what its figures cannot: an early stop
+    by the time budget, steps that ran exactly, and why a residual reads "n/a"."""
+    notes = []
+    last = result.history[-1]
+    if result.stopped_by_budget:
+        notes.append(f"stopped by the time budget ({time_budget:g} s) after "
+                     f"{result.train_seconds:.2f} s of training, in epoch {last['epoch']} "
+                     f"of {total_epochs} after "
+                     f"{last['steps']} of its {batches_per_epoch} batches; the figures "
+                     "are that epoch's, evaluated where it stopped")
+    if result.exact_steps and result.fwd_iters is not None:
+        notes.append(f"{result.exact_steps} of the last epoch's {result.last_epoch_steps} "
+                     f"steps ran {result.exact_kind} (exact, no MGRIT cycle); the "
+                     "iteration and residual figures are the other steps' means")
+    if result.fwd_iters is not None and (result.fwd_res is None or result.bwd_res is None):
+        notes.append("res n/a: no residual was measured: with skip (the default), a "
+                     "solve's first iteration does no fine-level work, so a one-iteration "
+                     "solve computes none (the first residual comes with iteration 2)")
+    return notes
 
 
 def _capture_refusal(device: str, serial: bool, auto: bool, policy: Any, check_every: int,
@@ -780,6 +840,8 @@ def format_summary(result: Union[TrainResult, Mapping[str, Any]]) -> str:
         parts.append(f"sync_bytes {get('sync_bytes'):.0f}")
     if get("serial"):
         parts.append("serial")
+    elif get("fwd_iters") is None and get("exact_kind"):  # no step ran MGRIT
+        parts.append(f"exact ({get('exact_kind')})")
     else:
         parts.append(f"fwd iters {get('fwd_iters'):g} (res {_fmt_res(get('fwd_res'))})")
         parts.append(f"bwd iters {get('bwd_iters'):g} (res {_fmt_res(get('bwd_res'))})")
@@ -793,7 +855,7 @@ def format_summary(result: Union[TrainResult, Mapping[str, Any]]) -> str:
 _SUMMARY = re.compile(
     r"^(?P<model>\w+): val_acc (?P<val_acc>[\d.]+) \| train_loss (?P<train_loss>[\d.naif]+)"
     r" \| (?P<ms_per_batch>[\d.]+) ms/batch(?: \| sync_bytes (?P<sync_bytes>\d+))?"
-    r" \| (?:(?P<serial>serial)|fwd iters "
+    r" \| (?:(?P<serial>serial)|exact \((?P<exact>[^)]*)\)|fwd iters "
     r"(?P<fwd_iters>[\d.]+) \(res (?P<fwd_res>\S+)\) \| bwd iters (?P<bwd_iters>[\d.]+) "
     r"\(res (?P<bwd_res>\S+)\)) \| ranks (?P<ranks>\d+)(?: \(data (?P<data>\d+)\))?"
     r"(?: \| time_to_target (?P<ttt>not reached|[\d.]+))?$")
@@ -818,7 +880,8 @@ def parse_summary(text: str) -> dict[str, Any]:
                     "time_to_target": None if g["ttt"] in (None, "not reached")
                     else float(g["ttt"]), "target_reached": g["ttt"] not in
                     (None, "not reached"),
-                    "sync_bytes": int(g["sync_bytes"]) if g["sync_bytes"] else None}
+                    "sync_bytes": int(g["sync_bytes"]) if g["sync_bytes"] else None,
+                    "exact_kind": g["exact"]}
     raise ValueError(f"`text` holds no training summary line: {text[-500:]!r}")
 
 

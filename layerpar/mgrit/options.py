@@ -37,7 +37,8 @@ def _per_level(name: str, value: Any, lo: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class MGRITOptions:
-    """Settings of one MGRIT solve, with the names and semantics of DESIGN.md.
+    """Settings of one MGRIT solve, with XBraid's names and semantics (the
+    reference C library the native engine matches run for run).
 
     max_levels: number of grid levels at most (1 = plain sequential stepping, exact).
     cfactor: coarsening factor, int or per-level sequence (the last value repeats).
