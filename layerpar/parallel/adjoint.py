@@ -60,6 +60,7 @@ class AdjointApp(StateOps):
         # averages gradients over a process grid's replicas (set by LayerParallel)
         self.averager: Optional[Any] = None
         self.index_cache: dict[tuple, Tensor] = {}
+        self.move_cache: dict[tuple, tuple] = {}  # see `_plan`
         self.end()
 
     # -- the pass ------------------------------------------------------------------------
@@ -251,9 +252,7 @@ class AdjointApp(StateOps):
             elif whole and rows == list(range(n_rec - 1, -1, -1)):
                 cot = lam.flip(0)  # the whole record in reverse (the adjoint's order)
             else:
-                cot = lam.new_zeros(rec.y.shape)
-                cot.index_copy_(0, self._index(tuple(rows), lam.device),
-                                lam.index_select(0, self._index(tuple(ks), lam.device)))
+                cot = self._gather(lam, ks, rows, rec.y.shape)
             wrt = [rec.x]
             names = [n for n, t in rec.params.items() if t.requires_grad] if final else []
             wrt += [rec.params[n] for n in names]
@@ -277,10 +276,56 @@ class AdjointApp(StateOps):
                 return dx.flip(0)  # type: ignore[union-attr]
             if out is None:
                 out = torch.empty_like(lam)
-            out.index_copy_(0, self._index(tuple(ks), lam.device),
-                            dx.index_select(0, self._index(tuple(rows), lam.device)))  # type: ignore[union-attr]
+            self._scatter(out, ks, dx, rows)  # type: ignore[arg-type]
         assert out is not None
         return out
+
+    def _plan(self, to: list[int], frm: list[int], device: torch.device
+              ) -> tuple[Optional[tuple[int, int]], Tensor, Tensor]:
+        """How to move rows frm[i] of one tensor to rows to[i] of another: (the span
+        (lo, hi) where `to` holds each of lo..hi-1 once, else None; with a span, the
+        `frm` rows in `to` order, else the `to` rows; the `frm` rows), cached (the
+        same moves recur every pass)."""
+        key = (tuple(to), tuple(frm), device)
+        got = self.move_cache.get(key)
+        if got is None:
+            lo, hi = min(to), max(to) + 1
+            if hi - lo == len(to) == len(set(to)):
+                order = sorted(range(len(to)), key=to.__getitem__)
+                got = ((lo, hi), self._index(tuple(frm[i] for i in order), device),
+                       self._index(key[1], device))
+            else:
+                got = (None, self._index(key[0], device), self._index(key[1], device))
+            self.move_cache[key] = got
+        return got
+
+    def _gather(self, lam: Tensor, ks: list[int], rows: list[int],
+                shape: torch.Size) -> Tensor:
+        """A record's cotangent: row rows[i] is lam[ks[i]], the others zero.  Where the
+        rows are one span (the steps next to a rank boundary leave out one row of a
+        record), they are read straight into it and only the other rows are zeroed:
+        one pass over the rows instead of a zeroed record, a gathered copy and its
+        scatter."""
+        span, at, frm = self._plan(rows, ks, lam.device)
+        if span is None:
+            cot = lam.new_zeros(shape)
+            cot.index_copy_(0, at, lam.index_select(0, frm))
+            return cot
+        lo, hi = span
+        cot = lam.new_empty(shape)
+        torch.index_select(lam, 0, at, out=cot[lo:hi])
+        cot[:lo].zero_()
+        cot[hi:].zero_()
+        return cot
+
+    def _scatter(self, out: Tensor, ks: list[int], dx: Tensor, rows: list[int]) -> None:
+        """out[ks[i]] = dx[rows[i]]: straight into out's rows where ks are one span."""
+        span, at, frm = self._plan(ks, rows, out.device)
+        if span is None:
+            out.index_copy_(0, at, dx.index_select(0, frm))
+            return
+        lo, hi = span
+        torch.index_select(dx, 0, at, out=out[lo:hi])
 
     def _final_rows(self, rec: Any, count: int) -> None:
         """The final sweep added `count` rows' parameter gradients to record `rec`;

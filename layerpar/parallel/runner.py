@@ -92,6 +92,7 @@ class SegmentRunner:
         self.all_params = [(k, p) for k in self.owned for p in seg.blocks[k].parameters()]
         self.trainable: Optional[tuple[bool, ...]] = None
         self.layer_params: dict[int, list[nn.Parameter]] = {}
+        self._trainable_names: dict[tuple, frozenset[str]] = {}  # per record's layers
         self.refresh_trainable()
         self.bn = {k: batch_norms(blk) for k, blk in self.blocks.items()}
         self.sequential_adjoint = len(build_levels(n, bwd)) == 1
@@ -302,19 +303,23 @@ class SegmentRunner:
         flags = tuple(p.requires_grad for _, p in self.all_params)
         if flags != self.trainable:
             self.trainable = flags
+            self._trainable_names = {}
             self.layer_params = {k: [] for k in self.owned}
             for (k, p), f in zip(self.all_params, flags):
                 if f:
                     self.layer_params[k].append(p)
 
-    def trainable_names(self, layers: tuple[int, ...], bb: BatchedBlocks) -> set[str]:
-        """Parameter names that require grad in at least one of these (owned) layers."""
-        out: set[str] = set()
-        for a in layers:
-            for name, p in zip(bb.param_names, bb.layer_tensors(a)):
-                if p.requires_grad:
-                    out.add(name)
-        return out
+    def trainable_names(self, layers: tuple[int, ...], bb: BatchedBlocks) -> frozenset[str]:
+        """Parameter names that require grad in at least one of these (owned) layers;
+        kept until `refresh_trainable` sees a flag change (a record's layers are the
+        same every pass: without the cache, every pass read each owned parameter's
+        flag once more per record)."""
+        got = self._trainable_names.get(layers)
+        if got is None:
+            got = self._trainable_names[layers] = frozenset(
+                name for a in layers
+                for name, p in zip(bb.param_names, bb.layer_tensors(a)) if p.requires_grad)
+        return got
 
     # -- per batch ----------------------------------------------------------------------------
     def new_tape(self, record: bool, seed: Optional[int]) -> Tape:
