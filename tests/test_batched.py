@@ -233,3 +233,34 @@ def test_average_two_forwards_then_one_backward() -> None:
         m.close()
     for n, g in grads[0].items():
         assert rel(g, grads[1][n]) <= F64.roundoff, n
+
+
+@pytest.mark.parametrize("ks, rows, n_rec", [
+    (list(range(63)), list(range(62, -1, -1)), 64),  # rank 0: a record less its last row
+    (list(range(63)), list(range(62, -1, -1)), 63),  # rank 1: a whole record, reversed
+    ([1, 2, 3], [5, 6, 7], 9),                      # a span inside, in order
+    ([4, 0, 2], [1, 5, 3], 6),                      # not a span: gathered and scattered
+    ([0, 3], [2, 2 + 1], 4),                        # a span of rows, not of ks
+])
+def test_adjoint_row_moves_equal_indexed_copies(ks: list, rows: list, n_rec: int) -> None:
+    """The adjoint's cotangent of a record (rows[i] <- lam[ks[i]], the others zero) and
+    the output's rows (out[ks[i]] <- dx[rows[i]], the others kept), moved by slices
+    where the rows are one span, equal the plain indexed copies, row for row."""
+    from layerpar.parallel.adjoint import AdjointApp
+
+    app = AdjointApp.__new__(AdjointApp)
+    app.index_cache, app.move_cache = {}, {}
+    g = torch.Generator().manual_seed(0)
+    lam = torch.randn(max(ks) + 2, 3, 2, generator=g)
+    want = torch.zeros(n_rec, 3, 2)
+    for k, r in zip(ks, rows):
+        want[r] = lam[k]
+    for _ in range(2):  # the second time from the cached plan
+        assert torch.equal(app._gather(lam, ks, rows, want.shape), want)
+    dx = torch.randn(n_rec, 3, 2, generator=g)
+    out = torch.randn(lam.shape, generator=g)
+    expect = out.clone()
+    for k, r in zip(ks, rows):
+        expect[k] = dx[r]
+    app._scatter(out, ks, dx, rows)
+    assert torch.equal(out, expect)
