@@ -82,12 +82,12 @@ bench-paths: build
 bench-grid: build
 	$(BIN)/python -m layerpar.bench grid --np 4 --csv docs/bench/grid.csv | tee docs/bench/grid.txt
 
-# time to accuracy, serial vs --auto at 2 ranks, cases a-d (docs/tta; it prints its
+# time to accuracy, serial vs --auto at 2 ranks, cases a-d (docs/tta/all; it prints its
 # own estimate first); the smoke run checks the pipeline in a few minutes (its figures
 # are not a measurement)
 TTA_NP ?= 2
 bench-tta: build
-	$(BIN)/python -m layerpar.bench tta --np $(TTA_NP) --out docs/tta
+	$(BIN)/python -m layerpar.bench tta --np $(TTA_NP) --out docs/tta/all
 bench-tta-smoke: build
 	$(BIN)/python -m layerpar.bench tta --smoke --np 2 --out docs/tta/smoke
 

@@ -5,10 +5,10 @@ exact one before adaptive accuracy and ``options="auto"`` (`AccuracyPolicy`), th
 ``--adaptive`` / ``--auto`` flags and the accuracy study call it too inexact.
 
 The MGRIT settings training starts from (`TRAINING`): inexact solves, as in the
-layer-parallel training literature (1-2 forward and 1 backward iterations).  `train()`, ``layerpar train``, the
-benchmarks and the scaling studies read them; `nrelax` and `tol` are `MGRITOptions`'
-own defaults.  Per-problem settings (epochs, batch size, learning rate) live in
-`layerpar.apps.nets.RECIPES`.
+layer-parallel training literature (1-2 forward and 1 backward iterations).  `train()`,
+``layerpar train``, the benchmarks and the scaling studies read them; `nrelax` and
+`tol` are `MGRITOptions`' own defaults.  Per-problem settings (epochs, batch size,
+learning rate) live in `layerpar.apps.nets.RECIPES`.
 
 This module imports nothing at load time, so front doors may read it before torch.
 """

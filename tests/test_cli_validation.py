@@ -157,6 +157,48 @@ def test_bench_bad_value_before_any_measurement(argv: list[str], flag: str,
     assert f"error: `{flag}`" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,flag", [
+    (["ops", "--quick", "--csv", "."], "--csv"),
+    (["engines", "--quick", "--csv", "/nonexistent-folder/x.csv"], "--csv"),
+    (["gpu", "--unmeasured", "--csv", "."], "--csv"), (["gpu", "--models", ","], "--models"),
+    (["paths", "--quick", "--timeout", "0"], "--timeout"),
+    (["paths", "--quick", "--timeout", "nan"], "--timeout"),
+    (["paths", "--quick", "--csv", "."], "--csv"),
+    (["grid", "--quick", "--np", "3"], "--np"), (["grid", "--timeout", "-1"], "--timeout"),
+    (["grid", "--quick", "--csv", "."], "--csv"),
+    (["sync", "--quick", "--gbits", "inf"], "--gbits"),
+    (["sync", "--quick", "--gbits", "1e-300"], "--gbits"),
+    (["sync", "--quick", "--batches", "0"], "--batches"),
+    (["sync", "--quick", "--layers", "0"], "--layers"),
+    (["sync", "--quick", "--csv", "."], "--csv"),
+    (["sync", "--quick", "--timeout", "inf"], "--timeout"),
+    (["--threads", "99999999999"], "--threads")])
+def test_bench_subcommands_refuse_before_running(argv: list[str], flag: str,
+                                                capsys: pytest.CaptureFixture) -> None:
+    """Every benchmark command refuses a bad value or an output it cannot write in one
+    line naming the option, exit 2, before it measures anything (a `--csv` folder used
+    to end the whole measurement in a traceback, `--batches 0` silently meant 14)."""
+    with pytest.raises(SystemExit) as info:
+        bench.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: `{flag}`" in err and "Traceback" not in err
+
+
+def test_check_output_file_leaves_an_existing_file_as_it_was(tmp_path: Path) -> None:
+    from layerpar.apps.studies.files import StudyFileError, check_output_file
+
+    mine = tmp_path / "mine.csv"
+    mine.write_text("my notes\n")
+    assert check_output_file(mine, "--csv") == mine and mine.read_text() == "my notes\n"
+    check_output_file(tmp_path / "new.csv", "--csv")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.csv"]  # no probe left
+    with pytest.raises(StudyFileError, match="`--csv` .* is a folder"):
+        check_output_file(tmp_path, "--csv")
+    with pytest.raises(StudyFileError, match="its folder .* does not exist"):
+        check_output_file(tmp_path / "no" / "x.csv", "--csv")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--np", "4", "--data-parallel", "3"], "`--data-parallel` 3 must divide `--np` 4"),
     (["--np", "4", "--data-parallel", "0"], "`--data-parallel` must be >= 1"),

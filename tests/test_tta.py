@@ -58,6 +58,44 @@ def test_tta_bad_values(argv: list[str], flag: str, capsys: pytest.CaptureFixtur
     assert exc.value.code == 2 and f"`{flag}`" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["README.md", "tta.csv", "summary.csv", "tta.png"])
+def test_tta_never_replaces_a_file_it_did_not_write(name: str, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """A README (or CSV, or plot) a person wrote in `--out` is refused before anything
+    trains, and left as it was: the bare command used to replace docs/tta/README.md,
+    the status table, with its own output."""
+    mine = tmp_path / name
+    mine.write_bytes(b"my notes\n")
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["tta", "--smoke", "--cases", "d", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "was not written by this benchmark; nothing was changed" in capsys.readouterr().err
+    assert mine.read_bytes() == b"my notes\n" and len(list(tmp_path.iterdir())) == 1
+
+
+def test_tta_accepts_its_own_folders() -> None:
+    """The committed runs' folders (READMEs this benchmark wrote, plots from before the
+    plot carried a marker) may be written again."""
+    docs = Path(tta.__file__).resolve().parents[2] / "docs" / "tta"
+    ran = [d for d in docs.iterdir() if (d / "tta.csv").exists()]
+    assert ran
+    for d in ran:
+        tta.check_outputs(d)
+    with pytest.raises(ValueError, match="README.md exists and was not written"):
+        tta.check_outputs(docs)
+
+
+def test_tta_cuda_without_cuda_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["tta", "--smoke", "--cases", "d", "--device", "cuda"])
+    assert exc.value.code == 2
+    assert "`--device` cuda: CUDA is not available" in capsys.readouterr().err
+
+
 def test_captured_serial_baseline_is_serial_training() -> None:
     """On CUDA the serial baseline also runs captured (`SERIAL_CAPTURED`: direct mode
     at one rank, which ``layerpar train`` captures); here on the CPU (eager) it trains

@@ -7,6 +7,7 @@
     python -m layerpar.bench engines [--quick] [--csv PATH] # native engine vs XBraid
     python -m layerpar.bench tta [--smoke] [--cases a,b,c,d] # time to accuracy (layerpar.tta)
     python -m layerpar.bench sync [--csv PATH]              # replica sync (syncbench)
+    python -m layerpar.bench paths [--csv PATH]             # batched vs per-step cycles
     mpiexec -n 2 python -m mpi4py -m layerpar.bench        # the same at 2 ranks
 
 It reports numbers and asserts nothing.  Rows:
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import statistics
 import sys
 import time
@@ -107,6 +109,8 @@ class BenchContext:
 
 BenchFn = Callable[[BenchContext], "list[Row]"]
 BENCHMARKS: list[BenchFn] = []
+MAX_THREADS = 1024  # torch threads per rank a command line may ask for
+CSV_HELP = "also write the rows as CSV (a file there is replaced)"
 
 
 def benchmark(fn: BenchFn) -> BenchFn:
@@ -339,8 +343,9 @@ def _engines_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m layerpar.bench engines",
                                 description=engine_rows.__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller solve, 3 repeats")
-    p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
+    p.add_argument("--csv", metavar="PATH", help=CSV_HELP)
     args = p.parse_args(argv)
+    check_outputs(p, args)
     comm = world_comm()
     torch.set_num_threads(1)
     ctx = BenchContext(quick=args.quick, repeats=3 if args.quick else 7, comm=comm)
@@ -353,6 +358,24 @@ def _engines_main(argv: list[str]) -> int:
         if args.csv:
             _write_csv(args.csv, rows)
     return 0
+
+
+def check_outputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The options every benchmark command line shares, checked before anything runs
+    (one line naming the option, exit 2, as `p.error` does): ``--csv`` must be a file
+    that can be written (`check_output_file`: not a folder, its folder present and
+    writable; otherwise the whole measurement ran first and was lost in a traceback),
+    ``--timeout`` a finite number of seconds > 0."""
+    from .studies.files import StudyFileError, check_output_file
+
+    if getattr(args, "csv", None) is not None:
+        try:
+            check_output_file(args.csv, "--csv")
+        except StudyFileError as exc:
+            p.error(str(exc))
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        p.error(f"`--timeout` must be a finite number of seconds > 0, got {timeout}")
 
 
 def write_dict_rows(path: str, rows: list[dict]) -> None:
@@ -406,8 +429,9 @@ def _ops_main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="small models (seconds)")
     p.add_argument("--unbatched", action="store_true",
                    help="LayerParallel(batched=False): the per-step path, for comparison")
-    p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
+    p.add_argument("--csv", metavar="PATH", help=CSV_HELP)
     args = p.parse_args(argv)
+    check_outputs(p, args)
     torch.set_num_threads(1)
     rows = opcount.ops_rows(quick=args.quick, batched=not args.unbatched)
     print(f"layerpar.bench ops: top-level aten ops per training batch (zero_grad, forward, "
@@ -451,33 +475,31 @@ def main(argv: Optional[list[str]] = None) -> int:
         from . import syncbench
 
         return syncbench.main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m layerpar.bench", description=__doc__.split(
-        "\n")[0])
+    doc = __doc__.split("\n")
+    p = argparse.ArgumentParser(
+        prog="python -m layerpar.bench", description=doc[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="subcommands (each has its own --help):\n" + "\n".join(
+            line for line in doc[2:doc.index("", 2)]))
     p.add_argument("--quick", action="store_true", help="smaller sizes, 3 repeats")
     p.add_argument("--repeats", type=int, default=None, help="repeats per case (default 5)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per rank (default 1: the cases are tiny)")
-    p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
+    p.add_argument("--csv", metavar="PATH", help=CSV_HELP)
     p.add_argument("--only", nargs="*", metavar="NAME",
                    help=f"run only these: {', '.join(f.__name__ for f in BENCHMARKS)}")
     args = p.parse_args(argv)
     # checked before any measurement: one line and exit 2, as argparse reports
     if args.repeats is not None and args.repeats < 1:
         p.error(f"`--repeats` must be >= 1, got {args.repeats}")
-    if args.threads < 1:
-        p.error(f"`--threads` must be >= 1, got {args.threads}")
+    if not 1 <= args.threads <= MAX_THREADS:
+        p.error(f"`--threads` must be in [1, {MAX_THREADS}], got {args.threads}")
     names = [f.__name__ for f in BENCHMARKS]
     unknown = [n for n in args.only or () if n not in names]
     if unknown:
         p.error(f"`--only` {', '.join(unknown)}: no such benchmark (choose from "
                 f"{', '.join(names)})")
-    if args.csv is not None:
-        import os
-        folder = os.path.dirname(os.path.abspath(args.csv))
-        if os.path.isdir(args.csv) or not os.path.isdir(folder) or not os.access(
-                folder, os.W_OK):
-            p.error(f"`--csv` {args.csv} cannot be written (a folder, or in a folder that "
-                    f"is missing or read-only)")
+    check_outputs(p, args)
 
     comm = world_comm()
     size = 1 if comm is None else comm.Get_size()

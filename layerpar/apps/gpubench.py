@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import opcount
+from .bench import check_outputs
 
 COLUMNS = ["device", "model", "layers", "seconds_per_batch", "eager_seconds_per_batch",
            "graph_seconds_per_batch", "speedup_vs_eager", "speedup_vs_graph",
@@ -245,7 +246,8 @@ def bench_model(name: str, device: str, steps: int, lr: float = 0.05,
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m layerpar.bench gpu",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
+    p.add_argument("--csv", metavar="PATH", help="write the rows as CSV (a file there is "
+                   "replaced)")
     p.add_argument("--models", default="dense,conv",
                    help="comma-separated: dense, conv, conv16, transformer (rows a to d)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
@@ -261,8 +263,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     for m in models:
         if m not in opcount.CONFIGS:
             p.error(f"--models: unknown model {m!r}; choose from {sorted(opcount.CONFIGS)}")
+    if not models:
+        p.error("`--models` names no model; choose from " + ", ".join(sorted(opcount.CONFIGS)))
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
+    check_outputs(p, args)
     if args.unmeasured:
         rows = [unmeasured_row(m) for m in models]
         for r in rows:

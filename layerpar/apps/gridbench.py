@@ -28,7 +28,9 @@ import time
 from typing import Any, Optional
 
 from ..defaults import TRAINING
-from .bench import write_dict_rows
+from .bench import CSV_HELP, check_outputs, write_dict_rows
+
+BATCH = 128  # the global batch every split trains on
 
 __all__ = ["main"]
 
@@ -57,7 +59,7 @@ def _worker(args: argparse.Namespace) -> None:
 
         comm = MPI.COMM_WORLD
         launcher = "mpiexec"
-    width, batch = 16, 128
+    width, batch = 16, BATCH
     fwd, bwd = TRAINING.fwd_options(tol=0.0), TRAINING.bwd_options(tol=0.0)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, width, generator=g)
@@ -129,17 +131,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m layerpar.bench grid",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--np", type=int, default=4, help="processes (default 4)")
-    p.add_argument("--launcher", choices=("mpiexec", "torchrun", "both"), default="both")
+    p.add_argument("--launcher", choices=("mpiexec", "torchrun", "both"), default="both",
+                   help="how the processes are started and talk (default both: one job each)")
     p.add_argument("--quick", action="store_true", help="64 layers, 3 repeats")
     p.add_argument("--repeats", type=int, default=None, help="timed batches (default 10)")
-    p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
+    p.add_argument("--csv", metavar="PATH", help=CSV_HELP)
     p.add_argument("--timeout", type=float, default=900, help="seconds per job")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--procs", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.np < 1:
-        p.error(f"`--np` must be >= 1, got {args.np}")
+    if args.np < 1 or BATCH % args.np:
+        p.error(f"`--np` must divide the global batch of {BATCH} (its N x 1 split has N "
+                f"replicas of it), got {args.np}")
+    check_outputs(p, args)
     if args.repeats is not None and args.repeats < 1:
         p.error(f"`--repeats` must be >= 1, got {args.repeats}")
     args.layers = args.layers or (64 if args.quick else 256)

@@ -29,7 +29,7 @@ from torch import nn
 from ..defaults import TRAINING
 from ..ode import blocks
 from ..ode.net import ODENet, Segment
-from .bench import write_dict_rows
+from .bench import CSV_HELP, check_outputs, write_dict_rows
 from .launch import world_comm
 from .loop import train_step
 
@@ -131,7 +131,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="rank counts")
     p.add_argument("--quick", action="store_true", help="small cases, 3 repeats")
     p.add_argument("--repeats", type=int, default=None, help="timed batches (default 9)")
-    p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
+    p.add_argument("--csv", metavar="PATH", help=CSV_HELP)
     p.add_argument("--coarsening", choices=("injection", "average"), default="injection",
                    help="parameter coarsening of the coarse levels (default injection)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per job")
@@ -142,6 +142,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.repeats is not None and args.repeats < 1:
         p.error(f"`--repeats` must be >= 1, got {args.repeats}")
     args.repeats = args.repeats or (3 if args.quick else 9)
+    check_outputs(p, args)
     if args.worker:
         _worker(args)
         return 0

@@ -27,15 +27,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
 from typing import Any, Optional
 
 from ..defaults import TRAINING
-from .bench import write_dict_rows
+from .bench import CSV_HELP, check_outputs, write_dict_rows
 
 __all__ = ["main"]
+
+MIN_GBITS = 0.01  # Gbit/s: the slowest simulated link a command line may ask for
 
 #: (strategy, optimizer): DASO is compared with all-reduce under Adam, Lion Cub with
 #: all-reduce under Lion (the same optimizer: the speed-up is the strategy's)
@@ -144,7 +147,7 @@ def format_rows(rows: list[dict]) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m layerpar.bench sync",
-                                description=__doc__.split("\n")[0])
+                                description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--quick", action="store_true", help="64 layers, 14 batches")
     p.add_argument("--batches", type=int, default=None, help="batches per run (default 64)")
     p.add_argument("--width", type=int, default=128, help="width of the dense net (128)")
@@ -152,21 +155,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--gbits", type=float, default=1.0,
                    help="the slow link's bandwidth in Gbit/s (default 1)")
     p.add_argument("--grids", default="2x2,4x1", help="R x L grids (default 2x2,4x1)")
-    p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV")
+    p.add_argument("--csv", metavar="PATH", help=CSV_HELP)
     p.add_argument("--timeout", type=float, default=1800, help="seconds for the job")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=None,
                    help="layers of the dense net (default 256; --quick 64)")
     args = p.parse_args(argv)
-    args.layers = args.layers or (64 if args.quick else 256)
-    args.batches = args.batches or (14 if args.quick else 64)
+    if args.layers is None:
+        args.layers = 64 if args.quick else 256
+    if args.batches is None:
+        args.batches = 14 if args.quick else 64
     for name in ("batches", "width", "batch", "layers"):
         if getattr(args, name) < 1:
             p.error(f"`--{name}` must be >= 1")
     if args.batches < 3:
         p.error("`--batches` must be >= 3 (the first two are not timed)")
-    if not args.gbits > 0:
-        p.error("`--gbits` must be > 0")
+    if not MIN_GBITS <= args.gbits < math.inf:
+        p.error(f"`--gbits` must be a finite number >= {MIN_GBITS:g} (Gbit/s; slower "
+                f"links make a run take hours), got {args.gbits}")
+    check_outputs(p, args)
     try:
         shapes = [tuple(int(v) for v in g.split("x")) for g in args.grids.split(",")]
     except ValueError:

@@ -274,6 +274,35 @@ def _over_seeds(rows: list[list[Any]], head: list[str]) -> list[str]:
             *md]
 
 
+TITLE = "# Time to accuracy (`python -m layerpar.bench tta`)"  # README's first line
+PNG_MARKER = "layerpar.bench tta"  # in the plot's metadata
+CSV_HEADS = {"tta.csv": "case,seed,method,", "summary.csv": "case,seed,label,method,"}
+
+
+def check_outputs(out: Path) -> None:
+    """Refuse (`StudyFileError`, a ValueError) before anything trains when ``--out``
+    cannot be written or holds a file of this benchmark's names that it did not write
+    (a README a person wrote is never replaced: ``docs/tta/README.md`` is the status
+    table, next to the runs' own folders)."""
+    from .studies.files import StudyFileError, check_output_dir
+
+    check_output_dir(out, "--out", ("tta.csv", "summary.csv", "tta.png", "README.md"))
+    readme = out / "README.md"
+    ours = readme.exists() and readme.read_bytes().split(b"\n", 1)[0].decode(
+        "utf-8", "replace") == TITLE  # a folder of this benchmark's (its plots included)
+    foreign = [readme] if readme.exists() and not ours else []
+    for name, head in CSV_HEADS.items():
+        path = out / name
+        if path.exists() and not path.read_bytes().decode("utf-8", "replace").startswith(head):
+            foreign.append(path)
+    plot = out / "tta.png"
+    if plot.exists() and not ours and PNG_MARKER.encode() not in plot.read_bytes():
+        foreign.append(plot)
+    if foreign:
+        raise StudyFileError(f"{foreign[0]} exists and was not written by this benchmark; "
+                             "nothing was changed.  Move it away or choose another `--out`")
+
+
 def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str,
            smoke: bool, load: str, device: str = "cpu") -> None:
     import torch
@@ -336,11 +365,11 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
             fig.suptitle("SMOKE RUN on a shared, loaded machine: not a measurement",
                          color="red", fontsize=9)
         fig.tight_layout()
-        fig.savefig(out / "tta.png", dpi=110)
+        fig.savefig(out / "tta.png", dpi=110, metadata={"Software": PNG_MARKER})
         plt.close(fig)
     except ImportError:
         pass
-    md = ["# Time to accuracy (`python -m layerpar.bench tta`)", ""]
+    md = [TITLE, ""]
     if smoke:
         md += ["**SMOKE RUN** (`--smoke`: every case shrunk: fewer layers, 1-2 epochs) on a "
                "shared 2-core machine under load from other jobs "
@@ -383,7 +412,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--np", type=int, default=2, help="ranks of the layer-parallel runs")
     p.add_argument("--smoke", action="store_true",
                    help="every case shrunk (checks the pipeline; not a measurement)")
-    p.add_argument("--out", default="docs/tta", help="folder for CSV, plot and README")
+    p.add_argument("--out", default="docs/tta/latest",
+                   help="folder for CSV, plot and README (default docs/tta/latest); a "
+                        "file there that this benchmark did not write is never replaced")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds any one training may take")
     p.add_argument("--bounds", default="default,0.15",
@@ -420,9 +451,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not bounds or any(b is not None and not 0 < b < float("inf") for b in bounds):
         p.error(f"`--bounds` must be 'default' or numbers > 0, comma-separated, got "
                 f"{args.bounds!r}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("`--device` cuda: CUDA is not available on this machine")
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        p.error(f"`--out` {args.out} is not a folder")
+    try:
+        check_outputs(out)
+    except ValueError as exc:
+        p.error(str(exc))
     load = " ".join(f"{v:.2f}" for v in load_average())
     command = "python -m layerpar.bench tta " + " ".join(argv)
     results = []
@@ -435,8 +473,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         total += est
         print(f"[{k}] {table[k].label}: {steps} steps per epoch, best serial step "
               f"{1e3 * per[threads]:.1f} ms at {threads} thread(s): expect about "
-              f"{est / 60:.1f} min", flush=True)
-    print(f"layerpar.bench tta: expect about {total / 60:.0f} min in all (time budgets "
+              f"{_duration(est)}", flush=True)
+    print(f"layerpar.bench tta: expect about {_duration(total)} in all (time budgets "
           f"in the cases' options shorten it)", flush=True)
     for k, seed in ((k, seed) for k in keys for seed in seeds):
         case = table[k] if seeds == [0] else table[k].with_seed(seed)
@@ -445,10 +483,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         results.append((case, runs, target))
         _write(out, results, command.strip(), args.smoke, load, args.device)
         print(f"[{k}{'' if seeds == [0] else f' seed {seed}'}] target {target:.4f}: " + "; ".join(
-            f"{r.method} {r.to_target(target)[0]} s" for r in runs), flush=True)
+            f"{r.method} " + _seconds(r.to_target(target)[0]) for r in runs), flush=True)
     print(f"layerpar.bench tta: {len(keys)} case(s) in {time.perf_counter() - t0:.0f} s; "
           f"wrote {out}/tta.csv, summary.csv, tta.png, README.md")
     return 0
+
+
+def _seconds(s: Optional[float]) -> str:
+    return "target not reached" if s is None else f"{s:.2f} s"
+
+
+def _duration(s: float) -> str:
+    return f"{s:.0f} s" if s < 90 else f"{s / 60:.0f} min"
 
 
 if __name__ == "__main__":

@@ -79,7 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The study's options (defaults resolved in `settings_from_args`, so --quick can
     change them)."""
     g = p.add_argument_group("grid (comma-separated lists)")
-    g.add_argument("--models", help=f"peaks and/or digits (default {_NORMAL['models']})")
+    g.add_argument("--models", help=f"bundled problems: peaks, digits, mnist1d (default "
+                                    f"{_NORMAL['models']})")
     g.add_argument("--states", help="parameters: init (as built) and/or trained (after "
                                     f"--train-epochs of serial training; default "
                                     f"{_NORMAL['states']})")
@@ -158,8 +159,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
     batch = pick("batch")
     if batch is not None and not 1 <= int(batch) <= 1500:
-        raise ValueError(f"`--batch` must be in [1, 1500] (the digits training set), got "
-                         f"{batch}")
+        raise ValueError(f"`--batch` must be in [1, 1500] (every model's training set holds "
+                         f"a batch: digits', the smallest, has 1500 samples), got {batch}")
     epochs = int(pick("train_epochs"))
     if epochs < 1:
         raise ValueError(f"`--train-epochs` must be >= 1, got {epochs}")

@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m layerpar.studies",
         description="Layer-parallel scaling study (the `layerpar scale` command).  "
                     "`python -m layerpar.studies accuracy --help`: the gradient-accuracy "
-                    "study (inexact vs exact MGRIT gradients)."))
+                    "study (inexact vs exact MGRIT gradients); `python -m layerpar.studies "
+                    "predict-gpu --help`: the GPU performance model's prediction for a "
+                    "net."))
 
 
 def _split(name: str, text: str) -> list[Any]:
@@ -133,7 +135,12 @@ def grid_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return grid
 
 
+FITTED_CONSTANTS = 3  # call, step and batch overheads (`perfmodel.fit`)
+
+
 def _g(v: Any) -> str:
+    if v is None:
+        return "n/a"
     try:
         f = float(v)
     except (TypeError, ValueError):
@@ -196,8 +203,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"model: call overhead {s['call_overhead_s'] * 1e6:.1f} us, step overhead "
               f"{s['step_overhead_s'] * 1e6:.1f} us, batch overhead "
               f"{s['batch_overhead_s'] * 1e3:.2f} ms; fit rms rel. error "
-              f"{_g(s['fit_rms_rel_error'])} on {s['fit_rows']} run(s); validation rms rel. "
-              f"error {_g(s['validate_rms_rel_error'])} on {s['validate_rows']} run(s)")
+              f"{_g(s['fit_rms_rel_error'])} on {s['fit_rows']} run(s); " + (
+                  f"validation rms rel. error {_g(s['validate_rms_rel_error'])} on "
+                  f"{s['validate_rows']} run(s)" if s["validate_rows"] else
+                  "no validation (one depth: every run was used to fit; add a deeper "
+                  "--layers value to test the model on runs it did not see)"))
+        if s["fit_rows"] <= FITTED_CONSTANTS:
+            print(f"model: {s['fit_rows']} run(s) fit {FITTED_CONSTANTS} constants: the fit "
+                  "error says nothing about the model; run more settings")
     print(f"{res.launched} run(s) launched, {res.skipped} already in {res.csv_path}")
     for p in res.files:
         print(f"wrote {p}")

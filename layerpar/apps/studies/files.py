@@ -10,7 +10,8 @@ one.  Reading (`read_jsonl`, and the CSV reader in `runner`) checks what it read
 raises `StudyFileError` naming the file, the line and how to recover.
 
 `check_output_dir` checks, before any measurement, that the output folder can be
-created and written.
+created and written; `check_output_file` the same for one output file (a benchmark's
+``--csv``).
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Union
 
-__all__ = ["StudyFileError", "append_line", "check_output_dir", "read_jsonl", "write_bytes",
-           "write_text"]
+__all__ = ["StudyFileError", "append_line", "check_output_dir", "check_output_file",
+           "read_jsonl", "write_bytes", "write_text"]
 
 PathLike = Union[str, Path]
 
@@ -138,4 +139,31 @@ def check_output_dir(folder: PathLike, name: str, files: tuple[str, ...] = ()) -
         if (path / f).is_dir():
             raise StudyFileError(f"`{name}`: {path / f} is a folder; the study writes a "
                                  f"file there (move the folder away)")
+    return path
+
+
+def check_output_file(file: PathLike, name: str) -> Path:
+    """Check, before anything is measured, that `file` can be written: not a folder, in
+    a folder that exists, and writable there (tried: a probe file is created and
+    removed, or an existing file opened for appending, which changes nothing in it).
+    `name` is what the user called it (``--csv``), for the message.  Raises
+    `StudyFileError`."""
+    path = Path(file)
+    if path.is_dir():
+        raise StudyFileError(f"`{name}` {path} is a folder; give a file path")
+    folder = path.parent
+    if not folder.is_dir():
+        raise StudyFileError(f"`{name}` {path} cannot be written: its folder {folder} "
+                             "does not exist")
+    try:
+        if path.exists():
+            with open(path, "ab"):
+                pass
+        else:
+            fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-test-")
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise StudyFileError(f"`{name}` {path} cannot be written: {exc.strerror or exc}"
+                             ) from None
     return path

@@ -67,6 +67,7 @@ PASSES: dict[str, tuple[float, float]] = {"dense": (8.0, 12.0), "conv": (8.0, 12
 #: fraction of peak FP32 a dense or transformer block's matmuls reach (an assumption;
 #: the measured dense rows are launch-bound and cannot pin it)
 MATMUL_EFFICIENCY = 0.5
+MAX_PREDICT_LAYERS = 16384  # predict-gpu builds and runs the whole net on the CPU
 
 
 @dataclass(frozen=True)
@@ -348,7 +349,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--model", default="dense", choices=sorted(PASSES),
                    help="block type (dense)")
-    p.add_argument("--layers", type=int, default=1024, help="residual layers (1024)")
+    p.add_argument("--layers", type=int, default=1024,
+                   help=f"residual layers (1024; at most {MAX_PREDICT_LAYERS})")
     p.add_argument("--width", type=int, default=64,
                    help="features, channels or d_model (64)")
     p.add_argument("--size", type=int, default=32,
@@ -379,12 +381,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.cfactor < 2:
         p.error(f"--cfactor must be >= 2, got {args.cfactor}")
+    from ...mgrit.options import MAX_LEVELS
     from .. import opcount
 
     levels = args.levels if args.levels is not None else opcount.levels_for(args.layers,
                                                                             args.cfactor)
-    if levels < 1:
-        p.error(f"--levels must be >= 1, got {levels}")
+    if not 1 <= levels <= MAX_LEVELS:
+        p.error(f"--levels must be in [1, {MAX_LEVELS}], got {levels}")
+    if args.layers > MAX_PREDICT_LAYERS:
+        p.error(f"--layers must be <= {MAX_PREDICT_LAYERS}, got {args.layers} (the "
+                "prediction counts the operations of the whole net, built and run once "
+                f"on this CPU: {MAX_PREDICT_LAYERS} dense layers take about 2 minutes)")
     if args.model == "transformer" and args.width % args.heads:
         p.error(f"--width ({args.width}) must be a multiple of --heads ({args.heads})")
     size = 1 if args.model == "dense" else args.size
