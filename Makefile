@@ -72,7 +72,7 @@ bench-engines: build
 	$(ENGINES_2) | tee -a docs/bench/engines.txt
 
 bench-ops: build
-	$(BIN)/python -m layerpar.bench ops --csv docs/bench/ops.csv
+	$(BIN)/python -m layerpar.bench ops --csv docs/bench/ops.csv | tee docs/bench/ops.txt
 
 # batched="auto" (the default) against vectorised and per-step cycles (docs/bench/paths.*)
 bench-paths: build
@@ -104,8 +104,6 @@ study-cpu-16core: build
 bench-sync: build
 	$(BIN)/python -m layerpar.bench sync --csv docs/sync/bench.csv | tee docs/sync/bench.txt
 
-# On a GPU machine, with a Python that has a CUDA build of torch (and Cython):
-# builds the engine in place and writes docs/gpu/bench-gpu.csv.  GPU tests: tests/gpu.
 # On a GPU machine, with a Python that has a CUDA build of torch (and Cython, triton):
 # builds the engine in place and writes the issue's rows (a)-(d) to
 # docs/gpu/bench-gpu-rows.csv (docs/gpu/bench-gpu.csv: the earlier run the GPU model

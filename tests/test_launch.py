@@ -43,3 +43,11 @@ def test_load_average(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(launch.os, "getloadavg", unavailable, raising=False)
     assert all(math.isnan(v) for v in launch.load_average())
+
+
+@pytest.mark.skipif(launch.mpiexec_path() is None, reason="no mpiexec")
+def test_a_failed_worker_job_says_why() -> None:
+    """A benchmark job whose workers fail raises with their error in the message
+    (their stderr is in the tail: the message used to show an empty tail)."""
+    with pytest.raises(RuntimeError, match="No module named layerpar.no_such_worker"):
+        launch.run_worker_job("layerpar.no_such_worker", 1, [], marker="NONE", timeout=120)

@@ -243,15 +243,16 @@ def run_worker_job(module: str, nprocs: int, argv: Sequence[str], *, marker: str
     """Run ``python -m <module> <argv>`` on `nprocs` processes (mpiexec, with the
     worker under ``python -m mpi4py``, or torchrun) and return the JSON objects its
     processes printed on lines ``<marker> {...}``.  One thread per process (they share
-    the cores); a failed or timed-out job raises RuntimeError with its output's tail.
-    The benchmarks that launch their own jobs use this one runner."""
+    the cores); a failed or timed-out job raises RuntimeError with the tail of its
+    output, stderr included (where the workers' errors are).  The benchmarks that
+    launch their own jobs use this one runner."""
     import json
     import tempfile
 
     cmd = job_command(nprocs, ["-m", module, *argv], launcher)
     env = dict(os.environ, OMP_NUM_THREADS="1", MPIR_CVAR_CH4_PROGRESS_THROTTLE="1")
     with tempfile.TemporaryFile("w+") as out:
-        status = run_job(cmd, env=env, timeout=timeout, stdout=out)
+        status = run_job(cmd, env=env, timeout=timeout, stdout=out, stderr=subprocess.STDOUT)
         out.seek(0)
         text = out.read()
     if status.returncode != 0:
