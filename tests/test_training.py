@@ -123,6 +123,9 @@ def test_summary_line_round_trip() -> None:
     back = parse_summary(exact)
     assert back["exact_kind"] == "replicated serial" and back["fwd_iters"] is None
     assert parse_summary(line)["exact_kind"] is None
+    unknown = format_summary({**res, "fwd_iters": None, "bwd_iters": None})  # (replayed)
+    assert "fwd iters n/a (res 3.1e-02) | bwd iters n/a (res n/a)" in unknown
+    assert parse_summary(unknown)["fwd_iters"] is None
     with pytest.raises(ValueError, match="`text`"):
         parse_summary("no summary here")
 

@@ -436,7 +436,7 @@ def _ops_main(argv: list[str]) -> int:
     rows = opcount.ops_rows(quick=args.quick, batched=not args.unbatched)
     print(f"layerpar.bench ops: top-level aten ops per training batch (zero_grad, forward, "
           f"backward, SGD step), torch {torch.__version__}, 1 rank")
-    print(opcount.format_ops(rows))
+    print(opcount.format_ops(rows, quick=args.quick))
     if args.csv:
         with open(args.csv, "w", newline="") as fh:
             w = csv.writer(fh)

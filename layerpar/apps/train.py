@@ -656,7 +656,9 @@ def _summary_notes(result: TrainResult, time_budget: Optional[float],
         notes.append(f"{result.exact_steps} of the last epoch's {result.last_epoch_steps} "
                      f"steps ran {result.exact_kind} (exact, no MGRIT cycle); the "
                      "iteration and residual figures are the other steps' means")
-    if result.fwd_iters is not None and (result.fwd_res is None or result.bwd_res is None):
+    skipped = [opts is None or opts.skip for opts in (result.fwd, result.bwd)]
+    if result.fwd_iters is not None and ((result.fwd_res is None and skipped[0])
+                                         or (result.bwd_res is None and skipped[1])):
         notes.append("res n/a: no residual was measured: with skip (the default), a "
                      "solve's first iteration does no fine-level work, so a one-iteration "
                      "solve computes none (the first residual comes with iteration 2)")
@@ -799,6 +801,12 @@ def _fmt_res(res: Optional[float]) -> str:
     return "n/a" if res is None else f"{res:.1e}"
 
 
+def _fmt_iters(iters: Optional[float]) -> str:
+    """A mean iteration count, or "n/a" where the steps reported none (a step
+    replayed from a CUDA graph reports no solve statistics)."""
+    return "n/a" if iters is None else f"{iters:g}"
+
+
 def _sync_strategy(sync: str, total_batches: int) -> Any:
     """The grid's strategy for `train`: DASO (progress-keeping merge) with the first
     three tenths of the batches as warm-up and the last tenth as cool-down (synchronous
@@ -843,8 +851,10 @@ def format_summary(result: Union[TrainResult, Mapping[str, Any]]) -> str:
     elif get("fwd_iters") is None and get("exact_kind"):  # no step ran MGRIT
         parts.append(f"exact ({get('exact_kind')})")
     else:
-        parts.append(f"fwd iters {get('fwd_iters'):g} (res {_fmt_res(get('fwd_res'))})")
-        parts.append(f"bwd iters {get('bwd_iters'):g} (res {_fmt_res(get('bwd_res'))})")
+        parts.append(f"fwd iters {_fmt_iters(get('fwd_iters'))} (res "
+                     f"{_fmt_res(get('fwd_res'))})")
+        parts.append(f"bwd iters {_fmt_iters(get('bwd_iters'))} (res "
+                     f"{_fmt_res(get('bwd_res'))})")
     parts.append(f"ranks {get('ranks')}" + (f" (data {data})" if data > 1 else ""))
     if get("target_acc") is not None:
         ttt = get("time_to_target")
@@ -856,7 +866,7 @@ _SUMMARY = re.compile(
     r"^(?P<model>\w+): val_acc (?P<val_acc>[\d.]+) \| train_loss (?P<train_loss>[\d.naif]+)"
     r" \| (?P<ms_per_batch>[\d.]+) ms/batch(?: \| sync_bytes (?P<sync_bytes>\d+))?"
     r" \| (?:(?P<serial>serial)|exact \((?P<exact>[^)]*)\)|fwd iters "
-    r"(?P<fwd_iters>[\d.]+) \(res (?P<fwd_res>\S+)\) \| bwd iters (?P<bwd_iters>[\d.]+) "
+    r"(?P<fwd_iters>[\d.]+|n/a) \(res (?P<fwd_res>\S+)\) \| bwd iters (?P<bwd_iters>[\d.]+|n/a) "
     r"\(res (?P<bwd_res>\S+)\)) \| ranks (?P<ranks>\d+)(?: \(data (?P<data>\d+)\))?"
     r"(?: \| time_to_target (?P<ttt>not reached|[\d.]+))?$")
 
