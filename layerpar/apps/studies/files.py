@@ -129,9 +129,7 @@ def check_output_dir(folder: PathLike, name: str, files: tuple[str, ...] = ()) -
         raise StudyFileError(f"`{name}` {path} cannot be created: {exc.strerror or exc}"
                              ) from None
     try:
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test-")
-        os.close(fd)
-        os.unlink(probe)
+        _probe(path)
     except OSError as exc:
         raise StudyFileError(f"`{name}` {path} is not writable: {exc.strerror or exc}"
                              ) from None
@@ -140,6 +138,14 @@ def check_output_dir(folder: PathLike, name: str, files: tuple[str, ...] = ()) -
             raise StudyFileError(f"`{name}`: {path / f} is a folder; the study writes a "
                                  f"file there (move the folder away)")
     return path
+
+
+def _probe(folder: Path) -> None:
+    """Create and remove a file in `folder` (OSError where it cannot be written: the
+    one test that holds for root, read-only mounts and /proc alike)."""
+    fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-test-")
+    os.close(fd)
+    os.unlink(probe)
 
 
 def check_output_file(file: PathLike, name: str) -> Path:
@@ -160,9 +166,7 @@ def check_output_file(file: PathLike, name: str) -> Path:
             with open(path, "ab"):
                 pass
         else:
-            fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-test-")
-            os.close(fd)
-            os.unlink(probe)
+            _probe(folder)
     except OSError as exc:
         raise StudyFileError(f"`{name}` {path} cannot be written: {exc.strerror or exc}"
                              ) from None
