@@ -345,7 +345,7 @@ def _engines_main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="smaller solve, 3 repeats")
     p.add_argument("--csv", metavar="PATH", help=CSV_HELP)
     args = p.parse_args(argv)
-    check_outputs(p, args)
+    check_shared_options(p, args)
     comm = world_comm()
     torch.set_num_threads(1)
     ctx = BenchContext(quick=args.quick, repeats=3 if args.quick else 7, comm=comm)
@@ -360,7 +360,7 @@ def _engines_main(argv: list[str]) -> int:
     return 0
 
 
-def check_outputs(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def check_shared_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The options every benchmark command line shares, checked before anything runs
     (one line naming the option, exit 2, as `p.error` does): ``--csv`` must be a file
     that can be written (`check_output_file`: not a folder, its folder present and
@@ -431,7 +431,7 @@ def _ops_main(argv: list[str]) -> int:
                    help="LayerParallel(batched=False): the per-step path, for comparison")
     p.add_argument("--csv", metavar="PATH", help=CSV_HELP)
     args = p.parse_args(argv)
-    check_outputs(p, args)
+    check_shared_options(p, args)
     torch.set_num_threads(1)
     rows = opcount.ops_rows(quick=args.quick, batched=not args.unbatched)
     print(f"layerpar.bench ops: top-level aten ops per training batch (zero_grad, forward, "
@@ -499,7 +499,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         p.error(f"`--only` {', '.join(unknown)}: no such benchmark (choose from "
                 f"{', '.join(names)})")
-    check_outputs(p, args)
+    check_shared_options(p, args)
 
     comm = world_comm()
     size = 1 if comm is None else comm.Get_size()

@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import opcount
-from .bench import check_outputs
+from .bench import check_shared_options
 
 COLUMNS = ["device", "model", "layers", "seconds_per_batch", "eager_seconds_per_batch",
            "graph_seconds_per_batch", "speedup_vs_eager", "speedup_vs_graph",
@@ -267,7 +267,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error("`--models` names no model; choose from " + ", ".join(sorted(opcount.CONFIGS)))
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
-    check_outputs(p, args)
+    check_shared_options(p, args)
     if args.unmeasured:
         rows = [unmeasured_row(m) for m in models]
         for r in rows:

@@ -28,7 +28,7 @@ import time
 from typing import Any, Optional
 
 from ..defaults import TRAINING
-from .bench import CSV_HELP, check_outputs, write_dict_rows
+from .bench import CSV_HELP, check_shared_options, write_dict_rows
 
 BATCH = 128  # the global batch every split trains on
 
@@ -144,7 +144,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.np < 1 or BATCH % args.np:
         p.error(f"`--np` must divide the global batch of {BATCH} (its N x 1 split has N "
                 f"replicas of it), got {args.np}")
-    check_outputs(p, args)
+    check_shared_options(p, args)
     if args.repeats is not None and args.repeats < 1:
         p.error(f"`--repeats` must be >= 1, got {args.repeats}")
     args.layers = args.layers or (64 if args.quick else 256)

@@ -29,7 +29,7 @@ from torch import nn
 from ..defaults import TRAINING
 from ..ode import blocks
 from ..ode.net import ODENet, Segment
-from .bench import CSV_HELP, check_outputs, write_dict_rows
+from .bench import CSV_HELP, check_shared_options, write_dict_rows
 from .launch import world_comm
 from .loop import train_step
 
@@ -142,7 +142,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.repeats is not None and args.repeats < 1:
         p.error(f"`--repeats` must be >= 1, got {args.repeats}")
     args.repeats = args.repeats or (3 if args.quick else 9)
-    check_outputs(p, args)
+    check_shared_options(p, args)
     if args.worker:
         _worker(args)
         return 0

@@ -34,7 +34,7 @@ import time
 from typing import Any, Optional
 
 from ..defaults import TRAINING
-from .bench import CSV_HELP, check_outputs, write_dict_rows
+from .bench import CSV_HELP, check_shared_options, write_dict_rows
 
 __all__ = ["main"]
 
@@ -173,7 +173,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not MIN_GBITS <= args.gbits < math.inf:
         p.error(f"`--gbits` must be a finite number >= {MIN_GBITS:g} (Gbit/s; slower "
                 f"links make a run take hours), got {args.gbits}")
-    check_outputs(p, args)
+    check_shared_options(p, args)
     try:
         shapes = [tuple(int(v) for v in g.split("x")) for g in args.grids.split(",")]
     except ValueError:

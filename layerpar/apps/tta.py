@@ -284,23 +284,17 @@ def check_outputs(out: Path) -> None:
     cannot be written or holds a file of this benchmark's names that it did not write
     (a README a person wrote is never replaced: ``docs/tta/README.md`` is the status
     table, next to the runs' own folders)."""
-    from .studies.files import StudyFileError, check_output_dir
+    from .studies.files import check_output_dir, first_line, refuse_foreign
 
     check_output_dir(out, "--out", ("tta.csv", "summary.csv", "tta.png", "README.md"))
     readme = out / "README.md"
-    ours = readme.exists() and readme.read_bytes().split(b"\n", 1)[0].decode(
-        "utf-8", "replace") == TITLE  # a folder of this benchmark's (its plots included)
-    foreign = [readme] if readme.exists() and not ours else []
-    for name, head in CSV_HEADS.items():
-        path = out / name
-        if path.exists() and not path.read_bytes().decode("utf-8", "replace").startswith(head):
-            foreign.append(path)
-    plot = out / "tta.png"
-    if plot.exists() and not ours and PNG_MARKER.encode() not in plot.read_bytes():
-        foreign.append(plot)
-    if foreign:
-        raise StudyFileError(f"{foreign[0]} exists and was not written by this benchmark; "
-                             "nothing was changed.  Move it away or choose another `--out`")
+    # a folder of this benchmark's: its plots too (those written before the marker)
+    ours = readme.exists() and first_line(readme.read_bytes()) == TITLE
+    owned = {"README.md": lambda b: first_line(b) == TITLE,
+             **{name: (lambda b, h=head: first_line(b).startswith(h))
+                for name, head in CSV_HEADS.items()},
+             "tta.png": lambda b: ours or PNG_MARKER.encode() in b}
+    refuse_foreign(out, owned, "this benchmark")
 
 
 def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str,

@@ -182,19 +182,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def check_outputs(out: Path, plots: bool) -> None:
     """Refuse (`StudyFileError`) before any measurement when ``--out`` cannot be used or
     holds a file of our names that this study did not write."""
-    from .files import StudyFileError, check_output_dir
+    from .files import check_output_dir, first_line, refuse_foreign
 
     check_output_dir(out, "--out", (CSV_NAME, PLOT_NAME, README_NAME))
     header = ",".join(COLUMNS)
-    owned = {CSV_NAME: lambda b: b.split(b"\n", 1)[0].decode("utf-8", "replace") == header,
-             README_NAME: lambda b: b.split(b"\n", 1)[0].decode("utf-8", "replace") == MARKER,
-             PLOT_NAME: lambda b: PNG_MARKER.encode() in b}
-    for name, ours in owned.items():
-        path = out / name
-        if (plots or name != PLOT_NAME) and path.exists() and not ours(path.read_bytes()):
-            raise StudyFileError(f"{path} exists and was not written by this study; "
-                                 f"nothing was changed.  Move it away or choose another "
-                                 f"`--out`")
+    owned = {CSV_NAME: lambda b: first_line(b) == header,
+             README_NAME: lambda b: first_line(b) == MARKER}
+    if plots:
+        owned[PLOT_NAME] = lambda b: PNG_MARKER.encode() in b
+    refuse_foreign(out, owned, "this study")
 
 
 def _state_net(model_name: str, state: str, s: Settings) -> tuple[Any, Optional[float]]:

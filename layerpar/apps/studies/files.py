@@ -19,10 +19,10 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 __all__ = ["StudyFileError", "append_line", "check_output_dir", "check_output_file",
-           "read_jsonl", "write_bytes", "write_text"]
+           "first_line", "refuse_foreign", "read_jsonl", "write_bytes", "write_text"]
 
 PathLike = Union[str, Path]
 
@@ -138,6 +138,22 @@ def check_output_dir(folder: PathLike, name: str, files: tuple[str, ...] = ()) -
             raise StudyFileError(f"`{name}`: {path / f} is a folder; the study writes a "
                                  f"file there (move the folder away)")
     return path
+
+
+def refuse_foreign(out: Path, ours: dict[str, Callable[[bytes], bool]], writer: str) -> None:
+    """Raise `StudyFileError` before anything runs where a file of `out` named in `ours`
+    exists and its predicate (given the file's bytes) says `writer` did not write it:
+    a file a person wrote is never replaced."""
+    for name, test in ours.items():
+        path = out / name
+        if path.exists() and not test(path.read_bytes()):
+            raise StudyFileError(f"{path} exists and was not written by {writer}; nothing "
+                                 "was changed.  Move it away or choose another `--out`")
+
+
+def first_line(data: bytes) -> str:
+    """The first line of a file's bytes, decoded leniently (for `refuse_foreign`)."""
+    return data.split(b"\n", 1)[0].decode("utf-8", "replace")
 
 
 def _probe(folder: Path) -> None:
