@@ -1,7 +1,11 @@
 """Case a of issue 20 at 2 ranks: the training step under auto's setting before and
 after `--auto`'s tuning has run in the same processes.
 
-    mpiexec -n 2 python -m mpi4py docs/tta/ceilings/after_tuning.py
+    mpiexec -n 2 python -m mpi4py docs/tta/ceilings/after_tuning.py [freeze]
+
+With `freeze`, every phase starts with `gc.freeze()`, as `layerpar train` does after
+its first step and after each gradient check (the cyclic collector then never scans
+what existed before).
 
 One job, in this order, each phase 10 warm-up steps then the median of 60 timed
 training steps (zero_grad, forward, loss, backward, fused Adam) on the 1,024-layer
@@ -17,7 +21,9 @@ dense MNIST-1D net (width 32, T = 1, batch 128), one thread per rank:
 Also the optimizer's step alone, split into its parts (rank 0, per step): where
 fused Adam's 8 ms go at 1,026 parameter tensors.
 """
+import gc
 import statistics
+import sys
 import time
 
 import torch
@@ -35,6 +41,7 @@ x_tr, y_tr, _, _ = load_data("mnist1d", 0, torch.float32)
 torch.manual_seed(0)
 net = build_net("mnist1d", 1024, 32, arch="dense", t_final=1.0)
 opts = MGRITOptions(max_levels=3, cfactor=8, max_iter=1, tol=0.0, rtol=0.0)
+FREEZE = "freeze" in sys.argv[1:]
 
 
 def fixed() -> LayerParallel:
@@ -53,6 +60,8 @@ def steps(model: nn.Module, label: str, warm: int = 10, timed: int = 60) -> None
 
     for i in range(warm):
         one(i)
+    if FREEZE:
+        gc.freeze()
     comm.Barrier()
     ts = []
     for i in range(timed):
