@@ -24,7 +24,8 @@ XBRAID_DIR ?=
 XBRAID_BUILT := $(if $(XBRAID_DIR),$(VENV)/.built-xbraid)
 
 .PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-engines bench-paths \
-	bench-sync bench-tta bench-tta-smoke bench-tta-gpu study-cpu-16core train lint clean
+	bench-sync bench-tta bench-tta-smoke bench-tta-gpu study-cpu-16core study-cpu-16core-scale \
+	study-cpu-16core-tta device-wheels device-setup train lint clean
 
 setup: $(VENV)/.installed
 
@@ -91,16 +92,54 @@ bench-tta: build
 bench-tta-smoke: build
 	$(BIN)/python -m layerpar.bench tta --smoke --np 2 --out docs/tta/smoke
 
-# Not measured yet (no such machine lent so far): time to accuracy on one GPU, case a;
-# on a 16-core machine, the per-batch scaling study at 1-16 ranks and time to accuracy
-# at 16 ranks
-bench-tta-gpu:
+# The device rows of issue 20, not measured yet (no such machine lent so far): time to
+# accuracy on one GPU, case a; on the 16 CPU cores beside it, the per-batch scaling study
+# at 1-16 ranks and time to accuracy at 16 ranks.  On a lent device machine (`device`
+# tool): no network there, and its python3 (GPU_PYTHON) holds CUDA torch, Cython, mpi4py
+# and Open MPI, numpy, scipy, matplotlib and scikit-learn, but not mnist1d.  So:
+#   here, once:  make device-wheels      (mnist1d's wheel into .whl/, ignored by git)
+#   there, one call per target, carrying .whl (a call may take 10 minutes; how long
+#   each target takes there is not measured yet):
+#     make DEVICE=1 bench-tta-gpu && cp docs/tta/gpu/* $OUT/
+#     make DEVICE=1 study-cpu-16core-scale && cp docs/studies/cpu-16core/*.csv $OUT/
+#     make DEVICE=1 study-cpu-16core-tta && cp docs/tta/cpu-16core/* $OUT/
+#     make DEVICE=1 bench-gpu && cp docs/gpu/bench-gpu-rows.csv $OUT/
+# DEVICE=1 builds the engine in place with GPU_PYTHON and installs the carried wheels
+# into DEVICE_SITE (device-setup); without it, the 16-core targets use this checkout's
+# .venv (a 16-core machine with a network).
+GPU_PYTHON ?= python3
+DEVICE ?=
+DEVICE_SITE ?= /tmp/layerpar-site
+MNIST1D_WHEEL ?= mnist1d==0.0.2.post1
+ifeq ($(DEVICE),1)
+DEVICE_PY := PYTHONPATH=$(DEVICE_SITE) OMPI_ALLOW_RUN_AS_ROOT=1 \
+	OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(GPU_PYTHON)
+DEVICE_PREP := device-setup
+else
+DEVICE_PY := $(BIN)/python
+DEVICE_PREP := build
+endif
+device-wheels: setup
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d .whl "$(MNIST1D_WHEEL)"
+device-setup:
 	$(GPU_PYTHON) setup.py -q build_ext --inplace
-	$(GPU_PYTHON) -m layerpar.bench tta --device cuda --np 1 --cases a --out docs/tta/gpu
-study-cpu-16core: build
-	$(BIN)/layerpar scale --ranks 1,2,4,8,16 --layers 1024 --width 32 --batch 128 \
-	    --levels 3 --cfactor 4 --fwd-iters 1 --bwd-iters 1 --out docs/studies/cpu-16core
-	$(BIN)/python -m layerpar.bench tta --np 16 --cases a --out docs/tta/cpu-16core
+	if ls .whl/*.whl >/dev/null 2>&1; then \
+	    $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade \
+	        --target $(DEVICE_SITE) .whl/*.whl; \
+	elif ! $(GPU_PYTHON) -c "import mnist1d" 2>/dev/null; then \
+	    echo "device-setup: mnist1d is missing and no wheels are in .whl/ (run" \
+	        "'make device-wheels' on the development machine and carry .whl)"; exit 1; fi
+bench-tta-gpu: device-setup
+	PYTHONPATH=$(DEVICE_SITE) $(GPU_PYTHON) -m layerpar.bench tta --device cuda --np 1 \
+	    --cases a --bounds default --out docs/tta/gpu
+study-cpu-16core: study-cpu-16core-scale study-cpu-16core-tta
+study-cpu-16core-scale: $(DEVICE_PREP)
+	$(DEVICE_PY) -m layerpar.apps.cli scale --ranks 1,2,4,8,16 --layers 1024 --width 32 \
+	    --batch 128 --levels 3 --cfactor 4 --fwd-iters 1 --bwd-iters 1 --no-progress \
+	    --out docs/studies/cpu-16core
+study-cpu-16core-tta: $(DEVICE_PREP)
+	$(DEVICE_PY) -m layerpar.bench tta --np 16 --cases a --bounds default \
+	    --out docs/tta/cpu-16core
 bench-sync: build
 	$(BIN)/python -m layerpar.bench sync --csv docs/sync/bench.csv | tee docs/sync/bench.txt
 
@@ -108,7 +147,6 @@ bench-sync: build
 # builds the engine in place and writes the issue's rows (a)-(d) to
 # docs/gpu/bench-gpu-rows.csv (docs/gpu/bench-gpu.csv: the earlier run the GPU model
 # is calibrated on).  GPU tests: tests/gpu.
-GPU_PYTHON ?= python3
 bench-gpu:
 	$(GPU_PYTHON) setup.py -q build_ext --inplace
 	mkdir -p docs/gpu

@@ -35,7 +35,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import __version__
-from .launch import LAUNCHERS, job_command, mpiexec_path, run_job
+from .launch import (
+    LAUNCHERS,
+    ForeignLauncherError,
+    job_command,
+    launcher_size,
+    mpi_world,
+    mpiexec_path,
+    run_job,
+)
 
 # set on the ranks of a job that `layerpar train --np N` launched (so they do not
 # launch again); mpiexec / srun themselves are recognised by the PMI variables below
@@ -200,12 +208,14 @@ def under_mpi() -> bool:
 def job_size() -> int:
     """The number of processes of the job this process belongs to, from its launcher's
     environment (1 outside a job; the size as MPI reports it where no variable says)."""
-    for var in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"):
-        if var in os.environ and (var != "WORLD_SIZE" or under_torchrun()):
-            try:
-                return int(os.environ[var])
-            except ValueError:
-                pass
+    if under_torchrun():
+        try:
+            return int(os.environ["WORLD_SIZE"])
+        except ValueError:
+            pass
+    size = launcher_size()
+    if size is not None:
+        return size
     if under_mpi():
         from mpi4py import MPI
 
@@ -272,9 +282,7 @@ def _train(args: argparse.Namespace) -> int:
         if dist.get_world_size() > 1:
             comm = dist.group.WORLD
     elif under_mpi():
-        from mpi4py import MPI
-
-        world = MPI.COMM_WORLD
+        world = mpi_world()
         if world.Get_size() > 1:
             comm = world
             if world.Get_rank() == 0 and args.np not in (1, world.Get_size()):
@@ -339,7 +347,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except KeyboardInterrupt:  # the job was killed before this was raised
                 print("layerpar: interrupted; the job was stopped", file=sys.stderr)
                 return 130
-        return _train(args)
+        try:
+            return _train(args)
+        except ForeignLauncherError as exc:  # every rank alike: each is alone
+            print(f"layerpar: error: {exc}", file=sys.stderr)
+            return 1
     if args.command == "scale":
         from .studies.cli import run as run_scale
 

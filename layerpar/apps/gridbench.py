@@ -55,9 +55,9 @@ def _worker(args: argparse.Namespace) -> None:
         comm: Any = dist.group.WORLD
         launcher = "torchrun"
     else:
-        from mpi4py import MPI
+        from .launch import mpi_world
 
-        comm = MPI.COMM_WORLD
+        comm = mpi_world()
         launcher = "mpiexec"
     width, batch = 16, BATCH
     fwd, bwd = TRAINING.fwd_options(tol=0.0), TRAINING.bwd_options(tol=0.0)

@@ -29,14 +29,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Optional, Union
 
-__all__ = ["LAUNCHERS", "JobStatus", "job_command", "kill_job", "load_average", "world_comm",
-           "mpiexec_path", "run_job", "run_worker_job"]
+__all__ = ["LAUNCHERS", "ForeignLauncherError", "JobStatus", "job_command", "kill_job",
+           "launcher_size", "load_average", "mpi_world", "mpiexec_path", "run_job",
+           "run_worker_job", "world_comm"]
 
 #: how a job's processes are started: MPI (mpi4py) or torch.distributed's elastic agent
 LAUNCHERS = ("mpiexec", "torchrun")
 # signals a launcher forwards to its job (as a kill) before handling them itself
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: what an MPI launcher puts in each rank's environment as the job's size: MPICH's and
+#: Intel MPI's Hydra and Slurm (PMI), Open MPI, PMIx
+MPI_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
 
 
 def mpiexec_path() -> Optional[str]:
@@ -72,14 +76,56 @@ def job_command(nprocs: int, python_args: Sequence[str], launcher: str = "mpiexe
     return [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py", *python_args]
 
 
+class ForeignLauncherError(RuntimeError):
+    """The job's launcher and mpi4py's MPI library disagree on the job (`mpi_world`)."""
+
+
+def launcher_size() -> Optional[int]:
+    """The job's size as the MPI launcher that started this process wrote it into the
+    environment (`MPI_SIZE_ENV`); None where none did."""
+    for var in MPI_SIZE_ENV:
+        try:
+            return int(os.environ[var])
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
+def mpi_world() -> Any:
+    """``MPI.COMM_WORLD``, once it is known to hold the whole job.
+
+    An ``mpiexec`` of another MPI library than the one mpi4py loaded (Open MPI's on the
+    PATH, mpi4py built with MPICH, say) starts N processes that each see a world of
+    one: each would then train alone and report its figures as the job's.  Where the
+    launcher's environment gives the job's size (`launcher_size`) and the world has
+    another, this raises `ForeignLauncherError` naming both, on every rank alike."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    want, size = launcher_size(), world.Get_size()
+    if want is not None and want != size:
+        try:
+            library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+        except Exception:  # noqa: BLE001 - only for the message
+            library = "unknown"
+        raise ForeignLauncherError(
+            f"this process was started as one of {want} by its launcher, but mpi4py's "
+            f"MPI sees a world of {size}: the mpiexec that started the job belongs to "
+            f"another MPI library than mpi4py's ({library}). Start the job with that "
+            f"library's mpiexec (layerpar uses the one beside {sys.executable}, else "
+            f"the one on PATH: {mpiexec_path()})")
+    return world
+
+
 def world_comm() -> Any:
     """``MPI.COMM_WORLD`` when this process is one of several mpiexec ranks, else None
-    (one process, or no mpi4py)."""
+    (one process, or no mpi4py); checked by `mpi_world`."""
     try:
-        from mpi4py import MPI
+        import mpi4py  # noqa: F401
     except ImportError:
         return None
-    return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+    world = mpi_world()
+    return world if world.Get_size() > 1 else None
 
 
 def load_average() -> tuple[float, float, float]:

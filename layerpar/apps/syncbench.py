@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 from ..defaults import TRAINING
 from .bench import CSV_HELP, check_shared_options, write_dict_rows
+from .launch import mpi_world
 
 __all__ = ["main"]
 
@@ -48,7 +49,6 @@ GRIDS = ((2, 2), (4, 1))
 
 def _worker(args: argparse.Namespace) -> None:
     import torch
-    from mpi4py import MPI
     from torch import nn
 
     import layerpar
@@ -56,7 +56,7 @@ def _worker(args: argparse.Namespace) -> None:
     from layerpar.parallel import DASO, Lion, LionCub, SlowLink
 
     torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD
+    comm = mpi_world()
     width, batch = args.width, args.batch
     fwd, bwd = TRAINING.fwd_options(tol=0.0), TRAINING.bwd_options(tol=0.0)
     g = torch.Generator().manual_seed(0)

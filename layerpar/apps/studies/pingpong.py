@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..launch import mpi_world
 from .files import write_text
 
 __all__ = ["fit_alpha_beta", "main", "measure"]
@@ -105,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
+    comm = mpi_world()
     if comm.Get_size() < 2:
         sys.stderr.write("pingpong needs at least 2 ranks\n")
         return 2

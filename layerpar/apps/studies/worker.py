@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ...mgrit.options import MGRITOptions
-from ..launch import load_average
+from ..launch import load_average, mpi_world
 from ..loop import Step, available_cores, train_steps
 from ..nets import sequential_twin
 from .files import append_line
@@ -163,8 +163,6 @@ def _load_config(arg: str) -> dict[str, Any]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point under mpiexec: run every run of the config on COMM_WORLD."""
-    from mpi4py import MPI
-
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
         sys.stderr.write("usage: mpiexec -n P python -m mpi4py -m layerpar.apps.studies.worker "
@@ -172,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     obj = _load_config(args[0])
     runs = obj.get("runs", [obj])
-    comm = MPI.COMM_WORLD
+    comm = mpi_world()
     out = Path(obj["out"])
     for run in runs:
         run = {k: v for k, v in run.items() if k != "out"}
