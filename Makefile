@@ -104,15 +104,16 @@ bench-tta-smoke: build
 #     make DEVICE=1 study-cpu-16core-scale && cp docs/studies/cpu-16core/*.csv $OUT/
 #     make DEVICE=1 study-cpu-16core-tta && cp docs/tta/cpu-16core/* $OUT/
 #     make DEVICE=1 bench-gpu && cp docs/gpu/bench-gpu-rows.csv $OUT/
-# DEVICE=1 builds the engine in place with GPU_PYTHON and installs the carried wheels
-# into DEVICE_SITE (device-setup); without it, the 16-core targets use this checkout's
-# .venv (a 16-core machine with a network).
+# DEVICE=1 builds the engine in place with GPU_PYTHON, installs the carried wheels into
+# DEVICE_SITE (device-setup) and puts both on PYTHONPATH (workers started from a script
+# import layerpar from there; nothing is installed); without it, the 16-core targets use
+# this checkout's .venv (a 16-core machine with a network).
 GPU_PYTHON ?= python3
 DEVICE ?=
 DEVICE_SITE ?= /tmp/layerpar-site
 MNIST1D_WHEEL ?= mnist1d==0.0.2.post1
 ifeq ($(DEVICE),1)
-DEVICE_PY := PYTHONPATH=$(DEVICE_SITE) OMPI_ALLOW_RUN_AS_ROOT=1 \
+DEVICE_PY := PYTHONPATH=$(DEVICE_SITE):$(CURDIR) OMPI_ALLOW_RUN_AS_ROOT=1 \
 	OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(GPU_PYTHON)
 DEVICE_PREP := device-setup
 else
@@ -130,7 +131,7 @@ device-setup:
 	    echo "device-setup: mnist1d is missing and no wheels are in .whl/ (run" \
 	        "'make device-wheels' on the development machine and carry .whl)"; exit 1; fi
 bench-tta-gpu: device-setup
-	PYTHONPATH=$(DEVICE_SITE) $(GPU_PYTHON) -m layerpar.bench tta --device cuda --np 1 \
+	PYTHONPATH=$(DEVICE_SITE):$(CURDIR) $(GPU_PYTHON) -m layerpar.bench tta --device cuda --np 1 \
 	    --cases a --bounds default --out docs/tta/gpu
 study-cpu-16core: study-cpu-16core-scale study-cpu-16core-tta
 study-cpu-16core-scale: $(DEVICE_PREP)
