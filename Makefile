@@ -112,9 +112,10 @@ GPU_PYTHON ?= python3
 DEVICE ?=
 DEVICE_SITE ?= /tmp/layerpar-site
 MNIST1D_WHEEL ?= mnist1d==0.0.2.post1
+DEVICE_ENV := PYTHONPATH=$(DEVICE_SITE):$(CURDIR) OMPI_ALLOW_RUN_AS_ROOT=1 \
+	OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 ifeq ($(DEVICE),1)
-DEVICE_PY := PYTHONPATH=$(DEVICE_SITE):$(CURDIR) OMPI_ALLOW_RUN_AS_ROOT=1 \
-	OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(GPU_PYTHON)
+DEVICE_PY := $(DEVICE_ENV) $(GPU_PYTHON)
 DEVICE_PREP := device-setup
 else
 DEVICE_PY := $(BIN)/python
@@ -131,7 +132,7 @@ device-setup:
 	    echo "device-setup: mnist1d is missing and no wheels are in .whl/ (run" \
 	        "'make device-wheels' on the development machine and carry .whl)"; exit 1; fi
 bench-tta-gpu: device-setup
-	PYTHONPATH=$(DEVICE_SITE):$(CURDIR) $(GPU_PYTHON) -m layerpar.bench tta --device cuda --np 1 \
+	$(DEVICE_ENV) $(GPU_PYTHON) -m layerpar.bench tta --device cuda --np 1 \
 	    --cases a --bounds default --out docs/tta/gpu
 study-cpu-16core: study-cpu-16core-scale study-cpu-16core-tta
 study-cpu-16core-scale: $(DEVICE_PREP)

@@ -37,6 +37,7 @@ from typing import Any, Optional
 from .. import __version__
 from .launch import (
     LAUNCHERS,
+    MPI_SIZE_ENV,
     ForeignLauncherError,
     job_command,
     launcher_size,
@@ -48,7 +49,7 @@ from .launch import (
 # set on the ranks of a job that `layerpar train --np N` launched (so they do not
 # launch again); mpiexec / srun themselves are recognised by the PMI variables below
 LAUNCHED_ENV = "LAYERPAR_LAUNCHED"
-_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
+_MPI_ENV = ("PMI_RANK", "PMIX_RANK", *MPI_SIZE_ENV)
 _TORCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
