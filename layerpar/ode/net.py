@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from .._checks import finite_in, positive_int
 from .coarsening import COARSENINGS
+from .flat import flatten
 from .propagator import Propagator
 from .rng import draw_seed, layer_rng, needs_rng
 from .schemes import Scheme, get_scheme
@@ -29,6 +30,11 @@ class Segment(nn.Module):
     for n = 0..N-1; the blocks are stored in ``self.blocks``.  The fine time grid
     is t_i = t_start + (i / N)(t_final - t_start), computed exactly as the MGRIT
     engine computes it, so step sizes agree bit for bit.
+
+    The blocks' parameters are stored flat (`flat.py`): each parameter name the blocks
+    share is one tensor with a row per block, and every block's `Parameter` is a view
+    of its row (made when the blocks are built and after `.to()`); a vectorised
+    layer-parallel step reads strided views of those rows instead of copying them.
     """
 
     def __init__(
@@ -65,6 +71,14 @@ class Segment(nn.Module):
                 )
             blocks.append(b)
         self.blocks = nn.ModuleList(blocks)
+        flatten(self.blocks)  # one tensor per parameter name, rows per block (flat.py)
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> Segment:
+        """`.to()`, `.double()` ... replace the parameters' storage: lay the new one out
+        flat again (`flat.py`) before anything can hold it."""
+        super()._apply(fn, recurse)
+        flatten(self.blocks)
+        return self
 
     def time(self, i: int) -> float:
         """Time of fine point ``i`` (0..N): t_start + (i / N) * (t_final - t_start)."""

@@ -32,6 +32,7 @@ warning naming the block.
 from __future__ import annotations
 
 import warnings
+from operator import attrgetter
 from typing import Any, Callable, Optional
 
 import torch
@@ -39,6 +40,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from ..mgrit.solve import vec_norm_sq, vec_sum
+from ..ode.flat import rows as flat_rows
 from ..ode.rng import needs_rng
 from ..ode.schemes import Scheme
 from .kernels import fused_step_for
@@ -46,6 +48,7 @@ from .kernels import fused_step_for
 __all__ = ["BatchedBlocks", "Row", "StateOps", "as_tensor", "stack_rows", "structure",
            "unbatchable_reason"]
 
+_VERSION = attrgetter("_version")
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _WARNED: set[str] = set()
 
@@ -324,10 +327,12 @@ class BatchedBlocks:
     coarsening: what a coarse step a -> b evaluates (`layerpar.ode.coarsening`): the
         block of layer a ("injection"), or that block with the parameters averaged over
         layers a..b-1 ("average"; buffers stay layer a's).  Fine steps are the same.
+    owned: the rank's own layers (a range of `blocks`' keys), whose parameters a step
+        reads as views where they are flat (`check_flat`); None: stacked copies.
     """
 
     def __init__(self, blocks: dict[int, nn.Module], scheme: Scheme, times: list[float],
-                 coarsening: str = "injection"):
+                 coarsening: str = "injection", owned: Optional[range] = None):
         self.blocks = blocks
         self.scheme = scheme
         self.times = times
@@ -360,6 +365,13 @@ class BatchedBlocks:
         self._dt: dict[tuple, Tensor] = {}
         self._columns: dict[tuple, list[Tensor]] = {}
         self.fast = fused_step_for(self.proto, scheme)  # Triton step on CUDA (kernels/)
+        # the rank's own layers (a range of `blocks`), whose parameters a vectorised
+        # step reads as views where they are flat rows (`check_flat`)
+        ok = owned is not None and len(owned) > 1 and all(a in blocks for a in owned)
+        self._own_layers = tuple(owned) if ok else ()  # type: ignore[arg-type]
+        self._own_span = (owned.start, owned.stop) if ok else (0, 0)  # type: ignore[union-attr]
+        self._flat: dict[int, tuple[Tensor, list[int], list[tuple[int, ...]]]] = {}
+        self.check_flat()
 
     def layer_tensors(self, a: int) -> list[Tensor]:
         """Layer a's parameters in `param_names` order."""
@@ -376,18 +388,90 @@ class BatchedBlocks:
             got = self._columns[key] = [self._tensors[a][0][k] for a in layers]
         return got
 
-    def new_pass(self) -> None:
-        """Parameters may have changed since the last pass: drop the stacked copies."""
+    def check_flat(self) -> None:
+        """Find the rank's own layers' parameters as rows of one tensor per name (the
+        layout `Segment` keeps, `layerpar.ode.flat`), so that a vectorised step's
+        parameters are a strided view of them rather than a stack of copies.  Kept
+        from pass to pass while every tensor is where it was (a pointer and a stride
+        comparison each, about 0.3 us); looked for again when one moved (`.to()`, a
+        `.data` a user set)."""
+        own = self._own_layers
+        if not own:
+            return
+        for k in range(len(self.param_names)):
+            col = self.column(k, own)
+            got = self._flat.get(k)
+            if got is not None and list(map(Tensor.data_ptr, col)) == got[1] and \
+                    list(map(Tensor.stride, col)) == got[2]:
+                continue
+            base = flat_rows(col)
+            if base is None:
+                self._flat.pop(k, None)
+            else:
+                self._flat[k] = (base, list(map(Tensor.data_ptr, col)),
+                                 list(map(Tensor.stride, col)))
+
+    def param_versions(self) -> Optional[dict[int, int]]:
+        """Per flat parameter name (index), the sum of its own layers' version
+        counters (which only grow), or None where no name is flat: a pass whose
+        records read views of the parameters keeps this for its backward pass."""
+        if not self._flat:
+            return None
+        return {k: sum(map(_VERSION, self.column(k, self._own_layers))) for k in self._flat}
+
+    def check_versions(self, versions: dict[int, int], seg_index: int) -> None:
+        """Refuse a backward pass whose forward pass read parameters (as views) that
+        have been changed in place since: its gradient would mix the two values.
+        Serial training refuses it the same way (autograd's version check)."""
+        for k, was in versions.items():
+            col = self.column(k, self._own_layers)
+            if sum(map(_VERSION, col)) != was:
+                name = self.param_names[k]
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been "
+                    f"modified by an inplace operation: parameter `{name}` of a layer "
+                    f"of segment {seg_index} (layers {self._own_layers[0]}.."
+                    f"{self._own_layers[-1]} on this rank) changed after the forward "
+                    f"pass and before its backward pass; run the forward pass again "
+                    f"after changing parameters (an optimizer step between "
+                    f"`loss.backward()` calls of one pass does this)")
+
+    def new_pass(self, check: bool = True) -> None:
+        """Parameters may have changed since the last pass: drop the stacked copies
+        and views, and (`check`) look at the flat rows again."""
         self._stacked = {}
+        if check:
+            self.check_flat()
+
+    def _rows(self, layers: tuple[int, ...]) -> Optional[slice]:
+        """The rows of the flat parameters that are these layers, as a slice (they
+        are own layers a, a + d, ..., d > 0), else None."""
+        if not self._flat:
+            return None
+        lo, hi = self._own_span
+        a, n = layers[0], len(layers)
+        d = layers[1] - a if n > 1 else 1
+        last = a + (n - 1) * d
+        if d <= 0 or a < lo or last >= hi or \
+                (n > 2 and layers != tuple(range(a, last + 1, d))):
+            return None
+        return slice(a - lo, last - lo + 1, d)
 
     def stacked(self, layers: tuple[int, ...]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """(parameters, buffers) of these layers stacked along dim 0, detached; cached
-        for the current pass (the parameters do not change during it)."""
+        for the current pass (the parameters do not change during it).  Where they are
+        rows of a flat parameter (`check_flat`) they are a view of it, sharing the
+        parameters' version counter: a parameter changed in place between a forward
+        pass and its backward pass is then refused by autograd, as in serial
+        training."""
         got = self._stacked.get(layers)
         if got is None:
+            rows = self._rows(layers)
+            flat = self._flat if rows is not None else {}
             with torch.no_grad():
                 ts = [self._tensors[a] for a in layers]
-                params = {n: torch.stack([t[0][k] for t in ts])
+                params = {n: flat[k][0][rows] if k in flat else
+                          torch.stack([t[0][k] for t in ts])
                           for k, n in enumerate(self.param_names)}
                 bufs = {n: torch.stack([t[1][k] for t in ts])
                         for k, n in enumerate(self.buffer_names)}
@@ -501,6 +585,7 @@ class BatchedBlocks:
         version = v._version
         bufs = own_buffers(self.blocks[layers[0]])
         before = buffer_versions(bufs)
+        self.new_pass()
         try:
             with torch.no_grad():
                 p, b = self.stacked(layers)

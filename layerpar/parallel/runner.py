@@ -22,6 +22,7 @@ from ..mgrit.grid import Partition, build_levels, reversed_bounds
 from ..mgrit.options import MGRITOptions
 from ..mgrit.result import MGRITResult
 from ..mgrit.session import EngineSession
+from ..ode.flat import flatten
 from ..ode.net import Segment
 from ..ode.propagator import Propagator
 from ..ode.rng import needs_rng
@@ -114,8 +115,11 @@ class SegmentRunner:
         if possible:
             why = unbatchable_reason(list(self.blocks.values()))
             if why is None:
+                # the segment's parameters flat (a no-op where the Segment made them so;
+                # a copy of a net, `copy.deepcopy`, has them apart): steps read views
+                flatten(seg.blocks)
                 self.vectorised = BatchedBlocks(self.blocks, self.scheme, self.times,
-                                                coarsening)
+                                                coarsening, owned=self.owned)
             else:
                 warn_once(seg.blocks[self.owned[0]], why)
         self.check_finite = True  # set by LayerParallel
@@ -259,6 +263,8 @@ class SegmentRunner:
 
         trainable = set() if bb is None else self.trainable_names(layers, bb)
         tape = Tape()
+        if bb is not None:
+            bb.new_pass()  # (parameters moved since the last pass, `.double()`: found)
 
         def vectorised() -> None:
             with torch.enable_grad():
@@ -269,7 +275,7 @@ class SegmentRunner:
                 y = bb.step(xin, pairs, params=leaves)
                 torch.autograd.grad(y, [xin, *(t for t in leaves.values()
                                                if t.requires_grad)], x)
-            bb.new_pass()
+            bb.new_pass(check=False)  # as a pass would, each repeat makes its own
 
         def per_step() -> None:
             with torch.enable_grad():
@@ -343,6 +349,7 @@ class SegmentRunner:
         bb = self.bb = None if exact else self.use_path(like)
         if bb is not None:
             bb.new_pass()
+            tape.versions = bb.param_versions() if tape.recording else None
         self.prop.new_pass()
         tape.bb = bb  # as recorded: the backward steps through the same path
         tape.layer_params = self.layer_params
@@ -385,6 +392,8 @@ class SegmentRunner:
         as that pass ran); returns (lambda_0 on rank 0 else None, stats, id(parameter)
         -> gradient of this rank's layers).  The tape's records are consumed."""
         self.rtransport.set_template(like)
+        if tape.bb is not None and tape.versions is not None:
+            tape.bb.check_versions(tape.versions, self.seg_index)
         _, app, _, session = self._mode(tape.exact)
         app.begin(tape, lam_n if lam_n is not None else like, like)
         try:

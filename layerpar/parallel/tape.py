@@ -45,6 +45,8 @@ class Tape:
     param_grads: per layer, what the final adjoint sweep produced (per-step path).
     bb / layer_params: the vectorised steps the pass ran with (None: per-step) and the
         parameters that required grad then; its backward uses the same.
+    versions: what `BatchedBlocks.param_versions` said when the pass began (its
+        records read the parameters as views: the backward checks they are unchanged).
     exact: the pass ran exact propagation (`LayerParallel.exact`); so does its backward.
     seed / rng_layers: the pass's dropout seed and the layers that draw from it (a
         coarse step rebuilt in the backward pass must draw the same masks).
@@ -52,7 +54,7 @@ class Tape:
 
     __slots__ = ("recording", "seed", "rng_layers", "records", "chain_head", "brecords",
                  "where", "coarse_graphs", "param_grads", "bb",
-                 "layer_params", "exact")
+                 "layer_params", "exact", "versions")
 
     def __init__(self, recording: bool = False, seed: Optional[int] = None,
                  rng_layers: frozenset[int] = frozenset()) -> None:
@@ -68,6 +70,7 @@ class Tape:
         self.bb: Optional[Any] = None  # the BatchedBlocks the pass stepped with, if any
         self.layer_params: dict[int, list[Tensor]] = {}  # trainable, as the pass found them
         self.exact = False  # the pass ran exact propagation, not the model's MGRIT
+        self.versions: Optional[dict[int, int]] = None  # flat parameters' versions
 
 
 class PlainRecord:
