@@ -27,23 +27,21 @@ from torch.utils import swap_tensors
 __all__ = ["flatten", "rows"]
 
 
-def _column(blocks: Sequence[nn.Module], name: str) -> Optional[list[Tensor]]:
-    """Parameter `name` of every block, where all are plain dense tensors of one shape,
-    dtype and device and no tensor serves two blocks; else None."""
-    col = []
-    for b in blocks:
-        t = dict(b.named_parameters()).get(name)
-        if t is None:
-            return None
-        col.append(t)
+def _column(named: Sequence[dict[str, Tensor]], name: str) -> Optional[list[Tensor]]:
+    """Parameter `name` of every block (`named`: each block's parameters by name), where
+    all are plain dense tensors of one shape, dtype and device and no tensor serves two
+    blocks; else None."""
+    col = [d.get(name) for d in named]
     t0 = col[0]
+    if t0 is None or any(t is None for t in col):
+        return None
     if isinstance(t0, nn.parameter.UninitializedParameter) or t0.numel() == 0 or \
             t0.layout != torch.strided or len({id(t) for t in col}) < len(col):
         return None
-    if any(t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device or
+    if any(t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device or  # type: ignore[union-attr]
            isinstance(t, nn.parameter.UninitializedParameter) for t in col):
         return None
-    return col
+    return col  # type: ignore[return-value]
 
 
 def flatten(blocks: Sequence[nn.Module]) -> None:
@@ -54,10 +52,10 @@ def flatten(blocks: Sequence[nn.Module]) -> None:
     tensor an autograd node holds) are left as they are; so are names already flat."""
     if len(blocks) < 2:
         return
-    names = [n for n, _ in blocks[0].named_parameters()]
+    named = [dict(b.named_parameters()) for b in blocks]
     with torch.no_grad():
-        for name in names:
-            col = _column(blocks, name)
+        for name in named[0]:
+            col = _column(named, name)
             if col is None or rows(col) is not None:
                 continue
             base = torch.stack([t.detach() for t in col])
