@@ -75,7 +75,8 @@ bench-engines: build
 bench-ops: build
 	$(BIN)/python -m layerpar.bench ops --csv docs/bench/ops.csv | tee docs/bench/ops.txt
 
-# batched="auto" (the default) against vectorised and per-step cycles (docs/bench/paths.*)
+# batched="auto" (the default) against vectorised and per-step cycles, and vectorised
+# cycles against the path before flat parameters and reused gradient rows (docs/bench/paths.*)
 bench-paths: build
 	$(BIN)/python -m layerpar.bench paths --ranks 1 2 --csv docs/bench/paths.csv | tee docs/bench/paths.txt
 
