@@ -12,7 +12,7 @@ a, a + d, a + 2d, ... (a vectorised MGRIT step) as a strided view of those rows
 The layout is made where nobody can yet hold the old storage: when a `Segment` builds
 its blocks, and again right after `.to()`, `.double()` and the like have replaced it
 (`Segment._apply`).  `rows` only reads it, and answers None where it has gone (a
-`.data` a user set, parameters loaded with ``assign=True``): the caller then stacks.
+`.data` a user set): the caller then stacks.
 """
 
 from __future__ import annotations
@@ -62,8 +62,7 @@ def flatten(blocks: Sequence[nn.Module]) -> None:
             for i, t in enumerate(col):
                 try:
                     # the Parameter object stays (optimizers and hooks hold it); its
-                    # tensor becomes row i, sharing base's version counter, so that an
-                    # in-place change of it is seen by views of base a pass recorded
+                    # tensor becomes row i of base
                     swap_tensors(t, nn.Parameter(base[i], requires_grad=t.requires_grad))
                 except RuntimeError:
                     # held elsewhere (an autograd node of an earlier pass): left as it

@@ -460,16 +460,19 @@ class BatchedBlocks:
     def stacked(self, layers: tuple[int, ...]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """(parameters, buffers) of these layers stacked along dim 0, detached; cached
         for the current pass (the parameters do not change during it).  Where they are
-        rows of a flat parameter (`check_flat`) they are a view of it, sharing the
-        parameters' version counter: a parameter changed in place between a forward
-        pass and its backward pass is then refused by autograd, as in serial
-        training."""
+        rows of a flat parameter (`check_flat`) they are a view of it, not a copy, so
+        a parameter changed in place between a forward pass and its backward pass
+        would reach the backward pass: `check_versions` refuses that, as autograd
+        does in serial training."""
         got = self._stacked.get(layers)
         if got is None:
             rows = self._rows(layers)
             flat = self._flat if rows is not None else {}
             with torch.no_grad():
-                ts = [self._tensors[a] for a in layers]
+                # the layers' tensors, only where something is stacked (no Python step
+                # per layer where every parameter is a view)
+                ts = [self._tensors[a] for a in layers] if self.buffer_names or \
+                    len(flat) < len(self.param_names) else []
                 params = {n: flat[k][0][rows] if k in flat else
                           torch.stack([t[0][k] for t in ts])
                           for k, n in enumerate(self.param_names)}
