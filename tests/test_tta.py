@@ -124,7 +124,7 @@ def test_cuda_case_runs_both_serial_baselines(monkeypatch: pytest.MonkeyPatch,
         hist = [{"epoch": e, "train_seconds": per * e, "val_acc": 0.5 + 0.1 * e,
                  "val_loss": 1.0, "train_loss": 1.0} for e in (1, 2, 3)]
         return ({"history": hist, "summary": "s", "step_mode": "captured" if k < 3 else
-                 "eager (not captured: auto/adaptive settings change between batches)",
+                 "captured (2 capture(s) of auto's setting)",
                  "auto_choice": "L3 cf8 1/1", "auto_log": ["auto: chose L3"],
                  "accuracy_log": []}, 1.0)
 
@@ -137,6 +137,7 @@ def test_cuda_case_runs_both_serial_baselines(monkeypatch: pytest.MonkeyPatch,
     assert launched[2][0] == "--auto" and "cuda" in launched[2]
     assert [r.serial for r in runs] == [True, True, False]
     assert runs[1].method == "serial (CUDA graph, cuda)"
+    assert runs[2].settings == "L3 cf8 1/1, captured (2 capture(s) of auto's setting)"
     assert target == pytest.approx(runs[0].best_acc - 0.005)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a test GPU")
     tta._write(tmp_path, [(case, runs, target)], "cmd", False, "0", device="cuda")

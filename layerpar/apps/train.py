@@ -38,7 +38,7 @@ from ..mgrit.xbraid import BUILD_HINT, ENGINES, xbraid_available
 from ..ode.net import ODENet
 from ..ode.refine import refine
 from ..ode.rng import MAX_SEED
-from ..parallel import DASO, LayerParallel, Lion, ProcessGrid, SlowLink
+from ..parallel import DASO, AutoCapturedStep, LayerParallel, Lion, ProcessGrid, SlowLink
 from ..parallel.adaptive import AccuracyPolicy, as_policy
 from ..parallel.autotune import auto_policy
 from . import data
@@ -294,8 +294,10 @@ def train(
         of the ODE segment (default: the problem's; `layerpar.apps.nets.problem_net`).
     device: "cpu" or "cuda".  On CUDA a layer-parallel step is captured in a CUDA
         graph (`capture_step`) where the settings allow it (one rank, fixed iteration
-        counts: tol = 0, no adaptive accuracy, no auto, no nested iteration), else run
-        eagerly; ``step_mode`` says which, and why.
+        counts: tol = 0, no adaptive accuracy, no nested iteration), else run
+        eagerly; ``step_mode`` says which, and why.  Under auto at one rank, the
+        setting auto chose is captured after its tuning (`AutoCapturedStep`) and
+        captured again after a gradient check that changed it.
     auto: MGRIT settings chosen by measurement (``LayerParallel(options="auto")``,
         tuned on the first batch with this loss, then watched by the adaptive policy:
         ``adaptive``'s, the policy given as ``auto``, or by default a bound measured
@@ -482,15 +484,22 @@ def train(
             grid.sync.attach(model, opt)
         steps_here = stage_epochs * len(loader)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps_here)
-        captured = None
+        captured: Any = None
         if step_mode == "captured":
             from ..parallel.capture import capture_step
 
             x0, y0 = _first_batch(loader)
             with clock:  # capture's warm-up steps train too: counted in the time
-                captured = capture_step(model, opt,  # type: ignore[arg-type]
-                                        nn.functional.cross_entropy, x0.to(device),
-                                        y0.to(device))
+                if auto:
+                    captured = AutoCapturedStep(model, opt,  # type: ignore[arg-type]
+                                                nn.functional.cross_entropy,
+                                                x0.to(device), y0.to(device))
+                    if not captured.captured:
+                        step_mode = f"eager (not captured: {captured.why_eager})"
+                else:
+                    captured = capture_step(model, opt,  # type: ignore[arg-type]
+                                            nn.functional.cross_entropy, x0.to(device),
+                                            y0.to(device))
         for epoch in range(1, stage_epochs + 1):
             if stop:
                 break
@@ -540,6 +549,9 @@ def train(
                                    "rel_error": 0.0 if exact else got.error,
                                    "mgrit_cosine": got.cos,
                                    "mgrit_rel_error": got.error})
+                    if isinstance(captured, AutoCapturedStep):
+                        # a re-tuning or the controller may have changed the setting
+                        captured.refresh(step.input, step.target)
                     gc.freeze()  # a check may have tuned again: new settings, new objects
                 bar.update(b, _bar_note(losses[-1], fwd_res, bwd_res, checks))
                 if time_budget is not None and clock.over(time_budget):
@@ -582,6 +594,11 @@ def train(
                                                   / total_steps)
     if grid is not None:
         sync_figures.update(_sync_bytes(grid, total_steps))
+    if isinstance(captured, AutoCapturedStep):  # auto's setting, captured again on change
+        step_mode = (f"captured ({captured.captures} capture(s) of auto's setting)"
+                     if captured.captures else
+                     f"eager (not captured: {captured.why_eager})")
+        captured.close()
     result = TrainResult(
         model=model_name, serial=serial, ranks=ranks,
         data_parallel=1 if serial else data_parallel, epochs=epochs,
@@ -674,13 +691,13 @@ def _capture_refusal(device: str, serial: bool, auto: bool, policy: Any, check_e
         return "not on CUDA"
     if serial:
         return "the serial oracle runs eagerly"
-    if auto or policy is not None or check_every:
-        return "auto/adaptive settings change between batches"
+    if not auto and (policy is not None or check_every):  # (auto's are re-captured)
+        return "adaptive settings change between batches"
     if nested:
         return "nested iteration changes the net"
     if size > 1 or data_parallel > 1:
         return "messages between ranks go through the host"
-    if fwd.tol or fwd.rtol or bwd.tol or bwd.rtol:
+    if not auto and (fwd.tol or fwd.rtol or bwd.tol or bwd.rtol):  # auto's: fixed
         return "a residual tolerance is read on the host (use --tol 0)"
     return ""
 
@@ -746,7 +763,8 @@ def _captured_steps(captured: Any, loader: Any, schedule: Any, to_device: Any) -
         schedule.step()
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        yield Step(loss.detach().clone(), None, y, dt, dt, 0.0)  # type: ignore[arg-type]
+        yield Step(loss.detach().clone(), None, y, dt, dt, 0.0,  # type: ignore[arg-type]
+                   input=x)
 
 
 def _bar_note(loss: Optional[float], fwd_res: list, bwd_res: list, checks: list) -> str:

@@ -241,7 +241,10 @@ def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any 
         extra = [] if bound is None else ["--max-grad-error", repr(bound)]
         got, wall = _launch(case, ["--auto", *dev, *extra], nprocs, 1, timeout)
         name = f"auto ({nprocs} ranks" + ("" if bound is None else f", err<={bound:g}") + ")"
-        runs.append(Run(name, nprocs, 1, got["history"], got["auto_choice"] or "?", wall,
+        settings = got["auto_choice"] or "?"
+        if device != "cpu":  # captured (how often) or eager, and why
+            settings += f", {got.get('step_mode', '?')}"
+        runs.append(Run(name, nprocs, 1, got["history"], settings, wall,
                         got["auto_log"] + got["accuracy_log"]))
         say(f"[{case.key}]   {name}: {got['summary']} ({wall:.0f} s wall)")
         for line in got["auto_log"] + got["accuracy_log"]:

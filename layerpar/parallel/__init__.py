@@ -20,7 +20,7 @@ timing.py     first-use timings that choose between two ways of computing a step
 bn_dropout.py batch norm and dropout inside solves that evaluate a layer many times
 ghosts.py     read-only copies of neighbours' blocks that coarse steps use
 grads.py      parameter gradients delivered to `.grad` from stacked per-layer gradients
-capture.py    a whole training step captured in one CUDA graph and replayed
+capture.py    a whole training step captured in one CUDA graph and replayed (auto's too)
 grid.py       ProcessGrid: data replicas x layer ranks over one communicator
 replicas.py   gradients averaged over the replicas (bucketed, overlapped reductions)
 checkpoint.py state dicts and optimizer state gathered, loaded on any rank count
@@ -38,12 +38,12 @@ lion.py       the Lion optimizer
 # would be charged to whichever setting ran first (auto's timings, time to target).
 import torch.fx.experimental.symbolic_shapes  # noqa: F401, E402
 
-from .capture import CapturedStep, capture_step
+from .capture import AutoCapturedStep, CapturedStep, capture_step
 from .grid import ProcessGrid
 from .lion import Lion
 from .model import LayerParallel
 from .plan import Plan
 from .sync import DASO, AllReduce, LionCub, SlowLink, SyncStrategy
 
-__all__ = ["DASO", "AllReduce", "CapturedStep", "LayerParallel", "Lion", "LionCub", "Plan",
-           "ProcessGrid", "SlowLink", "SyncStrategy", "capture_step"]
+__all__ = ["DASO", "AllReduce", "AutoCapturedStep", "CapturedStep", "LayerParallel", "Lion",
+           "LionCub", "Plan", "ProcessGrid", "SlowLink", "SyncStrategy", "capture_step"]

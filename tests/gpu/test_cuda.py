@@ -115,6 +115,47 @@ def test_captured_step_trains_like_the_eager_step() -> None:
         step(x[:3], y[:3])
 
 
+def test_auto_captured_step_trains_like_its_setting_eagerly() -> None:
+    """Auto's setting captured (`AutoCapturedStep`): replays continue the training as
+    eager steps of a plain model with the same fixed settings would; a change of the
+    controller's iterations captures again."""
+    from layerpar.parallel import AutoCapturedStep
+    from layerpar.parallel.capture import fixed_settings
+
+    make, shape = nets()["dense"]
+    torch.manual_seed(0)
+    net = make().cuda()
+    x, y = torch.randn(*shape, device="cuda"), torch.randint(0, 5, (shape[0],), device="cuda")
+    ce = torch.nn.functional.cross_entropy
+    model = layerpar.LayerParallel(net, None, "auto")
+    model.tune(x, y, ce)
+    chosen, fwd, bwd = fixed_settings(model)
+    reference = copy.deepcopy(net)
+    plain = chosen.like(net=reference, options=fwd, backward_options=bwd, accuracy=None,
+                        check_finite=False)
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-2, device="cuda"),
+                           capturable=True)
+    ref_opt = torch.optim.Adam(plain.parameters(), lr=torch.tensor(1e-2, device="cuda"),
+                               capturable=True)
+    step = AutoCapturedStep(model, opt, ce, x, y, warmup=3)
+    assert step.captured, step.why_eager
+    ref = []
+    for _ in range(6):
+        ref_opt.zero_grad(set_to_none=True)
+        loss = ce(plain(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref.append(float(loss))
+    got = [float(step(x, y)) for _ in range(3)]
+    for a, b in zip(ref[3:], got):  # the 3 warm-up steps were eager
+        assert abs(a - b) <= 1e-5 * abs(a), (ref, got)
+    if model.accuracy is not None:  # MGRIT was chosen: the controller can move it
+        model.accuracy.fwd_iters += 1
+        assert step.refresh(x, y) and step.captures == 2 and step.captured
+    step.close()
+    model.close()
+
+
 def test_capture_refuses_what_a_graph_cannot_do() -> None:
     from layerpar.parallel import capture_step
 
