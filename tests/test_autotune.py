@@ -53,6 +53,21 @@ def test_choose_is_the_fastest_within_the_bound() -> None:
     assert got is exact and "no MGRIT setting pays" in why
 
 
+def test_structures_with_a_sequential_coarse_grid_go_last() -> None:
+    """At many ranks a coarse grid longer than twice a rank's fine steps is tried last
+    (16 ranks, 1,024 layers: L2 cf4's 256 coarse steps against 64 per rank); at 2 and
+    4 ranks of the same net, and at 2 ranks of a small one, the order is `STRUCTURES`'."""
+    order = list(at.STRUCTURES)
+    assert at.order_structures(order, 1024, 2) == order
+    assert at.order_structures(order, 1024, 4) == order
+    assert at.order_structures(order, 32, 2) == order
+    got = at.order_structures(order, 1024, 16)
+    assert got == [(3, 4), (4, 4), (3, 8), (2, 8), (2, 4)]
+    got = at.order_structures(order, 1024, 32)  # 32 per rank: L2 cf8's 128 goes too
+    assert got == [(3, 4), (4, 4), (3, 8), (2, 4), (2, 8)]
+    assert at.order_structures(order, 1024, 1) == order  # one rank: nothing sequential
+
+
 def _fixed_cost(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every MGRIT candidate costs 0.1 s per iteration, exact propagation 1 s (after
     running the passes as usual); two structures only, to keep the test short."""

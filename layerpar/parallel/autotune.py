@@ -18,15 +18,16 @@ fast a setting runs depends on the machine, so neither can be fixed in advance.
    `EXACT_SETUP` plus its passes, so a small net's tuning costs a few passes).
    Both are within any bound; the faster is the time to beat.
 2. **MGRIT candidates**, cheapest first: levels and coarsening factor from
-   `STRUCTURES`, each at the iteration counts of `ITERATIONS` (forward/adjoint),
-   batched cycles.  A candidate is timed (one untimed pass, then `repeats` passes;
-   the fastest of them, the least disturbed by other load, on the slowest rank; two
-   within `AGREE` of each other end it early; a first pass above `GIVE_UP` times the
-   time to beat ends it there); if it is no
-   faster than the best candidate found so far it is dropped (more iterations
-   would only cost more), else its gradient error is measured with
-   `check_gradients` against exact propagation (one exact pass of the batch, run
-   for the first candidate checked, serves them all: `exact_reference`).
+   `STRUCTURES` (those whose sequential coarsest grid outweighs a rank's fine work
+   last, `order_structures`), each at the iteration counts of `ITERATIONS`
+   (forward/adjoint), batched cycles.  A candidate is timed (one untimed pass, then
+   `repeats` passes; the fastest of them, the least disturbed by other load, on the
+   slowest rank; two within `AGREE` of each other end it early; a first pass above
+   `GIVE_UP` times the time to beat ends it there); if it is no faster than the best
+   candidate found so far it is dropped (more iterations would only cost more), else
+   its gradient error is measured with `check_gradients` against exact propagation
+   (one exact pass of the batch, run for the first candidate checked, serves them
+   all: `exact_reference`).
    The first iteration counts within the bound end that structure's ladder.  A
    re-tuning that knows every structure's pass time visits them fastest first.  After
    the ladder, where the model's coarse levels use injection, structures whose first
@@ -106,7 +107,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ITERATIONS", "NOISE_CAP", "NOISE_FRACTION", "STRUCTURES", "AutoTuner",
            "Candidate", "Measurement", "TuneResult", "auto_policy", "choose",
-           "gradient_noise", "tune"]
+           "gradient_noise", "order_structures", "tune"]
 
 #: (levels, coarsening factor) tried, in this order
 STRUCTURES: tuple[tuple[int, int], ...] = ((2, 4), (3, 4), (4, 4), (3, 8), (2, 8))
@@ -327,7 +328,8 @@ def choose(table: list[Measurement], ranks: int, unit: str = "pass"
 
 def _structures(model: LayerParallel) -> list[tuple[int, int]]:
     """`STRUCTURES` that give the segments the levels they ask for (a structure whose
-    levels collapse into another's, on the shortest segment, is left out)."""
+    levels collapse into another's, on the shortest segment, is left out), in the
+    order `order_structures` gives at the model's rank count."""
     n = min(sp.n_steps for sp in model.plan.segments)
     seen, out = set(), []
     for levels, cf in STRUCTURES:
@@ -335,7 +337,28 @@ def _structures(model: LayerParallel) -> list[tuple[int, int]]:
         if got == levels and (levels, cf) not in seen:
             seen.add((levels, cf))
             out.append((levels, cf))
-    return out
+    return order_structures(out, n, model.size)
+
+
+def order_structures(structures: list[tuple[int, int]], n_steps: int, ranks: int
+                     ) -> list[tuple[int, int]]:
+    """`structures` (levels, cfactor) with those whose coarsest grid is longer than
+    twice a rank's share of the fine steps moved last (otherwise in their order).
+
+    The coarsest level is solved sequentially across the ranks, so where it has more
+    steps than a rank's fine work, it, not the parallel work, sets the pass's time:
+    on the 16-core machine (dense 1,024 x 32, docs/tta/cpu-16core), L2 cf4 (a coarse
+    grid of 256 steps against 64 fine steps per rank) ran 85.9 ms per pass, against
+    26.8 ms for a batch of L3 cf4 (docs/studies/cpu-16core); tried first, it spent
+    the tuning's budget before any other structure was timed.  At 2 ranks (512 fine
+    steps per rank) no structure of `STRUCTURES` moves."""
+    share = n_steps / max(ranks, 1)
+
+    def sequential(lc: tuple[int, int]) -> bool:
+        levels, cf = lc
+        return n_steps / cf ** (levels - 1) > 2 * share
+
+    return sorted(structures, key=sequential)  # (stable: False first, in their order)
 
 
 def _average_possible(model: LayerParallel) -> bool:
@@ -932,6 +955,14 @@ class AutoTuner:
         self.chosen.training = model.training
         self.batches += 1
         return self.chosen(x)
+
+    def count_captured(self) -> None:
+        """A pass of the chosen setting that ran in a captured CUDA graph
+        (`layerpar.parallel.capture.AutoCapturedStep`), counted as `forward` counts
+        one: the re-tuning's budget and the controller's batch numbers go on."""
+        self.batches += 1
+        if self.chosen is not None and not isinstance(self.chosen, ReplicatedSerial):
+            self.chosen._batch += 1  # (a LayerParallel twin)
 
     def check(self, model: LayerParallel, x: Tensor, y: Any,
               loss_fn: Callable[[Tensor, Any], Tensor]) -> GradientCheck:
