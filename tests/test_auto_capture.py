@@ -95,6 +95,7 @@ def test_captured_twin_runs_the_setting_of_the_moment(
     plain = chosen.like(net=reference, options=fwd, backward_options=bwd, accuracy=None)
     ref_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
     batches, passes = tuner.batches, chosen.batch
+    chosen.training = False  # as an evaluation between epochs leaves it
     for _ in range(2):
         loss = step(x, y)
         ref_opt.zero_grad(set_to_none=True)
@@ -106,6 +107,7 @@ def test_captured_twin_runs_the_setting_of_the_moment(
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     # the replays count as the chosen setting's passes (re-tuning budget, batch numbers)
     assert (tuner.batches, chosen.batch) == (batches + 2, passes + 2)
+    assert chosen.training  # a replay is a training step: a check runs it so
     # nothing changed: nothing is captured again
     assert not step.refresh(x, y) and step.captures == 1
     # the controller moves the forward iterations: captured again, with them

@@ -959,10 +959,14 @@ class AutoTuner:
     def count_captured(self) -> None:
         """A pass of the chosen setting that ran in a captured CUDA graph
         (`layerpar.parallel.capture.AutoCapturedStep`), counted as `forward` counts
-        one: the re-tuning's budget and the controller's batch numbers go on."""
+        one: the re-tuning's budget and the controller's batch numbers go on, and the
+        chosen setting is in training mode, as `forward` leaves it for a training pass
+        (an evaluation between replays left it in eval mode; a check runs it as it is)."""
         self.batches += 1
-        if self.chosen is not None and not isinstance(self.chosen, ReplicatedSerial):
-            self.chosen._batch += 1  # (a LayerParallel twin)
+        if self.chosen is not None:
+            self.chosen.training = True
+            if not isinstance(self.chosen, ReplicatedSerial):
+                self.chosen._batch += 1  # (a LayerParallel twin)
 
     def check(self, model: LayerParallel, x: Tensor, y: Any,
               loss_fn: Callable[[Tensor, Any], Tensor]) -> GradientCheck:
