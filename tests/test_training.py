@@ -334,3 +334,28 @@ def test_cli_serial_runs_in_process(capsys: pytest.CaptureFixture) -> None:
                      "--no-progress"]) == 0
     s = parse_summary(capsys.readouterr().out)
     assert s["serial"] and s["ranks"] == 1
+
+
+def test_batches_are_the_data_loaders_batches() -> None:
+    """`Batches` (what ``layerpar train`` iterates) gives the batches of
+    ``DataLoader(TensorDataset(...), shuffle=True, generator=g)``, in the same order,
+    epoch after epoch from one generator, a short last batch included; the
+    generator's state can be saved and restored to peek at an epoch's first batch."""
+    from layerpar.apps.loop import Batches
+
+    x, y = torch.randn(1000, 7), torch.randint(0, 10, (1000,))
+    ref = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=128,
+                                      shuffle=True, generator=torch.Generator().manual_seed(3))
+    got = Batches(x, y, batch_size=128, generator=torch.Generator().manual_seed(3))
+    assert len(got) == len(ref) == 8
+    for _ in range(3):  # epochs: the generators move on alike
+        pairs = list(zip(ref, got, strict=True))
+        assert [len(b[0]) for _, b in pairs][-1] == 1000 - 7 * 128
+        for (rx, ry), (gx, gy) in pairs:
+            assert torch.equal(rx, gx) and torch.equal(ry, gy)
+    state = got.generator.get_state()
+    first = next(iter(got))[1]
+    got.generator.set_state(state)
+    assert torch.equal(next(iter(got))[1], first)
+    with pytest.raises(ValueError, match="same length"):
+        Batches(x, y[:5], batch_size=4)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, TextIO
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Progress", "SolveSummary", "Step", "available_cores", "summarize",
+__all__ = ["Batches", "Progress", "SolveSummary", "Step", "available_cores", "summarize",
            "train_step", "train_steps"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -154,6 +154,39 @@ def train_steps(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]],
         if before is not None:
             before()
         yield train_step(model, x, y, optimizer, scheduler=scheduler, loss_fn=loss_fn)
+
+
+class Batches:
+    """Shuffled mini-batches of in-memory tensors, each gathered by one indexing
+    operation per tensor.
+
+    The same batches, in the same order, as ``DataLoader(TensorDataset(*tensors),
+    batch_size, shuffle=True, generator=generator)``: a `DataLoader` over the indices
+    draws the order (its sampler, its use of `generator`), and each batch is then
+    ``t[indices]`` instead of a tuple built per sample and stacked: 0.33 -> 0.07 ms per
+    batch of 128 MNIST-1D rows on the 2-core CPU (1 ms of case a's 75 ms step at 2
+    ranks was the loader's, issue 20), and where the tensors live on a GPU no batch is
+    copied from the host.  ``len`` is the batches per epoch; `generator` is the
+    shuffling generator (a caller may save and restore its state to peek)."""
+
+    def __init__(self, *tensors: Tensor, batch_size: int, shuffle: bool = True,
+                 generator: Optional[torch.Generator] = None) -> None:
+        if not tensors or any(len(t) != len(tensors[0]) for t in tensors):
+            raise ValueError("`tensors` must be one or more tensors of the same length")
+        self.tensors, self.batch_size, self.generator = tensors, batch_size, generator
+        self._index = torch.utils.data.DataLoader(
+            range(len(tensors[0])), batch_size=batch_size, shuffle=shuffle,
+            generator=generator)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
+        device = self.tensors[0].device
+        for i in self._index:
+            if device.type != "cpu":
+                i = i.to(device, non_blocking=True)
+            yield tuple(t[i] for t in self.tensors)
 
 
 def available_cores() -> int:

@@ -42,7 +42,7 @@ from ..parallel import DASO, AutoCapturedStep, LayerParallel, Lion, ProcessGrid,
 from ..parallel.adaptive import AccuracyPolicy, as_policy
 from ..parallel.autotune import auto_policy
 from . import data
-from .loop import Progress, adam, available_cores, train_steps
+from .loop import Batches, Progress, adam, available_cores, train_steps
 from .nets import PROBLEMS, RECIPES, Recipe, problem_name, problem_net
 
 __all__ = [
@@ -435,9 +435,12 @@ def train(
         model = LayerParallel(net, comm, fwd, bwd, accuracy=policy,
                               check_finite=step_mode != "captured", timeout=timeout,
                               engine=engine)
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x_train, y_train), batch_size=batch_size,
-        shuffle=True, generator=torch.Generator().manual_seed(seed))
+    # the DataLoader's batches, gathered whole (`Batches`); on a GPU (without a process
+    # grid, whose shard takes host tensors) the training data lives there, so no batch
+    # is copied from the host
+    home = device if grid is None else "cpu"
+    loader = Batches(x_train.to(home), y_train.to(home), batch_size=batch_size,
+                     generator=torch.Generator().manual_seed(seed))
 
     to_device = None if device == "cpu" else (lambda t: t.to(device, non_blocking=True))
     shard = grid.shard if grid is not None else to_device
