@@ -368,9 +368,10 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_timing_stops_when_two_passes_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     """`_time_passes`: one untimed pass, then timed passes until two agree within
-    AGREE (or `repeats` ran), or the first is SLOWER times the time to beat; the
-    fastest is the time.  The passes' durations come
-    from a clock the net itself advances, so the test does not depend on the machine."""
+    AGREE (or `repeats` ran), or the first is SLOWER times the time to beat (the
+    second too, where the untimed pass was within it); the fastest is the time.  The
+    passes' durations come from a clock the net itself advances, so the test does not
+    depend on the machine."""
     import types
 
     net, x, y = _stiff_batch(1.0)
@@ -406,6 +407,14 @@ def test_timing_stops_when_two_passes_agree(monkeypatch: pytest.MonkeyPatch) -> 
     close = Clocked([0.2, 0.11, 0.09, 0.0902])  # ... one within it goes on
     assert at._time_passes(model, close, x, x, loss, 3, 0.1) == pytest.approx(0.09)
     assert close.calls == 4
+    # ... and where the untimed pass was within it, a slow first timed pass was
+    # disturbed: one more decides (faster: the timing goes on; no faster: it ends)
+    disturbed = Clocked([0.11, 0.13, 0.09, 0.0902])
+    assert at._time_passes(model, disturbed, x, x, loss, 3, 0.1) == pytest.approx(0.09)
+    assert disturbed.calls == 4
+    slower = Clocked([0.11, 0.13, 0.125, 0.09])
+    assert at._time_passes(model, slower, x, x, loss, 3, 0.1) == pytest.approx(0.125)
+    assert slower.calls == 3
     model.close()
 
 
