@@ -10,21 +10,13 @@ import sys
 import time
 
 import torch
-from mpi4py import MPI
+from case_a import comm, net, opts, x_tr, y_tr
 from torch import nn
 
 from layerpar.apps.loop import Batches, adam
-from layerpar.apps.train import build_net, load_data
-from layerpar.mgrit.options import MGRITOptions
 from layerpar.parallel import LayerParallel
 
-torch.set_num_threads(1)
-comm = MPI.COMM_WORLD
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 60
-x_tr, y_tr, _, _ = load_data("mnist1d", 0, torch.float32)
-torch.manual_seed(0)
-net = build_net("mnist1d", 1024, 32, arch="dense", t_final=1.0)
-opts = MGRITOptions(max_levels=3, cfactor=8, max_iter=1, tol=0.0, rtol=0.0)
 model = LayerParallel(net, comm, opts, opts, batched=True)
 opt = adam(model.parameters(), lr=3e-3)
 old = iter(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x_tr, y_tr),
