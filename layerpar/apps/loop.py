@@ -163,17 +163,18 @@ class Batches:
     The same batches, in the same order, as ``DataLoader(TensorDataset(*tensors),
     batch_size, shuffle=True, generator=generator)``: a `DataLoader` over the indices
     draws the order (its sampler, its use of `generator`), and each batch is then
-    ``t[indices]`` instead of a tuple built per sample and stacked: 0.33 -> 0.07 ms per
-    batch of 128 MNIST-1D rows on the 2-core CPU (1 ms of case a's 75 ms step at 2
-    ranks was the loader's, issue 20), and where the tensors live on a GPU no batch is
-    copied from the host.  ``len`` is the batches per epoch; `generator` is the
-    shuffling generator (a caller may save and restore its state to peek)."""
+    ``t[indices]`` instead of a tuple built per sample and stacked: inside case a's
+    training steps at 2 ranks on the 2-core CPU, 0.58-0.62 -> 0.25-0.30 ms per batch
+    of 128 MNIST-1D rows (docs/tta/ceilings/loader.py, issue 20), and where the tensors
+    live on a GPU no batch is copied from the host.  ``len`` is the batches per
+    epoch; `generator` is the shuffling generator (a caller may save and restore its
+    state to peek)."""
 
     def __init__(self, *tensors: Tensor, batch_size: int, shuffle: bool = True,
                  generator: Optional[torch.Generator] = None) -> None:
         if not tensors or any(len(t) != len(tensors[0]) for t in tensors):
             raise ValueError("`tensors` must be one or more tensors of the same length")
-        self.tensors, self.batch_size, self.generator = tensors, batch_size, generator
+        self.tensors, self.generator = tensors, generator
         self._index = torch.utils.data.DataLoader(
             range(len(tensors[0])), batch_size=batch_size, shuffle=shuffle,
             generator=generator)

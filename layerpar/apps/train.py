@@ -493,12 +493,10 @@ def train(
 
             x0, y0 = _first_batch(loader)
             with clock:  # capture's warm-up steps train too: counted in the time
-                if auto:
+                if auto:  # (step_mode then says, at the end, how it went)
                     captured = AutoCapturedStep(model, opt,  # type: ignore[arg-type]
                                                 nn.functional.cross_entropy,
                                                 x0.to(device), y0.to(device))
-                    if not captured.captured:
-                        step_mode = f"eager (not captured: {captured.why_eager})"
                 else:
                     captured = capture_step(model, opt,  # type: ignore[arg-type]
                                             nn.functional.cross_entropy, x0.to(device),
