@@ -418,6 +418,56 @@ def test_timing_stops_when_two_passes_agree(monkeypatch: pytest.MonkeyPatch) -> 
     model.close()
 
 
+def test_a_first_use_pass_is_not_the_candidates_time(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """An untimed pass that ran first-use timings (on a GPU: compiled the Triton
+    kernels; the H200's first candidate took 2.6 s for a 30-45 ms pass and was given
+    up on) is followed by one more untimed pass, which alone decides whether the
+    candidate is given up or its slow first timed pass retried; a second first-use
+    pass is not waited out again.  Clock and first-use count advanced by the net."""
+    import types
+
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, "auto")
+    now, uses = [0.0], [0]
+    monkeypatch.setattr(at, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(at, "first_uses", lambda: uses[0])
+
+    class Clocked(torch.nn.Module):
+        def __init__(self, passes: list[tuple[float, bool]]) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+            self.passes, self.calls = passes, 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seconds, first_use = self.passes[self.calls]
+            now[0] += seconds
+            uses[0] += first_use
+            self.calls += 1
+            return x * self.w
+
+    loss = torch.nn.functional.mse_loss
+    compiled = Clocked([(2.6, True), (0.04, False), (0.035, False), (0.0352, False)])
+    assert at._time_passes(model, compiled, x, x, loss, 3, 0.1) == pytest.approx(0.035)
+    assert compiled.calls == 4
+    # without first-use work the same slow pass ends it (GIVE_UP x the time to beat)
+    slow = Clocked([(2.6, False), (0.04, False)])
+    assert at._time_passes(model, slow, x, x, loss, 3, 0.1) == pytest.approx(2.6)
+    assert slow.calls == 1
+    # the clean untimed pass is the one a slow first timed pass is judged by
+    disturbed = Clocked([(0.5, True), (0.11, False), (0.13, False), (0.09, False),
+                         (0.0902, False)])
+    assert at._time_passes(model, disturbed, x, x, loss, 3, 0.1) == pytest.approx(0.09)
+    assert disturbed.calls == 5
+    twice = Clocked([(2.6, True), (2.5, True)])  # one more untimed pass, not two
+    assert at._time_passes(model, twice, x, x, loss, 3, 0.1) == pytest.approx(2.5)
+    assert twice.calls == 2
+    fine = Clocked([(0.06, True), (0.05, False), (0.05, False), (0.05, False)])  # no bound
+    assert at._time_passes(model, fine, x, x, loss, 3) == pytest.approx(0.05)
+    assert fine.calls == 4
+    model.close()
+
+
 def test_tuning_runs_the_exact_pass_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The candidates checked on the tuning's batch share one exact pass
     (`exact_reference`), and their errors are those of a check that runs its own."""

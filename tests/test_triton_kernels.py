@@ -150,6 +150,43 @@ def test_chooser_declines_what_it_cannot_do(monkeypatch) -> None:
     assert kernels.fused_step_for(blocks.Dense(4), euler, force=True) is None
 
 
+@pytest.mark.skipif(INTERPRETED, reason="runs in the parent process")
+def test_choice_is_measured_once_per_process_and_shape(monkeypatch) -> None:
+    """The per-shape choice is the process's, not a segment's: the auto-tuning builds
+    a model per candidate, and on a GPU each would otherwise time (and the first
+    compile) every shape again.  Measurement counted by a stand-in (it is CUDA-only)."""
+    measured: list[tuple] = []
+
+    def measure(self, x, params, dt, fallback, grad):
+        measured.append((tuple(x.shape), grad))
+        return False  # the torch path: nothing here runs a kernel
+
+    monkeypatch.setattr(kernels, "_applies", lambda x: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(kernels.FusedStep, "_measure", measure)
+    monkeypatch.setattr(kernels, "_CHOICES", {})
+    p = {"linear.weight": torch.randn(4, 5, 5), "linear.bias": torch.zeros(4, 5)}
+    dt = torch.full((4, 1, 1), 0.1)
+    x = torch.randn(4, 3, 5)
+    one, two = (kernels.FusedStep(*kernels._kind(blocks.Dense(5)), force=False)
+                for _ in range(2))
+    assert one(x, p, dt, lambda: x + 1).equal(x + 1)
+    assert two(x, p, dt, lambda: x + 2).equal(x + 2)  # another segment: no new timing
+    assert measured == [((4, 3, 5), False)]
+    two(torch.randn(2, 3, 5), {n: t[:2] for n, t in p.items()}, dt[:2], lambda: x)
+    trainable = {"linear.weight": torch.randn(4, 5, 5).requires_grad_(),
+             "linear.bias": torch.zeros(4, 5)}
+    with torch.enable_grad():
+        one(x, trainable, dt, lambda: x)  # gradients wanted: a new timing
+    assert measured == [((4, 3, 5), False), ((2, 3, 5), False), ((4, 3, 5), True)]
+    tanh = kernels.FusedStep("dense", "linear.weight", "linear.bias", "tanh")
+    relu = kernels.FusedStep("dense", "linear.weight", "linear.bias", "relu")
+    tanh(x, p, dt, lambda: x)  # Dense's default activation: timed above
+    assert len(measured) == 3
+    relu(x, p, dt, lambda: x)  # another activation: another kernel, timed again
+    assert measured[3:] == [((4, 3, 5), False)]
+
+
 def _conv_net(n: int) -> layerpar.ODENet:
     return layerpar.ODENet(layers=[torch.nn.Conv2d(1, 3, 3, padding=1),
                                    Segment(lambda k: blocks.Conv(3, activation="tanh"), n,

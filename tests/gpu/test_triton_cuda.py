@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from layerpar.ode import blocks
 from layerpar.ode.schemes import ForwardEuler
-from layerpar.parallel import kernels
+from layerpar.parallel import kernels, timing
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available()
                                      and kernels.triton_available()),
@@ -65,5 +65,10 @@ def test_choice_is_measured_once_per_shape() -> None:
                          for k in range(8)])
         return x + dt * torch.relu(z)
 
+    before, timed = len(fs.choice), timing.first_uses()
     y = fs(x, p, dt, torch_path)
-    assert len(fs.choice) == 1 and rel(y, torch_path()) <= 1e-5
+    assert len(fs.choice) == before + 1 and rel(y, torch_path()) <= 1e-5
+    assert timing.first_uses() == timed + 2  # fused and torch, once each
+    again = kernels.fused_step_for(blocks.Conv(16), ForwardEuler())  # another segment
+    assert again is not None and rel(again(x, p, dt, torch_path), y) <= 1e-5
+    assert timing.first_uses() == timed + 2 and len(again.choice) == before + 1

@@ -65,6 +65,19 @@ def _kind(block: nn.Module) -> Optional[tuple[str, str, str, str]]:
     return None
 
 
+def _applies(x: Tensor) -> bool:
+    """Whether the kernels can step this state: float32 on CUDA, under 2**31
+    elements (they index in 32 bits)."""
+    return x.is_cuda and x.dtype == torch.float32 and x.numel() < 2 ** 31
+
+
+#: which path is faster, per (kind, activation, state shape, device, gradients wanted,
+#: weight and bias shapes): the process's measurements, shared by every `FusedStep`:
+#: the answer depends on nothing else, and the auto-tuning builds a model per candidate
+#: whose segments would otherwise time each shape again
+_CHOICES: dict[tuple, bool] = {}
+
+
 class FusedStep:
     """The fused step of one segment's blocks: ``__call__(x, params, dt, fallback)``
     returns the fused ``x + dt·F(x)``, or ``fallback()`` (the torch path) where the
@@ -78,7 +91,7 @@ class FusedStep:
         self.kind, self.weight, self.bias, self.act = kind, weight, bias, act
         self.fn = ts.DenseStep.apply if kind == "dense" else ts.ConvStep.apply
         self.force = force
-        self.choice: dict[tuple, bool] = {}  # shape key -> fused is faster
+        self.choice = _CHOICES  # shape key -> fused is faster (shared: see _CHOICES)
 
     def fused(self, x: Tensor, params: dict[str, Tensor], dt: Tensor) -> Tensor:
         """The fused step, unconditionally."""
@@ -89,11 +102,13 @@ class FusedStep:
                  fallback: Callable[[], Tensor]) -> Tensor:
         if self.force:
             return self.fused(x, params, dt)
-        if not x.is_cuda or x.dtype != torch.float32 or x.numel() >= 2 ** 31:
-            return fallback()  # (the kernels index in 32 bits)
+        if not _applies(x):
+            return fallback()
         grad = torch.is_grad_enabled() and (x.requires_grad or any(
             p.requires_grad for p in params.values()))
-        key = (tuple(x.shape), x.device.index, grad)
+        key = (self.kind, self.act, tuple(x.shape), x.device.index, grad,
+               tuple((n, tuple(t.shape), t.requires_grad) for n, t in params.items()
+                     if n in (self.weight, self.bias)))
         use = self.choice.get(key)
         if use is None:
             if torch.cuda.is_current_stream_capturing():
