@@ -18,6 +18,7 @@ that is not CUDA's (tests/gpu runs the real capture):
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import pytest
@@ -173,3 +174,47 @@ def test_train_captures_auto_at_one_rank_only() -> None:
     assert "between ranks" in _capture_refusal("cuda", auto=True, size=2, **args)
     assert "adaptive" in _capture_refusal("cuda", auto=False, size=1, **args)
     assert _capture_refusal("cpu", auto=True, size=1, **args) == "not on CUDA"
+
+
+def test_checks_are_spaced_by_the_replayed_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check runs eager passes; with the steps replayed, its interval is set against
+    the replayed step's measured time (`observe_step`), several times shorter than
+    the eager pass the tuning timed, so the checks stay at `CHECK_SHARE` of the
+    training's time instead of several times that."""
+    import layerpar.parallel.autotune as at
+
+    model, net, x, y = _tuned(monkeypatch)
+    tuner, ctl = model.tuner, model.accuracy
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    cap = _FakeCapture()
+    step = AutoCapturedStep(model, opt, CE, x, y, capture=cap)
+    calls: list[tuple] = []
+    interval = at._check_interval
+    monkeypatch.setattr(at, "_check_interval",
+                        lambda *a: calls.append(a) or interval(*a))
+    step.observe_step(None)  # nothing replayed yet: nothing changes
+    assert tuner.step_seconds is None
+    model.check_gradients(x, y, CE)
+    assert len(calls) == 1 and calls[0][3] is None  # against the check's eager pass
+    step.observe_step(0.002)  # a replayed step's measured seconds
+    assert tuner.step_seconds == 0.002
+    model.check_gradients(x, y, CE)
+    assert len(calls) == 2 and calls[1][3] == 0.002
+    assert ctl.min_every == interval(*calls[1])
+    # the interval's formula: a check's eager passes over CHECK_SHARE of a step
+    assert at._check_interval(0.03, 0.1, 0.25) == math.ceil(
+        (0.03 + 0.1 * 1.25) / (at.CHECK_SHARE * 0.03))
+    assert at._check_interval(0.03, 0.1, 0.25, 0.01) == math.ceil(
+        (0.03 + 0.1 * 1.25) / (at.CHECK_SHARE * 0.01))
+    for bad in (0.0, math.inf, math.nan):  # no usable step time: the pass's
+        assert at._check_interval(0.03, 0.1, 0.25, bad) == at._check_interval(0.03, 0.1,
+                                                                             0.25)
+    # a step that failed to capture (eager) does not report replays
+    cap.fail = True
+    ctl.fwd_iters += 1
+    assert not step.refresh(x, y) and not step.captured
+    tuner.step_seconds = None
+    step.observe_step(0.001)
+    assert tuner.step_seconds is None
+    step.close()
+    model.close()

@@ -357,5 +357,77 @@ def test_batches_are_the_data_loaders_batches() -> None:
     first = next(iter(got))[1]
     got.generator.set_state(state)
     assert torch.equal(next(iter(got))[1], first)
+    # off the CPU the epoch's indices are sent at once (one copy, no wait per batch):
+    # the same batches (that path, run here on the CPU)
+    cpu = torch.device("cpu")
+    state = got.generator.get_state()
+    whole = list(got._indices(cpu, whole=True))
+    got.generator.set_state(state)
+    per_batch = list(got._indices(cpu))
+    assert len(whole) == 8 and all(torch.equal(a, b) for a, b in zip(whole, per_batch))
     with pytest.raises(ValueError, match="same length"):
         Batches(x, y[:5], batch_size=4)
+
+
+def test_captured_steps_never_wait_for_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training loop over captured replays queues them without a host-device
+    synchronisation per step (it synchronised twice a step): each step's time is a
+    `SpanTimer` span (CUDA events on a GPU; `perf_counter` here, the same code path),
+    read once; a batch of another shape is skipped; a `Step`'s own seconds are 0."""
+    from layerpar.apps.train import _captured_steps
+    from layerpar.parallel.timing import SpanTimer
+
+    def no_sync(*a: object) -> None:
+        raise AssertionError("the loop waited for the GPU")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+
+    class Replay:
+        x = torch.zeros(4, 3)
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return (x.sum() + y.sum()).float()
+
+    class Schedule:
+        steps = 0
+
+        def step(self) -> None:
+            self.steps += 1
+
+    batches = [(torch.ones(4, 3), torch.ones(4)), (torch.ones(2, 3), torch.ones(2)),
+               (torch.ones(4, 3), 2 * torch.ones(4))]
+    timer, replay, schedule = SpanTimer(torch.device("cpu")), Replay(), Schedule()
+    steps = list(_captured_steps(replay, batches, schedule, None, timer))
+    assert replay.calls == schedule.steps == len(steps) == 2  # the short batch skipped
+    assert [float(s.loss) for s in steps] == [16.0, 20.0]
+    assert all(s.seconds == 0.0 and s.output is None for s in steps)
+    seconds, count = timer.total()
+    assert count == 2 and seconds > 0 and timer.mean() == pytest.approx(seconds / 2)
+
+
+def test_span_timer_sums_its_spans() -> None:
+    """`SpanTimer` on the CPU: spans summed as they are read, `reset` forgets them, a
+    `stop` without `start` is an error (a loop that lost track of its steps)."""
+    import time
+
+    from layerpar.parallel.timing import SpanTimer
+
+    timer = SpanTimer(torch.device("cpu"))
+    assert timer.mean() is None and timer.total() == (0.0, 0)
+    for _ in range(3):
+        timer.start()
+        time.sleep(0.002)
+        timer.stop()
+    seconds, count = timer.total()
+    assert count == 3 and 0.006 <= seconds < 1.0
+    timer.start()
+    timer.stop()
+    assert timer.total()[1] == 4 and timer.total()[0] >= seconds  # read again: the same
+    timer.reset()
+    assert timer.total() == (0.0, 0)
+    with pytest.raises(RuntimeError, match="without start"):
+        timer.stop()

@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TextIO
+from typing import Any, Callable, Optional, TextIO, Union
 
 import torch
 from torch import Tensor, nn
@@ -183,11 +183,21 @@ class Batches:
         return len(self._index)
 
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
-        device = self.tensors[0].device
-        for i in self._index:
-            if device.type != "cpu":
-                i = i.to(device, non_blocking=True)
+        for i in self._indices(self.tensors[0].device):
             yield tuple(t[i] for t in self.tensors)
+
+    def _indices(self, device: torch.device, whole: Optional[bool] = None
+                 ) -> Iterator[Tensor]:
+        """The epoch's batches of indices, on `device`.  Off the CPU (`whole`) the
+        epoch's whole order is sent at once: a copy from (pageable) host memory waits
+        for the work queued on the stream before it, so one copy per batch made the
+        host wait for the GPU at every training step."""
+        if not (device.type != "cpu" if whole is None else whole):
+            yield from self._index
+            return
+        order = list(self._index)  # (the sampler draws the epoch's permutation at once)
+        if order:
+            yield from torch.cat(order).to(device).split([len(i) for i in order])
 
 
 def available_cores() -> int:
@@ -217,11 +227,15 @@ class Progress:
         self.t0 = time.monotonic()
         self._last = -math.inf
 
-    def update(self, done: int, note: str) -> None:
-        """Show `done` of `total` with a `note`."""
+    def update(self, done: int, note: Union[str, Callable[[], str]]) -> None:
+        """Show `done` of `total` with a `note`: a string, or a function that makes
+        it, called only when the bar is drawn (a note that reads a GPU tensor then
+        waits for the GPU at most once per `interval`, not at every step)."""
         now = time.monotonic()
         if not self.enabled or (done < self.total and now - self._last < self.interval):
             return
+        if callable(note):
+            note = note()
         self._last = now
         width = 24
         fill = width * done // max(self.total, 1)

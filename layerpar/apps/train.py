@@ -25,6 +25,7 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Optional, Union
 
 import torch
@@ -41,6 +42,7 @@ from ..ode.rng import MAX_SEED
 from ..parallel import DASO, AutoCapturedStep, LayerParallel, Lion, ProcessGrid, SlowLink
 from ..parallel.adaptive import AccuracyPolicy, as_policy
 from ..parallel.autotune import auto_policy
+from ..parallel.timing import SpanTimer
 from . import data
 from .loop import Batches, Progress, adam, available_cores, train_steps
 from .nets import PROBLEMS, RECIPES, Recipe, problem_name, problem_net
@@ -445,7 +447,7 @@ def train(
     to_device = None if device == "cpu" else (lambda t: t.to(device, non_blocking=True))
     shard = grid.shard if grid is not None else to_device
     x_val, y_val = x_val.to(device), y_val.to(device)
-    clock = _Clock(model if isinstance(model, LayerParallel) else None)
+    clock = _Clock(model if isinstance(model, LayerParallel) else None, device)
     time_to_target: Optional[float] = None
     epochs_to_target: Optional[int] = None
     stop = stopped_by_budget = False
@@ -513,9 +515,10 @@ def train(
             exact_kinds: list[str] = []  # steps of this epoch that ran no MGRIT cycle
             t_epoch = time.perf_counter()
             clock.start()
+            replays = SpanTimer(torch.device(device))  # captured steps' times
             steps = train_steps(model, loader, opt, scheduler=schedule,
                                 shard=shard) if captured is None else \
-                _captured_steps(captured, loader, schedule, shard)
+                _captured_steps(captured, loader, schedule, shard, replays)
             for b, step in enumerate(steps, 1):
                 batch += 1
                 total_steps += 1
@@ -525,9 +528,11 @@ def train(
                     # at 1,024 layers: 4 % of case a's step, issue 20)
                     gc.freeze()
                 step_time += step.seconds
-                losses.append(step.loss.item())
+                # (kept on the device and read once an epoch: `.item()` here waited for
+                # the GPU at every step, so the host could not queue the next one)
+                losses.append(step.loss)
                 if step.output is not None:
-                    correct += int((step.output.detach().argmax(1) == step.target).sum())
+                    correct += (step.output.detach().argmax(1) == step.target).sum()
                     seen += len(step.target)
                 kind = _exact_kind(step.fwd_stats)
                 if kind is not None:  # iteration figures are MGRIT's; these ran none
@@ -542,6 +547,8 @@ def train(
                 due = ctl.check_due(batch) if ctl is not None else \
                     bool(check_every) and batch % check_every == 0
                 if due:
+                    if isinstance(captured, AutoCapturedStep):
+                        captured.observe_step(replays.mean())  # a replayed step's time
                     exact = ctl is not None and ctl.exact  # training ran exactly
                     got = model.check_gradients(step.input, step.target,  # type: ignore
                                                 nn.functional.cross_entropy)
@@ -554,11 +561,14 @@ def train(
                         # a re-tuning or the controller may have changed the setting
                         captured.refresh(step.input, step.target)
                     gc.freeze()  # a check may have tuned again: new settings, new objects
-                bar.update(b, _bar_note(losses[-1], fwd_res, bwd_res, checks))
+                bar.update(b, partial(_bar_note, losses[-1], fwd_res, bwd_res, checks))
                 if time_budget is not None and clock.over(time_budget):
                     stop = stopped_by_budget = True
                     break
             clock.stop()
+            step_time += replays.total()[0]
+            losses = torch.stack(losses).tolist() if losses else []
+            correct = int(correct)
             if grid is not None and grid.data > 1:  # the global batch's figures
                 losses, correct, seen = _replica_totals(grid, losses, correct, seen)
             batch_losses += losses
@@ -706,16 +716,24 @@ def _capture_refusal(device: str, serial: bool, auto: bool, policy: Any, check_e
 class _Clock:
     """Training time: summed over the spans it runs (a ``with`` block, or `start` to
     `stop`), evaluation left out.  With a `LayerParallel`, `over` agrees between
-    ranks (rank 0's clock decides), so every rank stops after the same batch."""
+    ranks (rank 0's clock decides), so every rank stops after the same batch.  On
+    CUDA it waits for the GPU at both ends of a span: the steps do not wait for it
+    (no host synchronisation per step), so the work they queued ends inside the span
+    it belongs to, not in the evaluation after it."""
 
-    def __init__(self, model: Optional[LayerParallel]) -> None:
+    def __init__(self, model: Optional[LayerParallel], device: str = "cpu") -> None:
         self.model, self.seconds, self._t0 = model, 0.0, None
+        self.cuda = torch.device(device).type == "cuda"
 
     def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
         self._t0 = time.perf_counter()
 
     def stop(self) -> None:
         if self._t0 is not None:
+            if self.cuda:
+                torch.cuda.synchronize()
             self.seconds += time.perf_counter() - self._t0
             self._t0 = None
 
@@ -747,10 +765,13 @@ def _first_batch(loader: Any) -> tuple[Tensor, Tensor]:
     return x, y
 
 
-def _captured_steps(captured: Any, loader: Any, schedule: Any, to_device: Any) -> Any:
+def _captured_steps(captured: Any, loader: Any, schedule: Any, to_device: Any,
+                    timer: SpanTimer) -> Any:
     """`Step`s of a captured CUDA-graph step (no output: the loss only).  A batch of
     another shape than the captured one (a short last batch) is skipped: a graph
-    replays fixed shapes."""
+    replays fixed shapes.  Nothing here waits for the GPU: each step's time is a span
+    of `timer` (CUDA events), read once an epoch, so the host queues the next batch
+    while the GPU replays this one; a `Step`'s own seconds are 0."""
     from .loop import Step
 
     for x, y in loader:
@@ -758,19 +779,18 @@ def _captured_steps(captured: Any, loader: Any, schedule: Any, to_device: Any) -
             continue
         if to_device is not None:
             x, y = to_device(x), to_device(y)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        timer.start()
         loss = captured(x, y)
         schedule.step()
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        yield Step(loss.detach().clone(), None, y, dt, dt, 0.0,  # type: ignore[arg-type]
+        timer.stop()
+        yield Step(loss.detach().clone(), None, y, 0.0, 0.0, 0.0,  # type: ignore[arg-type]
                    input=x)
 
 
-def _bar_note(loss: Optional[float], fwd_res: list, bwd_res: list, checks: list) -> str:
+def _bar_note(loss: Union[None, float, Tensor], fwd_res: list, bwd_res: list,
+              checks: list) -> str:
     """The progress bar's note: loss, the residuals reached, the last gradient check."""
-    parts = [] if loss is None else [f"loss {loss:.3f}"]
+    parts = [] if loss is None else [f"loss {float(loss):.3f}"]
     if fwd_res:
         parts.append(f"fwd res {fwd_res[-1]:.1e}")
     if bwd_res:

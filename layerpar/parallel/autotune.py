@@ -725,16 +725,21 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
                       kept=kept)
 
 
-def _check_interval(pass_s: float, exact_s: float, noise_share: float) -> int:
+def _check_interval(pass_s: float, exact_s: float, noise_share: float,
+                    step_s: Optional[float] = None) -> int:
     """The least number of batches between auto's checks for them to take about
     `CHECK_SHARE` of the training: a check's passes (the chosen setting's, an exact
     one, and, in `noise_share` of the checks, two exact half-batch ones for the
-    gradient noise) over `CHECK_SHARE` of a pass.  From the slowest rank's timings:
+    gradient noise) over `CHECK_SHARE` of a training step: `step_s` where the steps
+    were measured apart from the passes (captured replays, several times faster than
+    the eager passes a check runs), else a pass.  From the slowest rank's timings:
     the same on every rank."""
     if not (pass_s > 0 and math.isfinite(pass_s) and math.isfinite(exact_s)):
         return 0
+    step = pass_s if step_s is None or not (step_s > 0 and math.isfinite(step_s)) \
+        else step_s
     cost = pass_s + exact_s * (1 + noise_share)
-    return math.ceil(cost / (CHECK_SHARE * pass_s))
+    return math.ceil(cost / (CHECK_SHARE * step))
 
 
 def _surrogate_loss(out: Tensor, y: Any) -> Tensor:
@@ -806,6 +811,10 @@ class AutoTuner:
     trial: Optional[_Trial] = None
     #: the last check found the chosen setting outside the bound; the next confirms it
     unconfirmed: bool = False
+    #: a training step's measured seconds where the steps do not run the chosen
+    #: setting's passes eagerly (`AutoCapturedStep.observe_step`: CUDA-graph replays);
+    #: the checks' interval is set against it instead of the eager pass
+    step_seconds: Optional[float] = None
 
     @property
     def tuned(self) -> bool:
@@ -1030,7 +1039,7 @@ class AutoTuner:
         ctl.observe_check(self.chosen.batch, got)
         if got.inexact_seconds > 0:
             ctl.min_every = _check_interval(got.inexact_seconds, got.exact_seconds,
-                                            self._noise_share())
+                                            self._noise_share(), self.step_seconds)
         if not _within(got, self.bound) and len(self.results) <= self.max_retunes:
             self.tune(model, x, y, loss_fn)
         return got
