@@ -24,7 +24,8 @@ XBRAID_DIR ?=
 XBRAID_BUILT := $(if $(XBRAID_DIR),$(VENV)/.built-xbraid)
 
 .PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-engines bench-paths \
-	bench-sync bench-tta bench-tta-smoke bench-tta-gpu study-cpu-16core study-cpu-16core-scale \
+	bench-sync bench-tta bench-tta-smoke bench-tta-gpu bench-tta-gpu-compiled study-cpu-16core \
+	study-cpu-16core-scale \
 	study-cpu-16core-tta device-wheels device-setup train lint clean
 
 setup: $(VENV)/.installed
@@ -93,15 +94,19 @@ bench-tta: build
 bench-tta-smoke: build
 	$(BIN)/python -m layerpar.bench tta --smoke --np 2 --out docs/tta/smoke
 
-# The device rows of issue 20, not measured yet (no such machine lent so far): time to
-# accuracy on one GPU, case a; on the 16 CPU cores beside it, the per-batch scaling study
-# at 1-16 ranks and time to accuracy at 16 ranks.  On a lent device machine (`device`
-# tool): no network there, and its python3 (GPU_PYTHON) holds CUDA torch, Cython, mpi4py
-# and Open MPI, numpy, scipy, matplotlib and scikit-learn, but not mnist1d.  So:
+# The device rows of issue 20 (measured once, 2026-11-26, on an H200 and its 16 CPU
+# cores: docs/tta/README.md): time to accuracy on one GPU, case a; on the 16 CPU cores
+# beside it, the per-batch scaling study at 1-16 ranks and time to accuracy at 16 ranks.
+# On a lent device machine (`device` tool): no network there, and its python3
+# (GPU_PYTHON) holds CUDA torch, Cython, mpi4py and Open MPI, numpy, scipy, matplotlib
+# and scikit-learn, but not mnist1d.  So:
 #   here, once:  make device-wheels      (mnist1d's wheel into .whl/, ignored by git)
-#   there, one call per target, carrying .whl (a call may take 10 minutes; how long
-#   each target takes there is not measured yet):
-#     make DEVICE=1 bench-tta-gpu && cp docs/tta/gpu/* $OUT/
+#   there, one call per target, carrying .whl (a call may take 10 minutes; on the H200:
+#   bench-tta-gpu ~340 s, study-cpu-16core-tta ~240 s, study-cpu-16core-scale ~75 s):
+#     make DEVICE=1 bench-tta-gpu TTA_GPU_OUT=docs/tta/gpu-SHA && cp -r docs/tta/gpu-SHA $OUT/
+#     make DEVICE=1 bench-tta-gpu-compiled   (serial also under torch.compile: not run
+#         yet; compiling the whole serial net on the 2-core CPU took 10 s at 64 layers,
+#         32 s at 256: expect minutes at 1,024)
 #     make DEVICE=1 study-cpu-16core-scale && cp docs/studies/cpu-16core/*.csv $OUT/
 #     make DEVICE=1 study-cpu-16core-tta && cp docs/tta/cpu-16core/* $OUT/
 #     make DEVICE=1 bench-gpu && cp docs/gpu/bench-gpu-rows.csv $OUT/
@@ -132,9 +137,13 @@ device-setup:
 	elif ! $(GPU_PYTHON) -c "import mnist1d" 2>/dev/null; then \
 	    echo "device-setup: mnist1d is missing and no wheels are in .whl/ (run" \
 	        "'make device-wheels' on the development machine and carry .whl)"; exit 1; fi
+TTA_GPU_OUT ?= docs/tta/gpu
 bench-tta-gpu: device-setup
 	$(DEVICE_ENV) $(GPU_PYTHON) -m layerpar.bench tta --device cuda --np 1 \
-	    --cases a --bounds default --out docs/tta/gpu
+	    --cases a --bounds default --out $(TTA_GPU_OUT)
+bench-tta-gpu-compiled: device-setup
+	$(DEVICE_ENV) $(GPU_PYTHON) -m layerpar.bench tta --device cuda --np 1 \
+	    --cases a --bounds default --compiled-serial --out docs/tta/gpu-compiled
 study-cpu-16core: study-cpu-16core-scale study-cpu-16core-tta
 study-cpu-16core-scale: $(DEVICE_PREP)
 	$(DEVICE_PY) -m layerpar.apps.cli scale --ranks 1,2,4,8,16 --layers 1024 --width 32 \

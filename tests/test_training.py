@@ -83,6 +83,27 @@ def test_exact_layer_parallel_trains_like_serial_oracle() -> None:
         got.val_acc = 0.0  # type: ignore[misc]
 
 
+def test_compiled_serial_trains_like_eager_serial(capsys: pytest.CaptureFixture) -> None:
+    """``--serial --compile`` (issue 20's torch.compile serial baseline): the same
+    training as eager serial up to the compiled kernels' rounding, its mode said;
+    asked for without ``--serial``, or with ``--nested``, a clear error first."""
+    kw = dict(epochs=1, batch_size=500, seed=3, progress=False, dtype=torch.float64)
+    ref = train("peaks", serial=True, **kw)
+    got = train("peaks", serial=True, compile=True, **kw)
+    assert got.step_mode.startswith("compiled") and ref.step_mode == "eager"
+    assert got.batch_losses == pytest.approx(ref.batch_losses, rel=1e-9, abs=0)
+    assert got.val_acc == ref.val_acc
+    assert "step on cpu: compiled" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="`compile`.*`serial`"):
+        train("peaks", serial=False, compile=True, **kw)
+    with pytest.raises(ValueError, match="`compile` with `nested`"):
+        train("peaks", serial=True, compile=True, nested=1, **kw)
+    with pytest.raises(ValueError, match="`--compile`.*`--serial`"):
+        cli.parse_args(["train", "peaks", "--compile"])
+    assert cli.main(["train", "peaks", "--compile", "--nested", "1", "--serial"]) == 2
+    assert "`--compile` with `--nested`" in capsys.readouterr().err
+
+
 def test_training_freezes_the_collector_only_while_it_runs(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """`train` hides its setup from the cyclic collector (`gc.freeze`: before the

@@ -48,6 +48,7 @@ def test_tta_tiny(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("argv,flag", [(["--cases", "z"], "--cases"),
                                        (["--np", "0"], "--np"),
+                                       (["--compiled-serial", "--np", "0"], "--np"),
                                        (["--timeout", "0"], "--timeout"),
                                        (["--bounds", "x"], "--bounds"),
                                        (["--seeds", "1,x"], "--seeds"),
@@ -173,3 +174,44 @@ def test_seeds_give_one_comparison_each(tmp_path: Path) -> None:
     text = (tmp_path / "README.md").read_text()
     assert "| c | auto | seed 0: 0.50, seed 1: 1.50, seed 2: 0.70 | 0.70 (3 of 3 " \
         "reached) |" in text, text
+
+
+def test_compiled_serial_baseline_is_launched_when_asked(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """``--compiled-serial``: one more serial run, ``--serial --compile`` (issue 20's
+    torch.compile baseline), after the eager (the target's) and captured ones; a
+    serial baseline, so the fastest serial is the best of the three.  Launches
+    recorded, not run (the flag's parsing: `test_tta_bad_values`)."""
+    launched: list[list[str]] = []
+
+    def fake(case: tta.Case, extra: list[str], nprocs: int, threads: int, timeout: object
+             ) -> tuple[dict, float]:
+        launched.append(extra)
+        hist = [{"epoch": 1, "train_seconds": 1.0, "val_acc": 0.5, "val_loss": 1.0,
+                 "train_loss": 1.0}]
+        return ({"history": hist, "summary": "s", "step_mode": "eager",
+                 "auto_choice": "L3", "auto_log": [], "accuracy_log": []}, 1.0)
+
+    monkeypatch.setattr(tta, "_launch", fake)
+    case = tta.Case("a", "mnist1d", "dense", 1)
+    runs, _, _ = tta.run_case(case, 1, say=lambda _: None, probe=(4, {4: 0.1}, 10),
+                              device="cuda", compiled=True)
+    assert launched[2] == ["--serial", "--compile", "--device", "cuda"]
+    assert [r.serial for r in runs] == [True, True, True, False]
+    assert runs[2].method == "serial (torch.compile, 4 thr, cuda)"
+    launched.clear()
+    tta.run_case(case, 2, say=lambda _: None, probe=(1, {1: 0.1}, 10))
+    assert ["--serial", "--compile", "--device", "cpu"] not in launched
+    # a compilation that fails is said, and the comparison goes on without it
+
+    def failing(case: tta.Case, extra: list[str], *rest: object) -> tuple[dict, float]:
+        if "--compile" in extra:
+            raise RuntimeError("worker failed (exit 1): InductorError: no compiler")
+        return fake(case, extra, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tta, "_launch", failing)
+    said: list[str] = []
+    runs, _, _ = tta.run_case(case, 1, say=said.append, probe=(4, {4: 0.1}, 10),
+                              device="cuda", compiled=True)
+    assert [r.serial for r in runs] == [True, True, False]
+    assert any("compiled: failed" in line and "InductorError" in line for line in said)

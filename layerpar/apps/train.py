@@ -257,6 +257,7 @@ def train(
     nodes: Optional[int] = None,
     optimizer: Optional[str] = None,
     slow_link: Optional[float] = None,
+    compile: bool = False,
 ) -> TrainResult:
     """Train the Peaks or digits network and return what happened (a `TrainResult`).
 
@@ -319,6 +320,11 @@ def train(
         every kind, including MGRIT's point-to-point messages).
     optimizer: "adam" (default) or "lion" (`layerpar.parallel.Lion`, lr a third of
         Adam's by default; "lioncub" needs it and is its default).
+    compile: with `serial`, train the net compiled by ``torch.compile`` (default mode;
+        the serial baseline issue 20 asks for on a GPU beside eager and CUDA-graph
+        capture).  The compilation runs in the first steps and counts in the training
+        time, as auto's tuning does; evaluation runs the same net uncompiled (same
+        parameters; no second compilation for eval mode, which is not timed anyway).
 
     Returns a `TrainResult` (its fields say what each figure means).
     """
@@ -326,6 +332,8 @@ def train(
     recipe = RECIPES[model_name]
     if not isinstance(serial, bool):
         raise TypeError(f"`serial` must be a bool, got {type(serial).__name__}")
+    if not isinstance(compile, bool):
+        raise TypeError(f"`compile` must be a bool, got {type(compile).__name__}")
     epochs = recipe.epochs if epochs is None else positive_int("epochs", epochs)
     batch_size = recipe.batch_size if batch_size is None else positive_int("batch_size",
                                                                          batch_size)
@@ -346,6 +354,12 @@ def train(
     check_every = nonneg_int("check_every", check_every)
     nested = nonneg_int("nested", nested)
     nested_epochs = positive_int("nested_epochs", nested_epochs)
+    if compile and not serial:
+        raise ValueError("`compile` compiles the serial net with torch.compile: give "
+                         "`serial` (a LayerParallel step is captured on CUDA instead)")
+    if compile and nested:
+        raise ValueError("`compile` with `nested`: each refinement is a new net, which "
+                         "would compile again; train the compiled net without `nested`")
     if serial and (policy is not None or check_every):
         raise ValueError("`adaptive` and `check_every` need a layer-parallel run (they "
                          "compare MGRIT with exact propagation), not `serial`")
@@ -424,7 +438,9 @@ def train(
     if device == "cuda":
         step_mode = "eager (not captured: " + capture + ")" if capture else "captured"
     if serial:
-        model: nn.Module = net
+        model: nn.Module = torch.compile(net) if compile else net
+        if compile:
+            step_mode = "compiled (torch.compile; its compilation counts in the time)"
     elif data_parallel > 1 or not (comm is None or hasattr(comm, "Split_type")):
         grid = ProcessGrid(comm, data=data_parallel, sync=_sync_strategy(
             sync, (epochs + nested * nested_epochs) * -(-len(x_train) // batch_size)),
@@ -572,7 +588,7 @@ def train(
             if grid is not None and grid.data > 1:  # the global batch's figures
                 losses, correct, seen = _replica_totals(grid, losses, correct, seen)
             batch_losses += losses
-            val_loss, val_acc = _evaluate(model, x_val, y_val)
+            val_loss, val_acc = _evaluate(net if compile else model, x_val, y_val)
             record = {
                 "epoch": len(history) + 1, "layers": layers,
                 "train_loss": sum(losses) / len(losses),
@@ -634,8 +650,8 @@ def train(
         exact_kind=last["exact_kind"], last_epoch_steps=last["steps"],
         stopped_by_budget=stopped_by_budget, **sync_figures)
     if rank == 0:
-        if device == "cuda":
-            print(f"{model_name}: step on cuda: {step_mode}", flush=True)
+        if device == "cuda" or compile:
+            print(f"{model_name}: step on {device}: {step_mode}", flush=True)
         for line in result.auto_log:
             print(f"{model_name}: {line}", flush=True)
         for line in result.accuracy_log:
@@ -966,6 +982,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0, help="data, initialisation and order")
     t.add_argument("--serial", action="store_true",
                    help="train the plain ODENet with autograd (the serial oracle)")
+    t.add_argument("--compile", action="store_true",
+                   help="with --serial: the net compiled by torch.compile (its "
+                        "compilation counts in the training time)")
     t.add_argument("--float64", action="store_true", help="train in double precision")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
@@ -1088,6 +1107,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     if getattr(args, "auto", False) and getattr(args, "check_every", 0):
         raise ValueError("`--check-every` with `--auto`: auto spreads its own gradient "
                          "checks (about 3 % of the training's time)")
+    if getattr(args, "compile", False) and not args.serial:
+        raise ValueError("`--compile` compiles the serial net with torch.compile: give "
+                         "`--serial` (a layer-parallel step is captured on CUDA instead)")
+    if getattr(args, "compile", False) and getattr(args, "nested", 0):
+        raise ValueError("`--compile` with `--nested`: each refinement is a new net, "
+                         "which would compile again")
     if args.serial and (getattr(args, "adaptive", False) or getattr(args, "check_every", 0)):
         raise ValueError("`--adaptive` and `--check-every` compare MGRIT with exact "
                          "propagation: not with `--serial`")
@@ -1143,4 +1168,5 @@ def train_from_arguments(model_name: str, args: argparse.Namespace,
                  engine=getattr(args, "engine", "native"),
                  sync=getattr(args, "sync", "allreduce"), nodes=getattr(args, "nodes", None),
                  optimizer=getattr(args, "optimizer", None),
-                 slow_link=getattr(args, "slow_link", None))
+                 slow_link=getattr(args, "slow_link", None),
+                 compile=getattr(args, "compile", False))

@@ -211,14 +211,16 @@ SERIAL_CAPTURED: tuple[str, ...] = ("--levels", "1", "--tol", "0")
 
 def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any = print,
              probe: Optional[tuple[int, dict[int, float], int]] = None,
-             device: str = "cpu", bounds: tuple[Optional[float], ...] = (None,)
-             ) -> tuple[list[Run], float, dict[int, float]]:
+             device: str = "cpu", bounds: tuple[Optional[float], ...] = (None,),
+             compiled: bool = False) -> tuple[list[Run], float, dict[int, float]]:
     """Serial (best thread count) and ``--auto`` at `nprocs` ranks on `case`, once per
     gradient-error bound in `bounds` (``--max-grad-error``; None: the default bound):
     the runs, the target accuracy and the serial step time per thread count (`probe`:
     what `best_threads` measured, if it already ran).  On ``device="cuda"`` both train on
     the GPU (the thread probe is still the host's), and serial twice: eagerly (the
-    target's run) and captured in one CUDA graph per step (`SERIAL_CAPTURED`)."""
+    target's run) and captured in one CUDA graph per step (`SERIAL_CAPTURED`).
+    `compiled`: serial once more, the net compiled by ``torch.compile`` (``--serial
+    --compile``: its compilation counts in its time)."""
     threads, per, _ = best_threads(case) if probe is None else probe
     dev = ["--device", device]
     say(f"[{case.key}] {case.label}: serial step "
@@ -237,6 +239,17 @@ def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any 
                         1, threads, got["history"], f"serial autograd (direct mode), {mode}",
                         wall, serial=True))
         say(f"[{case.key}]   serial, captured: {got['summary']} ({wall:.0f} s wall)")
+    if compiled:
+        try:
+            got, wall = _launch(case, ["--serial", "--compile", *dev], 1, threads, timeout)
+        except RuntimeError as exc:  # a compiler that fails (or runs out of time) is
+            # reported, the comparison goes on without it (as `layerpar.bench gpu` does)
+            say(f"[{case.key}]   serial, compiled: failed: {str(exc)[-600:]}")
+        else:
+            runs.append(Run(f"serial (torch.compile, {threads} thr{where})", 1, threads,
+                            got["history"], "serial autograd, torch.compile", wall,
+                            serial=True))
+            say(f"[{case.key}]   serial, compiled: {got['summary']} ({wall:.0f} s wall)")
     for bound in bounds:
         extra = [] if bound is None else ["--max-grad-error", repr(bound)]
         got, wall = _launch(case, ["--auto", *dev, *extra], nprocs, 1, timeout)
@@ -420,6 +433,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "noise; default: default,0.15)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where both methods train (cuda: one GPU, use --np 1)")
+    p.add_argument("--compiled-serial", action="store_true",
+                   help="also train serial compiled by torch.compile (issue 20's third "
+                        "serial baseline on a GPU; its compilation counts in its time)")
     p.add_argument("--seeds", default="0",
                    help="one comparison per seed (data split, initial weights, batch "
                         "order: ``layerpar train --seed``), comma-separated (default 0)")
@@ -466,7 +482,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     total = 0.0
     for k in keys:
         threads, per, steps = probes[k]
-        est = len(seeds) * expected_seconds(table[k], per[threads], steps, 1 + len(bounds))
+        est = len(seeds) * expected_seconds(table[k], per[threads], steps,
+                                            1 + len(bounds) + args.compiled_serial)
         total += est
         print(f"[{k}] {table[k].label}: {steps} steps per epoch, best serial step "
               f"{1e3 * per[threads]:.1f} ms at {threads} thread(s): expect about "
@@ -476,7 +493,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for k, seed in ((k, seed) for k in keys for seed in seeds):
         case = table[k] if seeds == [0] else table[k].with_seed(seed)
         runs, target, _ = run_case(case, args.np, args.timeout, probe=probes[k],
-                                   device=args.device, bounds=bounds)
+                                   device=args.device, bounds=bounds,
+                                   compiled=args.compiled_serial)
         results.append((case, runs, target))
         _write(out, results, command.strip(), args.smoke, load, args.device)
         print(f"[{k}{'' if seeds == [0] else f' seed {seed}'}] target {target:.4f}: " + "; ".join(
