@@ -105,8 +105,8 @@ bench-tta-smoke: build
 #   bench-tta-gpu ~340 s, study-cpu-16core-tta ~240 s, study-cpu-16core-scale ~75 s):
 #     make DEVICE=1 bench-tta-gpu TTA_GPU_OUT=docs/tta/gpu-SHA && cp -r docs/tta/gpu-SHA $OUT/
 #     make DEVICE=1 bench-tta-gpu-compiled   (serial also under torch.compile: not run
-#         yet; compiling the whole serial net on the 2-core CPU took 10 s at 64 layers,
-#         32 s at 256: expect minutes at 1,024)
+#         yet; compiling case a's serial net took 127 s on the 2-core CPU,
+#         docs/tta/ceilings/compile_serial.txt: expect about 10 minutes in all)
 #     make DEVICE=1 study-cpu-16core-scale && cp docs/studies/cpu-16core/*.csv $OUT/
 #     make DEVICE=1 study-cpu-16core-tta && cp docs/tta/cpu-16core/* $OUT/
 #     make DEVICE=1 bench-gpu && cp docs/gpu/bench-gpu-rows.csv $OUT/

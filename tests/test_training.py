@@ -89,7 +89,11 @@ def test_compiled_serial_trains_like_eager_serial(capsys: pytest.CaptureFixture)
     asked for without ``--serial``, or with ``--nested``, a clear error first."""
     kw = dict(epochs=1, batch_size=500, seed=3, progress=False, dtype=torch.float64)
     ref = train("peaks", serial=True, **kw)
+    import sys
+
+    limit = sys.getrecursionlimit()
     got = train("peaks", serial=True, compile=True, **kw)
+    assert sys.getrecursionlimit() == limit  # raised for inductor, given back
     assert got.step_mode.startswith("compiled") and ref.step_mode == "eager"
     assert got.batch_losses == pytest.approx(ref.batch_losses, rel=1e-9, abs=0)
     assert got.val_acc == ref.val_acc

@@ -22,6 +22,7 @@ import gc
 import math
 import os
 import re
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -437,10 +438,15 @@ def train(
                                data_parallel, fwd, bwd)
     if device == "cuda":
         step_mode = "eager (not captured: " + capture + ")" if capture else "captured"
+    recursion = sys.getrecursionlimit()
     if serial:
         model: nn.Module = torch.compile(net) if compile else net
         if compile:
             step_mode = "compiled (torch.compile; its compilation counts in the time)"
+            # inductor walks the graph recursively, about two frames per layer: at
+            # 1,024 layers Python's default limit (1,000) ended the compilation with a
+            # RecursionError (docs/tta/ceilings/compile_serial.txt); given back at the end
+            sys.setrecursionlimit(max(recursion, 50 * n_fine + 10_000))
     elif data_parallel > 1 or not (comm is None or hasattr(comm, "Split_type")):
         grid = ProcessGrid(comm, data=data_parallel, sync=_sync_strategy(
             sync, (epochs + nested * nested_epochs) * -(-len(x_train) // batch_size)),
@@ -613,6 +619,7 @@ def train(
 
     if not frozen_before:
         gc.unfreeze()  # what this training froze is the collector's again
+    sys.setrecursionlimit(recursion)
     last = history[-1]
     tuner = model.tuner if isinstance(model, LayerParallel) else None
     sync_figures: dict[str, Any] = {}
