@@ -133,8 +133,8 @@ def test_operation_counts_are_pinned() -> None:
     moves these numbers, update them from `python -m layerpar.bench ops --quick`."""
     torch.set_num_threads(1)
     rows = {r.model: r for r in opcount.ops_rows(quick=True)}
-    assert (rows["dense"].serial_ops, rows["dense"].mgrit_ops) == (1050, 454)
-    assert (rows["conv"].serial_ops, rows["conv"].mgrit_ops) == (602, 392)
+    assert (rows["dense"].serial_ops, rows["dense"].mgrit_ops) == (1050, 447)
+    assert (rows["conv"].serial_ops, rows["conv"].mgrit_ops) == (602, 385)
     # the per-step path issues several times more
     steps = {r.model: r for r in opcount.ops_rows(quick=True, models=("dense",),
                                                   batched=False)}
@@ -156,6 +156,29 @@ def test_operation_count_grows_with_levels_not_layers() -> None:
     first, second = counts[1] - counts[0], counts[2] - counts[1]
     assert abs(second - first) <= 0.3 * first, counts
     assert counts[2] < 2 * counts[0], counts
+
+
+def test_adjoint_sweeps_do_not_flip_their_batches() -> None:
+    """The adjoint visits a record's rows last to first; its F-sweeps hand each
+    batched step's result on in the record's order (reversed `Row`s) instead of
+    flipping every input and result (issue 20: 16 copies of the whole batch a step
+    at 2 levels, cf 8).  Flips per training step, pinned: a fine sweep flips its
+    first input only; a coarse sweep's steps also feed the level's sums, which flip."""
+    from layerpar import MGRITOptions
+
+    torch.set_num_threads(1)
+    got = {}
+    for levels in (2, 3):
+        torch.manual_seed(0)
+        net, x, y = opcount.dense_model(n_steps=256, width=4, batch=2)
+        opts = MGRITOptions(max_levels=levels, cfactor=8, max_iter=1, tol=0.0)
+        lp = layerpar.LayerParallel(net, None, opts, opts, batched=True)
+        opt = torch.optim.SGD(lp.parameters(), lr=1e-3, foreach=True)
+        got[levels] = opcount.count_ops(opcount.train_step(lp, opt, x, y))[1]
+    assert got[2].get("aten::flip", 0) == 1  # (16 before)
+    assert got[3].get("aten::flip", 0) == 9  # (23 before)
+    # the coarse steps' parameters are strided views in the forward order
+    assert got[3].get("aten::stack", 0) == 14  # (28 before)
 
 
 @pytest.mark.mpi

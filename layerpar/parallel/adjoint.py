@@ -53,6 +53,18 @@ def _capturing(t: Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _reversed_rows(states: list) -> Optional[Tensor]:
+    """The tensor whose rows, last to first, are exactly `states` (`Row` handles), or
+    None."""
+    n = len(states)
+    first = states[0]
+    if type(first) is Row and first.k == n - 1 and first.base.shape[0] == n and all(
+            type(h) is Row and h.base is first.base and h.k == n - 1 - i
+            for i, h in enumerate(states)):
+        return first.base
+    return None
+
+
 class _Rows:
     """A pass's gradients of one parameter name, kept by `AdjointApp._keep_rows`:
     `base` [layers, ...] (a row per layer, in `layers` order), the layers' tensors and
@@ -143,11 +155,14 @@ class AdjointApp(StateOps):
         n = r.n
         pairs = [(n - mb, n - ma) for ma, mb in zip(mas, mbs)]
         if self.bb is not None:
-            lam = stack_rows(lams)
-            res = self.adjoint_fine(lam, pairs, final) if level == 0 else \
-                self.adjoint_coarse(lam, tuple(pairs))
+            res, rev = self.fine_batch(lams, pairs, final) if level == 0 else \
+                self.coarse_batch(lams, pairs)
             if fs is not None:
-                res = res + stack_rows([self.lam_zero if g is None else g for g in fs])
+                res = res + stack_rows([self.lam_zero if g is None else g
+                                        for g in (fs[::-1] if rev else fs)])
+            if rev:  # row k of the result is step len - 1 - k's: handed over as such
+                last = res.shape[0] - 1
+                return [Row(res, last - k) for k in range(last + 1)]
             return unstack_rows(res)
         one_by_one = final and self.sequential
         if level == 0 and not one_by_one:
@@ -247,10 +262,45 @@ class AdjointApp(StateOps):
             got = self.index_cache[key] = torch.tensor(rows, dtype=torch.long, device=device)
         return got
 
-    def adjoint_fine(self, lam: Tensor, pairs: list, final: int) -> Tensor:
+    def fine_batch(self, lams: list, pairs: list, final: int) -> tuple[Tensor, bool]:
+        """`adjoint_fine` of the engine's states `lams` (steps `pairs`): (the result,
+        whether its rows are in the reverse order of `pairs`).
+
+        The adjoint visits a record's rows last to first, so its states arrive in the
+        reverse of the record's order: each batched step of an F-sweep flipped its
+        input to the record's order and its result back (two copies of the whole batch,
+        16 a training step of case a at one rank, issue 20).  Now a result in the
+        record's order is handed on as reversed `Row`s, and states that are exactly
+        one tensor's rows last to first are taken as that tensor, in the record's
+        order: along a sweep, nothing is flipped."""
+        base = _reversed_rows(lams)
+        if base is not None:
+            dx, flipped = self.adjoint_fine(base, pairs[::-1], final)
+            return dx, not flipped
+        return self.adjoint_fine(stack_rows(lams), pairs, final)
+
+    def coarse_batch(self, lams: list, pairs: list) -> tuple[Tensor, bool]:
+        """`adjoint_coarse` of the engine's states `lams` (coarse steps `pairs`): (the
+        result, whether its rows are in the reverse order of `pairs`).  As on the fine
+        level (`fine_batch`), a sweep's steps arrive last layer first: the coarse graph
+        is built in the forward order (its forward states are then a strided view of
+        the fine record, where the adjoint's order flipped them, once per coarse step
+        and pass), and the states are taken in that order: a result handed on as
+        reversed `Row`s, so only a sweep's first step flips its input."""
+        base = _reversed_rows(lams)
+        if base is not None:
+            return self.adjoint_coarse(base, tuple(pairs[::-1])), True
+        if len(pairs) > 1 and pairs[0][0] > pairs[-1][0]:  # last layer first
+            return self.adjoint_coarse(stack_rows(lams).flip(0), tuple(pairs[::-1])), True
+        return self.adjoint_coarse(stack_rows(lams), tuple(pairs)), False
+
+    def adjoint_fine(self, lam: Tensor, pairs: list, final: int) -> tuple[Tensor, bool]:
         """Transposed Jacobians of fine steps (layers a of `pairs`) applied to the rows
         of `lam`, through the recorded batches; at the final sweep also the parameter
-        gradients (accumulated per record).  One autograd call per record touched."""
+        gradients (accumulated per record).  One autograd call per record touched.
+        Returns (the result, whether its rows are in the reverse order of `lam`'s: a
+        whole record visited last to first is returned in the record's order, not
+        flipped back)."""
         tape = self.tape
         groups: dict[int, tuple[list[int], list[int]]] = {}
         for k, (a, _) in enumerate(pairs):
@@ -294,14 +344,14 @@ class AdjointApp(StateOps):
             if final:
                 self._final_rows(rec, len(rows))
             if cot is lam:
-                return dx  # type: ignore[return-value]
+                return dx, False  # type: ignore[return-value]
             if whole and rows[0] == n_rec - 1:
-                return dx.flip(0)  # type: ignore[union-attr]
+                return dx, True  # type: ignore[return-value]
             if out is None:
                 out = torch.empty_like(lam)
             self._scatter(out, ks, dx, rows)  # type: ignore[arg-type]
         assert out is not None
-        return out
+        return out, False
 
     def _plan(self, to: list[int], frm: list[int], device: torch.device
               ) -> tuple[Optional[tuple[int, int]], Tensor, Tensor]:
