@@ -156,6 +156,41 @@ def test_auto_captured_step_trains_like_its_setting_eagerly() -> None:
     model.close()
 
 
+def test_captured_training_loop_does_not_synchronise() -> None:
+    """``layerpar train``'s loop over captured replays (`_captured_steps`: batches
+    gathered on the device, the schedule's step, the replay, each step's time as CUDA
+    events) waits for the GPU nowhere after the epoch's first batch, which sends the
+    epoch's indices in one copy; the events time every step once read."""
+    from layerpar.apps.loop import Batches
+    from layerpar.apps.train import _captured_steps
+    from layerpar.parallel import capture_step
+    from layerpar.parallel.timing import SpanTimer
+
+    make, shape = nets()["dense"]
+    torch.manual_seed(0)
+    model = layerpar.LayerParallel(make().cuda(), None, *FIXED, check_finite=False)
+    x = torch.randn(4 * shape[0], shape[1], device="cuda")
+    y = torch.randint(0, 5, (4 * shape[0],), device="cuda")
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-2, device="cuda"),
+                           capturable=True)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8)
+    step = capture_step(model, opt, torch.nn.functional.cross_entropy, x[:shape[0]],
+                        y[:shape[0]])
+    loader = Batches(x, y, batch_size=shape[0], generator=torch.Generator().manual_seed(0))
+    timer = SpanTimer(torch.device("cuda"))
+    steps = _captured_steps(step, loader, schedule, None, timer)
+    first = next(steps)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rest = list(steps)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    seconds, count = timer.total()
+    assert len(rest) == 3 and count == 4 and seconds > 0
+    assert all(torch.isfinite(s.loss) for s in (first, *rest))
+
+
 def test_capture_refuses_what_a_graph_cannot_do() -> None:
     from layerpar.parallel import capture_step
 
