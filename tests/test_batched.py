@@ -158,6 +158,34 @@ def test_operation_count_grows_with_levels_not_layers() -> None:
     assert counts[2] < 2 * counts[0], counts
 
 
+def test_structures_are_computed_once_inside_same_structures(monkeypatch) -> None:
+    """`same_structures` (the auto-tuning builds a model per candidate over the same
+    modules): inside, a module's structure is computed once; outside, every time, so
+    a module changed between two tunings is seen; nested uses share the outer cache."""
+    import layerpar.parallel.batched as batched
+    from layerpar.ode import blocks
+
+    walks: list[int] = []
+    named = torch.nn.Module.named_modules
+
+    def counted(self, *a, **k):  # structure walks the module's tree once per call
+        walks.append(id(self))
+        return named(self, *a, **k)
+
+    monkeypatch.setattr(torch.nn.Module, "named_modules", counted)
+    block = blocks.Dense(4)
+    first = batched.structure(block)
+    with batched.same_structures():
+        assert batched.structure(block) == first
+        with batched.same_structures():
+            assert batched.structure(block) == first
+        assert batched.structure(block) == first
+    assert walks.count(id(block)) == 2  # once outside, once for the whole context
+    block.activation = "relu"  # changed between two tunings: seen
+    with batched.same_structures():
+        assert batched.structure(block) != first
+
+
 def test_adjoint_sweeps_do_not_flip_their_batches() -> None:
     """The adjoint visits a record's rows last to first; its F-sweeps hand each
     batched step's result on in the record's order (reversed `Row`s) instead of

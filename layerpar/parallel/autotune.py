@@ -100,6 +100,7 @@ from ..mgrit.grid import build_levels
 from ..mgrit.options import MGRITOptions
 from .accuracy import ExactReference, GradientCheck, _Restore, _sq, check_gradients, exact_reference
 from .adaptive import AccuracyPolicy
+from .batched import same_structures
 from .replicated import ReplicatedSerial, split_supported, supported
 from .timing import first_uses
 
@@ -869,8 +870,9 @@ class AutoTuner:
             self._start_trial(model, x, y, loss_fn, steps)
             return None
         known = self.timings.setdefault((tuple(x.shape), x.dtype, x.device), {})
-        got = tune(model, x, y, loss_fn, self.policy, self.repeats, self.batches, steps,
-                   known=dict(known), built=built)
+        with same_structures():  # (a model per candidate, over the same modules)
+            got = tune(model, x, y, loss_fn, self.policy, self.repeats, self.batches, steps,
+                       known=dict(known), built=built)
         for m in got.table:
             known.setdefault(m.candidate, m.seconds)
         self.results.append(got)
