@@ -193,7 +193,18 @@ def unstack_rows(t: Tensor) -> list:
 def batched_sum(alpha: float, xs: list[Tensor], beta: float, ys: list[Tensor]) -> list[Tensor]:
     """The engine's `sum_batch`: alpha*x + beta*y for all pairs in one operation
     (elementwise the same arithmetic as `vec_sum`, so bit-identical results)."""
-    return unstack_rows(vec_sum(alpha, stack_rows(xs), beta, stack_rows(ys)))
+    return unstack_rows(vec_sum(alpha, _operand(xs), beta, _operand(ys)))
+
+
+def _operand(states: list) -> Tensor:
+    """`stack_rows` of one side of a sum, except that one tensor repeated (the engine's
+    zero state, e.g. every C-point's initial guess: 4 lists of 128 a pass of case a at
+    one rank, each stacked into 2 MB) is broadcast, not copied: the sum reads it and
+    writes a new tensor."""
+    first = states[0]
+    if type(first) is not Row and all(h is first for h in states):
+        return first.expand(len(states), *first.shape)
+    return stack_rows(states)
 
 
 def batched_norm_sq(states: list[Tensor]) -> float:
