@@ -420,9 +420,9 @@ def test_timing_stops_when_two_passes_agree(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_a_first_use_pass_is_not_the_candidates_time(monkeypatch: pytest.MonkeyPatch
                                                       ) -> None:
-    """An untimed pass that ran first-use timings (on a GPU: compiled the Triton
-    kernels; the H200's first candidate took 2.6 s for a 30-45 ms pass and was given
-    up on) is followed by one more untimed pass, which alone decides whether the
+    """An untimed pass that ran first-use timings (on a GPU they compile the Triton
+    kernels: the H200's first candidate took 2.6 s for a 27-46 ms pass, most likely
+    that, and was given up on) is followed by one more untimed pass, which decides whether the
     candidate is given up or its slow first timed pass retried; a second first-use
     pass is not waited out again.  Clock and first-use count advanced by the net."""
     import types

@@ -443,9 +443,10 @@ def train(
         model: nn.Module = torch.compile(net) if compile else net
         if compile:
             step_mode = "compiled (torch.compile; its compilation counts in the time)"
-            # inductor walks the graph recursively, about two frames per layer: at
+            # inductor walks the graph recursively, at least two frames per layer: at
             # 1,024 layers Python's default limit (1,000) ended the compilation with a
-            # RecursionError (docs/tta/ceilings/compile_serial.txt); given back at the end
+            # RecursionError, and 50,000 let it finish (docs/tta/ceilings/
+            # compile_serial.txt), so 50 a layer with room; given back at the end
             sys.setrecursionlimit(max(recursion, 50 * n_fine + 10_000))
     elif data_parallel > 1 or not (comm is None or hasattr(comm, "Split_type")):
         grid = ProcessGrid(comm, data=data_parallel, sync=_sync_strategy(

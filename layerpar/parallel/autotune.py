@@ -399,9 +399,10 @@ def _time_passes(model: LayerParallel, m: LayerParallel, x: Tensor, y: Any,
     `.grad` is written) after one untimed pass (none if `m` is `warm`: it ran passes
     of this batch's shape already); the slowest rank's, on every rank.
     An untimed pass that ran first-use timings on some rank (`timing.first_uses`: a
-    shape met for the first time in this process, and on a GPU the Triton kernels'
-    compilation, 2.6 s on an H200 against passes of 27-46 ms) says nothing of the
-    candidate's speed, so one more untimed pass replaces it.
+    shape met for the first time in this process, on a GPU with the Triton kernels'
+    compilation; on an H200 the first candidate's first pass took 2.6 s against passes
+    of 27-46 ms, most likely that) says nothing of the candidate's speed, so one more
+    untimed pass replaces it.
     An untimed pass above `GIVE_UP` x `bound` ends the timing there, as does a first
     timed pass above `SLOWER` x `bound`, unless the untimed pass was within `SLOWER`
     x `bound`: then that timed pass was disturbed (on the 2-core machine, case a's

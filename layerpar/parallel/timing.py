@@ -5,9 +5,9 @@ host-device synchronisation per step.
 
 Such a timing is a one-time cost of the pass that first meets a shape, and on a GPU
 the first one also compiles the Triton kernels (on an H200, the auto-tuning's first
-candidate's first pass took 2.6 s where the candidates' passes took 27-46 ms), so
-`first_uses` counts them: the auto-tuning does not judge a candidate by a pass that
-ran one (`autotune._time_passes`)."""
+candidate's first pass took 2.6 s where the candidates' passes took 27-46 ms, most
+likely for that; not established), so `first_uses` counts them: the auto-tuning does
+not judge a candidate by a pass that ran one (`autotune._time_passes`)."""
 from __future__ import annotations
 
 import time
