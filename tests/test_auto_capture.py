@@ -218,3 +218,135 @@ def test_checks_are_spaced_by_the_replayed_step(monkeypatch: pytest.MonkeyPatch)
     assert tuner.step_seconds is None
     step.close()
     model.close()
+
+
+def _alive_after(step: Any, params: list[torch.Tensor]) -> int:
+    """How many of the parameters' AccumulateGrad nodes made before `step()` still
+    exist after it (each node is marked in its metadata, which lives with the node)."""
+    import gc
+
+    from torch.autograd.graph import get_gradient_edge
+
+    for p in params:
+        get_gradient_edge(p).node.metadata["before"] = True
+    enabled = gc.isenabled()
+    gc.disable()  # what the cyclic collector alone frees counts as alive (it may not run)
+    try:
+        step()
+        return sum("before" in get_gradient_edge(p).node.metadata for p in params)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _small_net() -> Any:
+    import layerpar
+    from layerpar.ode import blocks
+
+    torch.manual_seed(0)
+    return layerpar.ODENet(open=torch.nn.Linear(8, 16), steps=lambda k: blocks.Dense(16),
+                           n_steps=32, t_final=1.0, close=torch.nn.Linear(16, 5))
+
+
+def test_no_gradient_node_outlives_a_capture_reset() -> None:
+    """A parameter's AccumulateGrad node is bound to the CUDA stream it was made on
+    and lives while anything holds it.  On the H100 nodes made by eager passes on the
+    default stream (auto's tuning, a user's own steps) survived into `capture_step`
+    and broke the capture: the engine kept direct mode's states with their graph
+    until its next solve, and each model cached the nodes of its parameters.  Now a
+    direct pass leaves no node alive, a plain layer's record is no reference cycle
+    (each kept its pass's graph until the cyclic collector ran), and one
+    `reset_grad_delivery` (what `capture_step` calls before capturing) forgets the
+    nodes every model sharing the parameters cached."""
+    x, y = torch.randn(32, 8), torch.randint(0, 5, (32,))
+    net = _small_net()
+    one = MGRITOptions(max_levels=1, tol=0.0, rtol=0.0)
+    mg = MGRITOptions(max_levels=2, cfactor=4, max_iter=1, tol=0.0, rtol=0.0)
+    direct = LayerParallel(net, None, one, one, check_finite=False)
+    a = LayerParallel(net, None, mg, mg, check_finite=False)
+    b = direct.like(options=mg, backward_options=mg)  # another model, same parameters
+    params = [p for p in net.parameters()]
+    seg = [p for p in params if p.dim() == 2 and p.shape == (16, 16)]
+    assert len(seg) == 32
+
+    def train(m: LayerParallel) -> None:
+        m.zero_grad(set_to_none=True)
+        CE(m(x), y).backward()
+
+    for m in (direct, a, b):
+        train(m)
+    assert _alive_after(lambda: None, seg) == len(seg)  # cached by a and b
+    a.reset_grad_delivery()
+    # the segment's nodes are gone (the open and close layers' too: nothing holds them)
+    assert _alive_after(lambda: None, params) == 0
+    assert _alive_after(lambda: train(direct), params) == 0  # a direct pass keeps none
+    for m in (a, b):  # and the models train on, remaking their nodes
+        train(m)
+        assert all(p.grad is not None for p in params)
+    for m in (direct, a, b):
+        m.close()
+
+
+_SETTINGS = [("direct", 1, 2, 1, "injection"), ("L2 cf4", 2, 4, 1, "injection"),
+             ("L3 cf4 2/1", 3, 4, 2, "injection"), ("L3 cf4 avg", 3, 4, 1, "average"),
+             ("L4 cf2 avg 2/1", 4, 2, 2, "average")]
+
+
+@pytest.mark.parametrize("name,levels,cf,iters,coarsening", _SETTINGS)
+def test_a_steady_pass_is_capturable(name: str, levels: int, cf: int, iters: int,
+                                     coarsening: str, monkeypatch: pytest.MonkeyPatch
+                                     ) -> None:
+    """What a CUDA graph cannot capture, seen on the CPU: after the first passes, a
+    training step makes no tensor from host data (on a GPU a copy from pageable
+    memory: refused in a capture, and a wait for the GPU outside one; the averaged
+    coarse steps made their index anew each pass, which left auto's setting eager on
+    the H200) and reads no value back.  The capture's own branches are taken
+    (`torch.cuda.is_current_stream_capturing` and the adjoint's `_capturing` say
+    yes), and the step leaves no reference cycle behind."""
+    import gc
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from layerpar.parallel import adjoint
+
+    class Record(TorchDispatchMode):
+        hits: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            op = func.__name__.split(".")[0]
+            if op in ("lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "item",
+                      "is_nonzero", "nonzero", "equal"):
+                self.hits.append(op)
+            return func(*args, **(kwargs or {}))
+
+    net = _small_net()
+    opts = MGRITOptions(max_levels=levels, cfactor=cf, max_iter=iters, tol=0.0, rtol=0.0)
+    model = LayerParallel(net, None, opts, opts.replace(max_iter=1), check_finite=False,
+                          coarsening=coarsening)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 8), torch.randint(0, 5, (32,))
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        CE(model(x), y).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(adjoint, "_capturing", lambda t: True)
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with Record() as rec:
+            step()
+        step()
+        cycles = gc.collect()
+    finally:
+        if enabled:
+            gc.enable()
+    assert rec.hits == [], (name, rec.hits)
+    assert cycles == 0, name
+    model.close()

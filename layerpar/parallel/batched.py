@@ -403,7 +403,7 @@ class BatchedBlocks:
 
             self.fn = vmap(one)
         self._stacked: dict[tuple, tuple[dict, dict]] = {}
-        self._dt: dict[tuple, Tensor] = {}
+        self._dt: dict[tuple, Tensor] = {}  # made on the host once: step sizes, indices
         self._columns: dict[tuple, list[Tensor]] = {}
         self.fast = fused_step_for(self.proto, scheme)  # Triton step on CUDA (kernels/)
         # the rank's own layers (a range of `blocks`), whose parameters a vectorised
@@ -545,7 +545,7 @@ class BatchedBlocks:
                 if rows == list(range(r0, r0 + len(rows))):
                     params = {n: t[r0:r0 + len(rows)] for n, t in means.items()}
                 else:
-                    at = torch.tensor(rows, device=next(iter(means.values())).device)
+                    at = self._index(rows, next(iter(means.values())).device)
                     params = {n: t.index_select(0, at) for n, t in means.items()}
             else:
                 each = [{n: t.mean(dim=0) for n, t in
@@ -583,6 +583,17 @@ class BatchedBlocks:
                 m, span, *t.shape[1:]).mean(dim=1) for n, t in flat.items()}
             got = self._stacked[key] = (means, {"j0": j0})  # type: ignore[dict-item]
         return got[0], got[1]["j0"]  # type: ignore[return-value]
+
+    def _index(self, rows: list[int], device: torch.device) -> Tensor:
+        """`rows` as an index tensor on `device`, made once and kept across passes (a
+        new one each pass is a copy from the host: it made each pass wait for the
+        GPU, and a graph capture cannot take it, which left auto's averaged setting
+        uncaptured on the H200)."""
+        key = ("index", tuple(rows), device)
+        got = self._dt.get(key)
+        if got is None:
+            got = self._dt[key] = torch.tensor(rows, dtype=torch.long, device=device)
+        return got
 
     def dt(self, pairs: tuple[tuple[int, int], ...], like: Tensor) -> Tensor:
         """Step sizes times[b] - times[a] as a [n, 1, ...] tensor on like's device,

@@ -22,6 +22,8 @@ eager step of the setting auto chose there (L4 cf4; docs/tta/gpu/).
 """
 from __future__ import annotations
 
+import gc
+import traceback
 from typing import Any, Callable, Optional
 
 import torch
@@ -103,7 +105,14 @@ def capture_step(model: LayerParallel, optimizer: torch.optim.Optimizer,
             step()
     torch.cuda.current_stream().wait_stream(side)
     optimizer.zero_grad(set_to_none=True)
-    model.reset_grad_delivery()  # AccumulateGrad nodes of the capture's own stream
+    # the parameters' AccumulateGrad nodes are bound to the stream they were made on:
+    # the capture must make its own, so none may outlive the passes before it (one
+    # made on the default stream breaks the capture: cudaErrorStreamCaptureImplicit).
+    # Every model's cache of them is dropped (`GradDelivery.reset`), and whatever only
+    # the cyclic collector would free (a caller's reference cycle holding a graph) is
+    # freed now; layerpar's own passes leave no cycle (tests/test_auto_capture.py)
+    model.reset_grad_delivery()
+    gc.collect()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         loss = step()
@@ -134,6 +143,21 @@ def fixed_settings(model: LayerParallel) -> tuple[LayerParallel, MGRITOptions, M
     # one level iterates nothing, so its tolerance decides nothing (a capture takes none)
     fwd, bwd = (o.replace(tol=0.0, rtol=0.0) if o.max_levels == 1 else o for o in (fwd, bwd))
     return chosen, fwd, bwd
+
+
+def _why(exc: BaseException) -> str:
+    """A failed capture in words: the error, where in layerpar it was raised, and the
+    error that came first during the capture (CUDA reports a broken capture when it
+    ends, as "operation failed due to a previous error during capture": the first
+    error, in `__context__`, is the one that says what broke it)."""
+    def one(e: BaseException) -> str:
+        where = [f for f in traceback.extract_tb(e.__traceback__)
+                 if "layerpar" in f.filename]
+        at = f" (at {where[-1].filename.rsplit('layerpar', 1)[-1].lstrip('/')}:" \
+             f"{where[-1].lineno}, {where[-1].name})" if where else ""
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{at}"
+    first = exc.__context__ or exc.__cause__
+    return one(exc) + (f"; first: {one(first)}" if first is not None else "")
 
 
 class AutoCapturedStep:
@@ -188,7 +212,7 @@ class AutoCapturedStep:
                                        warmup=self.warmup)
         except (RuntimeError, ValueError) as exc:
             twin.close()
-            self.why_eager = f"{type(exc).__name__}: {exc}"
+            self.why_eager = _why(exc)
             return False
         self._twin, self.why_eager = twin, None
         self.captures += 1

@@ -16,23 +16,34 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 __all__ = ["GradDelivery"]
+
+
+#: id(p) -> (p, its AccumulateGrad node), for every `GradDelivery` of the process: the
+#: node is the parameter's, not a model's, and models share parameters (auto's
+#: candidates and its chosen setting, a captured twin), so one `reset` must forget them
+#: all (see `GradDelivery.reset`)
+_NODES: dict[int, tuple[Tensor, object]] = {}
 
 
 class GradDelivery:
     """Decides, per parameter and per backward pass, who accumulates its gradient."""
 
     def __init__(self) -> None:
-        # id(p) -> (p, its AccumulateGrad node); holding the node keeps it p's node
-        self._nodes: dict[int, tuple[nn.Parameter, object]] = {}
+        self._nodes = _NODES  # holding a node keeps it the parameter's node
 
-    def reset(self) -> None:
-        """Forget the cached nodes (they are remade on the current stream when needed:
-        a graph capture after a warm-up on another stream wants its own)."""
-        self._nodes = {}
+    @staticmethod
+    def reset() -> None:
+        """Forget the cached nodes, every model's: they are remade on the current
+        stream when next needed.  A node is bound to the CUDA stream it was made on
+        and lives as long as something holds it, so a node made by an eager pass on
+        the default stream (auto's tuning, a user's own steps) and kept here broke a
+        later graph capture on the H100 (the backward made the default stream wait
+        on the capturing one: `cudaErrorStreamCaptureImplicit`)."""
+        _NODES.clear()
 
     def _node(self, p: Tensor) -> object:
         got = self._nodes.get(id(p))

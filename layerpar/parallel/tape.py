@@ -81,11 +81,16 @@ class PlainRecord:
 
     def __init__(self, layer: nn.Module, x: Tensor, record: bool,
                  prev: Optional[PlainRecord] = None) -> None:
-        self.head: PlainRecord = self
+        # the group's first record, None where it is this one: a record naming itself
+        # was a reference cycle, freed only by the cyclic collector, which kept each
+        # pass's graph alive and with it the parameters' AccumulateGrad nodes, bound
+        # to the CUDA stream of that pass (eager steps on the default stream then
+        # broke a later graph capture on the H200: `cudaErrorStreamCaptureImplicit`)
+        self._head: Optional[PlainRecord] = None
         if record:
             with torch.enable_grad():
                 if prev is not None:
-                    self.x, self.head = prev.y, prev.head
+                    self.x, self._head = prev.y, prev.head
                 else:
                     self.x = x.detach().requires_grad_()
                 self.y = layer(self.x)
@@ -93,6 +98,11 @@ class PlainRecord:
             self.x, self.y = x, layer(x)
         self.params = [p for p in layer.parameters() if p.requires_grad]
         self.group_params = (prev.group_params if prev is not None else []) + self.params
+
+    @property
+    def head(self) -> PlainRecord:
+        """The first record of this one's group (consecutive plain layers, one graph)."""
+        return self if self._head is None else self._head
 
 
 class PassRecord:

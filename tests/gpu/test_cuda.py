@@ -6,6 +6,7 @@ step with `check_finite=False` makes no host-device synchronisation at all.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -189,6 +190,36 @@ def test_captured_training_loop_does_not_synchronise() -> None:
     seconds, count = timer.total()
     assert len(rest) == 3 and count == 4 and seconds > 0
     assert all(torch.isfinite(s.loss) for s in (first, *rest))
+
+
+@pytest.mark.parametrize("levels", [1, 3])
+def test_capture_after_eager_steps_on_the_default_stream(levels: int) -> None:
+    """A user's eager steps before the capture (and auto's tuning, which runs
+    eagerly): the parameters' AccumulateGrad nodes they made on the default stream
+    must not outlive them, or the captured backward makes the default stream wait on
+    the capturing one (`cudaErrorStreamCaptureImplicit`, on the H100 with direct mode
+    kept alive by the engine's states, and with MGRIT by another model's cache)."""
+    from layerpar.parallel import capture_step
+
+    make, shape = nets()["dense"]
+    torch.manual_seed(0)
+    opts = (MGRITOptions(max_levels=1, tol=0.0),) * 2 if levels == 1 else FIXED
+    net = make().cuda()
+    model = layerpar.LayerParallel(net, None, *opts, check_finite=False)
+    other = model.like()  # another model over the same parameters, trained too
+    x, y = torch.randn(*shape, device="cuda"), torch.randint(0, 5, (shape[0],), device="cuda")
+    ce = torch.nn.functional.cross_entropy
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-2, device="cuda"),
+                           capturable=True)
+    for m in (model, other, model):
+        opt.zero_grad(set_to_none=True)
+        ce(m(x), y).backward()
+        opt.step()
+    step = capture_step(model, opt, ce, x, y)
+    losses = [float(step(x, y)) for _ in range(3)]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    other.close()
+    model.close()
 
 
 def test_capture_refuses_what_a_graph_cannot_do() -> None:
