@@ -102,7 +102,8 @@ bench-tta-smoke: build
 # and scikit-learn, but not mnist1d.  So:
 #   here, once:  make device-wheels      (mnist1d's wheel into .whl/, ignored by git)
 #   there, one call per target, carrying .whl (a call may take 10 minutes; on the H200:
-#   bench-tta-gpu ~340 s, study-cpu-16core-tta ~240 s, study-cpu-16core-scale ~75 s):
+#   bench-tta-gpu ~340 s (413 s on an H100), study-cpu-16core-tta ~240 s,
+#   study-cpu-16core-scale ~75 s):
 #     make DEVICE=1 bench-tta-gpu TTA_GPU_OUT=docs/tta/gpu-SHA && cp -r docs/tta/gpu-SHA $OUT/
 #     make DEVICE=1 bench-tta-gpu-compiled   (serial also under torch.compile: not run
 #         yet; compiling case a's serial net took 127 s on the 2-core CPU,
