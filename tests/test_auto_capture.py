@@ -350,3 +350,22 @@ def test_a_steady_pass_is_capturable(name: str, levels: int, cf: int, iters: int
     assert rec.hits == [], (name, rec.hits)
     assert cycles == 0, name
     model.close()
+
+
+def test_a_closed_models_parameters_are_not_kept_alive() -> None:
+    """The gradient-node caches die with their models: one reset reaches every live
+    model's, but no process-wide cache keeps a discarded model's parameters (each
+    node holds its parameter)."""
+    import gc
+    import weakref
+
+    x, y = torch.randn(32, 8), torch.randint(0, 5, (32,))
+    net = _small_net()
+    mg = MGRITOptions(max_levels=2, cfactor=4, max_iter=1, tol=0.0, rtol=0.0)
+    model = LayerParallel(net, None, mg, mg, check_finite=False)
+    CE(model(x), y).backward()
+    watched = weakref.ref(next(iter(net.parameters())))
+    model.close()
+    del model, net
+    gc.collect()
+    assert watched() is None

@@ -13,6 +13,7 @@ tensors) or that has hooks gets its gradient through the engine as usual.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -22,28 +23,31 @@ from torch.autograd.graph import get_gradient_edge
 __all__ = ["GradDelivery"]
 
 
-#: id(p) -> (p, its AccumulateGrad node), for every `GradDelivery` of the process: the
-#: node is the parameter's, not a model's, and models share parameters (auto's
-#: candidates and its chosen setting, a captured twin), so one `reset` must forget them
-#: all (see `GradDelivery.reset`)
-_NODES: dict[int, tuple[Tensor, object]] = {}
+#: every live `GradDelivery`: models share parameters (auto's candidates and its chosen
+#: setting, a captured twin), and a node is the parameter's, so one `reset` must make
+#: them all forget it; each cache still dies with its model (a process-wide cache of
+#: nodes would keep every model's parameters alive: a node holds its parameter)
+_ALL: weakref.WeakSet[GradDelivery] = weakref.WeakSet()
 
 
 class GradDelivery:
     """Decides, per parameter and per backward pass, who accumulates its gradient."""
 
     def __init__(self) -> None:
-        self._nodes = _NODES  # holding a node keeps it the parameter's node
+        # id(p) -> (p, its AccumulateGrad node); holding the node keeps it p's node
+        self._nodes: dict[int, tuple[Tensor, object]] = {}
+        _ALL.add(self)
 
     @staticmethod
     def reset() -> None:
         """Forget the cached nodes, every model's: they are remade on the current
         stream when next needed.  A node is bound to the CUDA stream it was made on
         and lives as long as something holds it, so a node made by an eager pass on
-        the default stream (auto's tuning, a user's own steps) and kept here broke a
-        later graph capture on the H100 (the backward made the default stream wait
-        on the capturing one: `cudaErrorStreamCaptureImplicit`)."""
-        _NODES.clear()
+        the default stream (auto's tuning, a user's own steps) and kept by any model
+        broke a later graph capture on the H100 (the backward made the default stream
+        wait on the capturing one: `cudaErrorStreamCaptureImplicit`)."""
+        for delivery in list(_ALL):
+            delivery._nodes = {}
 
     def _node(self, p: Tensor) -> object:
         got = self._nodes.get(id(p))
