@@ -197,8 +197,9 @@ def test_capture_after_eager_steps_on_the_default_stream(levels: int) -> None:
     """A user's eager steps before the capture (and auto's tuning, which runs
     eagerly): the parameters' AccumulateGrad nodes they made on the default stream
     must not outlive them, or the captured backward makes the default stream wait on
-    the capturing one (`cudaErrorStreamCaptureImplicit`, on the H100 with direct mode
-    kept alive by the engine's states, and with MGRIT by another model's cache)."""
+    the capturing one (`cudaErrorStreamCaptureImplicit`: on the H100 and the H200 the
+    nodes were kept by direct mode's states in the engine, by another model's cache
+    and by a reference cycle in the plain layers' records; docs/tta/gpu-capture-check)."""
     from layerpar.parallel import capture_step
 
     make, shape = nets()["dense"]
