@@ -421,8 +421,10 @@ class LayerParallel(nn.Module):
             runner.set_iterations(fwd, bwd)
 
     def reset_grad_delivery(self) -> None:
-        """Forget the cached gradient-accumulation nodes (`grads.GradDelivery`), e.g.
-        after a capture on another stream."""
+        """Forget the cached gradient-accumulation nodes (`grads.GradDelivery`), every
+        model's (models share parameters, and a node is its parameter's), so that the
+        next pass makes them on its own stream: `capture_step` calls it before
+        capturing."""
         self._deliver.reset()
 
     @contextlib.contextmanager
