@@ -26,7 +26,7 @@ XBRAID_BUILT := $(if $(XBRAID_DIR),$(VENV)/.built-xbraid)
 .PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-engines bench-paths \
 	bench-sync bench-tta bench-tta-smoke bench-tta-gpu bench-tta-gpu-compiled study-cpu-16core \
 	study-cpu-16core-scale \
-	study-cpu-16core-tta device-wheels device-setup train lint clean
+	study-cpu-16core-tta device-wheels device-setup test-gpu train lint clean
 
 setup: $(VENV)/.installed
 
@@ -111,6 +111,7 @@ bench-tta-smoke: build
 #     make DEVICE=1 study-cpu-16core-scale && cp docs/studies/cpu-16core/*.csv $OUT/
 #     make DEVICE=1 study-cpu-16core-tta && cp docs/tta/cpu-16core/* $OUT/
 #     make DEVICE=1 bench-gpu && cp docs/gpu/bench-gpu-rows.csv $OUT/
+#     make DEVICE=1 test-gpu   (the GPU tests alone: run them first)
 # DEVICE=1 builds the engine in place with GPU_PYTHON, installs the carried wheels into
 # DEVICE_SITE (device-setup) and puts both on PYTHONPATH (workers started from a script
 # import layerpar from there; nothing is installed); without it, the 16-core targets use
@@ -166,6 +167,11 @@ bench-gpu:
 	$(GPU_PYTHON) -m layerpar.bench gpu --models dense,conv,conv16,transformer \
 	    --csv docs/gpu/bench-gpu-rows.csv
 	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu
+
+# The GPU tests alone (six of them took 10 s on the H200): on a lent device,
+# `make DEVICE=1 test-gpu` (carrying .whl), before the benchmarks that depend on them
+test-gpu: device-setup
+	$(DEVICE_ENV) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu
 
 train: build
 	$(BIN)/layerpar train peaks --np $(NP)
