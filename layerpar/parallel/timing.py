@@ -76,8 +76,8 @@ class SpanTimer:
         self._open = None
 
     def total(self) -> tuple[float, int]:
-        """(seconds, spans) over all stopped spans since the last `reset`; on CUDA it
-        waits for the last span's end event (once, not per span)."""
+        """(seconds, spans) over all stopped spans; on CUDA it waits for the last
+        span's end event (once, not per span)."""
         if self._spans:
             if self.cuda:
                 self._spans[-1][1].synchronize()
@@ -92,8 +92,3 @@ class SpanTimer:
         """Seconds per span so far, or None before the first."""
         seconds, count = self.total()
         return seconds / count if count else None
-
-    def reset(self) -> None:
-        """Forget the spans (an open one stays open)."""
-        self._spans.clear()
-        self.seconds, self.count = 0.0, 0
