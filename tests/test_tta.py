@@ -215,3 +215,29 @@ def test_compiled_serial_baseline_is_launched_when_asked(monkeypatch: pytest.Mon
                               device="cuda", compiled=True)
     assert [r.serial for r in runs] == [True, True, False]
     assert any("compiled: failed" in line and "InductorError" in line for line in said)
+
+
+@pytest.mark.parametrize("nprocs, auto_threads", [(1, 4), (2, 1)])
+def test_auto_gets_the_serial_baselines_threads_at_one_rank(
+        monkeypatch: pytest.MonkeyPatch, nprocs: int, auto_threads: int) -> None:
+    """At one rank ``--auto`` is one process on the cores serial had: it runs at the
+    probe's best thread count as serial does (its serial candidate is then the serial
+    baseline; at 1 thread it would race a 2-thread serial with one core, issue 20's
+    ``--np 1`` rows); at several ranks each rank has one thread (they share the cores).
+    Launches recorded, not run."""
+    launched: list[tuple[list[str], int, int]] = []
+
+    def fake(case: tta.Case, extra: list[str], nprocs: int, threads: int, timeout: object
+             ) -> tuple[dict, float]:
+        launched.append((extra, nprocs, threads))
+        hist = [{"epoch": 1, "train_seconds": 1.0, "val_acc": 0.5, "val_loss": 1.0,
+                 "train_loss": 1.0}]
+        return ({"history": hist, "summary": "s", "auto_choice": "serial", "auto_log": [],
+                 "accuracy_log": []}, 1.0)
+
+    monkeypatch.setattr(tta, "_launch", fake)
+    runs, _, _ = tta.run_case(tta.Case("c", "digits", "digits", 1), nprocs,
+                              say=lambda _: None, probe=(4, {1: 0.2, 4: 0.1}, 10))
+    assert launched[0] == (["--serial", "--device", "cpu"], 1, 4)
+    assert launched[1][1:] == (nprocs, auto_threads) and launched[1][0][0] == "--auto"
+    assert [r.threads for r in runs] == [4, auto_threads]

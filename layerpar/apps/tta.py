@@ -220,8 +220,12 @@ def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any 
     the GPU (the thread probe is still the host's), and serial twice: eagerly (the
     target's run) and captured in one CUDA graph per step (`SERIAL_CAPTURED`).
     `compiled`: serial once more, the net compiled by ``torch.compile`` (``--serial
-    --compile``: its compilation counts in its time)."""
+    --compile``: its compilation counts in its time).
+    Threads: serial runs at the probe's best count; ``--auto`` at one rank too (one
+    process, the same cores: its serial candidate is then the serial baseline), at
+    several ranks one per rank (the ranks share the cores)."""
     threads, per, _ = best_threads(case) if probe is None else probe
+    auto_threads = threads if nprocs == 1 else 1
     dev = ["--device", device]
     say(f"[{case.key}] {case.label}: serial step "
         + ", ".join(f"{1e3 * s:.1f} ms at {k} thread(s)" for k, s in per.items())
@@ -252,12 +256,12 @@ def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any 
             say(f"[{case.key}]   serial, compiled: {got['summary']} ({wall:.0f} s wall)")
     for bound in bounds:
         extra = [] if bound is None else ["--max-grad-error", repr(bound)]
-        got, wall = _launch(case, ["--auto", *dev, *extra], nprocs, 1, timeout)
+        got, wall = _launch(case, ["--auto", *dev, *extra], nprocs, auto_threads, timeout)
         name = f"auto ({nprocs} ranks" + ("" if bound is None else f", err<={bound:g}") + ")"
         settings = got["auto_choice"] or "?"
         if device != "cpu":  # captured (how often) or eager, and why
             settings += f", {got.get('step_mode', '?')}"
-        runs.append(Run(name, nprocs, 1, got["history"], settings, wall,
+        runs.append(Run(name, nprocs, auto_threads, got["history"], settings, wall,
                         got["auto_log"] + got["accuracy_log"]))
         say(f"[{case.key}]   {name}: {got['summary']} ({wall:.0f} s wall)")
         for line in got["auto_log"] + got["accuracy_log"]:
