@@ -70,13 +70,14 @@ def test_structures_with_a_sequential_coarse_grid_go_last() -> None:
 
 def _fixed_cost(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every MGRIT candidate costs 0.1 s per iteration, exact propagation 1 s (after
-    running the passes as usual); two structures only, to keep the test short."""
+    running the passes as usual; at one rank it is the net itself, which has no
+    options); two structures only, to keep the test short."""
     timed = at._time_passes
     monkeypatch.setattr(at, "STRUCTURES", ((2, 4), (2, 8)))
 
     def fake(model: Any, m: Any, *args: Any, **kwargs: Any) -> float:
         timed(model, m, *args[:4])
-        if m.options.max_levels == 1:
+        if not hasattr(m, "options") or m.options.max_levels == 1:
             return 1.0
         return 0.1 * (m.options.max_iter + m.backward_options.max_iter)
 
@@ -105,6 +106,46 @@ def test_only_exact_within_the_bound_picks_exact(monkeypatch: pytest.MonkeyPatch
     out = model(x)  # trains through the chosen setting: serial autograd, exact
     torch.testing.assert_close(out, net(x), rtol=0, atol=0)
     model.close()
+
+
+def test_serial_choice_at_one_rank_runs_the_net_itself(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """At one rank with serial autograd chosen, a training pass is the net's own
+    forward (`autotune.plain_serial`): no layer-parallel pass in between (its ~0.15 ms
+    left ``--auto`` 10-15 % behind serial on digits), gradients bit for bit serial's,
+    the train/eval mode followed; the setting is still the direct-mode model (what a
+    CUDA graph captures) and reports one level, one iteration."""
+    from layerpar.parallel.capture import fixed_settings
+
+    _fixed_cost(monkeypatch)
+    net, x, y = _stiff_batch(20.0)
+    loss = torch.nn.functional.cross_entropy
+    model = LayerParallel(net, None, "auto", accuracy=AccuracyPolicy(max_rel_error=1e-6))
+    got = model.tune(x, y, loss)
+    assert got.choice.candidate.exact and got.choice.candidate.name(1) == "serial autograd"
+    assert model._auto.plain is net
+
+    def refused(*args: Any) -> None:
+        raise AssertionError("a layer-parallel pass ran")
+
+    monkeypatch.setattr(LayerParallel, "_forward_once", refused)
+    params = list(net.parameters())
+    grads = torch.autograd.grad(loss(model(x), y), params)
+    ref = torch.autograd.grad(loss(net(x), y), params)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref, strict=True))
+    assert [(s.n_levels, s.iterations) for s in model.last_forward] == [(1, 1)]
+    assert [(s.n_levels, s.iterations) for s in model.last_backward] == [(1, 1)]
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    assert not net.training
+    model.train()
+    model(x)
+    assert net.training
+    chosen, fwd, bwd = fixed_settings(model)
+    assert chosen is model._auto.chosen and fwd.max_levels == bwd.max_levels == 1
+    model.close()
+    assert model._auto.plain is None
 
 
 def test_within_the_bound_picks_mgrit_and_watches(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,8 +13,9 @@ fast a setting runs depends on the machine, so neither can be fixed in advance.
    rows and one all-reduce sums the gradients (the batch's gradient, to round-off),
    which pays where a pass's arithmetic, not its operations' launch, is the cost.
    Then **exact propagation**
-   (``max_levels=1`` both ways; at one rank *direct mode*, plain serial autograd
-   through the same modules; skipped where the budget has no room for it,
+   (``max_levels=1`` both ways; at one rank plain serial autograd, the net's own
+   forward through the same modules, timed and run as such; skipped where the budget
+   has no room for it,
    `EXACT_SETUP` plus its passes, so a small net's tuning costs a few passes).
    Both are within any bound; the faster is the time to beat.
 2. **MGRIT candidates**, cheapest first: levels and coarsening factor from
@@ -94,7 +95,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..mgrit.grid import build_levels
 from ..mgrit.options import MGRITOptions
@@ -189,7 +190,7 @@ class Candidate:
         if self.replicated:
             return "serial (replicated, batch split)" if self.split else "serial (replicated)"
         if self.exact:
-            return "serial autograd (direct mode)" if ranks == 1 else "exact propagation"
+            return "serial autograd" if ranks == 1 else "exact propagation"
         return (f"L{self.levels} cf{self.cfactor} {self.fwd_iters}/{self.bwd_iters} "
                 f"{'batched' if self.batched else 'per-step'}"
                 + ("" if self.coarsening is None else
@@ -517,6 +518,29 @@ def _build(model: LayerParallel, cand: Candidate, policy: Optional[AccuracyPolic
     return twin
 
 
+def plain_serial(model: LayerParallel, chosen: Any) -> Optional[nn.Module]:
+    """The net the training passes run directly where the choice at one rank is serial
+    autograd (`chosen`: exact both ways, no controller), else None.
+
+    Why not `chosen` itself: at one rank its passes (direct mode) are the same serial
+    autograd through the same modules, but go through the layer-parallel machinery
+    on the way (the engine's sequential solve, the finiteness checks, the pass's
+    bookkeeping): about 0.15 ms a pass, 4 % of a digits step, which left ``--auto``
+    at 1.10-1.15x serial's time to target there (issue 20, ``--np 1``).  `chosen`
+    stays the setting (a CUDA graph captures it: `AutoCapturedStep`); its reported
+    solves are one level, one iteration, as a direct pass reports them."""
+    from ..mgrit.result import MGRITResult
+
+    if model.size != 1 or not isinstance(chosen, type(model)) or chosen.accuracy is not \
+            None or chosen.options.max_levels != 1 or chosen.backward_options.max_levels != 1:
+        return None
+    net = model.whole_net
+    one = [MGRITResult(iterations=1, converged=True, n_levels=1, timings={}, _history=[])
+           for _ in net.segments]
+    chosen.last_forward, chosen.last_backward = one, list(one)
+    return net
+
+
 def _drop(twin: Optional[LayerParallel]) -> None:
     """Close a candidate (collective)."""
     if twin is not None:
@@ -613,6 +637,8 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
         if Candidate(1) in known:
             t_exact = known[Candidate(1)]
             reused += 1
+        elif model.size == 1:  # serial autograd: the net itself, as it will run
+            t_exact = _time_passes(model, model.whole_net, x, y, loss_fn, repeats)
         else:
             with model.exact():  # exact propagation on the model itself
                 t_exact = _time_passes(model, model, x, y, loss_fn, repeats)
@@ -817,6 +843,9 @@ class AutoTuner:
     #: setting's passes eagerly (`AutoCapturedStep.observe_step`: CUDA-graph replays);
     #: the checks' interval is set against it instead of the eager pass
     step_seconds: Optional[float] = None
+    #: at one rank with serial autograd chosen: the net that training passes run
+    #: directly (`plain_serial`), else None
+    plain: Optional[nn.Module] = None
 
     @property
     def tuned(self) -> bool:
@@ -905,6 +934,7 @@ class AutoTuner:
         for other in kept.values():
             other.close()
         model.accuracy = self.chosen.accuracy
+        self.plain = plain_serial(model, self.chosen)
         return got
 
     def _start_trial(self, model: LayerParallel, x: Tensor, y: Any,
@@ -990,6 +1020,11 @@ class AutoTuner:
         assert self.chosen is not None
         self.chosen.training = model.training
         self.batches += 1
+        net = self.plain
+        if net is not None:  # one rank, serial autograd: the net itself
+            if net.training is not model.training:
+                net.train(model.training)
+            return net(x)
         return self.chosen(x)
 
     def count_captured(self) -> None:
@@ -1088,4 +1123,4 @@ class AutoTuner:
             self.trial.close()  # (the running one, `chosen`, among them)
             self.trial = self.chosen = None
         _drop(self.chosen)
-        self.chosen = None
+        self.chosen = self.plain = None
