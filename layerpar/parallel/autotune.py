@@ -531,9 +531,10 @@ def plain_serial(model: LayerParallel, chosen: Any) -> Optional[nn.Module]:
     solves are one level, one iteration, as a direct pass reports them."""
     from ..mgrit.result import MGRITResult
 
-    if model.size != 1 or not isinstance(chosen, type(model)) or chosen.accuracy is not \
-            None or chosen.options.max_levels != 1 or chosen.backward_options.max_levels != 1:
-        return None
+    if model.size != 1 or model.averages_replicas or not isinstance(chosen, type(model)) \
+            or chosen.accuracy is not None or chosen.options.max_levels != 1 \
+            or chosen.backward_options.max_levels != 1:
+        return None  # (data replicas average their gradients inside the pass)
     net = model.whole_net
     one = [MGRITResult(iterations=1, converged=True, n_levels=1, timings={}, _history=[])
            for _ in net.segments]
@@ -637,7 +638,8 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
         if Candidate(1) in known:
             t_exact = known[Candidate(1)]
             reused += 1
-        elif model.size == 1:  # serial autograd: the net itself, as it will run
+        elif model.size == 1 and not model.averages_replicas:  # serial autograd: the
+            # net itself, as it will run (`plain_serial`)
             t_exact = _time_passes(model, model.whole_net, x, y, loss_fn, repeats)
         else:
             with model.exact():  # exact propagation on the model itself
