@@ -256,7 +256,12 @@ class ODENet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Serial oracle: every layer in order, plain autograd."""
-        seed = self.forward_seed()
+        return self.forward_seeded(x, self.forward_seed())
+
+    def forward_seeded(self, x: Tensor, seed: int | None) -> Tensor:
+        """`forward` with its dropout seed given: ``forward_seed()``'s, or None where
+        the caller knows that no layer draws random numbers (`forward_seed` walks
+        every module to find that out: 0.3 ms a pass on 128 pre-norm MLP layers)."""
         segment_index = 0
         for layer in self.layers:
             if isinstance(layer, Segment):

@@ -95,10 +95,11 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..mgrit.grid import build_levels
 from ..mgrit.options import MGRITOptions
+from ..ode.net import ODENet
 from .accuracy import ExactReference, GradientCheck, _Restore, _sq, check_gradients, exact_reference
 from .adaptive import AccuracyPolicy
 from .batched import same_structures
@@ -518,7 +519,7 @@ def _build(model: LayerParallel, cand: Candidate, policy: Optional[AccuracyPolic
     return twin
 
 
-def plain_serial(model: LayerParallel, chosen: Any) -> Optional[nn.Module]:
+def plain_serial(model: LayerParallel, chosen: Any) -> Optional[ODENet]:
     """The net the training passes run directly where the choice at one rank is serial
     autograd (`chosen`: exact both ways, no controller), else None.
 
@@ -847,7 +848,7 @@ class AutoTuner:
     step_seconds: Optional[float] = None
     #: at one rank with serial autograd chosen: the net that training passes run
     #: directly (`plain_serial`), else None
-    plain: Optional[nn.Module] = None
+    plain: Optional[ODENet] = None
 
     @property
     def tuned(self) -> bool:
@@ -1026,7 +1027,10 @@ class AutoTuner:
         if net is not None:  # one rank, serial autograd: the net itself
             if net.training is not model.training:
                 net.train(model.training)
-            return net(x)
+            # the base class's layers in order, as every setting runs them (not a
+            # subclass's own forward); a seed only where the net has dropout
+            return ODENet.forward_seeded(net, x, net.forward_seed() if model.has_dropout
+                                         else None)
         return self.chosen(x)
 
     def count_captured(self) -> None:
