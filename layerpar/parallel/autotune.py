@@ -519,6 +519,12 @@ def _build(model: LayerParallel, cand: Candidate, policy: Optional[AccuracyPolic
     return twin
 
 
+def _serial_alone(model: LayerParallel) -> bool:
+    """Whether serial autograd here is the net run alone: one rank, and no data
+    replicas (whose gradients are averaged inside the layer-parallel pass)."""
+    return model.size == 1 and not model.averages_replicas
+
+
 def plain_serial(model: LayerParallel, chosen: Any) -> Optional[ODENet]:
     """The net the training passes run directly where the choice at one rank is serial
     autograd (`chosen`: exact both ways, no controller), else None.
@@ -532,10 +538,10 @@ def plain_serial(model: LayerParallel, chosen: Any) -> Optional[ODENet]:
     solves are one level, one iteration, as a direct pass reports them."""
     from ..mgrit.result import MGRITResult
 
-    if model.size != 1 or model.averages_replicas or not isinstance(chosen, type(model)) \
+    if not _serial_alone(model) or not isinstance(chosen, type(model)) \
             or chosen.accuracy is not None or chosen.options.max_levels != 1 \
             or chosen.backward_options.max_levels != 1:
-        return None  # (data replicas average their gradients inside the pass)
+        return None
     net = model.whole_net
     one = [MGRITResult(iterations=1, converged=True, n_levels=1, timings={}, _history=[])
            for _ in net.segments]
@@ -639,8 +645,7 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
         if Candidate(1) in known:
             t_exact = known[Candidate(1)]
             reused += 1
-        elif model.size == 1 and not model.averages_replicas:  # serial autograd: the
-            # net itself, as it will run (`plain_serial`)
+        elif _serial_alone(model):  # serial autograd: the net itself, as it will run
             t_exact = _time_passes(model, model.whole_net, x, y, loss_fn, repeats)
         else:
             with model.exact():  # exact propagation on the model itself
