@@ -24,6 +24,7 @@ from mpi_util import WORKERS, rank_lines, run_mpi
 
 from layerpar.apps import cli, data
 from layerpar.apps.nets import problem_net
+from layerpar.mgrit import MGRITOptions
 from layerpar.parallel import LayerParallel
 from layerpar.parallel import autotune as at
 from layerpar.parallel.adaptive import AccuracyPolicy
@@ -218,6 +219,38 @@ def test_retuning_reuses_timings_and_the_remaining_budget(
     model.close()
 
 
+def test_first_forward_tunes_with_a_surrogate_loss(monkeypatch: pytest.MonkeyPatch
+                                                   ) -> None:
+    """Without `tune`, the first training pass tunes with a surrogate loss, the
+    MGRIT candidates' gradient errors included (the checks refused its missing
+    targets, so auto crashed on any net deep enough for MGRIT to be tried), under the
+    default bound, which the log says why; an evaluation or no-grad pass before it
+    (a loaded checkpoint's, say) runs exact propagation and tunes nothing."""
+    _fixed_cost(monkeypatch)
+    net, x, y = _stiff_batch(1.0)
+    ref = problem_net("peaks", 32, 8, t_final=1.0).double()
+    ref.load_state_dict(net.state_dict())
+    model = LayerParallel(net, None, "auto")
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    torch.testing.assert_close(out, ref.eval()(x), rtol=0, atol=0)
+    model.train()
+    with torch.no_grad():
+        model(x)
+    assert not model.tuner.tuned and model.tuner.results == []
+    loss = torch.nn.functional.cross_entropy(model(x), y)  # tunes first
+    got = model.tuner.results[-1]
+    checked = [m for m in got.table if not m.candidate.exact and m.rel_error is not None]
+    assert len(checked) >= 2, got.lines()
+    assert "no targets (tuned on the first forward pass" in "\n".join(got.lines())
+    assert got.choice.within and not got.choice.candidate.exact, got.lines()
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all()
+               for p in model.parameters())
+    model.close()
+
+
 def test_auto_refuses_backward_options() -> None:
     net, _, _ = _stiff_batch(1.0)
     with pytest.raises(TypeError, match="`backward_options` must be None"):
@@ -247,6 +280,10 @@ def test_auto_decides_alike_on_every_rank() -> None:
     chosen = float(step.split("chosen_err ")[1])
     assert abs(grad_rel - chosen) <= 1e-5 * max(chosen, 1e-12) + 1e-12, step
     assert grad_rel <= at.NOISE_CAP, step
+    # tuned on the first training pass, with no targets: MGRIT candidates checked
+    surrogate = [x for x in got if x.startswith("surrogate ")]
+    assert surrogate[0] == "surrogate eval_exact True tuned False", surrogate
+    assert int(surrogate[1].split("checked ")[1].split()[0]) >= 2, surrogate
 
 
 # --- MNIST-1D offline -----------------------------------------------------------------------
@@ -317,6 +354,22 @@ def test_train_target_and_summary(capsys: pytest.CaptureFixture) -> None:
                 progress=False)
     assert res.time_to_target is None and "time_to_target not reached" in res.summary
     assert parse_summary(res.summary)["time_to_target"] is None
+
+
+def test_summary_names_autos_serial_choice() -> None:
+    """At one rank, where auto chose serial autograd, the summary says so (it said
+    "sequential sweeps", what the setting it keeps for a capture would run)."""
+    from layerpar.apps.train import parse_summary, train
+
+    res = train("peaks", auto=True, epochs=1, n_layers=4, progress=False)
+    assert res.module.tuner.plain is not None  # the choice: the net itself
+    assert "| exact (serial autograd) |" in res.summary, res.summary
+    assert parse_summary(res.summary)["exact_kind"] == "serial autograd"
+    assert res.exact_steps == res.last_epoch_steps > 0
+    o = MGRITOptions(max_levels=3)
+    for kw in (dict(fwd=o), dict(bwd=o), dict(engine="xbraid")):  # ignored, silently
+        with pytest.raises(ValueError, match="with `auto`: auto chooses the MGRIT"):
+            train("peaks", auto=True, epochs=1, n_layers=4, progress=False, **kw)
 
 
 def test_tuning_time_is_bounded_by_the_training_to_come() -> None:

@@ -110,7 +110,7 @@ if TYPE_CHECKING:
     from .model import LayerParallel
 
 __all__ = ["ITERATIONS", "NOISE_CAP", "NOISE_FRACTION", "STRUCTURES", "AutoTuner",
-           "Candidate", "Measurement", "TuneResult", "auto_policy", "choose",
+           "Candidate", "Measurement", "NO_TARGETS", "TuneResult", "auto_policy", "choose",
            "gradient_noise", "order_structures", "tune"]
 
 #: (levels, coarsening factor) tried, in this order
@@ -663,9 +663,12 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
             noise = gradient_noise(model, x, y, loss_fn)
             if noise is None:
                 bound = replace(policy, noise_fraction=None)
-                note = (f"the gradient noise could not be measured on this batch, so "
-                        f"the default: relative error <= {bound.max_rel_error:g}, "
-                        f"cosine >= {bound.min_cosine:g}")
+                why = ("no targets (tuned on the first forward pass, with a surrogate "
+                       "loss: call tune(x, y, loss_fn) to tune on the training's own)"
+                       if y is NO_TARGETS else
+                       "the gradient noise could not be measured on this batch")
+                note = (f"{why}, so the default: relative error <= "
+                        f"{bound.max_rel_error:g}, cosine >= {bound.min_cosine:g}")
             else:
                 bound = policy.measured(noise, NOISE_CAP)
                 note = (f"measured: the batch gradient's relative sampling error is "
@@ -778,9 +781,23 @@ def _check_interval(pass_s: float, exact_s: float, noise_share: float,
     return math.ceil(cost / (CHECK_SHARE * step))
 
 
+class _NoTargets:
+    """The targets of a tuning on a forward pass, which knows none: what the checks
+    pass to `_surrogate_loss`, which ignores them (not None, which the checks refuse,
+    and not a tensor, so no noise is estimated from them)."""
+
+    def __repr__(self) -> str:
+        return "NO_TARGETS"
+
+
+#: the targets `AutoTuner.forward` tunes with (see `_NoTargets`)
+NO_TARGETS = _NoTargets()
+
+
 def _surrogate_loss(out: Tensor, y: Any) -> Tensor:
     """A loss for tuning when the caller gave none: the output's projection on a fixed
-    random direction (the same on every rank), so gradients have no special shape."""
+    random direction (the same on every rank), so gradients have no special shape.
+    `y` is ignored (`NO_TARGETS`)."""
     g = torch.Generator().manual_seed(20)
     w = torch.randn(out.shape[1:], generator=g, dtype=torch.float64).to(out)
     return (out * w).sum() / max(1, out.shape[0])
@@ -1020,11 +1037,18 @@ class AutoTuner:
 
     def forward(self, model: LayerParallel, x: Tensor) -> Tensor:
         """A pass of `model`: tuned first if it never was (with a surrogate loss,
-        since a forward pass knows no targets; `layerpar.apps.train` tunes with its loss)."""
+        since a forward pass knows no targets; `layerpar.apps.train` tunes with its loss).
+        A pass before any tuning that trains nothing (no gradient recorded, or the
+        model in eval mode: an evaluation of a loaded checkpoint, say) runs exact
+        propagation and leaves the tuning to the first training pass, whose passes
+        it would time."""
         if self.trial is not None:
             self._trial_step(model)
         if not self.tuned:
-            self.tune(model, x, None, _surrogate_loss)
+            if not (model.training and torch.is_grad_enabled()):
+                with model.exact():
+                    return model(x)
+            self.tune(model, x, NO_TARGETS, _surrogate_loss)
         assert self.chosen is not None
         self.chosen.training = model.training
         self.batches += 1

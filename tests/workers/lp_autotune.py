@@ -81,3 +81,23 @@ chosen = results[-1].choice.rel_error
 say(f"step loss {float(loss.detach())!r} serial {float(ref)!r} grad_rel {(num / den) ** 0.5:.6e} "
     f"chosen_err {chosen!r}")
 model.close()
+
+# no tune(): an evaluation runs exact propagation untuned, then the first training
+# pass tunes with the surrogate loss (MGRIT candidates checked: the fake clock again)
+net2, serial2, _, _ = peaks_twins(64)
+model2 = LayerParallel(net2, comm, "auto")
+model2.eval()
+with torch.no_grad():
+    out = model2(x)
+say(f"surrogate eval_exact {bool(torch.equal(out, serial2.eval()(x)))} "
+    f"tuned {model2.tuner.tuned}")
+model2.train()
+autotune._time_passes = fake_clock
+loss = loss_fn(model2(x), y)
+autotune._time_passes = timed
+loss.backward()
+r = model2.tuner.results[-1]
+checked = sum(m.rel_error is not None for m in r.table if not m.candidate.exact)
+say(f"surrogate checked {checked} choice {r.choice.candidate.name(2)} "
+    + "; ".join(f"{m.candidate.name(2)} {m.rel_error!r}" for m in r.table))
+model2.close()
