@@ -189,6 +189,8 @@ def test_exact_kind_names_what_a_step_ran() -> None:
     assert _exact_kind(None) is None  # the serial oracle
     assert _exact_kind([]) == "replicated serial"
     assert _exact_kind([res(1), res(1)]) == "sequential sweeps"
+    assert _exact_kind([res(1)], plain=True) == "serial autograd"  # auto, one rank
+    assert _exact_kind([res(3)], plain=True) is None
     assert _exact_kind([res(1), res(3)]) is None
 
 
@@ -357,8 +359,26 @@ def test_cli_propagates_the_jobs_exit_status() -> None:
 def test_cli_serial_runs_in_process(capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["train", "digits", "--serial", "--np", "2", "--epochs", "1",
                      "--no-progress"]) == 0
-    s = parse_summary(capsys.readouterr().out)
+    got = capsys.readouterr()
+    s = parse_summary(got.out)
     assert s["serial"] and s["ranks"] == 1
+    assert "--serial trains the plain net in this one process; --np 2 ignored" in got.err
+
+
+def test_levels_the_net_cannot_have_are_named(capsys: pytest.CaptureFixture) -> None:
+    """Asked for more levels than its layers allow, a run says how many it got and why
+    (7 layers at cf 4 trained exact propagation without a word)."""
+    o = MGRITOptions(max_levels=3, cfactor=4, max_iter=1)
+    train("peaks", epochs=1, n_layers=7, fwd=o, bwd=o, progress=False)
+    out = capsys.readouterr().out
+    assert ("3 MGRIT levels asked; a segment of 7 residual layers gives one level: every "
+            "step runs exact propagation") in out and "cf 4;" in out, out
+    train("peaks", epochs=1, n_layers=16, fwd=dataclasses.replace(o, max_levels=4), bwd=o,
+          progress=False)
+    assert "4 MGRIT levels asked; a segment of 16 residual layers gives 2 level(s)" in \
+        capsys.readouterr().out
+    train("peaks", epochs=1, n_layers=32, fwd=o, bwd=o, progress=False)
+    assert "levels asked" not in capsys.readouterr().out
 
 
 def test_batches_are_the_data_loaders_batches() -> None:

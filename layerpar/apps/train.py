@@ -212,8 +212,9 @@ class TrainResult:
     """Steps of the last epoch that ran no MGRIT cycle (`auto` or the adaptive policy
     stepped aside to `exact_kind`); the iteration figures are the other steps' means."""
     exact_kind: Optional[str] = None
-    """What those steps ran: "replicated serial" or "sequential sweeps" (exact
-    propagation: one level); None where every step ran MGRIT."""
+    """What those steps ran: "replicated serial", "serial autograd" (auto's choice at
+    one rank: the net itself) or "sequential sweeps" (exact propagation: one level);
+    None where every step ran MGRIT."""
     last_epoch_steps: int = 0
     """Steps of the last epoch."""
     stopped_by_budget: bool = False
@@ -345,6 +346,10 @@ def train(
         raise ValueError(f"`seed` must be an int in [0, 2**64 - 1], got {seed!r}")
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"`dtype` must be torch.float32 or torch.float64, got {dtype!r}")
+    if auto is not False and (fwd is not None or bwd is not None or engine != "native"):
+        raise ValueError("`fwd`, `bwd` and `engine` with `auto`: auto chooses the MGRIT "
+                         "settings (with layerpar's own engine) by measurement; give one "
+                         "or the other")
     fwd = TRAINING.fwd_options() if fwd is None else fwd
     bwd = TRAINING.bwd_options() if bwd is None else bwd
     for name, o in (("fwd", fwd), ("bwd", bwd)):
@@ -557,7 +562,7 @@ def train(
                 if step.output is not None:
                     correct += (step.output.detach().argmax(1) == step.target).sum()
                     seen += len(step.target)
-                kind = _exact_kind(step.fwd_stats)
+                kind = _exact_kind(step.fwd_stats, _runs_plain(model))
                 if kind is not None:  # iteration figures are MGRIT's; these ran none
                     exact_kinds.append(kind)
                 else:
@@ -672,6 +677,9 @@ def train(
                    f"{c['rel_error']:.3g}")
             print(f"{model_name}: last gradient check (batch {c['batch']}): {how}",
                   flush=True)
+        levels = None if serial or auto else _levels_note(model, fwd, bwd)
+        if levels is not None:
+            print(f"{model_name}: {levels}", flush=True)
         for line in _summary_notes(result, time_budget, len(loader),
                                    sum(e for _, e in stages)):
             print(f"{model_name}: {line}", flush=True)
@@ -679,17 +687,47 @@ def train(
     return result
 
 
-def _exact_kind(fwd_stats: Optional[list]) -> Optional[str]:
+def _exact_kind(fwd_stats: Optional[list], plain: bool = False) -> Optional[str]:
     """What a `LayerParallel` step ran where it ran no MGRIT cycle: "replicated serial"
-    (no solves at all) or "sequential sweeps" (exact propagation: every segment's
-    solve has one level); None for an MGRIT step or the serial oracle (no stats)."""
+    (no solves at all), "serial autograd" (`plain`: auto's choice at one rank, the
+    net's own layers, whose setting reports one level) or "sequential sweeps" (exact
+    propagation: every segment's solve has one level); None for an MGRIT step or the
+    serial oracle (no stats)."""
     if fwd_stats is None:
         return None
     if not fwd_stats:
         return "replicated serial"
     if all(s.n_levels == 1 for s in fwd_stats):
-        return "sequential sweeps"
+        return "serial autograd" if plain else "sequential sweeps"
     return None
+
+
+def _runs_plain(model: Any) -> bool:
+    """Whether `model`'s passes are auto's serial choice at one rank, the net itself
+    (`layerpar.parallel.autotune.plain_serial`)."""
+    tuner = getattr(model, "tuner", None)
+    return tuner is not None and tuner.plain is not None
+
+
+def _levels_note(model: Any, fwd: MGRITOptions, bwd: MGRITOptions) -> Optional[str]:
+    """Why a layer-parallel run has fewer MGRIT levels than it asked for (None where it
+    has them all): a segment too short to coarsen, whose solves then run fewer levels,
+    or none (exact propagation), without another word."""
+    asked = max(fwd.max_levels, bwd.max_levels)
+    plan = getattr(model, "plan", None)
+    if asked <= 1 or not isinstance(model, LayerParallel) or plan is None:
+        return None
+    got = [(s.n_steps, len(s.forward.levels)) for s in plan.segments]
+    short = [(n, k) for n, k in got if k < fwd.max_levels]
+    if not short:
+        return None
+    n, k = min(short)
+    what = ("one level: every step runs exact propagation (sequential sweeps)" if
+            all(k == 1 for _, k in got) else f"{k} level(s)")
+    return (f"{fwd.max_levels} MGRIT levels asked; a segment of {n} residual layers gives "
+            f"{what}: a coarser level needs at least {fwd.min_coarse} coarse intervals "
+            f"(points // cf, cf {fwd.cfactor_at(k - 1)}; more layers or a smaller "
+            "`--cfactor` give more levels)")
 
 
 def _summary_notes(result: TrainResult, time_budget: Optional[float],
@@ -960,6 +998,22 @@ def parse_summary(text: str) -> dict[str, Any]:
 
 # -- command-line options shared by the examples and `layerpar train` -----------------------
 
+class _Given(argparse.Action):
+    """Store the option's value and note that the command line gave it (``given``):
+    `check_arguments` refuses MGRIT settings that ``--auto`` would replace, even where
+    their value is the default's."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: Optional[str] = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), option_string}
+
+
+#: the options whose settings ``--auto`` chooses itself (refused beside it)
+AUTO_CHOOSES = ("--levels", "--cfactor", "--fwd-iters", "--bwd-iters", "--tol", "--nrelax",
+                "--engine")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the training and MGRIT options (--levels, --cfactor, ... --float64) to ``parser``.
 
@@ -967,18 +1021,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ValueError naming its option.
     """
     g = parser.add_argument_group("MGRIT (forward and adjoint solves)")
-    g.add_argument("--levels", type=int, default=TRAINING.levels,
+    g.add_argument("--levels", action=_Given, type=int, default=TRAINING.levels,
                    help="MGRIT levels at most (1: exact)")
-    g.add_argument("--cfactor", type=int, default=TRAINING.cfactor, help="coarsening factor")
-    g.add_argument("--fwd-iters", type=int, default=TRAINING.fwd_iters,
+    g.add_argument("--cfactor", action=_Given, type=int, default=TRAINING.cfactor,
+                   help="coarsening factor")
+    g.add_argument("--fwd-iters", action=_Given, type=int, default=TRAINING.fwd_iters,
                    help="forward MGRIT iterations")
-    g.add_argument("--bwd-iters", type=int, default=TRAINING.bwd_iters,
+    g.add_argument("--bwd-iters", action=_Given, type=int, default=TRAINING.bwd_iters,
                    help="adjoint MGRIT iterations")
-    g.add_argument("--tol", type=float, default=MGRITOptions.tol,
+    g.add_argument("--tol", action=_Given, type=float, default=MGRITOptions.tol,
                    help="absolute residual tolerance (halts earlier if reached)")
-    g.add_argument("--nrelax", type=int, default=MGRITOptions.nrelax,
+    g.add_argument("--nrelax", action=_Given, type=int, default=MGRITOptions.nrelax,
                    help="relaxation sweeps (0: F, 1: FCF)")
-    g.add_argument("--engine", default="native", metavar="{native,xbraid}",
+    g.add_argument("--engine", action=_Given, default="native", metavar="{native,xbraid}",
                    help="MGRIT engine: layerpar's own (default) or XBraid itself (when "
                         "built with XBRAID_DIR)")
     t = parser.add_argument_group("training")
@@ -1023,7 +1078,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "bound: half the batch gradient's sampling error)")
     a.add_argument("--min-cosine", type=float, default=None, metavar="C",
                    help="the bound of --adaptive and --auto: smallest cosine between "
-                        f"inexact and exact gradients (default {MIN_COSINE:g})")
+                        f"inexact and exact gradients (default {MIN_COSINE:g}; --auto's "
+                        "measured bound implies its own: sqrt(1 - error^2))")
     n = parser.add_argument_group("network, device and stopping")
     n.add_argument("--model", dest="arch", default=None, choices=("dense", "conv"),
                    help="architecture (mnist1d: dense or conv; default: per problem)")
@@ -1112,6 +1168,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     if getattr(args, "adaptive", False) and getattr(args, "data_parallel", 1) > 1:
         raise ValueError("`--adaptive` decides from each replica's own batches: not with "
                          "`--data-parallel`")
+    if getattr(args, "auto", False):
+        for flag in AUTO_CHOOSES:
+            if flag in getattr(args, "given", ()):
+                raise ValueError(f"`{flag}` with `--auto`: auto chooses the MGRIT settings "
+                                 "(and the engine) by measurement; give one or the other")
     if getattr(args, "auto", False) and getattr(args, "check_every", 0):
         raise ValueError("`--check-every` with `--auto`: auto spreads its own gradient "
                          "checks (about 3 % of the training's time)")
@@ -1154,7 +1215,7 @@ def train_from_arguments(model_name: str, args: argparse.Namespace,
     """`train` with the options parsed by `add_arguments` (the examples and
     `layerpar train` share this).  With a communicator of several ranks, each rank's
     intra-op threads are set so the ranks on one node share its cores."""
-    fwd, bwd = options_from_arguments(args)
+    fwd, bwd = (None, None) if getattr(args, "auto", False) else options_from_arguments(args)
     if comm is not None:
         torch.set_num_threads(threads_per_rank(comm))
     return train(model_name, serial=args.serial, epochs=args.epochs,
