@@ -313,6 +313,12 @@ def test_accuracy_policy_bound_message() -> None:
     (["--launcher", "torchrun"], "`--launcher` torchrun starts the processes of `--np`"),
     (["--nested-epochs", "3"], "`--nested-epochs` sets the epochs of each `--nested`"),
     (["--auto", "--check-every", "5"], "`--check-every` with `--auto`: auto spreads"),
+    # the settings auto chooses itself, even at their defaults' values, were ignored
+    (["--auto", "--levels", "3"], "`--levels` with `--auto`: auto chooses the MGRIT"),
+    (["--auto", "--fwd-iters", "3"], "`--fwd-iters` with `--auto`"),
+    (["--cfactor", "8", "--auto"], "`--cfactor` with `--auto`"),
+    (["--auto", "--tol=0"], "`--tol` with `--auto`"),
+    (["--auto", "--engine", "native"], "`--engine` with `--auto`"),
 ])
 def test_train_refuses_in_one_line_before_building(argv: list, message: str,
                                                    capsys: pytest.CaptureFixture) -> None:
@@ -335,3 +341,41 @@ def test_train_engine_xbraid_not_built_is_one_line(monkeypatch: pytest.MonkeyPat
         cli.parse_args(["train", "peaks", "--engine", "xbraid"])
     assert cli.main(["train", "peaks", "--engine", "xbraid"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_argparse_errors_are_one_line(capsys: pytest.CaptureFixture) -> None:
+    """An unknown problem or a value of the wrong type: argparse's own errors read like
+    every checked value's (one line, ``layerpar: error:``, exit 2), not the usage block
+    first under another prefix."""
+    for argv, message in ((["train", "cifar10"], "invalid choice: 'cifar10'"),
+                          (["train", "peaks", "--layers", "x"], "invalid int value: 'x'"),
+                          (["bogus"], "invalid choice: 'bogus'")):
+        with pytest.raises(SystemExit) as info:
+            cli.parse_args(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("layerpar: error: "), err
+        assert message in err and "usage" not in err and "--help" in err, err
+
+
+@pytest.mark.parametrize("env, says", [
+    ({}, True), ({"PMI_RANK": "0", "PMI_SIZE": "2"}, True),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2"}, False),
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4"}, False),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, False),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, True),
+    ({"RANK": "1"}, True)])  # RANK alone is no torchrun job: say it
+def test_a_jobs_bad_command_line_is_said_once(env: dict, says: bool,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture) -> None:
+    """Under ``mpiexec -n 2 layerpar train ...`` every rank refuses a bad value alike;
+    rank 0 alone says it (each rank printed the line)."""
+    for name in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "PMIX_SIZE", "OMPI_COMM_WORLD_RANK",
+                 "OMPI_COMM_WORLD_SIZE", "RANK", "WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", cli.LAUNCHED_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["train", "peaks", "--layers", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("layerpar: error: `--layers` must be >= 1, got -1\n" if says else ""), err

@@ -53,11 +53,42 @@ _MPI_ENV = ("PMI_RANK", "PMIX_RANK", *MPI_SIZE_ENV)
 _TORCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def _reports_errors() -> bool:
+    """Whether this process prints a bad command line's error: outside a job, or as
+    its rank 0 (every rank of a job parses the same command line and fails alike, so
+    one line says it, not one per rank)."""
+    if not launched():
+        return True
+    names = ("RANK",) if under_torchrun() else ("PMI_RANK", "OMPI_COMM_WORLD_RANK",
+                                                "PMIX_RANK")
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None and value.strip().isdigit():
+            return int(value) == 0
+    return True  # a job whose launcher names no rank: every rank says it
+
+
+def _error(message: str) -> None:
+    """A bad command line's one line on standard error (`_reports_errors`)."""
+    if _reports_errors():
+        print(f"layerpar: error: {message}", file=sys.stderr, flush=True)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose own errors (an unknown problem, a missing argument, a
+    value of the wrong type) are one line like every checked value's, ``layerpar:
+    error: ...`` and exit 2, not the usage block first."""
+
+    def error(self, message: str) -> Any:  # argparse's hook: never returns
+        _error(f"{message} (`{self.prog} --help` lists the options)")
+        self.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``layerpar`` command (all subcommands)."""
     from .train import MODELS, add_arguments
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="layerpar", description="Layer-parallel training of ResNets with MGRIT.")
     parser.add_argument("--version", action="version", version=f"layerpar {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -333,12 +364,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = parse_args(argv)
     except ValueError as exc:
-        print(f"layerpar: error: {exc}", file=sys.stderr)
+        _error(str(exc))
         return 2
     if args.command == "info":
         print(info())
         return 0
     if args.command == "train":
+        if args.np > 1 and args.serial and not launched():
+            print(f"layerpar: --serial trains the plain net in this one process; --np "
+                  f"{args.np} ignored", file=sys.stderr, flush=True)
         if args.np > 1 and not args.serial and not launched():
             try:
                 return launch(args.np, argv, args.launcher)
