@@ -80,6 +80,28 @@ class InPlace(torch.nn.Module):
         return torch.tanh(self.lin(u.mul_(0.5)))
 
 
+class Narrowing(torch.nn.Module):
+    """Maps the state to fewer features (not a residual block's F)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return self.lin(u)
+
+
+class Pair(torch.nn.Module):
+    """Returns a tuple (a user's block that also returns its input, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(u), u
+
+
 def _net(block: type) -> layerpar.ODENet:
     torch.manual_seed(0)
     return layerpar.ODENet(open=torch.nn.Linear(3, 4), steps=lambda k: block(), n_steps=8,
@@ -115,4 +137,20 @@ def test_block_changing_its_input_in_place_is_refused(batched: bool, grad: bool)
     model = layerpar.LayerParallel(net, None, MGRIT, batched=batched)
     with torch.set_grad_enabled(grad), \
             pytest.raises(ValueError, match=r"\(InPlace\) modified its input in place"):
+        model(torch.randn(5, 3))
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("block, says", [
+    (Narrowing, r"\(Narrowing\) changed the state's shape from \(5, 4\) to \(5, 3\)"),
+    (Pair, r"\(Pair\) returned a tuple")])
+def test_block_whose_output_is_not_f_of_u_is_named(block: type, says: str, batched: bool,
+                                                   levels: int) -> None:
+    """A block's output must be one tensor shaped like the state: otherwise the error
+    names the layer and the block and says what F must be (torch's broadcasting error
+    from u + h*F(u), or an AttributeError on a tuple, named neither)."""
+    opts = layerpar.MGRITOptions(max_levels=levels, cfactor=2, max_iter=2)
+    model = layerpar.LayerParallel(_net(block), None, opts, batched=batched)
+    with pytest.raises(ValueError, match=says + r".*returns F\(u\), one tensor shaped like u"):
         model(torch.randn(5, 3))

@@ -274,6 +274,21 @@ def inplace_message(block: nn.Module, layer: int, segment: Optional[int]) -> str
             "`torch.relu(u)`, not `u.relu_()`)")
 
 
+def output_message(block: nn.Module, layer: int, segment: Optional[int], u: Tensor,
+                   out: Any) -> Optional[str]:
+    """Why a residual block's output cannot be F(u) (None where it can): F(u) is one
+    tensor shaped like the state u; layerpar adds u + h F(u) itself."""
+    where = f"layer {layer}" + ("" if segment is None else f" of segment {segment}")
+    rule = ("a residual block's forward(u) returns F(u), one tensor shaped like u "
+            "(layerpar takes the step u + h*F(u) itself)")
+    if not isinstance(out, Tensor):
+        return f"{where} ({type(block).__name__}) returned a {type(out).__name__}; {rule}"
+    if out.shape != u.shape:
+        return (f"{where} ({type(block).__name__}) changed the state's shape from "
+                f"{tuple(u.shape)} to {tuple(out.shape)}; {rule}")
+    return None
+
+
 def _describe(value: Any) -> str:
     """A plain attribute as text that is the same in every process: functions and
     classes by qualified name (their default repr holds a memory address)."""
@@ -641,6 +656,14 @@ class BatchedBlocks:
         bufs = own_buffers(self.blocks[layers[0]])
         before = buffer_versions(bufs)
         self.new_pass()
+        try:  # the block's own output first: not one like the state is an error
+            with torch.no_grad():
+                own = self.blocks[layers[0]](v[0])
+        except Exception:  # noqa: BLE001 - the per-step path raises it in its own words
+            own = v[0]
+        bad = output_message(self.proto, layers[0], None, v[0], own)
+        if bad is not None:
+            raise ValueError(bad)
         try:
             with torch.no_grad():
                 p, b = self.stacked(layers)

@@ -33,6 +33,7 @@ from .batched import (
     buffer_message,
     buffer_versions,
     inplace_message,
+    output_message,
     own_buffers,
     unbatchable_reason,
     warn_once,
@@ -420,11 +421,9 @@ def _checked(f: Callable[[Tensor], Tensor], block: nn.Module, a: int, seg_index:
             raise ValueError(inplace_message(block, a, seg_index))
         if buffer_versions(bufs) != before:
             raise ValueError(buffer_message(block, a, seg_index, bufs, before))
-        if out.shape != v.shape:
-            raise ValueError(
-                f"layer {a} of segment {seg_index} changed the state's shape "
-                f"from {tuple(v.shape)} to {tuple(out.shape)}; a residual block "
-                "must keep it")
+        bad = output_message(block, a, seg_index, v, out)
+        if bad is not None:
+            raise ValueError(bad)
         return out
 
     return checked
