@@ -11,6 +11,7 @@ No MPI: measurements are replaced by a function that fails the test if called.
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -217,3 +218,38 @@ def test_append_line_refuses_to_glue_onto_a_partial_line(tmp_path: Path) -> None
     append_line(tmp_path / "new.jsonl", '{"a": 1}')
     append_line(tmp_path / "new.jsonl", '{"a": 2}')
     assert read_jsonl(tmp_path / "new.jsonl", "") == [{"a": 1}, {"a": 2}]
+
+
+@pytest.mark.parametrize("name, plots", [("model.json", False), ("worker-1.json", False),
+                                         ("speedup.png", True), ("model_map.png", True)])
+def test_a_persons_file_of_a_studys_name_is_refused(tmp_path: Path, no_measuring: None,
+                                                    name: str, plots: bool) -> None:
+    """The model's summary, a launch's run list and the plots are written whole over
+    whatever had their name: a person's notes or own plot there were replaced without
+    a word (a new user's trial); now refused before any measurement, nothing changed."""
+    (tmp_path / name).write_text("my own notes")
+    with pytest.raises(StudyFileError, match=re.escape(f"{name} exists and was not "
+                                                       "written by this study")):
+        runner.run_study(GRID, tmp_path / "results.csv", out_dir=tmp_path,
+                         progress=False, plots=plots)
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    assert (tmp_path / name).read_text() == "my own notes"
+
+
+def test_the_studys_own_files_are_written_again(tmp_path: Path) -> None:
+    """What the study wrote is its to replace: its model summary and run lists, its
+    plots (their metadata says whose), and, in a folder it resumes, the plots it wrote
+    before they carried that mark."""
+    from layerpar.apps.studies import plots
+
+    plt = plots._plt()
+    fig = plt.figure()
+    plots._save(fig, tmp_path / "speedup.png")
+    plt.close(fig)
+    (tmp_path / "model.json").write_text('{"call_overhead_s": 1e-4, "rows": []}')
+    (tmp_path / "worker-2.json").write_text('{"out": "worker-2.jsonl", "runs": []}')
+    runner._refuse_foreign(tmp_path, False, True, {2})  # nothing raised
+    (tmp_path / "breakdown.png").write_bytes(b"\x89PNG an older study's plot")
+    with pytest.raises(StudyFileError, match="breakdown.png exists"):
+        runner._refuse_foreign(tmp_path, False, True, {2})
+    runner._refuse_foreign(tmp_path, True, True, {2})  # resumed: the folder is a study's

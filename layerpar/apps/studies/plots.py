@@ -22,8 +22,14 @@ from typing import Any, Optional, Union
 from . import perfmodel
 from .files import write_bytes
 
-__all__ = ["plot_all", "plot_breakdown", "plot_map", "plot_predicted", "plot_residuals",
-           "plot_speedup"]
+__all__ = ["PLOT_NAMES", "PNG_MARKER", "plot_all", "plot_breakdown", "plot_map",
+           "plot_predicted", "plot_residuals", "plot_speedup"]
+
+#: the files `plot_all` writes
+PLOT_NAMES = ("speedup.png", "breakdown.png", "residuals.png", "predicted_vs_measured.png",
+              "model_map.png")
+#: in every plot's metadata: how a re-run knows the file is a study's, not a person's
+PNG_MARKER = "layerpar scaling study"
 
 
 def _plt() -> Any:
@@ -41,7 +47,7 @@ def _save(fig: Any, path: Path) -> None:
     import io
 
     buf = io.BytesIO()
-    fig.savefig(buf, dpi=110, format="png")
+    fig.savefig(buf, dpi=110, format="png", metadata={"Software": PNG_MARKER})
     write_bytes(path, buf.getvalue())
 
 
@@ -261,10 +267,9 @@ def plot_all(rows: Sequence[dict[str, Any]], out_dir: Union[str, Path],
     rows = [r for r in rows if math.isfinite(_f(r, "seconds_per_batch"))]
     if not rows:
         return []
-    paths = [plot_speedup(rows, out / "speedup.png"),
-             plot_breakdown(rows, out / "breakdown.png"),
-             plot_residuals(rows, out / "residuals.png"),
-             plot_predicted(rows, out / "predicted_vs_measured.png")]
+    speedup, breakdown, residuals, predicted, model_map = (out / n for n in PLOT_NAMES)
+    paths = [plot_speedup(rows, speedup), plot_breakdown(rows, breakdown),
+             plot_residuals(rows, residuals), plot_predicted(rows, predicted)]
     m = perfmodel.extrapolate(rows, fit, ranks=map_ranks, layers=map_layers)
-    paths.append(plot_map(m, out / "model_map.png"))
+    paths.append(plot_map(m, model_map))
     return paths

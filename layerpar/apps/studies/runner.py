@@ -32,7 +32,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, TextIO, Union
@@ -349,6 +349,25 @@ def _launch(nprocs: int, module_args: Sequence[str], timeout: float, threads: in
         return _Job(st.returncode, out.read(), err.read(), st.timed_out)
 
 
+def _refuse_foreign(out_dir: Path, resumed: bool, plots: bool, ranks: set[int]) -> None:
+    """Refuse (`StudyFileError`) before any measurement where `out_dir` holds a file of
+    a name the study writes whole (the model's summary, each launch's run list, the
+    plots) that the study did not write: a person's file is never replaced.  Plots
+    without the marker (`plots.PNG_MARKER`, written since 2026-11-26) are the study's
+    where it resumes (`resumed`: its CSV, checked by `read_rows`, is there)."""
+    from .files import refuse_foreign
+    from .plots import PLOT_NAMES, PNG_MARKER
+
+    owned: dict[str, Callable[[bytes], bool]] = {
+        "model.json": lambda b: b'"call_overhead_s"' in b,
+        **{f"worker-{r}.json": (lambda b: b'"runs"' in b and b'"out"' in b)
+           for r in sorted(ranks)}}
+    if plots:
+        owned.update({name: (lambda b: resumed or PNG_MARKER.encode() in b)
+                      for name in PLOT_NAMES})
+    refuse_foreign(out_dir, owned, "this study")
+
+
 def _read_pingpong(path: Path) -> Optional[dict[str, Any]]:
     """The cached ping-pong fit in `path` (None if there is none); `StudyFileError` if
     the file cannot be read, so a damaged cache is refused before any measurement."""
@@ -522,6 +541,7 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
     existing = [_typed(r) for r in read_rows(out_csv)]
     done = {_key(r, KEY_COLUMNS) for r in existing}
     todo = [r for r in runs if _key(r, KEY_COLUMNS) not in done]
+    _refuse_foreign(out_dir, out_csv.exists(), plots, {int(r["ranks"]) for r in todo})
     logged = {ranks: len(read_jsonl(out_dir / f"worker-{ranks}.jsonl", _JSONL_RECOVERY))
               for ranks in {int(r["ranks"]) for r in todo}}
     if todo:
