@@ -41,6 +41,7 @@ from .grads import GradDelivery
 from .grid import ProcessGrid
 from .move import Like, move
 from .plan import Plan
+from .replicas import GradAverager
 from .runner import SegmentRunner
 from .tape import PassRecord, PlainRecord
 
@@ -254,6 +255,13 @@ class LayerParallel(nn.Module):
             self._data_transport.timeout = timeout
         # gradients averaged over the replicas of a process grid (data parallelism)
         self._averager = grid.sync.averager() if grid is not None else None
+        # and batch norms' running statistics, after every pass that updates them
+        # (`_average_running_stats`): the sync's metered transport where it has one
+        stats_transport = None if grid is None or grid.data == 1 else \
+            getattr(grid.sync, "data", None) or self._data_transport
+        self._stats_averager = None if stats_transport is None else \
+            GradAverager(stats_transport)
+        self._running_stats: Optional[list[tuple[nn.Module, str]]] = None  # at first use
         self._batch = 0  # forward passes so far: named in a TimeoutError
         self.check_inputs = check_inputs
         self.coarsening = coarsening
@@ -694,6 +702,8 @@ class LayerParallel(nn.Module):
         self.last_backward.reverse()
         if self._averager is not None:
             self._averager.finish()
+        if self.training and self._stats_averager is not None and not self._checking:
+            self._average_running_stats()
         gx = None
         if ctx.x_requires_grad:
             gx = self._bcast(g, holder, ctx.x_shape, ctx.x_dtype, gy.device)
@@ -766,15 +776,42 @@ class LayerParallel(nn.Module):
         if not agreed.record:
             ctx = PassRecord()
             ctx.exact = self._exact_pass
-            return self.guard(lambda: self._forward_impl(ctx, x, False, agreed.seed))
-        if self._direct_exact if self._exact_pass else self._direct:
-            return self._forward_direct(x, agreed.seed)
-        params = [p for p in self._param_list if p.requires_grad]
-        if not params and not x.requires_grad:
-            # nothing to differentiate here, but other ranks do: the output must still
-            # carry a graph so that this rank's backward() joins theirs
-            params = [self._anchor]
-        return _LayerParallelFunction.apply(self, agreed, x, *params)
+            y = self.guard(lambda: self._forward_impl(ctx, x, False, agreed.seed))
+        elif self._direct_exact if self._exact_pass else self._direct:
+            y = self._forward_direct(x, agreed.seed)
+        else:
+            params = [p for p in self._param_list if p.requires_grad]
+            if not params and not x.requires_grad:
+                # nothing to differentiate here, but other ranks do: the output must
+                # still carry a graph so that this rank's backward() joins theirs
+                params = [self._anchor]
+            y = _LayerParallelFunction.apply(self, agreed, x, *params)
+        return y
+
+    def _average_running_stats(self) -> None:
+        """Average this process's batch norms' running statistics over the data
+        replicas (collective over the data group; after each pass that updated them).
+        Each replica updated them from its own share of the batch, so without this
+        the replicas' statistics drift apart: an evaluation, and the state dict saved,
+        would depend on the replica (PyTorch's DDP broadcasts replica 0's instead; the
+        average of the replicas' updates is the update of the shares' mean statistics).
+        """
+        if self._running_stats is None:
+            self._running_stats = [
+                (m, name) for m in self.modules()
+                if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                for name in ("running_mean", "running_var")
+                if getattr(m, name, None) is not None and getattr(m, name).is_floating_point()]
+        if not self._running_stats:
+            return
+        averager = self._stats_averager
+        assert averager is not None
+        # averaged in copies, which then become the buffers: a pass still waiting for
+        # its backward (two forwards, one backward) saved the old ones in its graph
+        copies = [getattr(m, name).clone() for m, name in self._running_stats]
+        self.guard(lambda: (averager.add(copies), averager.finish()))
+        for (m, name), t in zip(self._running_stats, copies):
+            setattr(m, name, t)
 
     def _forward_direct(self, x: Tensor, seed: Optional[int]) -> Tensor:
         """Direct mode: one rank, forward and adjoint both sequential.

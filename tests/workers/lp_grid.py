@@ -284,10 +284,61 @@ def case_solve():
     return f"iterations={par.iterations} err={err:.1e}"
 
 
+def case_bn_stats():
+    """Batch norm under a 2 x (size/2) grid, exact solves: after each step every
+    replica holds the same running statistics, the mean of the replicas' own updates
+    (they drifted apart, so an evaluation and the state dict saved depended on the
+    replica); also with two forwards before one backward; an evaluation agrees on
+    every replica.  Each replica normalises with its own share's statistics (no
+    SyncBatchNorm), so only the first layer's running mean after the first step, whose
+    input is serial's, is serial's (the mean of the shares' means is the batch's)."""
+    def bn_net():
+        torch.manual_seed(0)
+        return layerpar.ODENet(open=nn.Conv2d(1, 4, 3, padding=1),
+                               steps=lambda k: blocks.Conv(4, batch_norm=True), n_steps=8,
+                               t_final=1.0, close=nn.Sequential(nn.Flatten(),
+                                                                nn.Linear(4 * 36, 3))).double()
+
+    exact = layerpar.MGRITOptions(max_levels=1)
+    grid = layerpar.ProcessGrid(comm, data=2, layers=size // 2)
+    serial, model = bn_net(), layerpar.LayerParallel(bn_net(), grid=grid, options=exact)
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.1)
+    opt_p = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x = torch.randn(16, 1, 6, 6, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (16,), generator=g)
+        for m, opt, xs, ys in ((serial, opt_s, x, y),
+                               (model, opt_p, shard(x, grid), shard(y, grid))):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(m(xs), ys)
+            if step == 3:  # two forwards, one backward
+                loss = loss + nn.functional.cross_entropy(m(xs.flip(0)), ys.flip(0))
+            loss.backward()
+            opt.step()
+        if step == 0 and grid.layer_rank == 0:
+            first = "layers.1.blocks.0.bn.running_mean"
+            err = rel(dict(model.named_buffers())[first], dict(serial.named_buffers())[first])
+            assert err <= F64.roundoff, err
+    mine = {n: b for n, b in model.named_buffers() if "running" in n}
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.randn(4, 1, 6, 6, generator=g, dtype=torch.float64))
+    got = grid.world.allgather_object(
+        (grid.layer_rank, [b.tolist() for b in mine.values()], out.tolist()),
+        "the replicas' statistics")
+    for q, stats, o in got:
+        same = [(s2, o2) for q2, s2, o2 in got if q2 == q]
+        assert all(s2 == stats and o2 == o for s2, o2 in same), "replicas differ"
+    model.close()
+    return "replicas agree"
+
+
 def case_correct():
-    """exact, inexact, resume and solve in one job (one start-up instead of four)."""
+    """exact, inexact, resume, solve and batch-norm statistics in one job (one
+    start-up instead of five)."""
     return " | ".join(f"{name}: {globals()[f'case_{name}']()}"
-                      for name in ("exact", "inexact", "resume", "solve"))
+                      for name in ("exact", "inexact", "resume", "solve", "bn_stats"))
 
 
 def case_raise_one_rank():
