@@ -12,8 +12,9 @@ Run it:
         --fwd-iters 2 --bwd-iters 1            # 2 ranks, 4 layers each, inexact MGRIT
 
 (`python -m mpi4py` makes an error on one rank abort the job instead of hanging it.)
-rank 0 prints one line: validation accuracy, time per batch, and the MGRIT iterations
-and residual norms reached.  Needs scikit-learn (`pip install "layerpar[examples]"`).
+rank 0 prints the summary line (validation accuracy, time per batch, and the MGRIT
+iterations and residual norms reached), after notes on what it cannot say (why a
+residual reads n/a, say).  Needs scikit-learn (`pip install "layerpar[examples]"`).
 """
 
 from __future__ import annotations

@@ -95,8 +95,10 @@ def test_blocks_that_cannot_be_vectorised_fall_back_with_one_warning() -> None:
     net = layerpar.ODENet(open=torch.nn.Linear(3, 5),
                           steps=lambda k: blocks.Dense(5, activation=acts[k % 2]),
                           n_steps=12, t_final=2.0, close=torch.nn.Linear(5, 4)).double()
-    with pytest.warns(UserWarning, match="Dense is not vectorised .*differ in structure"):
+    with pytest.warns(UserWarning, match="Dense is not vectorised .*differ in structure") \
+            as caught:
         model = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT, batched=True)
+    assert caught[0].filename == __file__  # the user's line, not layerpar's
     assert model._runners[1].vectorised is None
     # and the per-step path it falls back to is still right
     ref = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT, batched=False)
@@ -118,8 +120,9 @@ def test_a_block_whose_vmap_fails_falls_back_at_the_first_pass() -> None:
                           t_final=2.0, close=torch.nn.Linear(5, 4)).double()
     model = layerpar.LayerParallel(net, None, *INEXACT, batched=True)
     x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 4, (6,))
-    with pytest.warns(UserWarning, match="Items is not vectorised .*vmap failed"):
+    with pytest.warns(UserWarning, match="Items is not vectorised .*vmap failed") as caught:
         train(model, x, y)
+    assert caught[0].filename == __file__  # the user's pass (here, in `train`)
     assert model._runners[1].vectorised is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")

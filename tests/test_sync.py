@@ -274,6 +274,28 @@ def test_summary_line_reports_sync_bytes() -> None:
     assert back["sync_bytes"] == 1803 and back["data_parallel"] == 2
 
 
+def test_replicas_note_says_what_the_summary_cannot() -> None:
+    """A data-parallel run names its strategy, nodes, optimizer and bytes by kind (the
+    summary's sync_bytes adds data and inter-node bytes; DASO saves inter-node ones),
+    and says where DASO on one node trains as an all-reduce (a new user saw the same
+    figures as --sync allreduce and no word why)."""
+    from types import SimpleNamespace
+
+    from layerpar.apps.train import _replicas_note
+
+    def grid(nodes: int) -> SimpleNamespace:
+        return SimpleNamespace(data=2, layers=2, data_node_count=lambda: nodes)
+
+    res = SimpleNamespace(sync="daso", optimizer=None,
+                          bytes_by_kind={"data": 12084.0, "internode": 0.0, "p2p": 9.6})
+    one = _replicas_note(grid(1), res)  # type: ignore[arg-type]
+    assert one.startswith("2 data replicas x 2 rank(s), sync daso over 1 node(s), "
+                          "optimizer adam; bytes sent per process per batch: data 12084, "
+                          "inter-node 0, MGRIT 10"), one
+    assert "trains as an all-reduce" in one
+    assert "all-reduce" not in _replicas_note(grid(2), res)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("argv, text", [
     (["--data-parallel", "2", "--nodes", "3"], "`--nodes` must be >= 1 and divide"),
     (["--data-parallel", "2", "--sync", "lioncub", "--optimizer", "adam"],

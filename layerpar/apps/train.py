@@ -677,6 +677,8 @@ def train(
                    f"{c['rel_error']:.3g}")
             print(f"{model_name}: last gradient check (batch {c['batch']}): {how}",
                   flush=True)
+        if grid is not None and grid.data > 1:
+            print(f"{model_name}: {_replicas_note(grid, result)}", flush=True)
         levels = None if serial or auto else _levels_note(model, fwd, bwd)
         if levels is not None:
             print(f"{model_name}: {levels}", flush=True)
@@ -709,25 +711,39 @@ def _runs_plain(model: Any) -> bool:
     return tuner is not None and tuner.plain is not None
 
 
+def _replicas_note(grid: ProcessGrid, result: TrainResult) -> str:
+    """How the data replicas kept in step, which the summary line does not say: the
+    strategy, over how many nodes, the optimizer, and the bytes by kind (``sync_bytes``
+    adds the data and inter-node ones; DASO's savings are the inter-node bytes)."""
+    nodes = grid.data_node_count()
+    kinds = result.bytes_by_kind or {}
+    text = (f"{grid.data} data replicas x {grid.layers} rank(s), sync {result.sync} over "
+            f"{nodes} node(s), optimizer {result.optimizer or 'adam'}; bytes sent per "
+            f"process per batch: data {kinds.get('data', 0.0):.0f}, inter-node "
+            f"{kinds.get('internode', 0.0):.0f}, MGRIT {kinds.get('p2p', 0.0):.0f}")
+    if result.sync == "daso" and nodes == 1:
+        text += ("; on one node DASO's node average is the global one, so it trains as "
+                 "an all-reduce (`--nodes K` splits the replicas into K nodes)")
+    return text
+
+
 def _levels_note(model: Any, fwd: MGRITOptions, bwd: MGRITOptions) -> Optional[str]:
-    """Why a layer-parallel run has fewer MGRIT levels than it asked for (None where it
-    has them all): a segment too short to coarsen, whose solves then run fewer levels,
-    or none (exact propagation), without another word."""
-    asked = max(fwd.max_levels, bwd.max_levels)
+    """Why a layer-parallel run asked for MGRIT levels runs none (None where a segment
+    has two or more): segments too short to coarsen, whose solves are then exact
+    propagation, which the summary names without saying why.  (Fewer levels than
+    asked, but two or more, is MGRIT's ordinary cap: `MGRITOptions.min_coarse`.)"""
     plan = getattr(model, "plan", None)
-    if asked <= 1 or not isinstance(model, LayerParallel) or plan is None:
+    if fwd.max_levels <= 1 or not isinstance(model, LayerParallel) or plan is None:
         return None
     got = [(s.n_steps, len(s.forward.levels)) for s in plan.segments]
-    short = [(n, k) for n, k in got if k < fwd.max_levels]
-    if not short:
+    if not got or any(k > 1 for _, k in got):
         return None
-    n, k = min(short)
-    what = ("one level: every step runs exact propagation (sequential sweeps)" if
-            all(k == 1 for _, k in got) else f"{k} level(s)")
-    return (f"{fwd.max_levels} MGRIT levels asked; a segment of {n} residual layers gives "
-            f"{what}: a coarser level needs at least {fwd.min_coarse} coarse intervals "
-            f"(points // cf, cf {fwd.cfactor_at(k - 1)}; more layers or a smaller "
-            "`--cfactor` give more levels)")
+    n = max(n for n, _ in got)
+    return (f"{fwd.max_levels} MGRIT levels asked, one built: a segment of {n} residual "
+            f"layers is too short to coarsen (a coarser level needs at least "
+            f"{fwd.min_coarse} intervals of cf {fwd.cfactor_at(0)}), so every step runs "
+            "exact propagation (sequential sweeps); more layers or a smaller "
+            "`--cfactor` give levels")
 
 
 def _summary_notes(result: TrainResult, time_budget: Optional[float],

@@ -31,6 +31,8 @@ warning naming the block.
 """
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -370,7 +372,22 @@ def warn_once(block: nn.Module, reason: str) -> None:
         _WARNED.add(key)
         warnings.warn(f"layerpar: residual block {type(block).__qualname__} is not "
                       f"vectorised ({reason}); its segment steps one layer at a time, which "
-                      "issues one set of tensor operations per layer", stacklevel=3)
+                      "issues one set of tensor operations per layer",
+                      stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """The `warnings.warn` stack level, called from the function that calls this one,
+    of the first frame outside layerpar and torch (a module's call, an autograd
+    Function's apply): the user's line (``LayerParallel(...)``, the first pass),
+    whatever path inside the packages led to the warning."""
+    packages = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (
+        os.path.dirname(os.path.abspath(__file__)), torch.__file__))
+    frame, level = sys._getframe(2), 2  # the caller's caller is warn's level 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+            packages):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class BatchedBlocks:
