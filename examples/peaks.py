@@ -13,8 +13,9 @@ Run it:
 
 (`python -m mpi4py` makes an error on one rank abort the job instead of hanging it.)
 Same seed, same epochs: the serial and layer-parallel runs are directly comparable.
-rank 0 prints one line: validation accuracy, time per batch, and the MGRIT iterations
-and residual norms reached, so the inexactness of the solves stays visible.
+rank 0 prints the summary line (validation accuracy, time per batch, and the MGRIT
+iterations and residual norms reached, so the inexactness of the solves stays
+visible), after notes on what it cannot say (why a residual reads n/a, say).
 """
 
 from __future__ import annotations
