@@ -379,3 +379,22 @@ def test_a_jobs_bad_command_line_is_said_once(env: dict, says: bool,
     assert cli.main(["train", "peaks", "--layers", "-1"]) == 2
     err = capsys.readouterr().err
     assert err == ("layerpar: error: `--layers` must be >= 1, got -1\n" if says else ""), err
+
+
+@pytest.mark.skipif(not __import__("layerpar.mgrit.xbraid", fromlist=["x"]).xbraid_available(),
+                    reason="the XBraid engine was not built")
+@pytest.mark.parametrize("argv, message", [
+    (["--np", "2", "--adaptive"], "`--engine xbraid` with `--adaptive`"),
+    (["--adaptive"], "`--engine xbraid` with `--adaptive`"),
+    (["--np", "4", "--data-parallel", "2"], "`--engine xbraid` with `--data-parallel`"),
+    (["--np", "2", "--launcher", "torchrun"], "`--engine xbraid` with `--launcher torchrun`"),
+    (["--np", "3"], "a segment of 32 layers on 3 ranks would give a rank different layers"),
+    (["--np", "4", "--layers", "20", "--nested", "1"], "a segment of 10 layers on 4 ranks"),
+])
+def test_xbraid_runs_it_cannot_do_are_one_line(argv: list, message: str,
+                                               capsys: pytest.CaptureFixture) -> None:
+    """What XBraid cannot run ended in a traceback on every rank (its LayerParallel
+    refused it); now one line before any process starts, exit 2."""
+    assert cli.main(["train", "peaks", "--engine", "xbraid", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err

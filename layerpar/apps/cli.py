@@ -174,6 +174,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                 "`--np` / `--data-parallel` (ranks per replica)"
             raise ValueError(f"{what} must be <= {layers}, the number of residual layers "
                              f"of {args.model} (each rank needs at least one), got {per}")
+        if args.engine == "xbraid" and not args.serial:
+            _check_xbraid_run(args, layers, ranks, nested)
         batch = args.batch_size or RECIPES[args.model].batch_size
         if batch % args.data_parallel:
             raise ValueError(f"the batch size {batch} must be divisible by "
@@ -198,6 +200,25 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             raise ValueError(f"`--launcher` {args.launcher} starts the processes of `--np` "
                              "N > 1: give `--np`")
     return args
+
+
+def _check_xbraid_run(args: argparse.Namespace, layers: int, ranks: int,
+                      nested: int) -> None:
+    """What `--engine xbraid` cannot run, refused before any process starts (the ranks'
+    `LayerParallel` refused it too, but in a traceback on every rank)."""
+    from ..mgrit.xbraid import layer_partition_refusal
+
+    for flag, given in (("--adaptive", args.adaptive),
+                        ("--data-parallel", args.data_parallel > 1),
+                        ("--launcher torchrun", args.launcher == "torchrun"
+                         or under_torchrun())):
+        if given:
+            raise ValueError(f"`--engine xbraid` with `{flag}`: XBraid runs fixed iteration "
+                             "counts over one MPI communicator; give `--engine native`")
+    for k in range(nested, -1, -1):
+        why = layer_partition_refusal(layers // 2 ** k, ranks)
+        if why is not None:
+            raise ValueError(f"`--engine xbraid`: {why.replace('engine=', '`--engine` ')}")
 
 
 def check_net_size(args: argparse.Namespace) -> None:
