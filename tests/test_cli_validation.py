@@ -185,6 +185,34 @@ def test_bench_subcommands_refuse_before_running(argv: list[str], flag: str,
     assert f"error: `{flag}`" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv", [["--quick"], ["ops", "--quick"], ["grid", "--quick"],
+                                  ["engines", "--quick"], ["gpu", "--unmeasured"],
+                                  ["sync", "--quick"], ["paths", "--quick"]])
+def test_bench_csv_refuses_a_file_that_is_no_benchmarks_csv(argv: list[str], tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture
+                                                            ) -> None:
+    """`--csv` replaced whatever was there (a person's notes, the repository's README
+    given by mistake); now only a CSV table with a header of column names (a
+    benchmark's earlier output) is replaced, anything else refused before running."""
+    for text in ("my precious notes\n", "# layerpar\n\nsome prose, with a comma\n"):
+        mine = tmp_path / "mine.csv"
+        mine.write_text(text)
+        with pytest.raises(SystemExit) as info:
+            bench.main([*argv, "--csv", str(mine)])
+        assert info.value.code == 2 and mine.read_text() == text
+        err = capsys.readouterr().err
+        assert "exists and is not a benchmark's CSV" in err and "Traceback" not in err
+
+
+def test_check_output_file_replaces_a_benchmarks_csv(tmp_path: Path) -> None:
+    from layerpar.apps.studies.files import check_output_file
+
+    for text in ("benchmark,case,per-step_ms,beta_Bps\nx,y,1,2\n", "a,b\r\n1,2\r\n", ""):
+        path = tmp_path / "old.csv"
+        path.write_text(text)
+        assert check_output_file(path, "--csv", tables_only=True) == path
+
+
 def test_check_output_file_leaves_an_existing_file_as_it_was(tmp_path: Path) -> None:
     from layerpar.apps.studies.files import StudyFileError, check_output_file
 

@@ -110,7 +110,8 @@ class BenchContext:
 BenchFn = Callable[[BenchContext], "list[Row]"]
 BENCHMARKS: list[BenchFn] = []
 MAX_THREADS = 1024  # torch threads per rank a command line may ask for
-CSV_HELP = "also write the rows as CSV (a file there is replaced)"
+CSV_HELP = ("also write the rows as CSV (a benchmark's CSV there is replaced; any other "
+            "file is refused)")
 
 
 def benchmark(fn: BenchFn) -> BenchFn:
@@ -370,7 +371,7 @@ def check_shared_options(p: argparse.ArgumentParser, args: argparse.Namespace) -
 
     if getattr(args, "csv", None) is not None:
         try:
-            check_output_file(args.csv, "--csv")
+            check_output_file(args.csv, "--csv", tables_only=True)
         except StudyFileError as exc:
             p.error(str(exc))
     timeout = getattr(args, "timeout", None)

@@ -246,8 +246,8 @@ def bench_model(name: str, device: str, steps: int, lr: float = 0.05,
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m layerpar.bench gpu",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--csv", metavar="PATH", help="write the rows as CSV (a file there is "
-                   "replaced)")
+    p.add_argument("--csv", metavar="PATH", help="write the rows as CSV (a benchmark's CSV "
+                   "there is replaced; any other file is refused)")
     p.add_argument("--models", default="dense,conv",
                    help="comma-separated: dense, conv, conv16, transformer (rows a to d)")
     p.add_argument("--no-compile", dest="compile", action="store_false",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Union
@@ -164,15 +165,29 @@ def _probe(folder: Path) -> None:
     os.unlink(probe)
 
 
-def check_output_file(file: PathLike, name: str) -> Path:
+#: a CSV header as the benchmarks write it: column names, nothing else
+_HEADER = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*(,[A-Za-z_][A-Za-z0-9_.\-]*)*\r?")
+
+
+def check_output_file(file: PathLike, name: str, tables_only: bool = False) -> Path:
     """Check, before anything is measured, that `file` can be written: not a folder, in
     a folder that exists, and writable there (tried: a probe file is created and
     removed, or an existing file opened for appending, which changes nothing in it).
-    `name` is what the user called it (``--csv``), for the message.  Raises
-    `StudyFileError`."""
+    `name` is what the user called it (``--csv``), for the message.  With
+    `tables_only`, an existing file is replaced only where it is a CSV table whose
+    first line is a header of column names (a benchmark's earlier output; a README
+    given by mistake, or a person's notes, are refused).  Raises `StudyFileError`."""
     path = Path(file)
     if path.is_dir():
         raise StudyFileError(f"`{name}` {path} is a folder; give a file path")
+    if tables_only and path.is_file():
+        with open(path, "rb") as fh:
+            head = fh.read(65536)
+        if head and not _HEADER.fullmatch(first_line(head)):
+            raise StudyFileError(
+                f"`{name}` {path} exists and is not a benchmark's CSV (its first line is "
+                "not a header of column names), so it is not replaced; nothing was "
+                "changed.  Move it away or give another path")
     folder = path.parent
     if not folder.is_dir():
         raise StudyFileError(f"`{name}` {path} cannot be written: its folder {folder} "
