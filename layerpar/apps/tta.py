@@ -196,10 +196,17 @@ def best_threads(case: Case, batches: int = 4) -> tuple[int, dict[int, float], i
     return min(per, key=lambda k: (per[k], k)), per, -(-len(x) // batch)
 
 
+#: seconds each training's own process takes beyond its steps (Python, torch and MPI
+#: start-up, the data set's generation): about 3 s on the 2-core development machine
+#: (`--smoke --cases d`: 9 s for three runs of well under a second of training each)
+LAUNCH_SECONDS = 3.0
+
+
 def expected_seconds(case: Case, step: float, steps_per_epoch: int, runs: int = 3) -> float:
     """A rough duration of `run_case` from the best serial step time: `runs` trainings
-    (serial and the auto runs, assumed no slower), each with evaluation (~10 %)."""
-    return runs * 1.1 * step * steps_per_epoch * case.epochs
+    (serial and the auto runs, assumed no slower), each with evaluation (~10 %) and its
+    process's start-up (`LAUNCH_SECONDS`)."""
+    return runs * (LAUNCH_SECONDS + 1.1 * step * steps_per_epoch * case.epochs)
 
 
 #: ``layerpar train`` options of the captured serial baseline on CUDA: one rank in
