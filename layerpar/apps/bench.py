@@ -352,9 +352,11 @@ def _engines_main(argv: list[str]) -> int:
     ctx = BenchContext(quick=args.quick, repeats=3 if args.quick else 7, comm=comm)
     rows = engine_rows(ctx)
     if ctx.rank == 0:
+        # (at one rank the LayerParallel models take turns call by call, more often)
+        turns = (f" ({max(21, ctx.repeats)} for LayerParallel, the models taking turns)"
+                 if ctx.size == 1 else "")
         print(f"layerpar.bench engines: {ctx.size} rank(s), torch {torch.__version__}, "
-              f"1 thread per rank, {ctx.repeats} repeats (LayerParallel at 1 rank: "
-              f"{max(21, ctx.repeats)}, interleaved)")
+              f"1 thread per rank, {ctx.repeats} repeats{turns}")
         print(format_table(rows))
         if args.csv:
             _write_csv(args.csv, rows)
