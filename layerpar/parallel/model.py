@@ -255,7 +255,7 @@ class LayerParallel(nn.Module):
             self._data_transport.timeout = timeout
         # gradients averaged over the replicas of a process grid (data parallelism)
         self._averager = grid.sync.averager() if grid is not None else None
-        # and batch norms' running statistics, after every pass that updates them
+        # and batch norms' running statistics, at the end of every backward pass
         # (`_average_running_stats`): the sync's metered transport where it has one
         stats_transport = None if grid is None or grid.data == 1 else \
             getattr(grid.sync, "data", None) or self._data_transport
@@ -776,21 +776,20 @@ class LayerParallel(nn.Module):
         if not agreed.record:
             ctx = PassRecord()
             ctx.exact = self._exact_pass
-            y = self.guard(lambda: self._forward_impl(ctx, x, False, agreed.seed))
-        elif self._direct_exact if self._exact_pass else self._direct:
-            y = self._forward_direct(x, agreed.seed)
-        else:
-            params = [p for p in self._param_list if p.requires_grad]
-            if not params and not x.requires_grad:
-                # nothing to differentiate here, but other ranks do: the output must
-                # still carry a graph so that this rank's backward() joins theirs
-                params = [self._anchor]
-            y = _LayerParallelFunction.apply(self, agreed, x, *params)
-        return y
+            return self.guard(lambda: self._forward_impl(ctx, x, False, agreed.seed))
+        if self._direct_exact if self._exact_pass else self._direct:
+            return self._forward_direct(x, agreed.seed)
+        params = [p for p in self._param_list if p.requires_grad]
+        if not params and not x.requires_grad:
+            # nothing to differentiate here, but other ranks do: the output must still
+            # carry a graph so that this rank's backward() joins theirs
+            params = [self._anchor]
+        return _LayerParallelFunction.apply(self, agreed, x, *params)
 
     def _average_running_stats(self) -> None:
         """Average this process's batch norms' running statistics over the data
-        replicas (collective over the data group; after each pass that updated them).
+        replicas (collective over the data group; at the end of each backward pass,
+        when its graph is spent).
         Each replica updated them from its own share of the batch, so without this
         the replicas' statistics drift apart: an evaluation, and the state dict saved,
         would depend on the replica (PyTorch's DDP broadcasts replica 0's instead; the
