@@ -679,7 +679,7 @@ def train(
                   flush=True)
         if grid is not None and grid.data > 1:
             print(f"{model_name}: {_replicas_note(grid, result)}", flush=True)
-        levels = None if serial or auto else _levels_note(model, fwd, bwd)
+        levels = None if serial or auto else _levels_note(model, fwd)
         if levels is not None:
             print(f"{model_name}: {levels}", flush=True)
         for line in _summary_notes(result, time_budget, len(loader),
@@ -727,15 +727,14 @@ def _replicas_note(grid: ProcessGrid, result: TrainResult) -> str:
     return text
 
 
-def _levels_note(model: Any, fwd: MGRITOptions, bwd: MGRITOptions) -> Optional[str]:
+def _levels_note(model: Any, fwd: MGRITOptions) -> Optional[str]:
     """Why a layer-parallel run asked for MGRIT levels runs none (None where a segment
     has two or more): segments too short to coarsen, whose solves are then exact
     propagation, which the summary names without saying why.  (Fewer levels than
     asked, but two or more, is MGRIT's ordinary cap: `MGRITOptions.min_coarse`.)"""
-    plan = getattr(model, "plan", None)
-    if fwd.max_levels <= 1 or not isinstance(model, LayerParallel) or plan is None:
+    if fwd.max_levels <= 1 or not isinstance(model, LayerParallel):
         return None
-    got = [(s.n_steps, len(s.forward.levels)) for s in plan.segments]
+    got = [(s.n_steps, len(s.forward.levels)) for s in model.plan.segments]
     if not got or any(k > 1 for _, k in got):
         return None
     n = max(n for n, _ in got)

@@ -198,7 +198,8 @@ def best_threads(case: Case, batches: int = 4) -> tuple[int, dict[int, float], i
 
 #: seconds each training's own process takes beyond its steps (Python, torch and MPI
 #: start-up, the data set's generation): about 3 s on the 2-core development machine
-#: (`--smoke --cases d`: 9 s for three runs of well under a second of training each)
+#: (`--smoke --cases d`: 10.5 s wall for its three runs, each well under a second of
+#: training, 2026-11-26)
 LAUNCH_SECONDS = 3.0
 
 

@@ -381,8 +381,8 @@ def _user_stacklevel() -> int:
     of the first frame outside layerpar and torch (a module's call, an autograd
     Function's apply): the user's line (``LayerParallel(...)``, the first pass),
     whatever path inside the packages led to the warning."""
-    packages = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (
-        os.path.dirname(os.path.abspath(__file__)), torch.__file__))
+    layerpar_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    packages = (layerpar_dir + os.sep, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
     frame, level = sys._getframe(2), 2  # the caller's caller is warn's level 2
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
             packages):

@@ -36,6 +36,7 @@ from . import checkpoint
 from .adaptive import AccuracyController, apply_iterations, as_policy
 from .agree import Agreed, check_xbraid, fingerprint, same_values, values_fingerprint
 from .autotune import AutoTuner, auto_policy
+from .bn_dropout import batch_norms
 from .direct import direct_backward_started
 from .grads import GradDelivery
 from .grid import ProcessGrid
@@ -796,11 +797,8 @@ class LayerParallel(nn.Module):
         average of the replicas' updates is the update of the shares' mean statistics).
         """
         if self._running_stats is None:
-            self._running_stats = [
-                (m, name) for m in self.modules()
-                if isinstance(m, nn.modules.batchnorm._BatchNorm)
-                for name in ("running_mean", "running_var")
-                if getattr(m, name, None) is not None and getattr(m, name).is_floating_point()]
+            self._running_stats = [(m, name) for m in batch_norms(self)
+                                   for name in ("running_mean", "running_var")]
         if not self._running_stats:
             return
         averager = self._stats_averager
