@@ -230,6 +230,22 @@ def test_a_repeated_state_is_broadcast_into_a_sum() -> None:
     assert "aten::stack" not in calls
 
 
+def test_counting_drops_only_the_profilers_trace_from_stderr(capfd) -> None:
+    """count_ops hides the ``USDT: profiler_start/stop`` lines some torch builds print
+    at every profile, and keeps whatever else the counted call writes to stderr."""
+    import os
+
+    def noisy() -> None:
+        os.write(2, b"USDT: profiler_start (a stand-in)\nkept line\n")
+        torch.ones(2).add_(1)
+
+    count_ops = opcount.count_ops(noisy)[1]
+    assert count_ops.get("aten::add_") == 1
+    err = capfd.readouterr().err
+    # the untimed call's stderr is left as it is; the profiled call's loses its trace
+    assert err.count("USDT") == 1 and err.count("kept line") == 2
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
 def test_batched_equals_per_step_at_every_rank_count(nprocs: int, tmp_path: Path) -> None:

@@ -16,6 +16,11 @@ MGRIT: cfactor 4, levels down to a coarsest grid of at most 16 intervals, FCF,
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -28,13 +33,37 @@ __all__ = ["CONFIGS", "OpsRow", "count_ops", "levels_for", "mgrit_options", "ops
            "train_step"]
 
 
+@contextlib.contextmanager
+def _without_profiler_trace() -> Iterator[None]:
+    """Standard error without the profiler's own trace lines: some torch builds
+    (2.13.0+cpu here) print ``USDT:... profiler_start`` and ``profiler_stop`` from C++
+    at every profile, two lines per counted model that drowned the table.  The
+    process's stderr goes to a temporary file meanwhile; every other line written
+    there (a warning, an error) is written back to stderr afterwards, in order."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().splitlines(keepends=True)
+                    if not line.startswith(b"USDT:")]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
 def count_ops(fn: Callable[[], Any]) -> tuple[int, dict[str, int]]:
     """(number of top-level aten operations in one call of fn, count per name); fn is
     called once before, untimed, so lazy set-up is not counted."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with _without_profiler_trace(), profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     names: dict[str, int] = {}
     for e in prof.events():
