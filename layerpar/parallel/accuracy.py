@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from .tape import input_leaf
+
 if TYPE_CHECKING:
     from ..mgrit.result import MGRITResult
     from .model import LayerParallel
@@ -42,7 +44,8 @@ class GradientCheck:
 
     Errors are relative, ‖inexact − exact‖ / ‖exact‖ in float64 (0 where both are
     zero).  The input gradient is always computed (on a detached copy of the input,
-    whether or not it requires grad).  Parameter gradients are over this model's
+    whether or not it requires grad), except for an integer input (token ids), which
+    has none: its error reads 0 and its cosine 1.  Parameter gradients are over this model's
     trainable parameters on all ranks; `segment_grad_errors` has one entry per ODE
     segment (its residual blocks only), `param_grad_error` and `cosine` cover all
     trainable parameters, plain layers included.  Iterations and final residual
@@ -111,7 +114,7 @@ def _grads(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, A
            params: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """(output, loss, input gradient, parameter gradients) of one batch, by
     `torch.autograd.grad` (no `.grad` is touched); unused parameters get zeros."""
-    xc = x.detach().clone().requires_grad_()
+    xc = input_leaf(x.clone())
     with torch.enable_grad():
         out = model(xc)
         loss = loss_fn(out, y)
@@ -120,7 +123,9 @@ def _grads(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, A
                             f"{type(loss).__name__}"
                             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
                                else ""))
-        got = torch.autograd.grad(loss.reshape(()), [xc, *params], allow_unused=True)
+        wrt = [xc] if xc.requires_grad else []  # (no gradient for integer inputs)
+        got = torch.autograd.grad(loss.reshape(()), [*wrt, *params], allow_unused=True)
+        got = got if wrt else (None, *got)
     gx = got[0] if got[0] is not None else torch.zeros_like(xc)
     gp = [torch.zeros_like(p) if g is None else g for p, g in zip(params, got[1:])]
     return out.detach(), loss.detach(), gx, gp
@@ -241,9 +246,9 @@ def _check_arguments(model: LayerParallel, x: Any, y: Any, loss_fn: Any) -> None
                            "that can still run")
     if not isinstance(x, Tensor):
         raise TypeError(f"`x` must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"`x` must be a floating-point tensor (its gradient is compared), "
-                        f"got dtype {x.dtype}")
+    if x.dtype == torch.bool:
+        raise TypeError("`x` must be a numeric tensor (floating point: its gradient is "
+                        "compared too; integer: token ids), got dtype torch.bool")
     if x.numel() == 0:
         raise ValueError(f"`x` must not be empty, got shape {tuple(x.shape)}")
     if y is None:

@@ -584,7 +584,21 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     what training changed, the gradient errors.
 
     built: replicated settings already built on this model (`AutoTuner`'s trial ran
-    them): timed instead of new ones; the tuning closes those it does not keep."""
+    them): timed instead of new ones; the tuning closes those it does not keep.
+
+    The buffers (batch-norm running statistics and their counts), the random generators
+    and the model's last solve statistics are put back afterwards: the candidates'
+    passes are measurements, not training (they updated a batch norm's statistics four
+    times per candidate, so an evaluation after an auto-tuned training differed from
+    serial's)."""
+    with _Restore(model):
+        return _tune(model, x, y, loss_fn, policy, repeats, batch, steps, known, built)
+
+
+def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
+          policy: AccuracyPolicy, repeats: int, batch: int, steps: Optional[int],
+          known: Optional[dict[Candidate, float]],
+          built: Optional[dict[Candidate, ReplicatedSerial]]) -> TuneResult:
     t_start = time.perf_counter()
     built = {} if built is None else built
     known = {} if known is None else known

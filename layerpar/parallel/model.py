@@ -679,9 +679,10 @@ class LayerParallel(nn.Module):
                     if nxt is None or nxt.head is not rec.head:
                         # the last layer of a group: back-propagate the whole group
                         head = rec.head
-                        outs = torch.autograd.grad(rec.y, [head.x, *rec.group_params], g,
+                        wrt = [head.x] if head.x.requires_grad else []  # (not token ids)
+                        outs = torch.autograd.grad(rec.y, [*wrt, *rec.group_params], g,
                                                    allow_unused=True)
-                        g = outs[0]
+                        g, outs = (outs[0], outs) if wrt else (None, (None, *outs))
                         if self._averager is not None:
                             self._averager.add(outs[1:])
                         for p, gp in zip(rec.group_params, outs[1:]):

@@ -14,7 +14,15 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BatchRecord", "PassRecord", "PlainRecord", "Tape"]
+__all__ = ["BatchRecord", "PassRecord", "PlainRecord", "Tape", "input_leaf"]
+
+
+def input_leaf(x: Tensor) -> Tensor:
+    """`x` detached, as a leaf that requires grad where its dtype can carry a gradient
+    (floating or complex); an integer input (token ids into an `nn.Embedding`) stays
+    a plain tensor: ``requires_grad_`` refused it, so such nets could not train."""
+    x = x.detach()
+    return x.requires_grad_() if x.is_floating_point() or x.is_complex() else x
 
 
 class BatchRecord:
@@ -92,7 +100,7 @@ class PlainRecord:
                 if prev is not None:
                     self.x, self._head = prev.y, prev.head
                 else:
-                    self.x = x.detach().requires_grad_()
+                    self.x = input_leaf(x)
                 self.y = layer(self.x)
         else:
             self.x, self.y = x, layer(x)

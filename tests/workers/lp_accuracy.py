@@ -217,7 +217,7 @@ def bad_arguments(comm: Any) -> list[str]:
     y = torch.randint(0, 5, (4,))
     calls: list[tuple[str, Callable[[], Any]]] = [
         ("`x`", lambda: model.check_gradients("x", y, F.cross_entropy)),
-        ("`x`", lambda: model.check_gradients(torch.ones(4, 3, dtype=torch.int64), y,
+        ("`x`", lambda: model.check_gradients(torch.ones(4, 3, dtype=torch.bool), y,
                                               F.cross_entropy)),
         ("`x`", lambda: model.check_gradients(torch.ones(0, 3, dtype=torch.float64), y,
                                               F.cross_entropy)),
