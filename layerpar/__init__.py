@@ -15,8 +15,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["LayerParallel", "MGRITOptions", "MGRITResult", "ODENet", "ProcessGrid", "ode",
-           "solve"]
+__all__ = ["ConvergenceError", "DivergenceError", "LayerParallel", "MGRITError",
+           "MGRITOptions", "MGRITResult", "ODENet", "ProcessGrid", "RankLostError",
+           "RankMismatchError", "RemoteError", "mgrit", "ode", "parallel", "solve"]
 __version__ = "0.1.0"
 
 _WHERE = {
@@ -26,14 +27,22 @@ _WHERE = {
     "MGRITResult": "layerpar.mgrit.result",
     "solve": "layerpar.mgrit.solve",
     "ODENet": "layerpar.ode.net",
+    # the errors a failure on any rank raises (on every rank), to catch by name
+    **{name: "layerpar.mgrit.errors" for name in (
+        "ConvergenceError", "DivergenceError", "MGRITError", "RankLostError",
+        "RankMismatchError", "RemoteError")},
+    # the subpackages, so that ``import layerpar`` then ``layerpar.parallel.X`` works
+    "mgrit": "layerpar.mgrit",
     "ode": "layerpar.ode",
+    "parallel": "layerpar.parallel",
 }
+_MODULES = ("mgrit", "ode", "parallel")
 
 
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
         mod = importlib.import_module(_WHERE[name])
-        value = mod if name == "ode" else getattr(mod, name)
+        value = mod if name in _MODULES else getattr(mod, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'layerpar' has no attribute {name!r}")

@@ -84,3 +84,23 @@ def test_no_import_cycle_in_parallel() -> None:
     assert len(graph) > 10 and graph["runner"]  # the walk sees the package
     cycle = find_cycle(graph)
     assert not cycle, "import cycle in layerpar/parallel: " + " -> ".join(cycle)
+
+
+def test_public_names_resolve_after_a_plain_import() -> None:
+    """Every name in `layerpar.__all__` resolves after ``import layerpar`` alone, the
+    subpackages included (README's ``layerpar.parallel.Plan.build(...)`` raised
+    AttributeError), and the errors a failure raises on every rank can be caught by
+    name from the package (README names them; they lived in `layerpar.mgrit.errors`
+    only)."""
+    import subprocess
+    import sys
+
+    code = ("import layerpar\n"
+            "for n in layerpar.__all__: getattr(layerpar, n)\n"
+            "from layerpar.mgrit import errors\n"
+            "assert layerpar.RemoteError is errors.RemoteError\n"
+            "assert layerpar.RankLostError is errors.RankLostError\n"
+            "print(layerpar.parallel.Plan.__name__)\n")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert got.returncode == 0 and got.stdout.strip() == "Plan", got.stderr

@@ -3,6 +3,7 @@ from .errors import (
     ConvergenceError,
     DivergenceError,
     MGRITError,
+    RankLostError,
     RankMismatchError,
     RemoteError,
 )
@@ -13,6 +14,6 @@ from .solve import solve
 
 __all__ = [
     "ConvergenceError", "DivergenceError", "MGRITError", "MGRITOptions", "MGRITResult",
-    "Partition", "RankMismatchError", "RemoteError", "block_bounds", "build_levels",
+    "Partition", "RankLostError", "RankMismatchError", "RemoteError", "block_bounds", "build_levels",
     "grid_time", "reversed_bounds", "solve",
 ]
