@@ -14,6 +14,6 @@ from .solve import solve
 
 __all__ = [
     "ConvergenceError", "DivergenceError", "MGRITError", "MGRITOptions", "MGRITResult",
-    "Partition", "RankLostError", "RankMismatchError", "RemoteError", "block_bounds", "build_levels",
-    "grid_time", "reversed_bounds", "solve",
+    "Partition", "RankLostError", "RankMismatchError", "RemoteError", "block_bounds",
+    "build_levels", "grid_time", "reversed_bounds", "solve",
 ]
