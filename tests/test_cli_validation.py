@@ -183,6 +183,29 @@ def test_bench_subcommands_refuse_before_running(argv: list[str], flag: str,
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"error: `{flag}`" in err and "Traceback" not in err
+    # one line, as README promises for every command (argparse's usage block came first)
+    assert err.count("\n") == 1 and err.startswith("python -m layerpar.bench"), err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["grid", "--np", "0"], "`--np` must be >= 1, got 0"),
+    (["tta", "--np", "0"], "`--np` must be >= 1, got 0"),
+    (["ops", "--bogus"], "unrecognized arguments: --bogus"),
+    (["tta", "--smoke", "--cases", "d", "--np", "64"],
+     "case d at `--np` 64: `--np` must be <= 32, the number of residual layers of peaks"),
+])
+def test_bench_errors_are_one_line(argv: list[str], message: str, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture) -> None:
+    """argparse's own errors too; and `bench tta --np N` with more ranks than a case has
+    layers is refused before any training (it trained serial, then failed in 64 MPI
+    ranks' tracebacks)."""
+    with pytest.raises(SystemExit) as info:
+        bench.main([*argv, *(["--out", str(tmp_path / "o")] if argv[0] == "tta" else [])])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert err.startswith(f"python -m layerpar.bench {argv[0]}: error: "), err
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("argv", [["--quick"], ["ops", "--quick"], ["grid", "--quick"],
@@ -192,25 +215,30 @@ def test_bench_csv_refuses_a_file_that_is_no_benchmarks_csv(argv: list[str], tmp
                                                             capsys: pytest.CaptureFixture
                                                             ) -> None:
     """`--csv` replaced whatever was there (a person's notes, the repository's README
-    given by mistake); now only a CSV table with a header of column names (a
-    benchmark's earlier output) is replaced, anything else refused before running."""
-    for text in ("my precious notes\n", "# layerpar\n\nsome prose, with a comma\n"):
+    given by mistake, a person's own CSV table); now only the same benchmark's earlier
+    CSV (its first columns) is replaced, anything else refused before running."""
+    for text in ("my precious notes\n", "# layerpar\n\nsome prose, with a comma\n",
+                 "name,value\nfoo,1\n", "model,layers\nmine,3\n"):
         mine = tmp_path / "mine.csv"
         mine.write_text(text)
         with pytest.raises(SystemExit) as info:
             bench.main([*argv, "--csv", str(mine)])
         assert info.value.code == 2 and mine.read_text() == text
         err = capsys.readouterr().err
-        assert "exists and is not a benchmark's CSV" in err and "Traceback" not in err
+        assert "exists and is not this benchmark's CSV" in err and "Traceback" not in err
 
 
 def test_check_output_file_replaces_a_benchmarks_csv(tmp_path: Path) -> None:
-    from layerpar.apps.studies.files import check_output_file
+    from layerpar.apps.studies.files import StudyFileError, check_output_file
 
-    for text in ("benchmark,case,per-step_ms,beta_Bps\nx,y,1,2\n", "a,b\r\n1,2\r\n", ""):
+    for text in ("benchmark,case,ranks,steps\nx,y,1,2\n", "benchmark,case,ranks\r\n1,2,3\r\n",
+                 ""):
         path = tmp_path / "old.csv"
         path.write_text(text)
-        assert check_output_file(path, "--csv", tables_only=True) == path
+        assert check_output_file(path, "--csv", header="benchmark,case,ranks") == path
+    path.write_text("benchmark,case,rankings\n1,2,3\n")  # another table's columns
+    with pytest.raises(StudyFileError, match="does not start with the columns"):
+        check_output_file(path, "--csv", header="benchmark,case,ranks")
 
 
 def test_check_output_file_leaves_an_existing_file_as_it_was(tmp_path: Path) -> None:

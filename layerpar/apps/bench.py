@@ -45,6 +45,7 @@ from ..mgrit import MGRITOptions, grid_time, solve
 from .launch import world_comm
 from .loop import train_step
 from .nets import sequential_twin
+from .parsing import OneLineParser
 
 __all__ = ["BENCHMARKS", "BenchContext", "Row", "benchmark", "main", "run"]
 
@@ -110,8 +111,8 @@ class BenchContext:
 BenchFn = Callable[[BenchContext], "list[Row]"]
 BENCHMARKS: list[BenchFn] = []
 MAX_THREADS = 1024  # torch threads per rank a command line may ask for
-CSV_HELP = ("also write the rows as CSV (a benchmark's CSV there is replaced; any other "
-            "file is refused)")
+CSV_HELP = ("also write the rows as CSV (this benchmark's earlier CSV there is replaced; "
+            "any other file is refused)")
 
 
 def benchmark(fn: BenchFn) -> BenchFn:
@@ -341,12 +342,12 @@ def engine_rows(ctx: BenchContext) -> list[Row]:
 
 def _engines_main(argv: list[str]) -> int:
     """`python -m layerpar.bench engines`: the native engine against XBraid."""
-    p = argparse.ArgumentParser(prog="python -m layerpar.bench engines",
-                                description=engine_rows.__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m layerpar.bench engines",
+                      description=engine_rows.__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller solve, 3 repeats")
     p.add_argument("--csv", metavar="PATH", help=CSV_HELP)
     args = p.parse_args(argv)
-    check_shared_options(p, args)
+    check_shared_options(p, args, "benchmark,case,ranks")
     comm = world_comm()
     torch.set_num_threads(1)
     ctx = BenchContext(quick=args.quick, repeats=3 if args.quick else 7, comm=comm)
@@ -363,17 +364,20 @@ def _engines_main(argv: list[str]) -> int:
     return 0
 
 
-def check_shared_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def check_shared_options(p: argparse.ArgumentParser, args: argparse.Namespace,
+                         header: str) -> None:
     """The options every benchmark command line shares, checked before anything runs
     (one line naming the option, exit 2, as `p.error` does): ``--csv`` must be a file
     that can be written (`check_output_file`: not a folder, its folder present and
-    writable; otherwise the whole measurement ran first and was lost in a traceback),
-    ``--timeout`` a finite number of seconds > 0."""
+    writable; otherwise the whole measurement ran first and was lost in a traceback)
+    and, where it exists, this benchmark's earlier CSV (its first line starts with
+    `header`, the benchmark's first columns), ``--timeout`` a finite number of
+    seconds > 0."""
     from .studies.files import StudyFileError, check_output_file
 
     if getattr(args, "csv", None) is not None:
         try:
-            check_output_file(args.csv, "--csv", tables_only=True)
+            check_output_file(args.csv, "--csv", header=header)
         except StudyFileError as exc:
             p.error(str(exc))
     timeout = getattr(args, "timeout", None)
@@ -427,14 +431,14 @@ def _ops_main(argv: list[str]) -> int:
     """`python -m layerpar.bench ops`: operations per training batch (layerpar.opcount)."""
     from . import opcount
 
-    p = argparse.ArgumentParser(prog="python -m layerpar.bench ops",
-                                description=opcount.__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m layerpar.bench ops",
+                      description=opcount.__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small models (seconds)")
     p.add_argument("--unbatched", action="store_true",
                    help="LayerParallel(batched=False): the per-step path, for comparison")
     p.add_argument("--csv", metavar="PATH", help=CSV_HELP)
     args = p.parse_args(argv)
-    check_shared_options(p, args)
+    check_shared_options(p, args, "model,layers,levels")
     torch.set_num_threads(1)
     rows = opcount.ops_rows(quick=args.quick, batched=not args.unbatched)
     print(f"layerpar.bench ops: top-level aten ops per training batch (zero_grad, forward, "
@@ -479,7 +483,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return syncbench.main(argv[1:])
     doc = __doc__.split("\n")
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m layerpar.bench", description=doc[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="subcommands (each has its own --help):\n" + "\n".join(
@@ -502,7 +506,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         p.error(f"`--only` {', '.join(unknown)}: no such benchmark (choose from "
                 f"{', '.join(names)})")
-    check_shared_options(p, args)
+    check_shared_options(p, args, "benchmark,case,ranks")
 
     comm = world_comm()
     size = 1 if comm is None else comm.Get_size()

@@ -45,6 +45,7 @@ from .launch import (
     mpiexec_path,
     run_job,
 )
+from .parsing import OneLineParser
 
 # set on the ranks of a job that `layerpar train --np N` launched (so they do not
 # launch again); mpiexec / srun themselves are recognised by the PMI variables below
@@ -74,14 +75,16 @@ def _error(message: str) -> None:
         print(f"layerpar: error: {message}", file=sys.stderr, flush=True)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser, whose own errors (an unknown problem, a missing argument, a
-    value of the wrong type) are one line like every checked value's, ``layerpar:
-    error: ...`` and exit 2, not the usage block first."""
+class _Parser(OneLineParser):
+    """The ``layerpar`` command's parser: its own errors (an unknown problem, a missing
+    argument, a value of the wrong type) are one line like every checked value's,
+    ``layerpar: error: ...`` and exit 2, printed by a job's rank 0 only."""
 
-    def error(self, message: str) -> Any:  # argparse's hook: never returns
-        _error(f"{message} (`{self.prog} --help` lists the options)")
-        self.exit(2)
+    command = "layerpar"
+    hint = True
+
+    def reports(self) -> bool:
+        return _reports_errors()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,7 +35,6 @@ counts, and `model_error` = (predicted - measured) / measured of the MGRIT time.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import csv
 import statistics
@@ -46,6 +45,7 @@ import torch
 
 from . import opcount
 from .bench import check_shared_options
+from .parsing import OneLineParser
 
 COLUMNS = ["device", "model", "layers", "seconds_per_batch", "eager_seconds_per_batch",
            "graph_seconds_per_batch", "speedup_vs_eager", "speedup_vs_graph",
@@ -244,10 +244,10 @@ def bench_model(name: str, device: str, steps: int, lr: float = 0.05,
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m layerpar.bench gpu",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--csv", metavar="PATH", help="write the rows as CSV (a benchmark's CSV "
-                   "there is replaced; any other file is refused)")
+    p = OneLineParser(prog="python -m layerpar.bench gpu",
+                      description=__doc__.split("\n")[0])
+    p.add_argument("--csv", metavar="PATH", help="write the rows as CSV (this benchmark's "
+                   "earlier CSV there is replaced; any other file is refused)")
     p.add_argument("--models", default="dense,conv",
                    help="comma-separated: dense, conv, conv16, transformer (rows a to d)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
@@ -267,7 +267,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error("`--models` names no model; choose from " + ", ".join(sorted(opcount.CONFIGS)))
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
-    check_shared_options(p, args)
+    check_shared_options(p, args, ",".join(COLUMNS[:3]))
     if args.unmeasured:
         rows = [unmeasured_row(m) for m in models]
         for r in rows:

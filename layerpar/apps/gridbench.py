@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 from ..defaults import TRAINING
 from .bench import CSV_HELP, check_shared_options, write_dict_rows
+from .parsing import OneLineParser
 
 BATCH = 128  # the global batch every split trains on
 
@@ -128,8 +129,8 @@ def format_rows(rows: list[dict]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m layerpar.bench grid",
-                                description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m layerpar.bench grid",
+                      description=__doc__.split("\n")[0])
     p.add_argument("--np", type=int, default=4, help="processes (default 4)")
     p.add_argument("--launcher", choices=("mpiexec", "torchrun", "both"), default="both",
                    help="how the processes are started and talk (default both: one job each)")
@@ -141,10 +142,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--procs", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.np < 1 or BATCH % args.np:
+    if args.np < 1:
+        p.error(f"`--np` must be >= 1, got {args.np}")
+    if BATCH % args.np:
         p.error(f"`--np` must divide the global batch of {BATCH} (its N x 1 split has N "
                 f"replicas of it), got {args.np}")
-    check_shared_options(p, args)
+    check_shared_options(p, args, "launcher,processes,data")
     if args.repeats is not None and args.repeats < 1:
         p.error(f"`--repeats` must be >= 1, got {args.repeats}")
     args.layers = args.layers or (64 if args.quick else 256)

@@ -37,6 +37,7 @@ from ..ode.net import ODENet, Segment
 from .bench import CSV_HELP, check_shared_options, write_dict_rows
 from .launch import world_comm
 from .loop import train_step
+from .parsing import OneLineParser
 
 FWD, BWD = TRAINING.fwd_options(), TRAINING.bwd_options()
 MODES = (("auto", "auto"), ("batched", True), ("per-step", False))
@@ -145,8 +146,8 @@ def format_rows(rows: list[dict]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m layerpar.bench paths",
-                                description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m layerpar.bench paths",
+                      description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="rank counts")
     p.add_argument("--quick", action="store_true", help="small cases, 3 repeats")
     p.add_argument("--repeats", type=int, default=None, help="timed batches (default 9)")
@@ -161,7 +162,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.repeats is not None and args.repeats < 1:
         p.error(f"`--repeats` must be >= 1, got {args.repeats}")
     args.repeats = args.repeats or (3 if args.quick else 9)
-    check_shared_options(p, args)
+    check_shared_options(p, args, "case,ranks,coarsening")
     if args.worker:
         _worker(args)
         return 0

@@ -36,6 +36,7 @@ from typing import Any, Optional
 from ..defaults import TRAINING
 from .bench import CSV_HELP, check_shared_options, write_dict_rows
 from .launch import mpi_world
+from .parsing import OneLineParser
 
 __all__ = ["main"]
 
@@ -146,8 +147,8 @@ def format_rows(rows: list[dict]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m layerpar.bench sync",
-                                description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = OneLineParser(prog="python -m layerpar.bench sync",
+                      description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--quick", action="store_true", help="64 layers, 14 batches")
     p.add_argument("--batches", type=int, default=None, help="batches per run (default 64)")
     p.add_argument("--width", type=int, default=128, help="width of the dense net (128)")
@@ -173,7 +174,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not MIN_GBITS <= args.gbits < math.inf:
         p.error(f"`--gbits` must be a finite number >= {MIN_GBITS:g} (Gbit/s; slower "
                 f"links make a run take hours), got {args.gbits}")
-    check_shared_options(p, args)
+    check_shared_options(p, args, "grid,sync,optimizer")
     try:
         shapes = [tuple(int(v) for v in g.split("x")) for g in args.grids.split(",")]
     except ValueError:

@@ -28,7 +28,6 @@ thread per rank), so neither inherits the other's state.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -41,6 +40,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
+
+from .parsing import OneLineParser
 
 __all__ = ["CASES", "SMOKE", "Case", "best_threads", "main", "run_case", "worker"]
 
@@ -174,7 +175,7 @@ def best_threads(case: Case, batches: int = 4) -> tuple[int, dict[int, float], i
 
     cores = available_cores()
     counts = sorted({1, cores} | {2 ** k for k in range(1, 8) if 2 ** k < cores})
-    p = argparse.ArgumentParser()
+    p = OneLineParser()
     add_arguments(p)
     p.add_argument("problem")
     a = p.parse_args(case.train_args())
@@ -428,8 +429,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .launch import load_average
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m layerpar.bench tta",
-                                description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m layerpar.bench tta",
+                      description=__doc__.split("\n")[0])
     p.add_argument("--cases", default="a,b,c,d", help="which cases (default a,b,c,d)")
     p.add_argument("--np", type=int, default=2, help="ranks of the layer-parallel runs")
     p.add_argument("--smoke", action="store_true",
@@ -466,6 +467,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"`--cases` must name cases among {sorted(table)}, got {args.cases!r}")
     if args.np < 1:
         p.error(f"`--np` must be >= 1, got {args.np}")
+    from .cli import parse_args as train_command
+
+    for k in keys:  # what each case's `layerpar train --auto` would refuse, before training
+        try:
+            train_command(["train", *table[k].train_args(), "--np", str(args.np), "--auto"])
+        except ValueError as exc:
+            p.error(f"case {k} at `--np` {args.np}: {exc}")
     if args.timeout is not None and not args.timeout > 0:
         p.error(f"`--timeout` must be > 0, got {args.timeout}")
     try:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ...defaults import MAX_REL_ERROR, MIN_COSINE
+from ..parsing import OneLineParser
 
 __all__ = ["CRITERION", "add_arguments", "add_parser", "build_parser", "main", "run",
            "run_accuracy_study"]
@@ -114,7 +115,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     """Stand-alone parser of ``python -m layerpar.studies accuracy``."""
-    return add_arguments(argparse.ArgumentParser(
+    return add_arguments(OneLineParser(
         prog="python -m layerpar.studies accuracy",
         description="Relative error and cosine of inexact layer-parallel gradients against "
                     "exact ones (Peaks and digits nets), written to CSV, a plot and a "

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ...defaults import TRAINING
+from ..parsing import OneLineParser
 
 __all__ = ["add_arguments", "add_parser", "build_parser", "main", "run"]
 
@@ -95,7 +96,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     """Stand-alone parser of ``python -m layerpar.studies``."""
-    return add_arguments(argparse.ArgumentParser(
+    return add_arguments(OneLineParser(
         prog="python -m layerpar.studies",
         description="Layer-parallel scaling study (the `layerpar scale` command).  "
                     "`python -m layerpar.studies accuracy --help`: the gradient-accuracy "

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 __all__ = ["StudyFileError", "append_line", "check_output_dir", "check_output_file",
            "first_line", "refuse_foreign", "read_jsonl", "write_bytes", "write_text"]
@@ -165,29 +164,27 @@ def _probe(folder: Path) -> None:
     os.unlink(probe)
 
 
-#: a CSV header as the benchmarks write it: column names, nothing else
-_HEADER = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*(,[A-Za-z_][A-Za-z0-9_.\-]*)*\r?")
-
-
-def check_output_file(file: PathLike, name: str, tables_only: bool = False) -> Path:
+def check_output_file(file: PathLike, name: str, header: Optional[str] = None) -> Path:
     """Check, before anything is measured, that `file` can be written: not a folder, in
     a folder that exists, and writable there (tried: a probe file is created and
     removed, or an existing file opened for appending, which changes nothing in it).
-    `name` is what the user called it (``--csv``), for the message.  With
-    `tables_only`, an existing file is replaced only where it is a CSV table whose
-    first line is a header of column names (a benchmark's earlier output; a README
-    given by mistake, or a person's notes, are refused).  Raises `StudyFileError`."""
+    `name` is what the user called it (``--csv``), for the message.  With `header`
+    (the first columns of the CSV the caller writes, ``"model,layers,levels"``), an
+    existing file is replaced only where its first line starts with them: the same
+    benchmark's earlier output.  Anything else (a person's own CSV, whatever its
+    columns, a README given by mistake) is refused.  Raises `StudyFileError`."""
     path = Path(file)
     if path.is_dir():
         raise StudyFileError(f"`{name}` {path} is a folder; give a file path")
-    if tables_only and path.is_file():
+    if header is not None and path.is_file():
         with open(path, "rb") as fh:
             head = fh.read(65536)
-        if head and not _HEADER.fullmatch(first_line(head)):
+        line = first_line(head).rstrip("\r")
+        if head and not (line == header or line.startswith(header + ",")):
             raise StudyFileError(
-                f"`{name}` {path} exists and is not a benchmark's CSV (its first line is "
-                "not a header of column names), so it is not replaced; nothing was "
-                "changed.  Move it away or give another path")
+                f"`{name}` {path} exists and is not this benchmark's CSV (its first line "
+                f"does not start with the columns {header}), so it is not replaced; "
+                "nothing was changed.  Move it away or give another path")
     folder = path.parent
     if not folder.is_dir():
         raise StudyFileError(f"`{name}` {path} cannot be written: its folder {folder} "

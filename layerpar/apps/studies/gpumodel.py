@@ -45,7 +45,6 @@ at another rate, and the model with the default rate is off on them, as reported
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import sys
@@ -55,6 +54,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ...defaults import TRAINING
+from ..parsing import OneLineParser
 
 __all__ = ["GPU", "GPUPrediction", "H100", "MATMUL_EFFICIENCY", "PASSES", "calibrate",
            "kernel_counts", "main", "predict_gpu", "step_work", "validate"]
@@ -345,8 +345,8 @@ def format_validation(rows: Sequence[dict[str, Any]]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m layerpar.studies predict-gpu``: the prediction for a net, or
     (--validate) the model against the measured rows of docs/gpu."""
-    p = argparse.ArgumentParser(prog="python -m layerpar.studies predict-gpu",
-                                description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m layerpar.studies predict-gpu",
+                      description=__doc__.split("\n")[0])
     p.add_argument("--model", default="dense", choices=sorted(PASSES),
                    help="block type (dense)")
     p.add_argument("--layers", type=int, default=1024,

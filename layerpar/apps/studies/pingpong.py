@@ -12,7 +12,6 @@ JSON.  Ranks beyond the first two only take part in the final barrier.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -23,6 +22,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..launch import mpi_world
+from ..parsing import OneLineParser
 from .files import write_text
 
 __all__ = ["fit_alpha_beta", "main", "measure"]
@@ -98,7 +98,7 @@ def fit_alpha_beta(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m mpi4py -m layerpar.apps.studies.pingpong",
         description="Two-rank ping-pong: message latency and bandwidth over mpi4py.")
     parser.add_argument("--out", help="write samples and fit as JSON to this file")
