@@ -8,7 +8,11 @@ TORCH  ?= torch==2.13.0
 # local MPI ranks for `make train`: one per core, at most 4
 NP     ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
-NATIVE := $(wildcard layerpar/_native/*.c layerpar/_native/*.h layerpar/_native/_core.pyx layerpar/_native/lpm.pxd)
+# the engine's sources (Cython's generated _core.c and _xbraid.c are outputs, not
+# sources: counting them made the first target after `make build` rebuild both)
+NATIVE := $(filter-out layerpar/_native/_core.c layerpar/_native/_xbraid.c,\
+	$(wildcard layerpar/_native/*.c)) $(wildcard layerpar/_native/*.h) \
+	layerpar/_native/_core.pyx layerpar/_native/lpm.pxd
 
 # Optional XBraid engine (engine="xbraid"), built from an XBraid source tree, never
 # vendored: `XBRAID_DIR=/path/to/xbraid make build` compiles its libbraid.a with the

@@ -375,6 +375,11 @@ def test_accuracy_policy_bound_message() -> None:
     (["--cfactor", "8", "--auto"], "`--cfactor` with `--auto`"),
     (["--auto", "--tol=0"], "`--tol` with `--auto`"),
     (["--auto", "--engine", "native"], "`--engine` with `--auto`"),
+    # the serial oracle ran and dropped them without a word
+    (["--serial", "--levels", "2"], "`--levels` with `--serial`: the serial oracle runs no"),
+    (["--serial", "--tol", "1e-3"], "`--tol` with `--serial`"),
+    (["--serial", "--engine", "xbraid"], "`--engine` with `--serial`"),
+    (["--nodes", "1"], "`--nodes` acts between data replicas"),
 ])
 def test_train_refuses_in_one_line_before_building(argv: list, message: str,
                                                    capsys: pytest.CaptureFixture) -> None:

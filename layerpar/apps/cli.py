@@ -195,7 +195,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         # options that act only with another: refused alone, not silently ignored
         if args.data_parallel == 1:
             for flag, given in (("--sync", args.sync != "allreduce"),
-                                ("--slow-link", args.slow_link is not None)):
+                                ("--slow-link", args.slow_link is not None),
+                                ("--nodes", args.nodes is not None)):
                 if given:
                     raise ValueError(f"`{flag}` acts between data replicas: give "
                                      "`--data-parallel` R > 1")

@@ -1200,6 +1200,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.serial and (getattr(args, "adaptive", False) or getattr(args, "check_every", 0)):
         raise ValueError("`--adaptive` and `--check-every` compare MGRIT with exact "
                          "propagation: not with `--serial`")
+    if args.serial:
+        for flag in AUTO_CHOOSES:
+            if flag in getattr(args, "given", ()):
+                raise ValueError(f"`{flag}` with `--serial`: the serial oracle runs no MGRIT "
+                                 "solve (nor an engine); give one or the other")
 
 
 def _bound(args: argparse.Namespace) -> dict[str, float]:
