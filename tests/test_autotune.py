@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import logging
 import math
 import socket
 from typing import Any
@@ -219,7 +220,8 @@ def test_retuning_reuses_timings_and_the_remaining_budget(
     model.close()
 
 
-def test_first_forward_tunes_with_a_surrogate_loss(monkeypatch: pytest.MonkeyPatch
+def test_first_forward_tunes_with_a_surrogate_loss(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture
                                                    ) -> None:
     """Without `tune`, the first training pass tunes with a surrogate loss, the
     MGRIT candidates' gradient errors included (the checks refused its missing
@@ -239,8 +241,12 @@ def test_first_forward_tunes_with_a_surrogate_loss(monkeypatch: pytest.MonkeyPat
     with torch.no_grad():
         model(x)
     assert not model.tuner.tuned and model.tuner.results == []
-    loss = torch.nn.functional.cross_entropy(model(x), y)  # tunes first
+    with caplog.at_level(logging.INFO, logger="layerpar"):
+        loss = torch.nn.functional.cross_entropy(model(x), y)  # tunes first
     got = model.tuner.results[-1]
+    # a user's own loop sees the table and the choice: logged, and str() of the result
+    assert str(got) == "\n".join(got.lines()) and str(got) in caplog.text
+    assert "auto: chose" in caplog.text
     checked = [m for m in got.table if not m.candidate.exact and m.rel_error is not None]
     assert len(checked) >= 2, got.lines()
     assert "no targets (tuned on the first forward pass" in "\n".join(got.lines())

@@ -89,6 +89,7 @@ several times the chosen setting's.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -105,6 +106,8 @@ from .adaptive import AccuracyPolicy
 from .batched import same_structures
 from .replicated import ReplicatedSerial, split_supported, supported
 from .timing import first_uses
+
+_log = logging.getLogger("layerpar")
 
 if TYPE_CHECKING:
     from .model import LayerParallel
@@ -236,6 +239,14 @@ class TuneResult:
     #: this tuning, whose times are passes as usual
     online: int = 0
     timed_online: bool = False
+    #: (seconds of the timed online step, the training steps then to come): what the
+    #: trial's decision to run this tuning on passes went by
+    online_step: Optional[tuple[float, int]] = None
+
+    def __str__(self) -> str:
+        """The table and the choice, readable (`lines`); the dataclass's own repr is
+        several KB of fields."""
+        return "\n".join(self.lines())
 
     def lines(self) -> list[str]:
         """The candidate table and the choice, as text lines."""
@@ -250,9 +261,15 @@ class TuneResult:
             out = [f"auto: {len(self.table)} candidates measured in {self.seconds:.2f} s "
                    f"at {self.ranks} rank(s) (batch {self.batch})"]
             if self.online:
+                why = ""
+                if self.online_step is not None:
+                    t, steps = self.online_step
+                    why = (f" ({1e3 * t:.1f} ms; {100 * BUDGET:g}% of {steps} such steps "
+                           f"= {BUDGET * t * steps:.2f} s)")
                 out.append(f"auto: replicated serial trained the first {self.online} "
-                           "step(s), one of them timed: the budget has room for this "
-                           "tuning")
+                           f"step(s), one of them timed{why}: by that step the budget had "
+                           "room to time exact propagation, so the candidates were timed "
+                           "on passes of this batch")
         if self.bound_note:
             out.append(f"auto: bound: {self.bound_note}")
         if self.reused:
@@ -265,7 +282,9 @@ class TuneResult:
         for m in self.table:
             err = "-" if m.rel_error is None else f"{m.rel_error:.3g}"
             cos = "-" if m.cosine is None else f"{m.cosine:.5f}"
-            mark = "*" if m is self.choice else ("y" if m.within else "n")
+            # (-: not checked, being slower than a candidate already found)
+            mark = "*" if m is self.choice else ("-" if m.rel_error is None else
+                                                 "y" if m.within else "n")
             out.append(f"  {m.candidate.name(self.ranks):34s} {1e3 * m.seconds:9.2f} "
                        f"{err:>9s} {cos:>9s}  {mark}")
         out.append(f"auto: chose {self.choice.candidate.name(self.ranks)}: {self.reason}")
@@ -909,8 +928,8 @@ class AutoTuner:
     def tune(self, model: LayerParallel, x: Tensor, y: Any,
              loss_fn: Callable[[Tensor, Any], Tensor],
              steps: Optional[int] = None, online: bool = False,
-             built: Optional[dict[Candidate, ReplicatedSerial]] = None
-             ) -> Optional[TuneResult]:
+             built: Optional[dict[Candidate, ReplicatedSerial]] = None,
+             trial: Optional[tuple[int, float, int]] = None) -> Optional[TuneResult]:
         """Measure and choose on this batch (collective); the choice runs from now on.
         `steps`: the training steps to come, if known (they bound the tuning's time; a
         later call without them counts what is left of the first call's).
@@ -926,7 +945,8 @@ class AutoTuner:
         is in `results` once the steps have decided).
 
         built: replicated settings already built on `model` (the trial's), timed by
-        the tuning instead of new ones."""
+        the tuning instead of new ones.  trial: (steps it trained, its timed step's
+        seconds, the steps then to come), for the result's log."""
         if self.trial is not None:  # asked again before the steps decided: tune now
             self.trial.close()
             self.trial = self.chosen = None
@@ -944,7 +964,9 @@ class AutoTuner:
                        known=dict(known), built=built)
         for m in got.table:
             known.setdefault(m.candidate, m.seconds)
-        self.results.append(got)
+        if trial is not None:  # (the trial's steps came first; its timed step decided)
+            got.online, got.online_step = trial[0], trial[1:]
+        self._record(model, got)
         self.remeasured = None
         self.unconfirmed = False
         if got.noise is not None:
@@ -1016,9 +1038,10 @@ class AutoTuner:
             # a net whose training has room for the full tuning: run it on the first
             # batch (replicated serial, built for the trial, is timed there, not rebuilt)
             self.trial = self.chosen = None
-            got = self.tune(model, tr.x, tr.y, tr.loss_fn, built=tr.kept)
+            # (this forward's step runs the choice: the steps before it trained)
+            got = self.tune(model, tr.x, tr.y, tr.loss_fn, built=tr.kept,
+                            trial=(tr.steps_run - 1, t, tr.steps))
             assert got is not None
-            got.online = tr.steps_run - 1  # (this forward's step runs the choice)
             return
         ts = tr.times
         if not (len(ts) >= self.repeats or len(ts) == 2 and abs(ts[1] - ts[0]) <=
@@ -1046,8 +1069,16 @@ class AutoTuner:
                    "MGRIT)")
         tr.seconds += time.perf_counter() - now
         spent = max(model.transport.allgather_object(tr.seconds, "the auto-tuning's time"))
-        self.results.append(TuneResult(tr.done, choice, reason, spent, model.size, tr.batch,
+        self._record(model, TuneResult(tr.done, choice, reason, spent, model.size, tr.batch,
                                        online=tr.steps_run - 1, timed_online=True))
+
+    def _record(self, model: LayerParallel, got: TuneResult) -> None:
+        """Keep a tuning's result, and log its table and choice (logger ``layerpar``,
+        INFO, rank 0): `options="auto"` in a user's own loop said nothing otherwise
+        (``layerpar train`` prints `log`)."""
+        self.results.append(got)
+        if model.rank == 0 and _log.isEnabledFor(logging.INFO):
+            _log.info("%s", "\n".join(got.lines()))
 
     def forward(self, model: LayerParallel, x: Tensor) -> Tensor:
         """A pass of `model`: tuned first if it never was (with a surrogate loss,
