@@ -30,7 +30,7 @@ XBRAID_BUILT := $(if $(XBRAID_DIR),$(VENV)/.built-xbraid)
 .PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-engines bench-paths \
 	bench-sync bench-tta bench-tta-smoke bench-tta-gpu bench-tta-gpu-compiled study-cpu-16core \
 	study-cpu-16core-scale \
-	study-cpu-16core-tta device-wheels device-setup test-gpu train lint clean
+	study-cpu-16core-tta device-wheels device-setup test-gpu train lint clean help
 
 setup: $(VENV)/.installed
 
@@ -182,6 +182,24 @@ train: build
 
 lint: setup
 	$(BIN)/ruff check layerpar tests examples
+
+help:
+	@echo "make train            set up (.venv, torch, MPI, engine) and train Peaks layer-parallel"
+	@echo "make test             set up and run the test suite (what CI runs)"
+	@echo "make test-fast        the tests not marked slow"
+	@echo "make build            (re)build the native engine (and XBraid's, with XBRAID_DIR)"
+	@echo "make lint             ruff over layerpar, tests and examples"
+	@echo "make bench            engine and training micro-benchmarks, 1 and 2 ranks"
+	@echo "make bench-ops        tensor operations per batch, serial against MGRIT"
+	@echo "make bench-engines    native engine against XBraid"
+	@echo "make bench-paths      batched against per-step cycles on users' blocks"
+	@echo "make bench-grid       data x layer grids over MPI and torch.distributed"
+	@echo "make bench-sync       replica synchronisation: all-reduce, DASO, Lion Cub"
+	@echo "make bench-tta        time to accuracy, serial against --auto (long: ~45 min)"
+	@echo "make bench-tta-smoke  the same, every case shrunk (a few minutes; not a measurement)"
+	@echo "GPU machine (DEVICE=1): device-wheels (here), then test-gpu, bench-gpu,"
+	@echo "  bench-tta-gpu, bench-tta-gpu-compiled, study-cpu-16core (README: Performance)"
+	@echo "make clean            remove build outputs (not .venv)"
 
 clean:
 	rm -rf build *.egg-info layerpar/_native/_core.c layerpar/_native/_xbraid.c \

@@ -1,6 +1,6 @@
 """Time to accuracy: serial training against layer-parallel training with ``--auto``.
 
-    python -m layerpar.bench tta [--cases a,b,c,d] [--np 2] [--out docs/tta]
+    python -m layerpar.bench tta [--cases a,b,c,d] [--np 2] [--out docs/tta/latest]
     python -m layerpar.bench tta --smoke            # every case shrunk: a minute or two
 
 For each case, the best serial training on this machine (plain `ODENet` with
