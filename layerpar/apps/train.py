@@ -761,9 +761,11 @@ def _summary_notes(result: TrainResult, time_budget: Optional[float],
         notes.append(f"{result.exact_steps} of the last epoch's {result.last_epoch_steps} "
                      f"steps ran {result.exact_kind} (exact, no MGRIT cycle); the "
                      "iteration and residual figures are the other steps' means")
-    skipped = [opts is None or opts.skip for opts in (result.fwd, result.bwd)]
-    if result.fwd_iters is not None and ((result.fwd_res is None and skipped[0])
-                                         or (result.bwd_res is None and skipped[1])):
+    # (the forward's only: the adjoint's one iteration, the default, reads "res n/a" in
+    # every default run, which README's summary description explains; a note on each
+    # run was noise on the first command a user types)
+    skipped = result.fwd is None or result.fwd.skip
+    if result.fwd_iters is not None and result.fwd_res is None and skipped:
         notes.append("res n/a: no residual was measured: with skip (the default), a "
                      "solve's first iteration does no fine-level work, so a one-iteration "
                      "solve computes none (the first residual comes with iteration 2)")
