@@ -118,6 +118,7 @@ def test_checkpoint_resume_on_another_number_of_ranks(tmp_path: Path) -> None:
     saved = _losses(run_mpi(WORKERS / "lp_checkpoint.py", 3, "save", ckpt, timeout=120))
     resumed = _losses(run_mpi(WORKERS / "lp_checkpoint.py", 2, "resume", ckpt, timeout=120))
     # exact mode: the interrupted run continues with the uninterrupted run's losses
+    assert resumed["load_state_dict"] is True  # 3 ranks' checkpoint, 2 ranks' model
     got = saved["first"] + resumed["second"]
     assert all(abs(a - b) <= F64.roundoff * abs(b)
                for a, b in zip(got, saved["full"])), (got, saved)

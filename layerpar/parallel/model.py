@@ -885,6 +885,42 @@ class LayerParallel(nn.Module):
         return self._auto.tune(self, x, y, loss_fn, steps, online)
 
     # -- portability ------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: Any, strict: bool = True,
+                        assign: bool = False) -> Any:
+        """`nn.Module.load_state_dict`, which also takes the whole network's state dict
+        (`gather_state_dict`, or the serial `ODENet`'s) on any number of ranks: each
+        rank loads its own part.  The other ranks' entries (their layers, named as in
+        the whole net) are not "unexpected"; a key of no layer of this network still is,
+        and with `strict` every key of this rank's part must be there.  Not collective.
+        (At more than one rank ``model.load_state_dict(full)`` raised on every key of
+        another rank's layers.)"""
+        mine = self.state_dict(keep_vars=True)
+        if all(k in mine for k in state_dict):
+            return super().load_state_dict(state_dict, strict, assign)
+        unexpected = [k for k in state_dict if k not in mine and not self._whole_net_key(k)]
+        if strict and unexpected:
+            raise RuntimeError("Error(s) in loading state_dict for LayerParallel: "
+                               "Unexpected key(s) in state_dict (no layer of this network "
+                               "has them): " + ", ".join(f'"{k}"' for k in unexpected))
+        got = super().load_state_dict({k: v for k, v in state_dict.items() if k in mine},
+                                      strict, assign)
+        got.unexpected_keys.extend(unexpected)
+        return got
+
+    def _whole_net_key(self, key: str) -> bool:
+        """Whether `key` names a tensor of another rank's part of this network: a plain
+        layer's, or block j of a segment of N steps (0 <= j < N)."""
+        parts = key.split(".")
+        if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit():
+            return False
+        k = int(parts[1])
+        if k >= len(self._layers_meta):
+            return False
+        if self._layers_meta[k][0] == "plain":
+            return True
+        return len(parts) >= 4 and parts[2] == "blocks" and parts[3].isdigit() and \
+            int(parts[3]) < self._runners[k].n
+
     def gather_state_dict(self) -> dict[str, Tensor]:
         """The whole network's state dict (loads into the serial `ODENet`), on every rank
         (collective)."""

@@ -1,6 +1,8 @@
 """MPI worker: train 3 steps at P ranks, checkpoint (model + optimizer, name-keyed),
 resume on a *fresh* LayerParallel and train 2 more; compare with 5 uninterrupted
-steps.  Rank 0 prints `RANK 0 LOSSES <json>` for both runs.
+steps.  Rank 0 prints `RANK 0 LOSSES <json>` for both runs (and under
+"load_state_dict" whether `model.load_state_dict(whole network's dict)` on a built
+model gave every rank its part).
 
 Run: mpiexec -n P python -m mpi4py tests/workers/lp_checkpoint.py [save|resume PATH]
 With `save PATH` the checkpoint after 3 steps is written to PATH; with `resume PATH`
@@ -60,6 +62,15 @@ if mode in ("both", "save"):
 if mode == "resume":
     ckpt = torch.load(path, weights_only=False)
 if mode in ("both", "resume"):
+    # the PyTorch way too: a model built first, then the whole network's state dict
+    # loaded into it on every rank (each takes its part; others' keys are not unexpected)
+    later = layerpar.LayerParallel(factory, comm, OPTS, OPTS)
+    later.load_state_dict(ckpt["model"])
+    back = later.gather_state_dict()
+    same = sorted(back) == sorted(ckpt["model"]) and all(
+        torch.equal(back[k], v) for k, v in ckpt["model"].items())
+    out["load_state_dict"] = bool(min(comm.allgather(same)))
+    later.close()
     model = layerpar.LayerParallel(factory, comm, OPTS, OPTS, state_dict=ckpt["model"])
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     model.load_optimizer_state(opt, ckpt["opt"])
