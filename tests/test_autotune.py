@@ -658,14 +658,16 @@ def test_replicated_serial_trains_like_serial(nprocs: int) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("nprocs", [1, 2])
-def test_users_nets_batch_norm_under_auto_and_token_inputs(nprocs: int) -> None:
+@pytest.mark.parametrize("nprocs", [1, 2, 4])
+def test_users_nets_batch_norm_auto_tokens_and_clipping(nprocs: int) -> None:
     """Auto's candidate passes are measurements: after three steps of a user's
     batch-norm net, tuned on the first, the running statistics and their counts equal
     serial training's (they counted 3 + 4 per candidate before, and an evaluation
     differed from serial's by 0.04-0.07).  Token ids into an `nn.Embedding` train
     under exact, MGRIT and auto settings like the serial net (the input's
-    ``requires_grad_`` refused them), and `check_gradients` takes them."""
+    ``requires_grad_`` refused them), and `check_gradients` takes them.
+    `model.clip_grad_norm_` clips by the whole network's norm (each rank's own part
+    clipped by its own norm left serial training by 6e-4 to 2e-3 in 3 steps)."""
     proc = run_mpi(WORKERS / "lp_user_nets.py", nprocs, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = rank_lines(proc.stdout)
@@ -684,6 +686,29 @@ def test_users_nets_batch_norm_under_auto_and_token_inputs(nprocs: int) -> None:
                 assert 0 < perr < 0.1 and loss < 1e-2, t
             else:
                 assert loss <= 1e-12 and perr <= 1e-12, t
+        clips = [t.split() for t in got if t.startswith("clip ")]
+        assert [c[1] for c in clips] == ["2", "inf"], got
+        for c in clips:  # the whole net's norm, as serial's clip_grad_norm_ computes it
+            assert float(c[3]) <= 1e-12 and float(c[5]) <= 1e-12, c
+            assert float(c[7]) > 0.05, c  # (the clipping acted)
+
+
+def test_clip_grad_norm_refuses_bad_values() -> None:
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, MGRITOptions(max_levels=1))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    for bad in (-1.0, float("nan"), "1", True):
+        with pytest.raises(ValueError, match="`max_norm` must be a number >= 0"):
+            model.clip_grad_norm_(bad)
+    for bad in (0, -2.0, None):
+        with pytest.raises(ValueError, match="`norm_type` must be a number > 0"):
+            model.clip_grad_norm_(1.0, bad)
+    before = [p.grad.clone() for p in model.parameters()]
+    total = model.clip_grad_norm_(float("inf"))  # nothing to clip: the norm, unchanged
+    want = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    assert float(total) == pytest.approx(float(want), rel=1e-12)
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))
+    model.close()
 
 
 def test_split_vjp_entry_point_matches_autograd_grad(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,6 +4,10 @@
 training leaves them (its tuning passes are measurements, not training).
 2. Token ids (an integer input into an `nn.Embedding` opening layer) train under
 exact, MGRIT and auto settings (``requires_grad_`` refused integer inputs).
+3. `LayerParallel.clip_grad_norm_` clips by the whole network's norm, as
+`torch.nn.utils.clip_grad_norm_` does on the serial net (``RANK <r> clip <norm type>
+norm <relative difference of the norms> params <difference after 3 SGD steps>
+smallest <the smallest norm, above the 0.05 clipped to>``).
 
 Usage: mpiexec -n P python -m mpi4py tests/workers/lp_user_nets.py
 A float64 ODE-net of a user's two-convolution blocks with batch norms (not a bundled
@@ -126,4 +130,34 @@ for name, options in settings.items():
         f"grads {diff:.3e} "
         f"check {check.param_grad_error:.3e} {check.input_grad_error:.3e} "
         f"params {len(mine)}")
+    model.close()
+
+# 3. gradient clipping over the whole network (each rank holds its layers' gradients
+# only: clipping its own part gave every rank another scale)
+for norm_type in (2.0, float("inf")):
+    torch.manual_seed(0)
+    net = layerpar.ODENet(open=nn.Linear(3, 6), steps=lambda n: PreNorm(6), n_steps=8,
+                          t_final=1.0, close=nn.Linear(6, 3)).double()
+    serial = copy.deepcopy(net)
+    model = layerpar.LayerParallel(net, comm, MGRITOptions(max_levels=1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.1)
+    norms, totals = [], []
+    for _ in range(3):
+        x = torch.randn(8, 3, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (8,), generator=g)
+        for m, o in ((model, opt), (serial, opt_s)):
+            o.zero_grad()
+            loss_fn(m(x), y).backward()
+        got = model.clip_grad_norm_(0.05, norm_type)
+        want = torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.05, norm_type)
+        norms.append(abs(float(got) - float(want)) / float(want))
+        totals.append(float(want))
+        opt.step()
+        opt_s.step()
+    full = model.gather_state_dict()
+    diff = max(float((full[k] - p.detach()).abs().max())
+               for k, p in serial.named_parameters())
+    say(f"clip {norm_type:g} norm {max(norms):.3e} params {diff:.3e} "
+        f"smallest {min(totals):.3g}")
     model.close()
