@@ -25,7 +25,8 @@ from ..mgrit.xbraid import (
 from ..ode.net import ODENet, Segment
 from .batched import structure
 
-__all__ = ["Agreed", "check_xbraid", "fingerprint", "same_values", "values_fingerprint"]
+__all__ = ["Agreed", "check_xbraid", "fingerprint", "layer_key", "same_values",
+           "values_fingerprint"]
 
 
 def values_fingerprint(t: Tensor) -> str:
@@ -52,6 +53,34 @@ def fingerprint(layer: nn.Module) -> str:
     if isinstance(layer, Segment):
         desc += f"|{layer.n_steps}|{layer.t_start!r}|{layer.t_final!r}|{layer.scheme!r}"
     return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+
+def _shapes(module: nn.Module, limit: int = 6) -> str:
+    """A module's first parameter names and shapes, readable (``linear.weight [8, 8],
+    ...``): what a mismatch message can show where a digest says only "different"."""
+    got = [f"{n} {list(p.shape)}" for n, p in module.named_parameters()]
+    more = f", ... ({len(got)} in all)" if len(got) > limit else ""
+    return ", ".join(got[:limit]) + more if got else "(no parameters)"
+
+
+def layer_key(k: int, layer: nn.Module) -> dict[str, Any]:
+    """What the ranks compare of layer `k` (`LayerParallel`'s agreement): the digest of
+    its whole structure (`fingerprint`) and, readable beside it, what usually differs
+    when a script builds the net per rank: a segment's step count, times, scheme and
+    first block's parameter shapes; a plain layer's parameter shapes.  (A mismatch was
+    reported by digests alone, which named no argument.)"""
+    out: dict[str, Any] = {}
+    if isinstance(layer, Segment):
+        out.update({f"layers.{k}.n_steps": layer.n_steps,
+                    f"layers.{k}.t_start": layer.t_start,
+                    f"layers.{k}.t_final": layer.t_final,
+                    f"layers.{k}.scheme": repr(layer.scheme),
+                    f"layers.{k}.blocks.0": _shapes(layer.blocks[0]) if len(layer.blocks)
+                    else "(none)"})
+    else:
+        out[f"layers.{k}"] = _shapes(layer)
+    out[f"layers.{k}.structure"] = fingerprint(layer)
+    return out
 
 
 class Agreed:

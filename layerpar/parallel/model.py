@@ -35,7 +35,7 @@ from ..ode.rng import DROPOUT_TYPES as _DROPOUT
 from ..ode.rng import draw_seed
 from . import checkpoint
 from .adaptive import AccuracyController, apply_iterations, as_policy
-from .agree import Agreed, check_xbraid, fingerprint, same_values, values_fingerprint
+from .agree import Agreed, check_xbraid, layer_key, same_values, values_fingerprint
 from .autotune import AutoTuner, auto_policy
 from .bn_dropout import batch_norms
 from .direct import direct_backward_started
@@ -243,12 +243,14 @@ class LayerParallel(nn.Module):
                    "timeout": timeout, "check_inputs": check_inputs,
                    **({"accuracy": None} if policy is None else policy.key()),
                    "auto": auto,
-                   **{f"layers.{k}": fingerprint(m) for k, m in enumerate(net.layers)}}
+                   **{name: v for k, m in enumerate(net.layers)
+                      for name, v in layer_key(k, m).items()}}
         except Exception as exc:  # noqa: BLE001 - re-raised identically on every rank
             err = exc
         world.agree(key, err, "LayerParallel settings (options, coarsening, layers; "
-                             "`layers.k` is a digest of layer k's structure: module types, "
-                             "parameter shapes, attributes such as the activation)")
+                             "`layers.k.structure` is a digest of layer k's structure: "
+                             "module types, parameter shapes, attributes such as the "
+                             "activation)")
         assert isinstance(net, ODENet)
         self.options = options
         self.backward_options = backward_options

@@ -111,6 +111,10 @@ def case_activation_differs():  # only the activation: same types and shapes
     layerpar.LayerParallel(net(steps=lambda k: blocks.Dense(4, activation=act)), comm, OPTS)
 
 
+def case_n_steps_differs():  # a script that builds the net per rank: named, not a digest
+    layerpar.LayerParallel(net(n=12 if rank == 1 else 8), comm, OPTS)
+
+
 def case_width_differs():
     layerpar.LayerParallel(net(width=5 if rank == 1 else 4), comm, OPTS)
 
