@@ -60,6 +60,12 @@ FAILURES = {
     "grid_not_divide": ("ValueError", "ValueError", "does not match the 4 processes"),
     "shapes_differ": ("RankMismatchError", "RankMismatchError",
                       "the input differs between data replicas"),
+    "shapes_differ_in_replica": ("RankMismatchError", "RankMismatchError",
+                                 "the input differs between the ranks of data replica 0: "
+                                 "rank 0 has shape (4, 3)"),
+    "skip_backward": ("RankMismatchError", "RankMismatchError",
+                      "rank 1 is in the forward pass's agreement on the input (whole grid) "
+                      "(batch 3, forward pass)"),
     "exact_differs": ("RankMismatchError", "RankMismatchError",
                       "run this pass with exact propagation and the others with MGRIT"),
     "auto_replicas": ("ValueError", "ValueError",

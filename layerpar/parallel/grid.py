@@ -227,6 +227,16 @@ class ProcessGrid:
         data.timeout = self.timeout
         return layer, data
 
+    def whole(self) -> Transport:
+        """A new transport (duplicate) of the whole grid, sharing the world's error
+        channel (collective): `LayerParallel`'s per-pass agreements run over it, so that
+        a mismatch within a replica or between replicas is seen, and raised alike, by
+        every process (checked per group, a replica's mismatch raised on its ranks and
+        left the other replicas waiting out the timeout)."""
+        whole = make_transport(self.comm, errors=self.errors, timeout=self.timeout)
+        whole.timeout = self.timeout
+        return whole
+
     def shard(self, batch: Any) -> Any:
         """This replica's contiguous share of a global batch that every process holds
         (a tensor, or a tuple/list of them sliced alike): replica d of R takes rows

@@ -83,6 +83,16 @@ class _NetRef:
         self.net = net
 
 
+class _GridsTimeout:
+    """`LayerParallel`'s default `timeout`: `DEFAULT_TIMEOUT`, or the grid's."""
+
+    def __repr__(self) -> str:
+        return f"{DEFAULT_TIMEOUT:g} s (the grid's timeout with a grid)"
+
+
+_GRIDS_TIMEOUT: Any = _GridsTimeout()
+
+
 class LayerParallel(nn.Module):
     """Run an `ODENet` layer-parallel over the ranks of `comm` with MGRIT.
 
@@ -111,9 +121,10 @@ class LayerParallel(nn.Module):
         `batched` is refused), needs an mpi4py communicator, and partitions the layers
         itself: each segment's layers must be divisible by the ranks.
     timeout: seconds any one wait for another rank may take (messages, reductions; default
-        10 minutes; None: unbounded).  On expiry the waiting rank raises `TimeoutError`
-        naming what it waited for, the rank, and the batch, and tells the others: a rank
-        that stopped, skipped a backward() or hangs ends the job with a message.
+        10 minutes, or the `grid`'s `timeout` with a grid; None: unbounded).  On expiry
+        the waiting rank raises `TimeoutError` naming what it waited for, the rank, and
+        the batch, and tells the others: a rank that stopped, skipped a backward() or
+        hangs ends the job with a message.
     check_inputs: for this many first batches (default 10; 0: never), compare a cheap
         fingerprint of the input and of the loss gradient between ranks and raise
         `RankMismatchError` when they differ.  Only rank 0's input and the last rank's
@@ -156,7 +167,7 @@ class LayerParallel(nn.Module):
                  coarsening: str = "injection",
                  state_dict: Optional[dict[str, Tensor]] = None,
                  batched: Union[bool, str, None] = None, check_finite: bool = True,
-                 timeout: Optional[float] = DEFAULT_TIMEOUT, check_inputs: int = 10,
+                 timeout: Any = _GRIDS_TIMEOUT, check_inputs: int = 10,
                  grid: Optional[ProcessGrid] = None, accuracy: Any = None,
                  engine: str = "native") -> None:
         super().__init__()
@@ -168,10 +179,17 @@ class LayerParallel(nn.Module):
                                 "communicator)")
             self.transport, self._data_transport = grid.transports()
             world: Transport = grid.world
+            # the per-pass agreements, over the whole grid where it has replicas
+            self._agreements = grid.whole() if self._data_transport is not None else None
+            if timeout is _GRIDS_TIMEOUT:  # (a grid's timeout was silently overridden)
+                timeout = grid.timeout
         else:
             self.transport = make_transport(comm)
             self._data_transport = None
+            self._agreements = None
             world = self.transport
+        if timeout is _GRIDS_TIMEOUT:
+            timeout = DEFAULT_TIMEOUT
         self.grid = grid
         auto = isinstance(options, str) and options == "auto"
         auto_err = None
@@ -255,8 +273,9 @@ class LayerParallel(nn.Module):
         self.options = options
         self.backward_options = backward_options
         self.transport.timeout = timeout
-        if self._data_transport is not None:
-            self._data_transport.timeout = timeout
+        for extra in (self._data_transport, self._agreements):
+            if extra is not None:
+                extra.timeout = timeout
         # gradients averaged over the replicas of a process grid (data parallelism)
         self._averager = grid.sync.averager() if grid is not None else None
         # and batch norms' running statistics, at the end of every backward pass
@@ -541,26 +560,8 @@ class LayerParallel(nn.Module):
         seed = draw_seed() if (self.training and self._has_dropout and self.rank == 0) \
             else None
         key = (tuple(x.shape), str(x.dtype), self.training, grad_mode)
-        if self._data_transport is not None:  # replicas hold other samples, same shapes
-            # ... and take the same kind of pass: exact propagation hands its gradients
-            # to the replicas' averaging layer by layer, MGRIT's batched records several
-            # layers at a time, and the reductions must pair up bucket by bucket
-            keys = self.guard(lambda: self._data_transport.allgather_object(
-                (*key, self._exact_pass), "the forward pass's agreement between replicas"))
-            if any(k[:4] != keys[0][:4] for k in keys):
-                detail = "; ".join(f"replica {d} has shape {k[0]}, dtype {k[1]}, "
-                                   f"training={k[2]}, grad mode={k[3]}"
-                                   for d, k in enumerate(keys))
-                raise RankMismatchError(
-                    f"the input differs between data replicas: {detail}. Every replica "
-                    "must pass batches of the same shape (use ProcessGrid.sampler, "
-                    "drop_last=True, and the same per-replica batch size)")
-            if any(k[4] != keys[0][4] for k in keys):
-                exact = [d for d, k in enumerate(keys) if k[4]]
-                raise RankMismatchError(
-                    f"data replica(s) {exact} run this pass with exact propagation and the "
-                    "others with MGRIT: the replicas' gradients could not be averaged "
-                    "(`model.exact()` on some replicas only)")
+        if self._agreements is not None:
+            return self._agree_on_grid(x, key, x_rg, p_rg, seed)
         if self.size == 1:
             return Agreed(grad_mode and (x_rg or p_rg), x_rg, seed)
         probe = values_fingerprint(x) if self._batch <= self.check_inputs else None
@@ -574,6 +575,59 @@ class LayerParallel(nn.Module):
                      "rank (only rank 0's is used)")
         any_x = any(g[1] for g in got)
         return Agreed(grad_mode and (any_x or any(g[2] for g in got)), any_x, got[0][3])
+
+    def _agree_on_grid(self, x: Tensor, key: tuple, x_rg: bool, p_rg: bool,
+                       seed: Optional[int]) -> Agreed:
+        """`_agree` on a grid with replicas: one collective over the whole grid, each
+        process checking every group from it, so a mismatch raises alike everywhere.
+        Replicas hold other samples of the same shapes, and take the same kind of pass
+        (exact propagation hands its gradients to the replicas' averaging layer by
+        layer, MGRIT's batched records several layers at a time, and the reductions
+        must pair up bucket by bucket); the ranks of a replica hold the same input.
+        (Checked per group before, a mismatch inside one replica raised on some ranks
+        and left the others waiting out the timeout, and a rank that skipped a
+        backward() was found only by the timeout.)"""
+        assert self.grid is not None and self._agreements is not None
+        probe = values_fingerprint(x) if self.size > 1 and \
+            self._batch <= self.check_inputs else None
+        self._agreements.set_context(f"batch {self._batch}, forward pass")
+        got = self.guard(lambda: self._agreements.allgather_object(
+            (key, self._exact_pass, x_rg, p_rg, seed, probe),
+            "the forward pass's agreement on the input (whole grid)"))
+        layers = self.grid.layers
+        replicas = [got[d * layers:(d + 1) * layers] for d in range(self.grid.data)]
+        def what(k: tuple) -> str:
+            return f"shape {k[0]}, dtype {k[1]}, training={k[2]}, grad mode={k[3]}"
+
+        for d, group in enumerate(replicas):  # the ranks of one replica: the same batch
+            if any(g[0] != group[0][0] for g in group):
+                detail = "; ".join(f"rank {d * layers + q} has {what(g[0])}"
+                                   for q, g in enumerate(group))
+                raise RankMismatchError(
+                    f"the input differs between the ranks of data replica {d}: {detail}. "
+                    "Every rank of a replica must pass the same batch (only its first "
+                    "rank's is used)")
+        if any(group[0][0] != got[0][0] for group in replicas):
+            detail = "; ".join(f"replica {d} has {what(group[0][0])}"
+                               for d, group in enumerate(replicas))
+            raise RankMismatchError(
+                f"the input differs between data replicas: {detail}. Every replica must "
+                "pass batches of the same shape (use ProcessGrid.sampler, drop_last=True, "
+                "and the same per-replica batch size)")
+        if any(g[1] != got[0][1] for g in got):
+            exact = sorted({q // layers for q, g in enumerate(got) if g[1]})
+            raise RankMismatchError(
+                f"data replica(s) {exact} run this pass with exact propagation and the "
+                "others with MGRIT: the replicas' gradients could not be averaged "
+                "(`model.exact()` on some replicas only)")
+        for d, group in enumerate(replicas):
+            same_values([g[5] for g in group], f"the input `x` of data replica {d}",
+                        "pass the same batch on every rank of a replica (only its first "
+                        "rank's is used)")
+        mine = replicas[self.grid.data_rank]
+        # every replica records alike (their gradients are averaged pass by pass)
+        record = key[3] and any(g[2] or g[3] for g in got)
+        return Agreed(record, any(g[2] for g in mine), mine[0][4])
 
     def _forward_impl(self, ctx: PassRecord, x: Tensor, record: bool,
                       seed: Optional[int]) -> Tensor:
@@ -647,9 +701,28 @@ class LayerParallel(nn.Module):
     def _backward_impl(self, ctx: PassRecord, gy: Tensor) -> tuple[Optional[Tensor], dict]:
         probe = values_fingerprint(gy) \
             if self.size > 1 and self._batch <= self.check_inputs else None
-        if self.check_finite or probe is not None:
+        # on a grid with replicas, over the whole grid (every process checks every
+        # replica): a rank that skipped a backward() then meets the others' check in
+        # its next forward's agreement, and the labels say where each one is
+        whole = self._agreements
+        if self.check_finite or probe is not None or whole is not None:
             bad = 0.0 if not self.check_finite or bool(torch.isfinite(gy).all()) else 1.0
-            if self.size > 1:  # one small exchange: every rank stops, none waits
+            if whole is not None:
+                whole.set_context(f"batch {self._batch}, backward pass")
+                got_all = whole.allgather_object((bad, probe), "the loss-gradient check "
+                                                 "(whole grid)")
+                layers = self.grid.layers  # type: ignore[union-attr]
+                d0 = self.grid.data_rank * layers  # type: ignore[union-attr]
+                got = got_all[d0:d0 + layers]
+                bad_ranks = [q for q, (f, _) in enumerate(got) if f]
+                if not any(f for f, _ in got_all):
+                    for d in range(len(got_all) // layers):
+                        same_values([p for _, p in got_all[d * layers:(d + 1) * layers]],
+                                    f"the loss gradient of data replica {d}",
+                                    "compute the loss from the same outputs and targets "
+                                    "on every rank of a replica (only its last rank's "
+                                    "gradient is used)")
+            elif self.size > 1:  # one small exchange: every rank stops, none waits
                 got = self.transport.allgather_object((bad, probe), "the loss-gradient check")
                 bad_ranks = [q for q, (f, _) in enumerate(got) if f]
                 if not bad_ranks:
@@ -994,6 +1067,8 @@ class LayerParallel(nn.Module):
         if self._auto is not None:
             self._auto.close()
         self.transport.close()
+        if self._agreements is not None:
+            self._agreements.close()
 
     def extra_repr(self) -> str:
         return (f"rank {self.rank} of {self.size}, coarsening={self.coarsening!r}, "

@@ -428,6 +428,41 @@ def case_shapes_differ():
     return "no error"
 
 
+def case_shapes_differ_in_replica():
+    """One rank of replica 0 passes another batch than its partner: every process
+    raises at once (checked per group, rank 1 and its data partner raised a message
+    about the replicas, and ranks 0 and 2 waited out the timeout)."""
+    grid = layerpar.ProcessGrid(comm, data=2, layers=2)
+    model = layerpar.LayerParallel(net(), grid=grid, options=EXACT)
+    x, _ = data()
+    t0 = time.perf_counter()
+    try:
+        model(x[:2] if rank == 1 else x[:4])
+    finally:
+        print(f"RANK {rank} took {time.perf_counter() - t0:.1f} s", flush=True)
+    return "no error"
+
+
+def case_skip_backward():
+    """Rank 1 skips a backward() and goes on: every process names where each one is
+    (the timeout found it before: 10 minutes by default).  The grid's timeout (60 s)
+    is the model's, which used to override it with its own default."""
+    grid = layerpar.ProcessGrid(comm, data=2, layers=2, timeout=60)
+    model = layerpar.LayerParallel(net(), grid=grid, options=FWD.replace(max_levels=2,
+                                   cfactor=2))
+    assert model.transport.timeout == 60, model.transport.timeout
+    x, y = data()
+    t0 = time.perf_counter()
+    try:
+        for step in range(3):
+            loss = nn.functional.cross_entropy(model(shard(x, grid)), shard(y, grid))
+            if not (step == 1 and rank == 1):
+                loss.backward()
+    finally:
+        print(f"RANK {rank} took {time.perf_counter() - t0:.1f} s", flush=True)
+    return "no error"
+
+
 def case_sigkill():
     grid = layerpar.ProcessGrid(comm, data=2, layers=2, timeout=60)
     model = layerpar.LayerParallel(net(), grid=grid, options=FWD.replace(max_levels=2,
