@@ -451,6 +451,11 @@ def case_skip_backward():
     model = layerpar.LayerParallel(net(), grid=grid, options=FWD.replace(max_levels=2,
                                    cfactor=2))
     assert model.transport.timeout == 60, model.transport.timeout
+    # a timeout names the world rank beside a group's (it named group ranks only)
+    assert model.transport.world_rank(0) == 2 * grid.data_rank
+    assert model._data_transport.world_rank(1) == 2 + grid.layer_rank
+    assert model._data_transport._who(1) == f"rank 1 of this group (world rank " \
+        f"{2 + grid.layer_rank})", model._data_transport._who(1)
     x, y = data()
     t0 = time.perf_counter()
     try:

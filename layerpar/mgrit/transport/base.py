@@ -190,11 +190,22 @@ class Transport:
         """Shape, dtype and device of the states received from now on."""
         self._shape, self._dtype, self._device = tuple(like.shape), like.dtype, like.device
 
+    def world_rank(self, q: int) -> int:
+        """Group rank `q` as the error channel numbers it (the world rank in a process
+        grid); the group rank where the group is the world."""
+        return q
+
+    def _who(self, q: int) -> str:
+        """"rank q", with its world rank where the group is a grid's layer or data
+        group (a timeout named group ranks only, which blamed the wrong process)."""
+        w = self.world_rank(q)
+        return f"rank {q}" if w == q else f"rank {q} of this group (world rank {w})"
+
     def _timeout_error(self, what: str, peer: Optional[int], limit: float) -> TimeoutError:
         ctx = self._state["context"]
-        who = f"rank {peer}" if peer is not None else "the other ranks"
+        who = self._who(peer) if peer is not None else "the other ranks"
         return TimeoutError(
-            f"rank {self.group_rank} waited {limit:g} s for {what} from {who}"
+            f"{self._who(self.group_rank)} waited {limit:g} s for {what} from {who}"
             f"{f' ({ctx})' if ctx else ''} and gave up: a rank may have stopped, skipped "
             "a backward() or be stuck (raise `timeout` if the work is just slow)")
 

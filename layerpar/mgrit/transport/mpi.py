@@ -104,6 +104,13 @@ class MPITransport(Transport):
     def error_rank(self) -> int:
         return self._errors.rank
 
+    def world_rank(self, q: int) -> int:
+        if self._errors.comm.Get_size() == self.size:
+            return q
+        got = self._MPI.Group.Translate_ranks(self.comm.Get_group(), [q],
+                                              self._errors.comm.Get_group())
+        return int(got[0])
+
     # -- waiting ---------------------------------------------------------------------------
     def _raise_remote(self) -> None:
         broken = self._state["broken"] or self._errors.remote()

@@ -222,6 +222,9 @@ class TorchTransport(Transport):
     def error_rank(self) -> int:
         return self._errors.rank
 
+    def world_rank(self, q: int) -> int:
+        return int(self._global[q])
+
     # -- waiting ---------------------------------------------------------------------------
     def _raise_if_broken(self) -> None:
         broken = self._state["broken"] or self._errors.poll(force=False)
