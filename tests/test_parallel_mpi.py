@@ -70,8 +70,8 @@ CASES = {
     "activation_differs": ("RankMismatchError", "RankMismatchError",
                            "`layers.1.structure`"),
     "width_differs": ("RankMismatchError", "RankMismatchError",
-                      "`layers.0`: rank 0 has 'weight [4, 3], bias [4]', rank 1 has "
-                      "'weight [5, 3], bias [5]'"),
+                      "`layers.0`: rank 0 has 'weight [4, 3] float32, bias [4] float32', "
+                      "rank 1 has 'weight [5, 3] float32, bias [5] float32'"),
     "n_steps_differs": ("RankMismatchError", "RankMismatchError",
                         "`layers.1.n_steps`: rank 0 has 8, rank 1 has 12, rank 2 has 8"),
     "optimizer_over_other_tensors_on_one_rank": ("ValueError", "RemoteError",

@@ -56,9 +56,11 @@ def fingerprint(layer: nn.Module) -> str:
 
 
 def _shapes(module: nn.Module, limit: int = 6) -> str:
-    """A module's first parameter names and shapes, readable (``linear.weight [8, 8],
-    ...``): what a mismatch message can show where a digest says only "different"."""
-    got = [f"{n} {list(p.shape)}" for n, p in module.named_parameters()]
+    """A module's first parameter names, shapes and dtypes, readable (``linear.weight
+    [8, 8] float32, ...``): what a mismatch message can show where a digest says only
+    "different" (a float32 net on one rank, float64 on the others, say)."""
+    got = [f"{n} {list(p.shape)} {str(p.dtype).replace('torch.', '')}"
+           for n, p in module.named_parameters()]
     more = f", ... ({len(got)} in all)" if len(got) > limit else ""
     return ", ".join(got[:limit]) + more if got else "(no parameters)"
 
