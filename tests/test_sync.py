@@ -253,6 +253,7 @@ def test_strategies_on_four_processes(launcher: str, nan: str) -> None:
     for _, detail in got.values():
         assert "daso=allreduce 2x2" in detail and "resume allreduce" in detail, detail
         assert "daso merge progress:2x2" in detail and "weighted:4x1" in detail, detail
+        assert "daso cooldown 2x2" in detail and "4x1" in detail, detail
         for name in nan.split(","):
             m = re.search(rf"{name}=(\w+)@([\d.]+)s", detail)
             assert m, detail

@@ -254,9 +254,33 @@ def case_resume():
     return "resume " + " ".join(out)
 
 
+def case_daso_cooldown():
+    """With Adam, the replicas leave DASO's cool-down equal (entering it averages the
+    optimizer's state as well as the parameters: with the parameters alone each replica
+    kept its own moments and the replicas ended 2-3e-2 apart); and they were apart
+    before it (asynchronous exchanges, so the check can fail)."""
+    out = []
+    for R, L in ((2, 2), (4, 1)):
+        grid, model, opt = build(R, L, DASO(cycle=(2,), total_batches=8, cooldown=2,
+                                            global_dtype=None),
+                                 lambda p: torch.optim.Adam(p, lr=1e-2), nodes=2)
+        train(model, opt, grid, 0, 5)
+        before = replicas_params(grid.sync.state_dict())
+        train(model, opt, grid, 5, 8)
+        after = replicas_params(grid.sync.state_dict())
+        close(grid, model)
+        apart = max(rel(r[k], before[0][k]) for r in before[1:] for k in r)
+        equal = max(rel(r[k], after[0][k]) for r in after[1:] for k in r)
+        if not (apart > 1e-6 and equal == 0.0):
+            raise AssertionError(f"DASO cool-down {R}x{L} with Adam: replicas {apart:.1e} "
+                                 f"apart before it, {equal:.1e} after it (want 0)")
+        out.append(f"{R}x{L} {apart:.0e}->{equal:.0e}")
+    return "daso cooldown " + " ".join(out)
+
+
 def case_correct():
     return " | ".join(f() for f in (case_daso_equals_allreduce, case_daso_merge,
-                                    case_lioncub, case_resume))
+                                    case_daso_cooldown, case_lioncub, case_resume))
 
 
 def case_nan():
