@@ -730,7 +730,9 @@ class LionCub(SyncStrategy):
         signs = [u for _, u in pairs]
         # torch.sign(NaN) is 0: a NaN would vanish from the update, so look at the grads
         if not _all_finite(p.grad for p, _ in pairs):
-            raise DivergenceError("a gradient is not finite (NaN or inf) on this replica")
+            g = self.grid
+            raise DivergenceError(f"a gradient is not finite (NaN or inf) on data replica "
+                                  f"{g.data_rank} (global rank {g.world_rank})")
         n = sum(u.numel() for u in signs)
         if self._plus is None or self._plus.numel() != n:  # kept: no page faults per step
             self._plus = torch.empty(n, dtype=torch.bool)
