@@ -596,6 +596,7 @@ class LayerParallel(nn.Module):
             "the forward pass's agreement on the input (whole grid)"))
         layers = self.grid.layers
         replicas = [got[d * layers:(d + 1) * layers] for d in range(self.grid.data)]
+
         def what(k: tuple) -> str:
             return f"shape {k[0]}, dtype {k[1]}, training={k[2]}, grad mode={k[3]}"
 
