@@ -77,6 +77,10 @@ CASES = {
     "optimizer_over_other_tensors_on_one_rank": ("ValueError", "RemoteError",
                                                  "not a parameter of this rank's part"),
     "step_fails_on_one_rank": ("RuntimeError", "RemoteError", "layer 5 failed"),
+    "reuse_after_failure": ("RuntimeError", "RuntimeError",
+                            "this LayerParallel cannot run again: an earlier pass failed "
+                            "(rank 0 failed: RuntimeError: mat1 and mat2 must have the "
+                            "same dtype"),
     "block_changes_shape": ("ValueError", "RemoteError",
                             "layer 6 of segment 0 (Narrow) changed"),
 }

@@ -547,6 +547,23 @@ class LayerParallel(nn.Module):
             raise
 
     # -- passes ----------------------------------------------------------------------------------
+    def _refuse_after_failure(self) -> None:
+        """Refuse a pass once a pass of this model failed on any rank (at 2+ ranks): its
+        messages may still be in flight, and the next pass would read them.  Every rank
+        raises this (the one that failed too), with the first failure named; before,
+        each later call raised the old error again as `RemoteError`, on the failing
+        rank naming that rank itself, which read as a new failure."""
+        if self.size == 1 and self._agreements is None:
+            return
+        for t in (self.transport, self._data_transport, self._agreements):
+            broken = None if t is None else t._state["broken"]
+            if broken is not None:
+                raise RuntimeError(
+                    f"this LayerParallel cannot run again: an earlier pass failed ({broken}),"
+                    " and a pass that failed may leave messages in flight for the next one "
+                    "to read. Build a new LayerParallel (and close() this one); under "
+                    "`python -m mpi4py` the first failure ends the job instead") from broken
+
     def _agree(self, x: Tensor) -> Agreed:
         """One collective per forward pass, before any other message: every rank has the
         same input shape, dtype, training and grad mode, and every rank takes the same
@@ -845,6 +862,7 @@ class LayerParallel(nn.Module):
         if self._closed:
             raise RuntimeError("this LayerParallel was closed (close() released its "
                                "communicator); build a new one to run again")
+        self._refuse_after_failure()
         if not isinstance(x, Tensor):
             raise TypeError(f"`x` must be a torch.Tensor, got {type(x).__name__}")
         if self._param_list is None:  # walking the module tree costs ~5 us per layer

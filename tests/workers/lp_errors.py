@@ -175,6 +175,22 @@ def case_step_fails_on_one_rank():
     model(torch.randn(2, 3))
 
 
+def case_reuse_after_failure():
+    """The opening layer fails on rank 0 alone (a float32 input into a float64 net);
+    the next call, with a good input, is refused on every rank, the failing one too,
+    naming the first failure (it raised that failure again as RemoteError, on rank 0
+    naming rank 0 itself)."""
+    model = layerpar.LayerParallel(net().double(), comm, OPTS)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    try:
+        model(x.float())
+    except (RuntimeError, layerpar.RemoteError):
+        pass
+    else:
+        raise AssertionError("the float32 input ran")
+    model(x)
+
+
 def case_block_changes_shape():
     class Narrow(torch.nn.Module):  # layer 6 maps width 4 to 1: u + h F(u) would broadcast
         def __init__(self, k):
