@@ -2,11 +2,11 @@
 
     python -m layerpar.bench [--quick] [--csv PATH]
     python -m layerpar.bench ops [--quick]                  # operations per batch
-    python -m layerpar.bench gpu [--csv PATH]               # one GPU (layerpar.gpubench)
-    python -m layerpar.bench grid [--np 4] [--csv PATH]     # data x layer splits (gridbench)
+    python -m layerpar.bench gpu [--csv PATH]               # one GPU (layerpar.apps.gpubench)
+    python -m layerpar.bench grid [--np 4] [--csv PATH]     # data x layer splits (layerpar.apps.gridbench)
     python -m layerpar.bench engines [--quick] [--csv PATH] # native engine vs XBraid
-    python -m layerpar.bench tta [--smoke] [--cases a,b,c,d] # time to accuracy (layerpar.tta)
-    python -m layerpar.bench sync [--csv PATH]              # replica sync (syncbench)
+    python -m layerpar.bench tta [--smoke] [--cases a,b,c,d] # time to accuracy (layerpar.apps.tta)
+    python -m layerpar.bench sync [--csv PATH]              # replica sync (layerpar.apps.syncbench)
     python -m layerpar.bench paths [--csv PATH]             # batched vs per-step cycles
     mpiexec -n 2 python -m mpi4py -m layerpar.bench        # the same at 2 ranks
 
@@ -428,7 +428,7 @@ def format_table(rows: list[Row]) -> str:
 
 
 def _ops_main(argv: list[str]) -> int:
-    """`python -m layerpar.bench ops`: operations per training batch (layerpar.opcount)."""
+    """`python -m layerpar.bench ops`: operations per training batch (layerpar.apps.opcount)."""
     from . import opcount
 
     p = OneLineParser(prog="python -m layerpar.bench ops",
