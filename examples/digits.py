@@ -23,18 +23,25 @@ import argparse
 
 from mpi4py import MPI
 
-from layerpar.apps.train import add_arguments, check_arguments, train_from_arguments
+from layerpar.apps.parsing import OneLineParser
+from layerpar.apps.train import (
+    add_arguments,
+    check_arguments,
+    check_problem,
+    train_from_arguments,
+)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = add_arguments(argparse.ArgumentParser(
+    parser = add_arguments(OneLineParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     args = parser.parse_args(argv)
-    try:
-        check_arguments(args)  # bad values name the option
+    world = MPI.COMM_WORLD
+    try:  # bad values name the option, before any layer is built
+        check_arguments(args)
+        check_problem(args, "digits", 1 if args.serial else world.Get_size())
     except ValueError as exc:
         parser.error(str(exc))
-    world = MPI.COMM_WORLD
     comm = world if world.Get_size() > 1 else None  # one process: no MPI traffic at all
     return train_from_arguments("digits", args, comm)
 

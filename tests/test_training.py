@@ -287,6 +287,23 @@ def test_peaks_example_two_ranks() -> None:
     assert 0.6 <= s["val_acc"] <= 1.0 and 0 < s["train_loss"] < 1.6
 
 
+@pytest.mark.parametrize("script, argv, message", [
+    ("peaks.py", ["--model", "conv"], "`--model` must be one of ['dense'] for peaks"),
+    ("digits.py", ["--model", "dense"], "`--model` must be one of ['conv'] for digits"),
+    ("peaks.py", ["--nested", "9"], "`--nested` 9: peaks's 32 layers must halve 9 time(s)"),
+    ("peaks.py", ["--levels", "x"], "argument --levels: invalid int value: 'x'")])
+def test_examples_refuse_in_one_line(script: str, argv: list[str], message: str) -> None:
+    """The examples refuse what `layerpar train` refuses, in one line and exit 2 (a
+    traceback on each rank before, or argparse's usage block first)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
 # -- (c) inexact training reaches the serial accuracy ------------------------------------------
 
 @pytest.mark.mpi

@@ -3,7 +3,7 @@
     python -m layerpar.bench [--quick] [--csv PATH]
     python -m layerpar.bench ops [--quick]                  # operations per batch
     python -m layerpar.bench gpu [--csv PATH]               # one GPU (layerpar.apps.gpubench)
-    python -m layerpar.bench grid [--np 4] [--csv PATH]     # data x layer splits (layerpar.apps.gridbench)
+    python -m layerpar.bench grid [--np 4] [--csv PATH]     # data x layer (layerpar.apps.gridbench)
     python -m layerpar.bench engines [--quick] [--csv PATH] # native engine vs XBraid
     python -m layerpar.bench tta [--smoke] [--cases a,b,c,d] # time to accuracy (layerpar.apps.tta)
     python -m layerpar.bench sync [--csv PATH]              # replica sync (layerpar.apps.syncbench)

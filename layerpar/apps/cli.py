@@ -142,7 +142,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse and check the command line; ValueError names the option of a bad value."""
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        from .train import RECIPES, check_arguments
+        from .train import RECIPES, check_arguments, check_problem
 
         if args.np < 1:
             raise ValueError(f"`--np` must be >= 1, got {args.np}")
@@ -155,23 +155,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             what = f"the job's processes ({nprocs})" if launched() else f"`--np` {nprocs}"
             raise ValueError(f"`--data-parallel` {args.data_parallel} must divide {what} "
                              "(N processes form R replicas of N/R ranks)")
-        from .nets import ARCHITECTURES
-
         # every value's own range first (so a negative `--layers` names `--layers`), and
         # the net's size: the checks below divide it among the ranks
         check_arguments(args)
         check_net_size(args)
-        if args.arch is not None and args.arch not in ARCHITECTURES[args.model]:
-            raise ValueError(f"`--model` must be one of {list(ARCHITECTURES[args.model])} "
-                             f"for {args.model}, got {args.arch!r}")
+        ranks = 1 if args.serial else nprocs // args.data_parallel
+        check_problem(args, args.model, ranks)
         layers = args.layers or RECIPES[args.model].n_layers
         per = args.np // args.data_parallel
-        ranks = 1 if args.serial else nprocs // args.data_parallel
         nested = max(0, args.nested)
-        if nested and (layers % 2 ** nested or layers // 2 ** nested < ranks):
-            raise ValueError(f"`--nested` {nested}: {args.model}'s {layers} layers must "
-                             f"halve {nested} time(s) and still give each of the {ranks} "
-                             f"rank(s) per replica at least one layer")
         if per > layers and not args.serial and not launched():  # once, not on N ranks
             what = "`--np`" if args.data_parallel == 1 else \
                 "`--np` / `--data-parallel` (ranks per replica)"

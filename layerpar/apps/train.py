@@ -1209,6 +1209,26 @@ def check_arguments(args: argparse.Namespace) -> None:
                                  "solve (nor an engine); give one or the other")
 
 
+def check_problem(args: argparse.Namespace, problem: str, ranks: int) -> None:
+    """What a problem's net allows (ValueError naming the option), checked before any
+    layer is built: `--model` among its architectures, and `--nested` K halvings that
+    leave each of the `ranks` ranks per replica a layer.  ``layerpar train`` and the
+    examples share it (the examples ended in a traceback on `--model conv` for Peaks or
+    `--nested 9`, which ``layerpar train`` refused in one line)."""
+    from .nets import ARCHITECTURES
+
+    arch = getattr(args, "arch", None)
+    if arch is not None and arch not in ARCHITECTURES[problem]:
+        raise ValueError(f"`--model` must be one of {list(ARCHITECTURES[problem])} for "
+                         f"{problem}, got {arch!r}")
+    layers = getattr(args, "layers", None) or RECIPES[problem].n_layers
+    nested = max(0, getattr(args, "nested", 0) or 0)
+    if nested and (layers % 2 ** nested or layers // 2 ** nested < ranks):
+        raise ValueError(f"`--nested` {nested}: {problem}'s {layers} layers must halve "
+                         f"{nested} time(s) and still give each of the {ranks} rank(s) "
+                         "per replica at least one layer")
+
+
 def _bound(args: argparse.Namespace) -> dict[str, float]:
     """The accuracy bound given by ``--max-grad-error`` / ``--min-cosine`` (as
     `AccuracyPolicy` fields; empty: the default bound)."""
