@@ -30,7 +30,7 @@ XBRAID_BUILT := $(if $(XBRAID_DIR),$(VENV)/.built-xbraid)
 .PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-engines bench-paths \
 	bench-sync bench-tta bench-tta-smoke bench-tta-gpu bench-tta-gpu-compiled study-cpu-16core \
 	study-cpu-16core-scale \
-	study-cpu-16core-tta device-wheels device-setup test-gpu train lint clean help
+	study-cpu-16core-tta device-wheels device-setup cuda-check test-gpu train lint clean help
 
 setup: $(VENV)/.installed
 
@@ -143,11 +143,18 @@ device-setup:
 	elif ! $(GPU_PYTHON) -c "import mnist1d" 2>/dev/null; then \
 	    echo "device-setup: mnist1d is missing and no wheels are in .whl/ (run" \
 	        "'make device-wheels' on the development machine and carry .whl)"; exit 1; fi
+# the GPU targets first ask GPU_PYTHON for a CUDA device: on a machine without one, one
+# line instead of a Cython traceback from the build (or GPU tests that all skip, exit 0)
+cuda-check:
+	@$(GPU_PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+	    2>/dev/null || { echo "make: $(MAKECMDGOALS) needs a CUDA device and a CUDA build of" \
+	    "torch in GPU_PYTHON ($(GPU_PYTHON)): run it on a GPU machine, as" \
+	    "'make DEVICE=1 $(MAKECMDGOALS)' (see the comments above these targets)"; exit 2; }
 TTA_GPU_OUT ?= docs/tta/gpu
-bench-tta-gpu: device-setup
+bench-tta-gpu: cuda-check device-setup
 	$(DEVICE_ENV) $(GPU_PYTHON) -m layerpar.bench tta --device cuda --np 1 \
 	    --cases a --bounds default --out $(TTA_GPU_OUT)
-bench-tta-gpu-compiled: device-setup
+bench-tta-gpu-compiled: cuda-check device-setup
 	$(DEVICE_ENV) $(GPU_PYTHON) -m layerpar.bench tta --device cuda --np 1 \
 	    --cases a --bounds default --compiled-serial --out docs/tta/gpu-compiled
 study-cpu-16core: study-cpu-16core-scale study-cpu-16core-tta
@@ -165,7 +172,7 @@ bench-sync: build
 # builds the engine in place and writes the issue's rows (a)-(d) to
 # docs/gpu/bench-gpu-rows.csv (docs/gpu/bench-gpu.csv: the earlier run the GPU model
 # is calibrated on).  GPU tests: tests/gpu.
-bench-gpu:
+bench-gpu: cuda-check
 	$(GPU_PYTHON) setup.py -q build_ext --inplace
 	mkdir -p docs/gpu
 	$(GPU_PYTHON) -m layerpar.bench gpu --models dense,conv,conv16,transformer \
@@ -174,7 +181,7 @@ bench-gpu:
 
 # The GPU tests alone (six of them took 10 s on the H200): on a lent device,
 # `make DEVICE=1 test-gpu` (carrying .whl), before the benchmarks that depend on them
-test-gpu: device-setup
+test-gpu: cuda-check device-setup
 	$(DEVICE_ENV) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu
 
 train: build
