@@ -253,3 +253,22 @@ def test_the_studys_own_files_are_written_again(tmp_path: Path) -> None:
     with pytest.raises(StudyFileError, match="breakdown.png exists"):
         runner._refuse_foreign(tmp_path, False, True, {2})
     runner._refuse_foreign(tmp_path, True, True, {2})  # resumed: the folder is a study's
+
+
+def test_pingpong_refuses_a_persons_out_file(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    """The standalone ping-pong replaced any file given to `--out`; now only an earlier
+    ping-pong's JSON, refused in one line before any message otherwise."""
+    from layerpar.apps.studies import pingpong
+
+    for text in ("mine\n", '{"my": "notes"}'):
+        mine = tmp_path / "mine.json"
+        mine.write_text(text)
+        with pytest.raises(SystemExit) as info:
+            pingpong.main(["--quick", "--out", str(mine)])
+        assert info.value.code == 2 and mine.read_text() == text
+        err = capsys.readouterr().err
+        assert "is not a ping-pong's JSON" in err and err.count("\n") == 1, err
+    ours = tmp_path / "pp.json"
+    ours.write_text('{"samples": [], "alpha_s": 1e-6, "beta_Bps": 1e9}')
+    pingpong._check_out(ours)  # an earlier run's: accepted (it is measured again)

@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -97,6 +98,24 @@ def fit_alpha_beta(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     return float(alpha), (1.0 / slope if slope > 0 else float("inf"))
 
 
+def _check_out(path: Path) -> None:
+    """`--out` must be writable and, where it exists, an earlier ping-pong's JSON (its
+    samples and fit): a person's file there was replaced without a word
+    (`StudyFileError`, a ValueError, otherwise)."""
+    from .files import StudyFileError, check_output_file
+
+    check_output_file(path, "--out")
+    if path.is_file():
+        try:
+            obj = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            obj = None
+        if not (isinstance(obj, dict) and {"samples", "alpha_s", "beta_Bps"} <= set(obj)):
+            raise StudyFileError(f"`--out` {path} exists and is not a ping-pong's JSON, so "
+                                 "it is not replaced; nothing was changed.  Move it away or "
+                                 "give another path")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = OneLineParser(
         prog="python -m mpi4py -m layerpar.apps.studies.pingpong",
@@ -104,12 +123,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", help="write samples and fit as JSON to this file")
     parser.add_argument("--quick", action="store_true", help="fewer, smaller sizes")
     args = parser.parse_args(argv)
+    if args.out:  # before any message, alike on every rank (they read the same file)
+        try:
+            _check_out(Path(args.out))
+        except ValueError as exc:
+            parser.error(str(exc))
     from mpi4py import MPI
 
     comm = mpi_world()
     if comm.Get_size() < 2:
-        sys.stderr.write("pingpong needs at least 2 ranks\n")
-        return 2
+        parser.error("needs at least 2 ranks: run it as `mpiexec -n 2 python -m mpi4py -m "
+                     "layerpar.apps.studies.pingpong`")
     pair = comm.Split(0 if comm.Get_rank() < 2 else MPI.UNDEFINED, comm.Get_rank())
     if pair != MPI.COMM_NULL:
         samples = measure(pair, QUICK_SIZES if args.quick else SIZES,
