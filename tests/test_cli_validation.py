@@ -93,6 +93,8 @@ SCALE_BAD = [
     (["--seed", "-1"], "`--seed`"),
     (["--model", "resnet"], "`--model` must be one of"),
     (["--width", "0"], "`--width` must be >= 1"),
+    # refused in a line, not an allocator's traceback minutes in
+    (["--width", str(2**31)], "`--layers` 64 x `--width` 2147483648 (batch 16): a run needs"),
     (["--max-cores", "0"], "`--max-cores` must be a whole number >= 1"),
     (["--max-cores", "1", "--ranks", "2", "--threads", "1"], "the grid has no run"),
     (["--serial-threads", "0"], "`--serial-threads` must be >= 1"),

@@ -116,6 +116,27 @@ def _check_run(cfg: dict[str, Any], flags: bool) -> None:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
                 math.isfinite(v) and v > 0):
             raise ValueError(f"{_name(k, flags)} must be a finite number > 0, got {v!r}")
+    _check_memory(cfg, flags)
+
+
+def _check_memory(cfg: dict[str, Any], flags: bool) -> None:
+    """Refuse a run whose net (parameters, gradients, optimizer state) and one batch's
+    recorded states alone would not fit in this machine's memory: one line naming the
+    settings, not an allocator's traceback minutes in (`--width 2147483648` was)."""
+    w, n, b = cfg["width"], cfg["layers"], cfg["batch"]
+    conv = cfg.get("model") == "conv"
+    pixels = cfg["image"] ** 2 if conv else 1
+    per_layer = w * w * (9 if conv else 1) + w
+    need = n * (per_layer * 4 * 4 + 2048) + b * w * pixels * 4 * (n + 2) * 2
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > have:
+        raise ValueError(f"{_name('layers', flags)} {n} x {_name('width', flags)} {w} "
+                         f"(batch {b}): a run needs about {need / 2**30:.1f} GiB (the net, "
+                         f"its gradients and optimizer state, a batch's states), more than "
+                         f"this machine's {have / 2**30:.1f} GiB")
 
 
 def expand_grid(grid: dict[str, Any], *, flags: bool = False) -> list[dict[str, Any]]:
