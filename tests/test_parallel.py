@@ -251,6 +251,12 @@ def test_bad_arguments_name_the_argument() -> None:
         layerpar.LayerParallel(dense_net(), None, coarsening="median")
     with pytest.raises(TypeError, match="`x`"):
         layerpar.LayerParallel(dense_net(), None)([1.0, 2.0])  # type: ignore[arg-type]
+    # the meta device (shapes, no values) failed deep in the first pass, naming nothing
+    with pytest.raises(ValueError, match="`net` is on the meta device"):
+        layerpar.LayerParallel(dense_net().to("meta"), None)
+    model = layerpar.LayerParallel(dense_net(), None)
+    with pytest.raises(ValueError, match="`x` is on the meta device"):
+        model(torch.empty(2, 3, device="meta"))
 
 
 def test_batch_norm_model_built_in_eval_mode_then_trained() -> None:

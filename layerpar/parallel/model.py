@@ -213,6 +213,13 @@ class LayerParallel(nn.Module):
                 if not isinstance(net, ODENet):
                     raise TypeError(f"the `net` factory returned {type(net).__name__}, "
                                     "not an ODENet")
+            meta = next((n for n, t in [*net.named_parameters(), *net.named_buffers()]
+                         if t.is_meta), None)
+            if meta is not None:  # (it failed deep in the first pass, naming nothing)
+                raise ValueError(f"`net` is on the meta device ({meta}, say): it has shapes "
+                                 "but no values.  Materialise it first "
+                                 "(`net.to_empty(device=...)`, then initialise it, or load "
+                                 "a state dict with `assign=True`)")
             for name, o in (("options", options), ("backward_options", backward_options)):
                 if not isinstance(o, MGRITOptions):
                     raise TypeError(f"`{name}` must be an MGRITOptions"
@@ -865,6 +872,8 @@ class LayerParallel(nn.Module):
         self._refuse_after_failure()
         if not isinstance(x, Tensor):
             raise TypeError(f"`x` must be a torch.Tensor, got {type(x).__name__}")
+        if x.is_meta:
+            raise ValueError("`x` is on the meta device: it has a shape but no values")
         if self._param_list is None:  # walking the module tree costs ~5 us per layer
             self._param_list = list(self.parameters())
         self._batch += 1
