@@ -277,9 +277,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         _write(args.csv, rows)
         return 0
     if not torch.cuda.is_available():
-        print("layerpar.bench gpu: no CUDA device here; run it on a GPU machine "
-              "(make bench-gpu)", file=sys.stderr)
-        return 2
+        p.error("no CUDA device here: run it on a GPU machine (`make DEVICE=1 bench-gpu` "
+                "there), or give `--unmeasured` for the model's predictions alone")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
