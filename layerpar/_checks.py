@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Any, Optional
 
-__all__ = ["boolean", "finite_in", "integer", "nonneg_int", "positive_float",
-           "positive_int"]
+__all__ = ["boolean", "finite_in", "fits_in_memory", "integer", "nonneg_int",
+           "positive_float", "positive_int"]
 
 
 def integer(name: str, value: Any, lo: Optional[int] = None, hi: Optional[int] = None,
@@ -90,3 +91,17 @@ def boolean(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be a bool, got {type(value).__name__} {value!r}")
     return value
+
+
+def fits_in_memory(need: int, what: str, parts: str) -> None:
+    """Raise ValueError when `need` bytes exceed this machine's physical memory: "`what`
+    needs about N GiB (`parts`), more than this machine's M GiB".  A size a command line
+    cannot run is refused in one line, not minutes later in an allocator's traceback
+    (nothing is checked where the platform does not say its memory)."""
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > have:
+        raise ValueError(f"{what} needs about {need / 2**30:.1f} GiB ({parts}), more than "
+                         f"this machine's {have / 2**30:.1f} GiB")

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import __version__
+from .._checks import fits_in_memory
 from .launch import (
     LAUNCHERS,
     MPI_SIZE_ENV,
@@ -231,14 +232,8 @@ def check_net_size(args: argparse.Namespace) -> None:
     arch = args.arch or ARCHITECTURES[args.model][0]
     per_layer = w * w * (9 if arch == "conv" else 1) + w  # 3x3 bounds a 3-tap conv too
     need = n * (per_layer * (8 if args.float64 else 4) * 4 + 2048)  # + a module's own
-    try:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    if need > have:
-        raise ValueError(f"`--layers` {n} x `--width` {w}: the net needs about "
-                         f"{need / 2**30:.1f} GiB (parameters, gradients and Adam's "
-                         f"state), more than this machine's {have / 2**30:.1f} GiB")
+    fits_in_memory(need, f"`--layers` {n} x `--width` {w}: the net",
+                   "parameters, gradients and Adam's state")
 
 
 def under_torchrun() -> bool:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, TextIO, Union
 
+from ..._checks import fits_in_memory
 from ...mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MAX_STEPS
 from ...ode.rng import MAX_SEED
 from ..launch import job_command, load_average, mpiexec_path, run_job
@@ -128,15 +129,9 @@ def _check_memory(cfg: dict[str, Any], flags: bool) -> None:
     pixels = cfg["image"] ** 2 if conv else 1
     per_layer = w * w * (9 if conv else 1) + w
     need = n * (per_layer * 4 * 4 + 2048) + b * w * pixels * 4 * (n + 2) * 2
-    try:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    if need > have:
-        raise ValueError(f"{_name('layers', flags)} {n} x {_name('width', flags)} {w} "
-                         f"(batch {b}): a run needs about {need / 2**30:.1f} GiB (the net, "
-                         f"its gradients and optimizer state, a batch's states), more than "
-                         f"this machine's {have / 2**30:.1f} GiB")
+    fits_in_memory(need, f"{_name('layers', flags)} {n} x {_name('width', flags)} {w} "
+                   f"(batch {b}): a run", "the net, its gradients and optimizer state, a "
+                   "batch's states")
 
 
 def expand_grid(grid: dict[str, Any], *, flags: bool = False) -> list[dict[str, Any]]:
