@@ -726,10 +726,13 @@ class LayerParallel(nn.Module):
     def _backward_impl(self, ctx: PassRecord, gy: Tensor) -> tuple[Optional[Tensor], dict]:
         probe = values_fingerprint(gy) \
             if self.size > 1 and self._batch <= self.check_inputs else None
-        # on a grid with replicas, over the whole grid (every process checks every
-        # replica): a rank that skipped a backward() then meets the others' check in
-        # its next forward's agreement, and the labels say where each one is
-        whole = self._agreements
+        # on a grid with replicas and several layer ranks, over the whole grid (every
+        # process checks every replica) instead of the layer group: a rank that skipped
+        # a backward() then meets the others' check in its next forward's agreement,
+        # and the labels say where each one is.  With one layer rank per replica there
+        # was no exchange here, and one more per step cost 3-4 % of a small net's batch
+        # (`make bench-grid`, 2 x 1): a skipped backward is then found by the timeout
+        whole = self._agreements if self.size > 1 else None
         if self.check_finite or probe is not None or whole is not None:
             bad = 0.0 if not self.check_finite or bool(torch.isfinite(gy).all()) else 1.0
             if whole is not None:
