@@ -563,7 +563,7 @@ class LayerParallel(nn.Module):
         if self.size == 1 and self._agreements is None:
             return
         for t in (self.transport, self._data_transport, self._agreements):
-            broken = None if t is None else t._state["broken"]
+            broken = None if t is None else t.failure
             if broken is not None:
                 raise RuntimeError(
                     f"this LayerParallel cannot run again: an earlier pass failed ({broken}),"
@@ -1004,16 +1004,16 @@ class LayerParallel(nn.Module):
         computes the same norm over its layer ranks.  Returns the total norm (float64).
         """
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or \
-                not max_norm >= 0 or max_norm != max_norm:
+                not max_norm >= 0:  # (NaN fails the comparison)
             raise ValueError(f"`max_norm` must be a number >= 0, got {max_norm!r}")
         if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or \
                 not norm_type > 0:
             raise ValueError(f"`norm_type` must be a number > 0 (or inf), got {norm_type!r}")
         p = float(norm_type)
-        grads = [q.grad for q in self.parameters() if q.grad is not None]
+        params = [q for q in self.parameters() if q.grad is not None]
         local = 0.0
-        if grads:
-            part = float(torch.nn.utils.get_total_norm(grads, p))
+        if params:
+            part = float(torch.nn.utils.get_total_norm([q.grad for q in params], p))
             local = part if p == float("inf") else part ** p
         parts = [local] if self.size == 1 else self.guard(
             lambda: self.transport.allgather_object(local, "clip_grad_norm_"))
@@ -1022,9 +1022,8 @@ class LayerParallel(nn.Module):
             raise RuntimeError(f"the total norm of order {p:g} of the gradients is "
                                f"{total}, so it cannot be clipped (error_if_nonfinite)")
         norm = torch.tensor(total, dtype=torch.float64)
-        if grads:
-            torch.nn.utils.clip_grads_with_norm_(
-                [q for q in self.parameters() if q.grad is not None], max_norm, norm)
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
     # -- portability ------------------------------------------------------------------------------

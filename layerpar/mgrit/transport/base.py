@@ -182,6 +182,12 @@ class Transport:
     def timeout(self, value: float | None) -> None:
         self._state["timeout"] = check_timeout(value)
 
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The failure this channel has seen (its own, sent to the others, or one
+        received from another rank), None while there is none."""
+        return self._state["broken"]
+
     def set_context(self, text: str) -> None:
         """What the caller is doing now, for the message of a TimeoutError."""
         self._state["context"] = text
