@@ -1078,7 +1078,7 @@ class AutoTuner:
         (``layerpar train`` prints `log`)."""
         self.results.append(got)
         if model.rank == 0 and _log.isEnabledFor(logging.INFO):
-            _log.info("%s", "\n".join(got.lines()))
+            _log.info("%s", got)
 
     def forward(self, model: LayerParallel, x: Tensor) -> Tensor:
         """A pass of `model`: tuned first if it never was (with a surrogate loss,
