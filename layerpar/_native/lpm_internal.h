@@ -94,12 +94,12 @@ int _lpm_allreduce(lpm_core *c, double *v, int n);
 int _lpm_step(lpm_core *c, int level, lpm_state u, lpm_state f, int j, int final, lpm_state *out);
 int _lpm_step_batch(lpm_core *c, int level, int n, int final); /* uses w_* arrays */
 int _lpm_fsweep(lpm_core *c, int level, int final);
+int _lpm_cpoint_steps(lpm_core *c, int level, int final, int *m, lpm_state *left);
 int _lpm_csweep(lpm_core *c, int level, int final);
 int _lpm_relax(lpm_core *c, int level);
 int _lpm_coarse_solve(lpm_core *c, int level, int final);
 
 /* residual.c */
-int _lpm_cpoint_steps(lpm_core *c, int level, lpm_state *a);
 int _lpm_residual(lpm_core *c, int level, lpm_state *a, double *normsq);
 
 /* restrict.c */

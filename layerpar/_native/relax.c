@@ -140,13 +140,20 @@ static int cupdate(lpm_core *c, _lpm_level *L, int j, lpm_state a) {
     return LPM_OK;
 }
 
-int _lpm_csweep(lpm_core *c, int level, int final) {
+/* The C-point steps of a sweep, before any update: a_c = Phi(u_{c-1}) + f_c at every
+ * local C-point c >= 1.  The batched ones are left in c->w_out[0..*m) at the points
+ * c->w_idx; the one whose interval starts on the left neighbour (the first local
+ * point, when it is a C-point) in *left, else NULL.  Shared by the C-sweep below and
+ * the fine-grid residual (restrict.c); on failure nothing is left to free. */
+int _lpm_cpoint_steps(lpm_core *c, int level, int final, int *m, lpm_state *left) {
     _lpm_level *L = &c->levels[level];
+    *m = 0;
+    *left = NULL;
     if (L->hi < L->lo) return LPM_OK;
     const int cf = L->cf, lo = L->lo, hi = L->hi;
     const int need_left = lo > 0 && lo % cf == 0;
     const int send_right = L->right >= 0 && (hi + 1) % cf == 0;
-    int rreq = -1, sreq = -1;
+    int rreq = -1, sreq = -1, n = 0;
 
     if (need_left) _LPM_TRY(_lpm_irecv(c, L->left, _LPM_TAG(_LPM_TAG_C, level), &rreq));
     if (send_right)
@@ -154,34 +161,49 @@ int _lpm_csweep(lpm_core *c, int level, int final) {
 
     int first = ((lo + cf - 1) / cf) * cf;
     if (first == 0 || need_left) first += cf;
-    int m = 0;
     for (int j = first; j <= hi; j += cf) {
-        c->w_idx[m] = j;
-        c->w_u[m] = U(L, j - 1);
-        c->w_f[m] = F(L, j);
-        m++;
+        c->w_idx[n] = j;
+        c->w_u[n] = U(L, j - 1);
+        c->w_f[n] = F(L, j);
+        n++;
     }
-    if (m > 0) {
-        _LPM_TRY(_lpm_step_batch(c, level, m, final));
-        if (L->cweight != 1.0) { /* new = w a + (1 - w) u_c, all C-points in one call */
-            for (int t = 0; t < m; t++) c->w_y[t] = U(L, c->w_idx[t]);
-            int e = _lpm_sum_batch(c, m, L->cweight, c->w_out, 1.0 - L->cweight, c->w_y,
-                                   c->w_s);
-            for (int t = 0; t < m; t++) _lpm_clear(c, &c->w_out[t]);
-            if (e) return e;
-            for (int t = 0; t < m; t++) c->w_out[t] = c->w_s[t];
-        }
-        for (int t = 0; t < m; t++) _lpm_set(c, &U(L, c->w_idx[t]), c->w_out[t]);
-    }
+    if (n > 0) _LPM_TRY(_lpm_step_batch(c, level, n, final));
+    int e = LPM_OK;
     if (need_left) {
-        lpm_state ghost = NULL, a = NULL;
-        _LPM_TRY(_lpm_wait(c, rreq, &ghost));
-        int e = _lpm_step(c, level, ghost, F(L, lo), lo, final, &a);
-        c->cb.free(c->app, ghost);
-        if (e) return e;
-        _LPM_TRY(cupdate(c, L, lo, a));
+        lpm_state ghost = NULL;
+        e = _lpm_wait(c, rreq, &ghost);
+        if (!e) {
+            e = _lpm_step(c, level, ghost, F(L, lo), lo, final, left);
+            c->cb.free(c->app, ghost);
+        }
     }
-    if (sreq >= 0) _LPM_TRY(_lpm_wait(c, sreq, NULL));
+    if (!e && sreq >= 0) e = _lpm_wait(c, sreq, NULL);
+    if (e) {
+        for (int t = 0; t < n; t++) _lpm_clear(c, &c->w_out[t]);
+        _lpm_clear(c, left);
+        return e;
+    }
+    *m = n;
+    return LPM_OK;
+}
+
+int _lpm_csweep(lpm_core *c, int level, int final) {
+    _lpm_level *L = &c->levels[level];
+    int m;
+    lpm_state a_left;
+    _LPM_TRY(_lpm_cpoint_steps(c, level, final, &m, &a_left));
+    if (m > 0 && L->cweight != 1.0) { /* new = w a + (1 - w) u_c, all C-points in one call */
+        for (int t = 0; t < m; t++) c->w_y[t] = U(L, c->w_idx[t]);
+        int e = _lpm_sum_batch(c, m, L->cweight, c->w_out, 1.0 - L->cweight, c->w_y, c->w_s);
+        for (int t = 0; t < m; t++) _lpm_clear(c, &c->w_out[t]);
+        if (e) {
+            _lpm_clear(c, &a_left);
+            return e;
+        }
+        for (int t = 0; t < m; t++) c->w_out[t] = c->w_s[t];
+    }
+    for (int t = 0; t < m; t++) _lpm_set(c, &U(L, c->w_idx[t]), c->w_out[t]);
+    if (a_left) _LPM_TRY(cupdate(c, L, L->lo, a_left));
     return LPM_OK;
 }
 

@@ -40,7 +40,13 @@ int _lpm_restrict(lpm_core *c, int level, double *normsq) {
     const int nl = count(L);
     lpm_state *a = calloc((size_t)(nl > 0 ? nl : 1), sizeof(lpm_state));
     if (!a) return LPM_ENOMEM;
-    int e = _lpm_cpoint_steps(c, level, a);
+    int m = 0;
+    lpm_state left = NULL;
+    int e = _lpm_cpoint_steps(c, level, 0, &m, &left);
+    if (!e) {
+        for (int t = 0; t < m; t++) a[c->w_idx[t] - L->lo] = c->w_out[t];
+        if (left) a[0] = left;
+    }
     if (!e && normsq) e = _lpm_residual(c, level, a, normsq);
     if (!e) e = inject_values(c, level);
     if (e || C->hi < C->lo) {
@@ -54,7 +60,7 @@ int _lpm_restrict(lpm_core *c, int level, double *normsq) {
     if (need_left) e = _lpm_irecv(c, C->left, _LPM_TAG(_LPM_TAG_FAS, level + 1), &rreq);
     if (!e && C->right >= 0)
         e = _lpm_isend(c, C->right, _LPM_TAG(_LPM_TAG_FAS, level + 1), C->v[C->hi - C->lo], &sreq);
-    int m = 0;
+    m = 0;
     for (int i = (C->lo > 0 ? C->lo + 1 : 1); !e && i <= C->hi; i++) {
         c->w_idx[m] = i;
         c->w_u[m] = C->v[i - 1 - C->lo];
