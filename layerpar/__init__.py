@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ConvergenceError", "DivergenceError", "LayerParallel", "MGRITError",
+__all__ = ["ConvergenceError", "DivergenceError", "EngineError", "LayerParallel", "MGRITError",
            "MGRITOptions", "MGRITResult", "ODENet", "ProcessGrid", "RankLostError",
            "RankMismatchError", "RemoteError", "mgrit", "ode", "parallel", "solve"]
 __version__ = "0.1.0"
@@ -29,7 +29,7 @@ _WHERE = {
     "ODENet": "layerpar.ode.net",
     # the errors a failure on any rank raises (on every rank), to catch by name
     **{name: "layerpar.mgrit.errors" for name in (
-        "ConvergenceError", "DivergenceError", "MGRITError", "RankLostError",
+        "ConvergenceError", "DivergenceError", "EngineError", "MGRITError", "RankLostError",
         "RankMismatchError", "RemoteError")},
     # the subpackages, so that ``import layerpar`` then ``layerpar.parallel.X`` works
     "mgrit": "layerpar.mgrit",

@@ -4,8 +4,6 @@ from typing import Any
 TIMER_NAMES: tuple[str, ...]
 NAN_ERROR: int
 
-class EngineError(RuntimeError): ...
-
 class Core:
     n_steps: int
     rank: int

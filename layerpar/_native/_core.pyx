@@ -214,14 +214,13 @@ cdef int cb_allreduce(void *app, double *values, int n) noexcept:
     return 0
 
 
-class EngineError(RuntimeError):
-    """The C engine reported an error that no Python callback raised."""
-
-
 cdef _check(int code, str what):
     if code == LPM_EINVAL:
         raise ValueError(f"{what}: {lpm_strerror(code).decode()}")
     if code != LPM_OK:
+        # the error tree lives in layerpar.mgrit.errors, which imports this module's
+        # users: imported here, on the error path only, so neither imports the other
+        from ..mgrit.errors import EngineError
         raise EngineError(f"{what}: {lpm_strerror(code).decode()}")
 
 

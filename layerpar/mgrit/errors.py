@@ -23,6 +23,11 @@ class RankMismatchError(MGRITError, ValueError):
     """Options, shapes or dtypes differ between ranks (would otherwise hang or be wrong)."""
 
 
+class EngineError(MGRITError):
+    """The C engine reported an error that no Python callback raised (out of memory,
+    an inconsistent grid): a defect of the engine or of its build, not of the input."""
+
+
 class ConvergenceError(MGRITError):
     """MGRIT did not reach its tolerance in `max_iter` iterations (only with `strict`)."""
 
