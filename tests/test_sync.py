@@ -1,9 +1,11 @@
 """Replica synchronisation strategies (`layerpar.parallel.sync`) and the Lion optimizer.
 
 One process: Lion against a reference written out here, its state_dict, the slow-link
-model and byte meter, argument checks.  Four processes (worker `workers/lp_sync.py`,
-one job per launcher): DASO (S = 1) = all-reduce on 2x2 and 4x1, Lion Cub = Lion on one
-replica and its majority vote on two, DASO's two merges against a hand computation,
+model and byte meter, argument checks, Lion Cub's packing and vote of -1/0/+1 signs
+and the bytes it counts.  Two processes: Lion Cub with the same batch on both replicas
+= Lion.  Four processes (worker `workers/lp_sync.py`, one job per launcher): DASO
+(S = 1) = all-reduce on 2x2 and 4x1, Lion Cub = Lion on one replica and with the same
+batch on two, its majority vote on two, DASO's two merges against a hand computation,
 checkpoints resumed on 2x2 and 4x1, and a NaN in one replica raising on every process
 under each strategy.
 """
@@ -23,7 +25,7 @@ from tolerances import F64
 import layerpar
 from layerpar.mgrit.transport import SerialTransport
 from layerpar.parallel import DASO, Lion, LionCub, SlowLink
-from layerpar.parallel.sync import Metered, _all_finite, majority_bits
+from layerpar.parallel.sync import Metered, _all_finite, majority_bits, pack_signs, unpack_vote
 
 WORKERS = Path(__file__).parent / "workers"
 # a report is `RANK <r> <Type>[: ]<detail>`; mpiexec may glue two reports together
@@ -151,16 +153,104 @@ def test_meter_counts_bytes_and_slow_link_delays() -> None:
     b.wait()
 
 
+def _vote(rows: np.ndarray) -> np.ndarray:
+    """Lion Cub's vote over P replicas' sign rows (P x n of -1, 0, +1), through the
+    packed bits: each row packed, the packed rows voted, the vote unpacked."""
+    packed = np.stack([pack_signs([torch.from_numpy(r)]).numpy() for r in rows])
+    pos, neg = majority_bits(packed.reshape(len(rows), 2, -1))
+    return unpack_vote(pos, neg, rows.shape[1]).astype(int)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_pack_signs_keeps_zero(dtype: torch.dtype) -> None:
+    """Two bit planes, > 0 and < 0, of 2 x ceil(n / 8) bytes over all the tensors:
+    a 0 sets neither bit (one bit per entry sent 0 as +1)."""
+    a = torch.tensor([[1.0, 0.0, -1.0], [0.0, 0.0, 1.0]], dtype=dtype)
+    b = torch.tensor([-1.0, 0.0, 0.0, 1.0, 1.0, -1.0, 0.0, 1.0, 0.0, -1.0], dtype=dtype)
+    packed = pack_signs([a, b])
+    assert packed.dtype == torch.uint8 and packed.numel() == 2 * 2  # n = 16: 2 bytes
+    planes = np.unpackbits(packed.numpy().reshape(2, 2), axis=1, count=16)
+    s = torch.cat([a.reshape(-1), b]).float().numpy()
+    assert (planes[0] == (s > 0)).all() and (planes[1] == (s < 0)).all()
+    assert pack_signs([b[:9]]).numel() == 2 * 2  # 9 entries: 2 bytes per plane
+    buf = torch.ones((2, 16), dtype=torch.bool)  # a kept buffer is overwritten
+    assert torch.equal(pack_signs([a, b], buf), packed)
+    with pytest.raises(ValueError, match=re.escape("`planes` must be a bool tensor of "
+                                                   "shape (2, 16)")):
+        pack_signs([a, b], torch.ones((2, 15), dtype=torch.bool))
+
+
+@pytest.mark.parametrize("rows, want", [
+    ([[0, 0, 0]], [0, 0, 0]),  # one replica: its own signs, 0 included
+    ([[1, 0, -1]], [1, 0, -1]),
+    ([[0, 0, 0], [0, 0, 0]], [0, 0, 0]),  # all zero: no step
+    ([[0, 0, 0]] * 4, [0, 0, 0]),
+    ([[1, 0, -1], [1, 0, -1]], [1, 0, -1]),  # identical: that vote
+    ([[-1, 0, 1]] * 3, [-1, 0, 1]),
+    ([[1, -1, 1], [-1, 1, 0]], [0, 0, 1]),  # ties give 0, a zero abstains
+    ([[1, -1, 0], [-1, 1, 0], [0, 0, 0]], [0, 0, 0]),  # +, -, 0: a tie
+    ([[1, 1, -1], [1, -1, -1], [-1, -1, 0], [-1, 0, 0]], [0, -1, -1]),
+    ([[-1, 1, 0], [0, 0, 0], [0, 1, 0]], [-1, 1, 0]),  # one voice against abstentions
+])
+def test_majority_vote_by_hand(rows: list, want: list) -> None:
+    """The vote is sign(#(+1) - #(-1)): identical votes give that vote, all-zero votes
+    0, a tie 0, and a 0 abstains."""
+    assert _vote(np.array(rows, dtype=np.float32)).tolist() == want
+
+
 def test_majority_vote_on_packed_bits() -> None:
-    """`majority_bits` = the sign of (ones - zeros) per bit, for 1 to 9 rows (ties at
-    even counts), on a length that is not a multiple of 8."""
+    """The vote on the packed bits = the sign of the sum of the replicas' signs, for
+    1 to 9 replicas, signs -1, 0, +1 (many ties at every P), on a length that is not a
+    multiple of 8; with no zeros it is the majority of the replicas."""
     rng = np.random.default_rng(1)
     n = 1003
     for P in range(1, 10):
-        b = rng.integers(0, 2, (P, n)).astype(np.uint8)
-        pos, neg = majority_bits(np.packbits(b, axis=1))
-        got = np.unpackbits(pos, count=n).astype(int) - np.unpackbits(neg, count=n)
-        assert (got == np.sign(2 * b.sum(0).astype(int) - P)).all(), P
+        s = rng.integers(-1, 2, (P, n)).astype(np.float64)
+        assert (_vote(s) == np.sign(s.sum(0))).all(), P
+        b = rng.integers(0, 2, (P, n))
+        assert (_vote(2.0 * b - 1) == np.sign(2 * b.sum(0) - P)).all(), P
+
+
+class _FakeReplicas:
+    """A data group of P replicas on one process: this replica's row of the all-gather
+    is row 0, the others' are given."""
+
+    def __init__(self, others: list[torch.Tensor]) -> None:
+        self.size, self.group_rank, self.others = len(others) + 1, 0, others
+
+    def allgather_start(self, t: torch.Tensor, out: torch.Tensor, what: str = "") -> object:
+        out[0].copy_(t)
+        for row, o in zip(out[1:], self.others):
+            row.copy_(o)
+        return type("Done", (), {"wait": lambda self: None})()
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_lioncub_vote_keeps_zero_and_counts_its_bytes(P: int) -> None:
+    """Lion Cub's vote in place of the optimizer's signs, on one process: with P
+    replicas holding the same signs (0 among them), the signs come back unchanged,
+    and the meter counts the two bit planes sent, 2 x ceil(n / 8) bytes per step;
+    with a replica against it, ties give 0."""
+    params = [torch.nn.Parameter(torch.zeros(3, 5)), torch.nn.Parameter(torch.zeros(4))]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    signs = [torch.tensor([[1.0, 0, -1, 0, 1], [0, 0, 0, -1, -1], [1, 1, 0, 0, 0]]),
+             torch.tensor([0.0, -1, 1, 0])]
+    n = 19
+    mine = pack_signs(signs)
+    lc, meter = LionCub(), {}
+    lc.data = Metered(_FakeReplicas([mine] * (P - 1)), meter, "data")  # type: ignore
+    got = [s.clone() for s in signs]
+    lc._vote_here(list(zip(params, got)))
+    assert all(torch.equal(g, s) for g, s in zip(got, signs))
+    assert meter == {"data": 2 * ((n + 7) // 8)} == {"data": 6}
+    against = pack_signs([-s for s in signs])  # every nonzero vote opposed
+    lc.data = Metered(_FakeReplicas([against] * (P - 1)), meter, "data")  # type: ignore
+    got = [s.clone() for s in signs]
+    lc._vote_here(list(zip(params, got)))
+    factor = {1: 1.0, 2: 0.0, 3: -1.0}[P]  # one voice, a tie, outvoted
+    assert all(torch.equal(g, factor * s) for g, s in zip(got, signs))
+    assert meter == {"data": 12}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -254,6 +344,7 @@ def test_strategies_on_four_processes(launcher: str, nan: str) -> None:
         assert "daso=allreduce 2x2" in detail and "resume allreduce" in detail, detail
         assert "daso merge progress:2x2" in detail and "weighted:4x1" in detail, detail
         assert "daso cooldown 2x2" in detail and "4x1" in detail, detail
+        assert "lioncub zeros 2x2=lion" in detail, detail
         for name in nan.split(","):
             m = re.search(rf"{name}=(\w+)@([\d.]+)s", detail)
             assert m, detail
@@ -261,6 +352,18 @@ def test_strategies_on_four_processes(launcher: str, nan: str) -> None:
             assert m.group(1) in ("RuntimeError" if name == "unattached" else
                                   "DivergenceError", "RemoteError"), detail
             assert float(m.group(2)) < 10.0, detail
+
+
+@pytest.mark.mpi
+def test_lioncub_with_equal_batches_is_lion() -> None:
+    """Two replicas (2x1) given the same batch: Lion Cub is plain Lion, a dead ReLU
+    unit's zero-gradient entries stay where they are (the 2x2 grid: in the suite)."""
+    proc = run_mpi(WORKERS / "lp_sync.py", 2, "zeros", timeout=120)
+    got = {int(m.group(1)): (m.group(2), m.group(3)) for m in LINE.finditer(proc.stdout)}
+    assert sorted(got) == [0, 1] and all(v[0] == "OK" for v in got.values()), \
+        describe(proc)
+    assert all(v[1].startswith("lioncub zeros 2x1=lion") and v[1].endswith("dead moved 0")
+               for v in got.values()), describe(proc)
 
 
 def test_summary_line_reports_sync_bytes() -> None:

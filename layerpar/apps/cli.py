@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how replicas stay in step: gradient all-reduce every batch "
                             "(default), DASO (node-local averaging, parameters averaged "
                             "between nodes every 4/2/1 batches, non-blocking) or Lion "
-                            "Cub (Lion with 1-bit updates, majority vote)")
+                            "Cub (Lion with 2-bit updates -1/0/+1, majority vote)")
     train.add_argument("--nodes", type=int, default=None, metavar="K",
                        help="group the replicas in K simulated nodes (default: as the "
                             "launcher placed the processes)")

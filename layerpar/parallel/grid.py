@@ -41,7 +41,7 @@ class ProcessGrid:
 
     sync: how the replicas stay in step (`layerpar.parallel.sync`): "allreduce"
         (gradients averaged every batch; default), "daso" (hierarchical, asynchronous
-        parameter averaging between nodes), "lioncub" (1-bit Lion updates, majority
+        parameter averaging between nodes), "lioncub" (2-bit Lion updates, majority
         vote), or a configured `SyncStrategy`.  Bind it with
         ``grid.sync.attach(model, optimizer)``.
     nodes: how many nodes the replicas are grouped in (None: as the launcher placed

@@ -6,10 +6,10 @@ torch.optim has no Lion.  Per parameter p with gradient g and momentum m:
     p = p - lr * (sign(c) + weight_decay * p)
     m = beta2 * m + (1 - beta2) * g
 
-The update is a sign, so it can be exchanged between data replicas as one bit per
-entry (`layerpar.parallel.sync.LionCub`): an `update_hook` set on the optimizer sees
-every parameter's sign tensor before it is applied and may replace it in place (a
-majority vote over the replicas).
+The update is a sign (-1, 0 or +1; 0 where c is 0: no step), so it can be exchanged
+between data replicas as two bits per entry (`layerpar.parallel.sync.LionCub`): an
+`update_hook` set on the optimizer sees every parameter's sign tensor before it is
+applied and may replace it in place (a majority vote over the replicas).
 """
 from __future__ import annotations
 

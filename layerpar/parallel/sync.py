@@ -23,9 +23,12 @@ the ranks that hold the same layers in the other replicas.
   and cool-down batches use synchronous gradient all-reduce.
 - ``"lioncub"`` (`LionCub`, after "Lion Cub: minimizing communication overhead in
   distributed Lion"): no gradient reduction at all.  The `Lion` optimizer's update is
-  a sign; each replica packs its signs into bits, the bits are all-gathered (1/32 of
-  an fp32 all-reduce's payload) and every replica applies the majority vote.  The
-  momentum stays local and is averaged only every `momentum_every` batches.
+  a sign, -1, 0 or +1; each replica packs its signs into two bits per entry (> 0,
+  < 0: `pack_signs`), the bits are all-gathered (1/16 of an fp32 all-reduce's
+  payload) and every replica applies the majority vote, sign(#(+1) - #(-1))
+  (`majority_bits`: zeros abstain, a tie gives no step).  With the same gradients
+  on every replica it is plain Lion.  The momentum stays local and is averaged only
+  every `momentum_every` batches.
 
 The training loop stays ordinary: ``sync = grid.sync.attach(model, optimizer)`` after
 building them (it registers a hook after each optimizer step); ``sync.state_dict()`` /
@@ -660,40 +663,81 @@ class DASO(SyncStrategy):
                         "flat": None, "avg": avg, "p_sent": p_sent}
 
 
-def majority_bits(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The majority vote of P packed bit rows (uint8, P x bytes), on the packed bits:
-    ``(pos, neg)``, packed, pos set where more than half the rows have a 1, neg where
-    more than half have a 0 (neither: a tie, P even).  Bit-sliced: the per-bit count
-    is added up in log2(P) + 1 bit planes and compared with P / 2 plane by plane, so
-    the work is O(P log P) bitwise operations on the packed bytes (nothing is unpacked
-    or widened to integers)."""
+def pack_signs(signs: Sequence[Tensor], planes: Optional[Tensor] = None) -> Tensor:
+    """Update signs (entries -1, 0, +1) packed into two bit planes: a uint8 tensor
+    of 2 x ceil(n / 8) bytes, n the total number of entries; bit i of the first plane
+    is set where entry i is > 0, of the second where it is < 0 (neither: 0).  Lion's
+    update is ``torch.sign`` of its momentum, whose 0 (an entry with no gradient, such
+    as a dead unit's) means no step: one bit cannot carry three values.
+
+    planes: a kept bool buffer of shape (2, n) to write the planes into (None: a new
+    one); the bits are packed by numpy, on the host."""
+    n = sum(u.numel() for u in signs)
+    if planes is None:
+        planes = torch.empty((2, n), dtype=torch.bool)
+    if tuple(planes.shape) != (2, n) or planes.dtype != torch.bool:
+        raise ValueError(f"`planes` must be a bool tensor of shape (2, {n}), got "
+                         f"{planes.dtype} {tuple(planes.shape)}")
+    for u, plus, minus in zip(signs, _unflat(planes[0], signs), _unflat(planes[1], signs)):
+        if u.device.type == "cpu":
+            torch.gt(u, 0, out=plus)
+            torch.lt(u, 0, out=minus)
+        else:
+            plus.copy_(u > 0)
+            minus.copy_(u < 0)
+    return torch.from_numpy(np.packbits(planes.numpy(), axis=1).reshape(-1))
+
+
+def _bit_count(rows: np.ndarray) -> list[np.ndarray]:
+    """Per bit, how many of the P packed rows (uint8, P x bytes) have it set, as
+    P.bit_length() bit planes (least significant first), added up bit-sliced: a
+    ripple-carry add of each row on the packed bytes."""
     P = rows.shape[0]
-    planes: list[np.ndarray] = []  # the count's bits, least significant first
+    planes = [np.zeros_like(rows[0]) for _ in range(P.bit_length())]
     for w in rows:
         carry = w
-        for k in range(len(planes)):
+        for k in range(len(planes)):  # the count is <= P: the last carry is 0
             planes[k], carry = planes[k] ^ carry, planes[k] & carry
-        planes.append(carry)
-    planes = planes[:P.bit_length()]  # the count is <= P: higher planes are 0
+    return planes
 
-    def above(K: int) -> np.ndarray:  # count > K, bit-sliced, most significant first
-        gt = np.zeros_like(rows[0])
-        eq = np.full_like(rows[0], 0xFF)
-        for k in range(len(planes) - 1, -1, -1):
-            if (K >> k) & 1:
-                eq &= planes[k]
-            else:
-                gt |= eq & planes[k]
-                eq &= ~planes[k]
-        return gt
 
-    pos = above(P // 2)  # count > P/2
-    neg = ~above((P - 1) // 2)  # count <= (P-1)/2, i.e. zeros > P/2
-    return pos, neg
+def _greater(a: list[np.ndarray], b: list[np.ndarray]) -> np.ndarray:
+    """Packed bits set where count `a` > count `b` (bit-sliced counts of as many
+    planes), compared from the most significant plane down."""
+    gt = np.zeros_like(a[0])
+    eq = np.full_like(a[0], 0xFF)
+    for ak, bk in zip(reversed(a), reversed(b)):
+        gt |= eq & ak & ~bk
+        eq &= ~(ak ^ bk)
+    return gt
+
+
+def majority_bits(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The majority vote of P replicas' packed signs (`pack_signs` rows, uint8 of
+    shape P x 2 x bytes), on the packed bits: ``(pos, neg)``, packed, the vote is +1
+    where pos is set, -1 where neg is set, 0 where neither.
+
+    The vote is sign(number of +1 - number of -1): a replica whose entry is 0
+    abstains, so identical votes give that vote, all-zero votes give 0, and a tie
+    (as many +1 as -1, zeros aside) gives 0 (no step).  Bit-sliced: each count is
+    added up in P.bit_length() bit planes and the two are compared plane by plane,
+    O(P log P) bitwise operations on the packed bytes (nothing is unpacked or
+    widened to integers)."""
+    if rows.ndim != 3 or rows.shape[1] != 2:
+        raise ValueError(f"`rows` must be P x 2 x bytes (two bit planes per replica), "
+                         f"got shape {rows.shape}")
+    plus, minus = _bit_count(rows[:, 0]), _bit_count(rows[:, 1])
+    return _greater(plus, minus), _greater(minus, plus)
+
+
+def unpack_vote(pos: np.ndarray, neg: np.ndarray, n: int) -> np.ndarray:
+    """`majority_bits`' packed vote as n int8 entries -1, 0, +1."""
+    vote = np.unpackbits(pos, count=n).view(np.int8)
+    return np.subtract(vote, np.unpackbits(neg, count=n).view(np.int8), out=vote)
 
 
 class LionCub(SyncStrategy):
-    """1-bit Lion updates merged by majority vote (see the module docstring).
+    """2-bit Lion updates (-1, 0, +1) merged by majority vote (see the module docstring).
 
     momentum_every: average the Lion momentum over the replicas every this many
     batches (0: never).  Needs a `Lion` optimizer."""
@@ -704,7 +748,7 @@ class LionCub(SyncStrategy):
         super().__init__()
         nonneg_int("momentum_every", momentum_every)
         self.momentum_every = momentum_every
-        self._plus: Optional[Tensor] = None  # where this replica's update is >= 0
+        self._planes: Optional[Tensor] = None  # where this replica's update is > 0, < 0
 
     def key(self) -> dict[str, Any]:
         return {"sync": self.name, "momentum_every": self.momentum_every}
@@ -734,19 +778,13 @@ class LionCub(SyncStrategy):
             raise DivergenceError(f"a gradient is not finite (NaN or inf) on data replica "
                                   f"{g.data_rank} (global rank {g.world_rank})")
         n = sum(u.numel() for u in signs)
-        if self._plus is None or self._plus.numel() != n:  # kept: no page faults per step
-            self._plus = torch.empty(n, dtype=torch.bool)
-        for u, b in zip(signs, _unflat(self._plus, signs)):
-            if u.device.type == "cpu":
-                torch.ge(u, 0, out=b)
-            else:  # the bits are packed by numpy, on the host
-                b.copy_(u >= 0)
-        bits = torch.from_numpy(np.packbits(self._plus.numpy()))
+        if self._planes is None or self._planes.shape[1] != n:  # kept: no page faults
+            self._planes = torch.empty((2, n), dtype=torch.bool)
+        bits = pack_signs(signs, self._planes)
         out = torch.empty((self.data.size, bits.numel()), dtype=torch.uint8)
         self.data.allgather_start(bits, out, "Lion Cub's sign bits").wait()
-        pos, neg = majority_bits(out.numpy())
-        vote = np.unpackbits(pos, count=n).view(np.int8)
-        np.subtract(vote, np.unpackbits(neg, count=n).view(np.int8), out=vote)
+        rows = out.numpy().reshape(self.data.size, 2, bits.numel() // 2)
+        vote = unpack_vote(*majority_bits(rows), n)
         for u, v in zip(signs, _unflat(torch.from_numpy(vote), signs)):
             u.copy_(v)  # int8 -1/0/+1 into the sign tensor's dtype
 

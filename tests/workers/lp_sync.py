@@ -1,4 +1,5 @@
-"""Worker: replica synchronisation strategies (allreduce, DASO, Lion Cub) on 4 processes.
+"""Worker: replica synchronisation strategies (allreduce, DASO, Lion Cub) on 4 processes
+(case zeros also on 2).
 
 Backend: torch.distributed (gloo) when RANK/MASTER_ADDR are set (torchrun), else mpi4py.
 Every process prints ``RANK <world rank> OK <detail>`` or ``RANK <world rank> <Exc>: msg``.
@@ -15,8 +16,11 @@ Every process prints ``RANK <world rank> OK <detail>`` or ``RANK <world rank> <E
              node's gradient of batch 1
            - Lion Cub on 1x4 (one replica) = plain Lion on the serial net
            - Lion Cub on 2x2: the applied step is -lr * sign(sum of the replicas' signs)
+           - Lion Cub with the same batch on both replicas (2x2; 2x1 on 2 processes:
+             case zeros) = Lion, a dead ReLU unit's zero-gradient entries unmoved
            - every strategy: a 2x2 checkpoint with a DASO exchange in flight resumes on
              2x2 exactly (all replicas) and on 4x1 (state restored, training goes on)
+  zeros    the Lion Cub case with the same batch on both replicas, alone
   suite    correct, then nan (strategies named in argv[2], default all)
   nan      (unattached: DASO trained without attach() raises RuntimeError everywhere)
            under each strategy in turn, a NaN gradient on world rank 2 at the third
@@ -72,6 +76,10 @@ def data(step):
             torch.randint(0, 5, (B,), generator=g))
 
 
+def comm_size():
+    return dist.get_world_size() if TORCH else comm.Get_size()
+
+
 def rel(a, b):
     return float((a - b).norm() / max(float(b.norm()), 1e-300))
 
@@ -92,7 +100,7 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def build(R, L, sync, optim, **kw):
+def build(R, L, sync, optim, net=net, **kw):
     grid = layerpar.ProcessGrid(comm, data=R, layers=L, sync=sync, **kw)
     model = layerpar.LayerParallel(net(), grid=grid, options=EXACT)
     opt = optim(model.parameters())
@@ -198,6 +206,51 @@ def case_lioncub():
     return f"lioncub 1x4=lion {err1:.1e} vote {err2:.1e} ({ties} ties)"
 
 
+def dead_unit_net():
+    """`net()` with a ReLU after the opening layer whose unit 0 is dead (weight row 0,
+    bias -1): that row's and that bias's gradients are exactly 0 on every batch."""
+    torch.manual_seed(0)
+    m = layerpar.ODENet(open=nn.Sequential(nn.Linear(3, 4), nn.ReLU()),
+                        steps=lambda k: blocks.Dense(4), n_steps=8, t_final=1.0,
+                        close=nn.Linear(4, 5)).double()
+    with torch.no_grad():
+        m.layers[0][0].weight[0] = 0.0
+        m.layers[0][0].bias[0] = -1.0
+    return m
+
+
+DEAD = ("layers.0.0.weight", "layers.0.0.bias")  # the dead unit's row and bias: index 0
+
+
+def case_zeros():
+    """Lion Cub with the same (whole) batch on both replicas of a 2 x (size/2) grid is
+    plain Lion: parameters equal to all-reduce Lion's on the same grid bitwise, to the
+    serial Lion's within F64.converged, and the dead unit's entries (Lion's sign(0) =
+    0) never move."""
+    R, L, lr, steps = 2, comm_size() // 2, 0.01, 5
+    got = {}
+    for name, sync in (("lioncub", LionCub(momentum_every=2)), ("allreduce", "allreduce")):
+        grid, model, opt = build(R, L, sync, lambda p: Lion(p, lr=lr), net=dead_unit_net)
+        train(model, opt, None, 0, steps)  # no shard: every replica the whole batch
+        got[name] = replicas_params(grid.sync.state_dict())
+        close(grid, model)
+    ref = dead_unit_net()
+    start = {k: v.clone() for k, v in ref.state_dict().items()}
+    train(ref, Lion(ref.parameters(), lr=lr), None, 0, steps)
+    want = ref.state_dict()
+    same = all(torch.equal(a[k], b[k]) for a, b in zip(got["lioncub"], got["allreduce"])
+               for k in a)
+    err = max(rel(r[k], v) for r in got["lioncub"] for k, v in want.items())
+    moved = max(float((r[k][0] - start[k][0]).abs().max())
+                for r in got["lioncub"] + [want] for k in DEAD)
+    if not (same and err <= F64.converged and moved == 0.0):
+        raise AssertionError(f"Lion Cub with equal batches on {R}x{L}: equal to all-reduce "
+                             f"Lion {same}, {err:.1e} from serial Lion, the dead unit "
+                             f"(zero gradient) moved {moved:g} (want 0) in {steps} steps "
+                             f"at lr {lr}")
+    return f"lioncub zeros {R}x{L}=lion {err:.1e} dead moved {moved:g}"
+
+
 STRATEGIES = {
     "allreduce": (lambda: "allreduce", sgd),
     "daso": (lambda: DASO(cycle=(4, 2, 1)), sgd),
@@ -280,7 +333,8 @@ def case_daso_cooldown():
 
 def case_correct():
     return " | ".join(f() for f in (case_daso_equals_allreduce, case_daso_merge,
-                                    case_daso_cooldown, case_lioncub, case_resume))
+                                    case_daso_cooldown, case_lioncub, case_zeros,
+                                    case_resume))
 
 
 def case_nan():
