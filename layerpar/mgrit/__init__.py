@@ -14,7 +14,7 @@ from .result import MGRITResult
 from .solve import solve
 
 __all__ = [
-    "ConvergenceError", "DivergenceError", "EngineError", "MGRITError", "MGRITOptions", "MGRITResult",
-    "Partition", "RankLostError", "RankMismatchError", "RemoteError", "block_bounds",
+    "ConvergenceError", "DivergenceError", "EngineError", "MGRITError", "MGRITOptions",
+    "MGRITResult", "Partition", "RankLostError", "RankMismatchError", "RemoteError", "block_bounds",
     "build_levels", "grid_time", "reversed_bounds", "solve",
 ]
