@@ -168,7 +168,7 @@ bench-sync: build
 	$(BIN)/python -m layerpar.bench sync --csv docs/results/sync/bench.csv | tee docs/results/sync/bench.txt
 
 # On a GPU machine, with a Python that has a CUDA build of torch (and Cython, triton):
-# builds the engine in place and writes rows (a)-(d) to docs/results/gpu/bench-gpu-rows.csv
+# builds the engine in place and writes its four rows to docs/results/gpu/bench-gpu-rows.csv
 # (docs/results/gpu/bench-gpu.csv: the run the GPU model is calibrated on).  GPU tests:
 # tests/gpu.
 bench-gpu: cuda-check
