@@ -67,39 +67,39 @@ bench: build
 	$(BIN)/mpiexec -n 2 $(BIN)/python -m mpi4py -m layerpar.bench
 
 # both engines at the same settings, 1 and 2 ranks (needs the XBraid engine: XBRAID_DIR)
-ENGINES_1 := $(BIN)/python -m layerpar.bench engines --csv docs/bench/engines.csv
+ENGINES_1 := $(BIN)/python -m layerpar.bench engines --csv docs/results/engines/engines.csv
 ENGINES_2 := $(BIN)/mpiexec -n 2 $(BIN)/python -m mpi4py -m layerpar.bench engines \
-	--csv docs/bench/engines-np2.csv
+	--csv docs/results/engines/engines-np2.csv
 bench-engines: build
-	mkdir -p docs/bench
-	echo '$$ $(ENGINES_1)' > docs/bench/engines.txt
-	$(ENGINES_1) | tee -a docs/bench/engines.txt
-	echo '$$ $(ENGINES_2)' >> docs/bench/engines.txt
-	$(ENGINES_2) | tee -a docs/bench/engines.txt
+	mkdir -p docs/results/engines
+	echo '$$ $(ENGINES_1)' > docs/results/engines/engines.txt
+	$(ENGINES_1) | tee -a docs/results/engines/engines.txt
+	echo '$$ $(ENGINES_2)' >> docs/results/engines/engines.txt
+	$(ENGINES_2) | tee -a docs/results/engines/engines.txt
 
 bench-ops: build
-	$(BIN)/python -m layerpar.bench ops --csv docs/bench/ops.csv | tee docs/bench/ops.txt
+	$(BIN)/python -m layerpar.bench ops --csv docs/results/ops/ops.csv | tee docs/results/ops/ops.txt
 
 # batched="auto" (the default) against vectorised and per-step cycles, and vectorised
-# cycles against the path before flat parameters and reused gradient rows (docs/bench/paths.*)
+# cycles (docs/results/paths/)
 bench-paths: build
-	$(BIN)/python -m layerpar.bench paths --ranks 1 2 --csv docs/bench/paths.csv | tee docs/bench/paths.txt
+	$(BIN)/python -m layerpar.bench paths --ranks 1 2 --csv docs/results/paths/paths.csv | tee docs/results/paths/paths.txt
 
-# data x layer splits of 4 processes, under mpiexec and torchrun (docs/bench/grid.*)
+# data x layer splits of 4 processes, under mpiexec and torchrun (docs/results/grid/)
 bench-grid: build
-	$(BIN)/python -m layerpar.bench grid --np 4 --csv docs/bench/grid.csv | tee docs/bench/grid.txt
+	$(BIN)/python -m layerpar.bench grid --np 4 --csv docs/results/grid/grid.csv | tee docs/results/grid/grid.txt
 
-# time to accuracy, serial vs --auto at 2 ranks, cases a-d (docs/tta/all; it prints its
-# own estimate first); the smoke run checks the pipeline in a few minutes (its figures
-# are not a measurement)
+# time to accuracy, serial vs --auto at TTA_NP ranks, cases a-d (docs/results/tta/npN; it
+# prints its own estimate first); the smoke run checks the pipeline in a few minutes (its
+# figures are not a measurement, so they go to build/, not docs/)
 TTA_NP ?= 2
 bench-tta: build
-	$(BIN)/python -m layerpar.bench tta --np $(TTA_NP) --out docs/tta/all
+	$(BIN)/python -m layerpar.bench tta --np $(TTA_NP) --out docs/results/tta/np$(TTA_NP)
 bench-tta-smoke: build
-	$(BIN)/python -m layerpar.bench tta --smoke --np 2 --out docs/tta/smoke
+	$(BIN)/python -m layerpar.bench tta --smoke --np 2 --out build/tta-smoke
 
-# The device rows of issue 20 (measured once, 2026-11-26, on an H200 and its 16 CPU
-# cores: docs/tta/README.md): time to accuracy on one GPU, case a; on the 16 CPU cores
+# The device rows (results: docs/results/tta/README.md): time to accuracy on one GPU,
+# case a; on the 16 CPU cores
 # beside it, the per-batch scaling study at 1-16 ranks and time to accuracy at 16 ranks.
 # On a lent device machine (`device` tool): no network there, and its python3
 # (GPU_PYTHON) holds CUDA torch, Cython, mpi4py and Open MPI, numpy, scipy, matplotlib
@@ -108,13 +108,12 @@ bench-tta-smoke: build
 #   there, one call per target, carrying .whl (a call may take 10 minutes; on the H200:
 #   bench-tta-gpu ~340 s (413 s on an H100), study-cpu-16core-tta ~240 s,
 #   study-cpu-16core-scale ~75 s):
-#     make DEVICE=1 bench-tta-gpu TTA_GPU_OUT=docs/tta/gpu-SHA && cp -r docs/tta/gpu-SHA $OUT/
+#     make DEVICE=1 bench-tta-gpu && cp -r docs/results/tta/gpu $OUT/
 #     make DEVICE=1 bench-tta-gpu-compiled   (serial also under torch.compile: not run
-#         yet; compiling case a's serial net took 127 s on the 2-core CPU,
-#         docs/tta/ceilings/compile_serial.txt: expect about 10 minutes in all)
-#     make DEVICE=1 study-cpu-16core-scale && cp docs/studies/cpu-16core/*.csv $OUT/
-#     make DEVICE=1 study-cpu-16core-tta && cp docs/tta/cpu-16core/* $OUT/
-#     make DEVICE=1 bench-gpu && cp docs/gpu/bench-gpu-rows.csv $OUT/
+#         yet; expect about 10 minutes in all)
+#     make DEVICE=1 study-cpu-16core-scale && cp docs/results/scaling/cpu-16core/*.csv $OUT/
+#     make DEVICE=1 study-cpu-16core-tta && cp docs/results/tta/cpu-16core/* $OUT/
+#     make DEVICE=1 bench-gpu && cp docs/results/gpu/bench-gpu-rows.csv $OUT/
 #     make DEVICE=1 test-gpu   (the GPU tests alone: run them first)
 # DEVICE=1 builds the engine in place with GPU_PYTHON, installs the carried wheels into
 # DEVICE_SITE (device-setup) and puts both on PYTHONPATH (workers started from a script
@@ -150,33 +149,33 @@ cuda-check:
 	    2>/dev/null || { echo "make: $(MAKECMDGOALS) needs a CUDA device and a CUDA build of" \
 	    "torch in GPU_PYTHON ($(GPU_PYTHON)): run it on a GPU machine, as" \
 	    "'make DEVICE=1 $(MAKECMDGOALS)' (see the comments above these targets)"; exit 2; }
-TTA_GPU_OUT ?= docs/tta/gpu
+TTA_GPU_OUT ?= docs/results/tta/gpu
 bench-tta-gpu: cuda-check device-setup
 	$(DEVICE_ENV) $(GPU_PYTHON) -m layerpar.bench tta --device cuda --np 1 \
 	    --cases a --bounds default --out $(TTA_GPU_OUT)
 bench-tta-gpu-compiled: cuda-check device-setup
 	$(DEVICE_ENV) $(GPU_PYTHON) -m layerpar.bench tta --device cuda --np 1 \
-	    --cases a --bounds default --compiled-serial --out docs/tta/gpu-compiled
+	    --cases a --bounds default --compiled-serial --out docs/results/tta/gpu-compiled
 study-cpu-16core: study-cpu-16core-scale study-cpu-16core-tta
 study-cpu-16core-scale: $(DEVICE_PREP)
 	$(DEVICE_PY) -m layerpar.apps.cli scale --ranks 1,2,4,8,16 --layers 1024 --width 32 \
 	    --batch 128 --levels 3 --cfactor 4 --fwd-iters 1 --bwd-iters 1 --no-progress \
-	    --out docs/studies/cpu-16core
+	    --out docs/results/scaling/cpu-16core
 study-cpu-16core-tta: $(DEVICE_PREP)
 	$(DEVICE_PY) -m layerpar.bench tta --np 16 --cases a --bounds default \
-	    --out docs/tta/cpu-16core
+	    --out docs/results/tta/cpu-16core
 bench-sync: build
-	$(BIN)/python -m layerpar.bench sync --csv docs/sync/bench.csv | tee docs/sync/bench.txt
+	$(BIN)/python -m layerpar.bench sync --csv docs/results/sync/bench.csv | tee docs/results/sync/bench.txt
 
 # On a GPU machine, with a Python that has a CUDA build of torch (and Cython, triton):
-# builds the engine in place and writes the issue's rows (a)-(d) to
-# docs/gpu/bench-gpu-rows.csv (docs/gpu/bench-gpu.csv: the earlier run the GPU model
-# is calibrated on).  GPU tests: tests/gpu.
+# builds the engine in place and writes its four rows to docs/results/gpu/bench-gpu-rows.csv
+# (docs/results/gpu/bench-gpu.csv: the run the GPU model is calibrated on).  GPU tests:
+# tests/gpu.
 bench-gpu: cuda-check
 	$(GPU_PYTHON) setup.py -q build_ext --inplace
-	mkdir -p docs/gpu
+	mkdir -p docs/results/gpu
 	$(GPU_PYTHON) -m layerpar.bench gpu --models dense,conv,conv16,transformer \
-	    --csv docs/gpu/bench-gpu-rows.csv
+	    --csv docs/results/gpu/bench-gpu-rows.csv
 	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu
 
 # The GPU tests alone (six of them took 10 s on the H200): on a lent device,
@@ -205,7 +204,7 @@ help:
 	@echo "make bench-tta        time to accuracy, serial against --auto (long: ~45 min)"
 	@echo "make bench-tta-smoke  the same, every case shrunk (a few minutes; not a measurement)"
 	@echo "GPU machine (DEVICE=1): device-wheels (here), then test-gpu, bench-gpu,"
-	@echo "  bench-tta-gpu, bench-tta-gpu-compiled, study-cpu-16core (README: Performance)"
+	@echo "  bench-tta-gpu, bench-tta-gpu-compiled, study-cpu-16core (docs/guide/gpu.md)"
 	@echo "make clean            remove build outputs (not .venv)"
 
 clean:
