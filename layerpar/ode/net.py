@@ -17,7 +17,7 @@ from .._checks import finite_in, positive_int
 from .coarsening import COARSENINGS
 from .flat import flatten
 from .propagator import Propagator
-from .rng import draw_seed, layer_rng, needs_rng
+from .rng import draw_seed, layer_rng, needs_rng, plain_rng
 from .schemes import Scheme, get_scheme
 
 __all__ = ["Segment", "ODENet", "sequential_segment"]
@@ -185,7 +185,10 @@ class ODENet(nn.Module):
     position in ``segments`` (0, 1, …).  Each fine layer's mask then depends only
     on (seed, segment_index, layer), so a layer-parallel run that draws its seed
     the same way (``forward_seed``) reproduces serial dropout exactly given the
-    same global torch seed.  Plain layers are called once, normally.
+    same global torch seed.  Plain layers are called once; one with dropout
+    draws its mask from ``layer_rng(seed, PLAIN, k)`` (`plain_rng`), so the global
+    generator advances by the one seed alone, as it does on every rank of a
+    layer-parallel run.
     """
 
     def __init__(
@@ -263,12 +266,13 @@ class ODENet(nn.Module):
         the caller knows that no layer draws random numbers (`forward_seed` walks
         every module to find that out: 0.3 ms a pass on 128 pre-norm MLP layers)."""
         segment_index = 0
-        for layer in self.layers:
+        for k, layer in enumerate(self.layers):
             if isinstance(layer, Segment):
                 x = layer(x, seed=seed, segment_index=segment_index)
                 segment_index += 1
             else:
-                x = layer(x)
+                with plain_rng(seed, k, layer):
+                    x = layer(x)
         return x
 
     def extra_repr(self) -> str:

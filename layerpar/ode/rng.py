@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Iterator
+from typing import Optional
 
 import torch
 from torch import nn
 
-__all__ = ["DROPOUT_TYPES", "MAX_SEED", "needs_rng", "layer_rng", "draw_seed", "mix_seed"]
+__all__ = ["DROPOUT_TYPES", "MAX_SEED", "PLAIN", "needs_rng", "layer_rng", "plain_rng",
+           "draw_seed", "mix_seed"]
 
 #: Module types whose forward draws from the global generator.
 DROPOUT_TYPES: tuple[type[nn.Module], ...] = (
@@ -31,6 +33,9 @@ DROPOUT_TYPES: tuple[type[nn.Module], ...] = (
 )
 
 _MASK64 = (1 << 64) - 1
+#: The first key of a plain (non-Segment) layer's generator, ``layer_rng(seed, PLAIN, k)``
+#: for layer k of an `ODENet`: a Segment's layers use their segment index (>= 0) there.
+PLAIN = -1
 #: The largest seed torch's generators accept (``torch.manual_seed`` takes 64 bits; a
 #: larger int fails deep inside torch as "Overflow when unpacking long long").
 MAX_SEED = _MASK64
@@ -85,6 +90,19 @@ def layer_rng(seed: int, *key: int) -> Iterator[None]:
             torch.cuda.set_rng_state(cuda_state)
 
 
+def plain_rng(seed: Optional[int], k: int,
+              layer: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """The generator plain layer ``k`` of an `ODENet` runs under in a pass with dropout
+    seed `seed`: ``layer_rng(seed, PLAIN, k)`` where it has dropout in training mode,
+    else none.  A plain layer runs on one rank only in a layer-parallel pass; drawing
+    its mask from the global generator would advance that rank's generator alone, and
+    the ranks' generators (a shuffling DataLoader's, say) would fall out of step."""
+    if seed is not None and needs_rng(layer):
+        return layer_rng(seed, PLAIN, k)
+    return contextlib.nullcontext()
+
+
 def draw_seed() -> int:
-    """Draw one int in [0, 2**62) from the global CPU generator (once per forward pass)."""
+    """Draw one int in [0, 2**62) from the global CPU generator (once per forward pass;
+    a layer-parallel pass draws it on every rank, so their generators stay in step)."""
     return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())

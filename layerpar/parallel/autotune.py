@@ -1084,13 +1084,13 @@ class AutoTuner:
         """A pass of `model`: tuned first if it never was (with a surrogate loss,
         since a forward pass knows no targets; `layerpar.apps.train` tunes with its loss).
         A pass before any tuning that trains nothing (no gradient recorded, or the
-        model in eval mode: an evaluation of a loaded checkpoint, say) runs exact
-        propagation and leaves the tuning to the first training pass, whose passes
-        it would time."""
+        model in eval mode: an evaluation of a loaded checkpoint, say), or that has an
+        empty batch (nothing to time), runs exact propagation and leaves the tuning to
+        the first training pass with samples, whose passes it would time."""
         if self.trial is not None:
             self._trial_step(model)
         if not self.tuned:
-            if not (model.training and torch.is_grad_enabled()):
+            if not (model.training and torch.is_grad_enabled()) or x.numel() == 0:
                 with model.exact():
                     return model(x)
             self.tune(model, x, NO_TARGETS, _surrogate_loss)

@@ -32,7 +32,7 @@ from ..mgrit.xbraid import check_engine
 from ..ode.coarsening import COARSENINGS
 from ..ode.net import ODENet, Segment
 from ..ode.rng import DROPOUT_TYPES as _DROPOUT
-from ..ode.rng import draw_seed
+from ..ode.rng import draw_seed, plain_rng
 from . import checkpoint
 from .adaptive import AccuracyController, apply_iterations, as_policy
 from .agree import Agreed, check_xbraid, layer_key, same_values, values_fingerprint
@@ -581,8 +581,10 @@ class LayerParallel(nn.Module):
         grad_mode = torch.is_grad_enabled()
         x_rg = bool(x.requires_grad)
         p_rg = any(p.requires_grad for p in self._param_list)  # type: ignore[union-attr]
-        seed = draw_seed() if (self.training and self._has_dropout and self.rank == 0) \
-            else None
+        # drawn on every rank (rank 0's is used): each rank's global generator then
+        # advances as serial `ODENet.forward` advances it, and the ranks' generators
+        # stay in step (a DataLoader shuffling from them gives every rank the same batches)
+        seed = draw_seed() if self.training and self._has_dropout else None
         key = (tuple(x.shape), str(x.dtype), self.training, grad_mode)
         if self._agreements is not None:
             return self._agree_on_grid(x, key, x_rg, p_rg, seed)
@@ -681,12 +683,13 @@ class LayerParallel(nn.Module):
                     holder = owner
                 if rank == owner:
                     if ctx.direct:  # onto the caller's graph
-                        with torch.enable_grad():
+                        with torch.enable_grad(), plain_rng(seed, k, self.layers[k]):
                             h = self.layers[k](h)
                         continue
                     prev = ctx.plain.get(k - 1) if record else None
-                    rec = PlainRecord(self.layers[k], h, record,  # type: ignore[arg-type]
-                                       prev)
+                    with plain_rng(seed, k, self.layers[k]):
+                        rec = PlainRecord(self.layers[k], h, record,  # type: ignore[arg-type]
+                                           prev)
                     ctx.plain[k] = rec
                     h = rec.y.detach()
             else:

@@ -32,9 +32,11 @@ from .batched import (
     as_tensor,
     buffer_message,
     buffer_versions,
+    generator_states,
     inplace_message,
     output_message,
     own_buffers,
+    random_message,
     unbatchable_reason,
     warn_once,
 )
@@ -42,7 +44,7 @@ from .bn_dropout import batch_norms, layer_function
 from .direct import DirectApp
 from .forward import ForwardApp
 from .ghosts import Ghosts, needed_layers
-from .tape import Tape
+from .tape import Tape, autocast_as, autocast_dtype
 from .timing import best_seconds
 
 __all__ = ["PathChoice", "SegmentRunner"]
@@ -355,6 +357,7 @@ class SegmentRunner:
         tape.bb = bb  # as recorded: the backward steps through the same path
         tape.layer_params = self.layer_params
         tape.exact = exact
+        tape.autocast = autocast_dtype(like.device)
         app, _, session, _ = self._mode(exact)
         app.begin(tape, u0 if u0 is not None else like, like, bb, check_shapes)
         try:
@@ -398,9 +401,11 @@ class SegmentRunner:
         _, app, _, session = self._mode(tape.exact)
         app.begin(tape, lam_n if lam_n is not None else like, like)
         try:
-            stats = session.drive(lazy_history=not self.check_finite)
-            out = as_tensor(session.state(self.n)) if self.transport.rank == 0 else None
-            grads = app.gradients()
+            # the steps recomputed here run in the dtypes the forward's ran in
+            with autocast_as(like.device, tape.autocast):
+                stats = session.drive(lazy_history=not self.check_finite)
+                out = as_tensor(session.state(self.n)) if self.transport.rank == 0 else None
+                grads = app.gradients()
         finally:
             app.end()
             tape.__init__()  # consumed: drop the records and their graphs
@@ -411,16 +416,20 @@ def _checked(f: Callable[[Tensor], Tensor], block: nn.Module, a: int, seg_index:
              with_buffers: bool) -> Callable[[Tensor], Tensor]:
     """`f` with the checks of a first pass: the block keeps the state's shape, leaves
     its input alone and (`with_buffers`: not in direct mode, which is serial stepping)
-    updates none of its own buffers."""
+    updates none of its own buffers and draws no random numbers from the global
+    generators (a dropout layer's `f` draws from its own, and puts them back)."""
     bufs = own_buffers(block) if with_buffers else []
 
     def checked(v: Tensor) -> Tensor:
         version, before = v._version, buffer_versions(bufs)
+        rng = generator_states(v.device) if with_buffers else []
         out = f(v)
         if v._version != version:
             raise ValueError(inplace_message(block, a, seg_index))
         if buffer_versions(bufs) != before:
             raise ValueError(buffer_message(block, a, seg_index, bufs, before))
+        if any(not torch.equal(s, t) for s, t in zip(rng, generator_states(v.device))):
+            raise ValueError(random_message(block, a, seg_index))
         bad = output_message(block, a, seg_index, v, out)
         if bad is not None:
             raise ValueError(bad)

@@ -58,11 +58,14 @@ class Tape:
     exact: the pass ran exact propagation (`LayerParallel.exact`); so does its backward.
     seed / rng_layers: the pass's dropout seed and the layers that draw from it (a
         coarse step rebuilt in the backward pass must draw the same masks).
+    autocast: the autocast dtype the pass ran under on its device, None where autocast
+        was off: the backward's steps run under the same (`autocast_as`), since the
+        autograd engine runs a backward outside the caller's autocast.
     """
 
     __slots__ = ("recording", "seed", "rng_layers", "records", "chain_head", "brecords",
                  "where", "coarse_graphs", "param_grads", "bb",
-                 "layer_params", "exact", "versions")
+                 "layer_params", "exact", "versions", "autocast")
 
     def __init__(self, recording: bool = False, seed: Optional[int] = None,
                  rng_layers: frozenset[int] = frozenset()) -> None:
@@ -79,6 +82,20 @@ class Tape:
         self.layer_params: dict[int, list[Tensor]] = {}  # trainable, as the pass found them
         self.exact = False  # the pass ran exact propagation, not the model's MGRIT
         self.versions: Optional[dict[int, int]] = None  # flat parameters' versions
+        self.autocast: Optional[torch.dtype] = None
+
+
+def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    """The dtype autocast runs `device`'s operations in now, None where it is off."""
+    return torch.get_autocast_dtype(device.type) \
+        if torch.is_autocast_enabled(device.type) else None
+
+
+def autocast_as(device: torch.device, dtype: Optional[torch.dtype]) -> torch.autocast:
+    """Autocast on `device` as `autocast_dtype` found it: on in `dtype`, or off."""
+    if dtype is None:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=dtype)
 
 
 class PlainRecord:

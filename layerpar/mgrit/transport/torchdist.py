@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -212,8 +213,10 @@ class TorchTransport(Transport):
         self._global = ranks
         super().__init__(len(ranks), dist.get_rank(group))
         if errors is None:
-            tag = torch.randint(0, 2**62, (1,), dtype=torch.int64) if self.group_rank == 0 \
-                else torch.zeros(1, dtype=torch.int64)
+            # from the OS, not torch's generator: drawn on one rank, it would put that
+            # rank's generator out of step with the others'
+            tag = torch.tensor([secrets.randbits(62) if self.group_rank == 0 else 0],
+                               dtype=torch.int64)
             dist.broadcast(tag, src=ranks[0], group=self.cpu_group)
             errors = StoreErrors(default_store(), f"{int(tag)}", dist.get_rank())
         self._errors = errors

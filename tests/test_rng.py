@@ -1,0 +1,87 @@
+"""Randomness, autocast, empty batches and compiled blocks under LayerParallel.
+
+- The global generator advances on every rank as serial training advances it (the
+  dropout seed is drawn on every rank; a plain layer's dropout draws from its own
+  generator), so a shuffling DataLoader gives every rank the same batches.
+- A block drawing random numbers outside a dropout module is refused by name under
+  MGRIT (forward and adjoint would see other noise), and runs as serial autograd in
+  direct mode.
+- Under ``torch.autocast`` the adjoint's steps run in the forward's dtypes.
+- An empty batch gives an empty output and zero gradients, as serial does.
+- `torch.compile`d blocks digest by their original module, the same in every process.
+At one rank in-process (`lp_rng.run_all(None)`) and at two under MPI.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mpi_util import run_mpi
+from tolerances import F64
+
+from layerpar.parallel.agree import fingerprint
+
+WORKERS = Path(__file__).parent / "workers"
+sys.path.insert(0, str(WORKERS))
+import lp_rng  # noqa: E402
+
+#: a float32 net's gradients under bfloat16 autocast, two-level MGRIT against serial
+#: stepping: a few roundings to bfloat16's 8 bits (unit roundoff 3.9e-3) apart
+BF16 = 2e-2
+
+
+def check(results: dict[str, list[Any]], ranks: int) -> None:
+    """Every case's result on every rank (`lp_rng.run_all`), as lists over the ranks."""
+    shuffled = results["shuffled epochs"]
+    assert all(r["seen"] == shuffled[0]["seen"] for r in shuffled), \
+        "the ranks' DataLoaders shuffled differently"
+    for r in shuffled:
+        assert r["same as serial"] and r["generator as serial's"], r
+        assert r["params"] <= F64.converged, r
+    for r in results["random block, MGRIT"]:
+        assert "grads" not in r, "a block drawing randn_like ran under MGRIT"
+        assert "layer 0 of segment 0 (_Noisy) draws random numbers" in r["error"], r
+    for r in results.get("random block, direct", []):
+        assert r.get("grads", 1.0) <= F64.roundoff, r
+    for name in ("autocast, per-step", "autocast, batched"):
+        for r in results[name]:
+            assert "error" not in r, (name, r)
+            assert r["dtypes"] == ["torch.bfloat16"] * 2, (name, r)
+            assert r["output"] <= BF16 and r["grads"] <= BF16, (name, r)
+            assert r["vectorised"] == [name.endswith("batched")], (name, r)
+    for name in ("empty batch, MGRIT", "empty batch, auto"):
+        for r in results[name]:
+            assert "error" not in r, (name, r)
+            assert r["shape"] == [0, 5] and r["x grad"] == [0, 3], (name, r)
+            assert r["largest grad"] == 0.0, (name, r)
+            assert r["grads"] <= F64.converged, (name, r)  # the next batch
+    # nothing to time in an empty batch: the tuning waits for one with samples
+    assert all(r["tuned"] is False for r in results["empty batch, auto"])
+    assert results["compiled blocks"] == [{"built": True}] * ranks
+
+
+def test_one_rank() -> None:
+    check({k: [v] for k, v in lp_rng.run_all(None).items()}, 1)
+
+
+@pytest.mark.mpi
+def test_two_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "rng.json"
+    proc = run_mpi(WORKERS / "lp_rng.py", 2, str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check(json.loads(out.read_text()), 2)
+
+
+def test_compiled_block_digest_is_its_modules() -> None:
+    # two compiled wrappers of equal modules (never run): their digests hold no
+    # address of the compiler's objects, so they are equal, as in two processes
+    def block() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+
+    a, b = torch.compile(block()), torch.compile(block())
+    assert fingerprint(a) == fingerprint(b)
+    assert fingerprint(a) != fingerprint(torch.compile(torch.nn.Linear(4, 4)))

@@ -1,0 +1,242 @@
+"""MPI worker: randomness, autocast, empty batches and compiled blocks, against serial.
+
+Run: mpiexec -n P python -m mpi4py tests/workers/lp_rng.py OUT.json
+Each case runs the serial ODENet oracle and LayerParallel over `comm` (also importable:
+each function takes comm=None for one rank in-process) and returns what every rank
+saw; rank 0 writes the cases' per-rank results to OUT.json as {case: [rank 0's,
+rank 1's, ...]}.
+
+- `shuffled_epochs`: three epochs of a shuffling DataLoader (more batches per epoch
+  than `check_inputs` covers), dropout in the blocks and in the closing layer: the
+  batches each rank saw, the global generator's state after, and the parameters
+  against serial training from the same seed.
+- `random_block`: a block that draws `torch.randn_like` in forward: refused by name
+  under MGRIT; in direct mode (one rank, sequential) it is serial autograd.
+- `autocast_grads`: a float32 net under ``torch.autocast("cpu", bfloat16)``: output
+  and parameter gradients against the serial net's under the same autocast.
+- `empty_batch`: a batch of no samples, under MGRIT options and ``options="auto"``.
+- `compiled_blocks`: blocks wrapped in `torch.compile`: the model builds on every rank.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import layerpar
+from layerpar.mgrit import MGRITOptions
+from layerpar.ode import blocks
+
+CONVERGED = MGRITOptions(max_levels=3, cfactor=2, tol=1e-13, max_iter=50)
+ce = nn.functional.cross_entropy
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / max(float(b.norm()), 1e-300))
+
+
+def _rank(comm: Any) -> int:
+    return 0 if comm is None else comm.Get_rank()
+
+
+def _grad_error(model: layerpar.LayerParallel, serial: nn.Module) -> float:
+    """The worst relative error of this rank's parameter gradients against serial's."""
+    ref = dict(serial.named_parameters())
+    return max(rel(p.grad, ref[n].grad) for n, p in model.named_parameters())
+
+
+# --- dropout and a shuffling DataLoader over several epochs -------------------------------
+
+class _Noisy(nn.Module):
+    """F(u) = tanh(W u) + 0.1 noise: randomness that is not a dropout module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(u)) + 0.1 * torch.randn_like(u)
+
+
+def _dropout_net() -> layerpar.ODENet:
+    torch.manual_seed(5)
+    return layerpar.ODENet(
+        open=nn.Linear(3, 4),
+        steps=lambda k: nn.Sequential(blocks.Dense(4, activation="tanh"), nn.Dropout(0.2)),
+        n_steps=8, t_final=1.0,
+        close=nn.Sequential(nn.Dropout(0.3), nn.Linear(4, 5))).double()
+
+
+def _epochs(model: nn.Module) -> tuple[list[list[int]], torch.Tensor]:
+    """Three epochs of SGD over a shuffled loader from the global seed 7: the sample
+    indices of every batch, and the global generator's state after."""
+    g = torch.Generator().manual_seed(0)
+    n = 24
+    data = TensorDataset(torch.arange(n), torch.randn(n, 3, generator=g, dtype=torch.float64),
+                         torch.randint(0, 5, (n,), generator=g))
+    loader = DataLoader(data, batch_size=4, shuffle=True)  # 6 batches an epoch
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(7)
+    seen = []
+    for _ in range(3):
+        for i, x, y in loader:
+            seen.append(i.tolist())
+            opt.zero_grad()
+            ce(model(x), y).backward()
+            opt.step()
+    return seen, torch.get_rng_state()
+
+
+def shuffled_epochs(comm: Any) -> dict[str, Any]:
+    serial = _dropout_net()
+    model = layerpar.LayerParallel(copy.deepcopy(serial), comm, CONVERGED, check_inputs=2)
+    want, want_state = _epochs(serial)
+    got, got_state = _epochs(model)
+    full = model.gather_state_dict()
+    ref = serial.state_dict()
+    model.close()
+    return {"seen": got, "same as serial": got == want,
+            "generator as serial's": bool(torch.equal(got_state, want_state)),
+            "params": max(rel(full[k], ref[k]) for k in ref)}
+
+
+# --- a block that draws random numbers outside a dropout module ---------------------------
+
+def random_block(comm: Any, options: Optional[MGRITOptions]) -> dict[str, Any]:
+    """MGRIT: the error each rank raised.  Direct mode (options None, one rank): the
+    input and parameter gradients against serial's, from the same global seed."""
+    torch.manual_seed(2)
+    serial = layerpar.ODENet(open=nn.Linear(3, 4), steps=lambda k: _Noisy(), n_steps=8,
+                             close=nn.Linear(4, 5)).double()
+    model = layerpar.LayerParallel(copy.deepcopy(serial), comm, options)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    y = torch.randint(0, 5, (6,))
+    out: dict[str, Any] = {}
+    torch.manual_seed(11)
+    ce(serial(x), y).backward()
+    torch.manual_seed(11)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (not vectorised: vmap refuses randomness)
+            ce(model(x), y).backward()
+        out["grads"] = _grad_error(model, serial)
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    if options is None or comm is None:
+        model.close()
+    return out
+
+
+# --- autocast -----------------------------------------------------------------------------
+
+def autocast_grads(comm: Any, batched: bool) -> dict[str, Any]:
+    """Two-level MGRIT run to exactness (N/cf iterations), float32 under bf16 autocast:
+    the output and this rank's parameter gradients against serial's under autocast."""
+    torch.manual_seed(4)
+    serial = layerpar.ODENet(open=nn.Linear(3, 4),
+                             steps=lambda k: blocks.Dense(4, activation="tanh"), n_steps=8,
+                             close=nn.Linear(4, 5))
+    exact = MGRITOptions(max_levels=2, cfactor=2, max_iter=4, tol=0.0)
+    model = layerpar.LayerParallel(copy.deepcopy(serial), comm, exact, batched=batched)
+    x = torch.randn(6, 3)
+    y = torch.randint(0, 5, (6,))
+    out: dict[str, Any] = {}
+    try:
+        for m in (serial, model):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                z = m(x)
+            ce(z.float(), y).backward()
+            out.setdefault("dtypes", []).append(str(z.dtype))
+            out.setdefault("outputs", []).append(z.float())
+        want, got = out.pop("outputs")
+        out["output"] = rel(got, want)
+        out["grads"] = _grad_error(model, serial)
+        out["vectorised"] = [c.batched for c in model.cycle_paths[0].values()]
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out.pop("outputs", None)
+    model.close()
+    return out
+
+
+# --- an empty batch -----------------------------------------------------------------------
+
+def empty_batch(comm: Any, options: Any) -> dict[str, Any]:
+    """A batch of no samples, then one of four: output shape, input gradient shape, the
+    largest parameter gradient of the empty batch, and the second batch's gradients
+    against serial's."""
+    torch.manual_seed(6)
+    serial = layerpar.ODENet(open=nn.Linear(3, 4),
+                             steps=lambda k: nn.Sequential(nn.Linear(4, 4), nn.Tanh()),
+                             n_steps=8, close=nn.Linear(4, 5)).double()
+    model = layerpar.LayerParallel(copy.deepcopy(serial), comm, options)
+    out: dict[str, Any] = {}
+    try:
+        x = torch.zeros(0, 3, dtype=torch.float64, requires_grad=True)
+        z = model(x)
+        z.sum().backward()
+        out["shape"], out["x grad"] = list(z.shape), list(x.grad.shape)
+        out["largest grad"] = max(float(p.grad.abs().max()) for p in model.parameters())
+        if model.tuner is not None:
+            out["tuned"] = model.tuner.tuned
+        model.zero_grad()
+        x = torch.randn(4, 3, dtype=torch.float64)
+        y = torch.tensor([0, 1, 2, 3])
+        for m in (serial, model):
+            ce(m(x), y).backward()
+        out["grads"] = _grad_error(model, serial)
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    model.close()
+    return out
+
+
+# --- torch.compile ------------------------------------------------------------------------
+
+def compiled_blocks(comm: Any) -> dict[str, Any]:
+    """Blocks wrapped in `torch.compile` (never run here: compiling is slow on a CPU):
+    whether the model builds, else the error."""
+    torch.manual_seed(8)
+    net = layerpar.ODENet(open=nn.Linear(3, 4),
+                          steps=lambda k: torch.compile(nn.Sequential(nn.Linear(4, 4),
+                                                                      nn.Tanh())),
+                          n_steps=8, close=nn.Linear(4, 5)).double()
+    try:
+        model = layerpar.LayerParallel(net, comm, CONVERGED)
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    model.close()
+    return {"built": True}
+
+
+def run_all(comm: Any) -> dict[str, Any]:
+    direct = comm is None or comm.Get_size() == 1
+    cases = {
+        "shuffled epochs": lambda: shuffled_epochs(comm),
+        "random block, MGRIT": lambda: random_block(comm, CONVERGED),
+        **({"random block, direct": lambda: random_block(comm, None)} if direct else {}),
+        "autocast, per-step": lambda: autocast_grads(comm, False),
+        "autocast, batched": lambda: autocast_grads(comm, True),
+        "empty batch, MGRIT": lambda: empty_batch(comm, CONVERGED),
+        "empty batch, auto": lambda: empty_batch(comm, "auto"),
+        "compiled blocks": lambda: compiled_blocks(comm),
+    }
+    return {name: case() for name, case in cases.items()}
+
+
+if __name__ == "__main__":
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    results = run_all(world)
+    everyone = world.gather(results, root=0)
+    if world.Get_rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump({name: [r[name] for r in everyone] for name in results}, f)
