@@ -143,7 +143,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse and check the command line; ValueError names the option of a bad value."""
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        from .train import RECIPES, check_arguments, check_problem
+        from .train import RECIPES, check_arguments, check_engine_built, check_problem
 
         if args.np < 1:
             raise ValueError(f"`--np` must be >= 1, got {args.np}")
@@ -158,7 +158,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "(N processes form R replicas of N/R ranks)")
         # every value's own range first (so a negative `--layers` names `--layers`), and
         # the net's size: the checks below divide it among the ranks
-        check_arguments(args)
+        check_arguments(args, built=False)
         check_net_size(args)
         ranks = 1 if args.serial else nprocs // args.data_parallel
         check_problem(args, args.model, ranks)
@@ -196,6 +196,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if args.launcher != "mpiexec" and args.np == 1 and not launched():
             raise ValueError(f"`--launcher` {args.launcher} starts the processes of `--np` "
                              "N > 1: give `--np`")
+        # what this installation lacks, last: a conflict between options is a usage
+        # error, refused alike with and without the XBraid engine
+        check_engine_built(args)
     return args
 
 

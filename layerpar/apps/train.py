@@ -56,6 +56,7 @@ __all__ = [
     "add_arguments",
     "build_net",
     "check_arguments",
+    "check_engine_built",
     "dtype_from_arguments",
     "format_summary",
     "load_data",
@@ -1115,8 +1116,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def check_arguments(args: argparse.Namespace) -> None:
-    """Raise ValueError naming the option (e.g. ``--cfactor``) for a value out of range."""
+def check_arguments(args: argparse.Namespace, *, built: bool = True) -> None:
+    """Raise ValueError naming the option (e.g. ``--cfactor``) for a value out of range
+    or options that conflict.
+
+    `built`: last, refuse an engine this installation lacks (`check_engine_built`).  A
+    conflict between options is a usage error whatever was built, so it is reported
+    first; a caller with conflicts of its own to check passes False and calls
+    `check_engine_built` after them."""
     checks = [("--levels", args.levels, 1), ("--cfactor", args.cfactor, 2),
               ("--fwd-iters", args.fwd_iters, 1), ("--bwd-iters", args.bwd_iters, 1),
               ("--nrelax", args.nrelax, 0), ("--epochs", args.epochs, 1),
@@ -1151,9 +1158,6 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"`--lr` must be a positive number, got {args.lr}")
     if getattr(args, "engine", "native") not in ENGINES:
         raise ValueError(f"`--engine` must be one of {', '.join(ENGINES)}, got {args.engine!r}")
-    if getattr(args, "engine", "native") == "xbraid" and not xbraid_available():
-        raise ValueError("`--engine` xbraid: layerpar's XBraid engine was not built: "
-                         + BUILD_HINT)
     if getattr(args, "nested_epochs", None) is not None and not getattr(args, "nested", 0):
         raise ValueError("`--nested-epochs` sets the epochs of each `--nested` stage: "
                          "give `--nested`")
@@ -1207,6 +1211,18 @@ def check_arguments(args: argparse.Namespace) -> None:
             if flag in getattr(args, "given", ()):
                 raise ValueError(f"`{flag}` with `--serial`: the serial oracle runs no MGRIT "
                                  "solve (nor an engine); give one or the other")
+    if built:
+        check_engine_built(args)
+
+
+def check_engine_built(args: argparse.Namespace) -> None:
+    """ValueError when ``--engine xbraid`` names an engine this installation did not
+    build (XBRAID_DIR at build time), saying how to build it.  Checked after every
+    conflict between options (`check_arguments`), so that a command line refused for
+    its options is refused alike with and without the XBraid engine."""
+    if getattr(args, "engine", "native") == "xbraid" and not xbraid_available():
+        raise ValueError("`--engine` xbraid: layerpar's XBraid engine was not built: "
+                         + BUILD_HINT)
 
 
 def check_problem(args: argparse.Namespace, problem: str, ranks: int) -> None:
