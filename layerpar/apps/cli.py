@@ -89,8 +89,12 @@ class _Parser(OneLineParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``layerpar`` command (all subcommands)."""
-    from .train import MODELS, add_arguments
+    """The argument parser of the ``layerpar`` command (all subcommands).
+
+    Built, and its help printed, without importing torch: the options come from
+    `layerpar.apps.arguments`, the problems' defaults from `layerpar.apps.recipes`."""
+    from .arguments import add_arguments, problem_defaults
+    from .recipes import PROBLEMS
 
     parser = _Parser(
         prog="layerpar", description="Layer-parallel training of ResNets with MGRIT.")
@@ -99,10 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train", help="train a bundled problem (peaks, digits, mnist1d)",
-        description="Train a bundled problem serially or layer-parallel and print one "
-                    "summary line (accuracy, time per batch, MGRIT iterations and "
-                    "residuals).")
-    train.add_argument("model", choices=MODELS, help="which problem")
+        description="Train a bundled problem serially or layer-parallel and print one\n"
+                    "summary line (accuracy, time per batch, MGRIT iterations and\n"
+                    "residuals).",
+        epilog=problem_defaults(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("model", choices=PROBLEMS, help="which problem")
     train.add_argument("--np", type=int, default=1, metavar="N",
                        help="number of processes to launch (default 1: this process)")
     train.add_argument("--data-parallel", type=int, default=1, metavar="R",
@@ -226,7 +231,7 @@ def check_net_size(args: argparse.Namespace) -> None:
     fit in this machine's memory: one line naming the options, not minutes of building
     layers and then an allocator's traceback (values already in range:
     `check_arguments`)."""
-    from .nets import ARCHITECTURES, RECIPES
+    from .recipes import ARCHITECTURES, RECIPES
 
     if args.layers is None and getattr(args, "width", None) is None:
         return  # the problem's own size
