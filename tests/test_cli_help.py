@@ -76,3 +76,19 @@ def test_the_defaults_are_the_engines_own() -> None:
     default = {f.name: f.default for f in fields(MGRITOptions)}
     assert (default["tol"], default["nrelax"]) == (MGRIT_TOL, MGRIT_NRELAX)
     assert transport_timeout == DEFAULT_TIMEOUT
+
+
+def test_an_examples_help_lists_its_own_problem() -> None:
+    """examples/peaks.py and digits.py add the same options for one problem: their help
+    lists that problem's defaults (the options say "listed below")."""
+    import argparse
+
+    from layerpar.apps.arguments import add_arguments
+
+    text = add_arguments(argparse.ArgumentParser(prog="peaks.py"),
+                         problems=("peaks",)).format_help()
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in
+            (["peaks"], ["digits"], ["mnist1d"])]
+    r = nets.RECIPES["peaks"]
+    assert rows == [["peaks", "dense", str(r.epochs), str(r.batch_size), f"{r.lr:g}",
+                     str(r.n_layers), str(r.width), f"{r.t_final:g}"]], text

@@ -59,12 +59,19 @@ AUTO_CHOOSES = ("--levels", "--cfactor", "--fwd-iters", "--bwd-iters", "--tol", 
                 "--engine")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_arguments(parser: argparse.ArgumentParser,
+                  problems: tuple[str, ...] = PROBLEMS) -> argparse.ArgumentParser:
     """Add the training and MGRIT options (--levels, --cfactor, ... --float64) to ``parser``.
 
     Values are checked by `check_arguments`, not by argparse, so that a bad value is a
-    ValueError naming its option.
+    ValueError naming its option.  The options whose default depends on the problem
+    say so; the parser's epilog, unless it has one, becomes the table of those defaults
+    for `problems` (`problem_defaults`), printed as it is written.
     """
+    if parser.epilog is None:
+        parser.epilog = problem_defaults(problems)
+        if parser.formatter_class is argparse.HelpFormatter:
+            parser.formatter_class = argparse.RawDescriptionHelpFormatter
     g = parser.add_argument_group("MGRIT (forward and adjoint solves)")
     g.add_argument("--levels", action=_Given, type=int, default=TRAINING.levels,
                    help="MGRIT levels at most (1: exact; default %(default)s)")

@@ -91,9 +91,10 @@ class _Parser(OneLineParser):
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``layerpar`` command (all subcommands).
 
-    Built, and its help printed, without importing torch: the options come from
-    `layerpar.apps.arguments`, the problems' defaults from `layerpar.apps.recipes`."""
-    from .arguments import add_arguments, problem_defaults
+    Built, and its help printed, without importing torch: the options, and the table
+    of each problem's defaults under ``train --help``, come from
+    `layerpar.apps.arguments`, the problems from `layerpar.apps.recipes`."""
+    from .arguments import add_arguments
     from .recipes import PROBLEMS
 
     parser = _Parser(
@@ -106,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a bundled problem serially or layer-parallel and print one\n"
                     "summary line (accuracy, time per batch, MGRIT iterations and\n"
                     "residuals).",
-        epilog=problem_defaults(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("model", choices=PROBLEMS, help="which problem")
     train.add_argument("--np", type=int, default=1, metavar="N",
                        help="number of processes to launch (default 1: this process)")
