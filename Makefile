@@ -30,7 +30,15 @@ XBRAID_BUILT := $(if $(XBRAID_DIR),$(VENV)/.built-xbraid)
 .PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-engines bench-paths \
 	bench-sync bench-tta bench-tta-smoke bench-tta-gpu bench-tta-gpu-compiled study-cpu-16core \
 	study-cpu-16core-scale \
-	study-cpu-16core-tta device-wheels device-setup cuda-check test-gpu train lint clean help
+	study-cpu-16core-tta device-wheels device-setup cuda-check test-gpu test-triton train lint clean help
+
+# One .venv, filled by what each target needs: `make setup` (and `make train`) the
+# package, MPI and what the `layerpar` command's problems and studies import; `make test`
+# adds the test tools (SETUP_TEST); `make test-triton` adds Triton (about 1 GB, only for
+# its own tests: without it they are skipped).  Any order works from a fresh clone.
+SETUP_EXTRAS ?= mpich,examples,studies
+SETUP_TEST   := $(VENV)/.installed-test
+SETUP_TRITON := $(VENV)/.installed-triton
 
 setup: $(VENV)/.installed
 
@@ -38,8 +46,23 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)" "setuptools>=68" "Cython>=3" wheel
-	XBRAID_DIR= $(BIN)/python -m pip install -q --no-build-isolation -e ".[mpich,test,examples,studies]"
+	XBRAID_DIR= $(BIN)/python -m pip install -q --no-build-isolation -e ".[$(SETUP_EXTRAS)]"
 	touch $@ $(VENV)/.built
+
+# an extra's requirements alone, as the installed package's metadata lists them (from
+# pyproject.toml): installing `-e ".[test]"` again would rebuild the engine without XBraid
+EXTRA_REQUIREMENTS = $(BIN)/python -c "import re, sys; from importlib.metadata import \
+	requires; tag = re.compile(r'[ ]*(and[ ]+)?extra[ ]*==[ ]*.([-a-z0-9_.]+).'); \
+	print(chr(10).join(tag.sub('', r).strip().rstrip(';') for r in requires('layerpar') \
+	or () if sys.argv[1] in [m.group(2) for m in tag.finditer(r)]))"
+$(SETUP_TEST): $(VENV)/.installed
+	$(EXTRA_REQUIREMENTS) test > $(VENV)/requirements-test.txt
+	$(BIN)/python -m pip install -q -r $(VENV)/requirements-test.txt
+	touch $@
+$(SETUP_TRITON): $(SETUP_TEST)
+	$(EXTRA_REQUIREMENTS) triton > $(VENV)/requirements-triton.txt
+	$(BIN)/python -m pip install -q -r $(VENV)/requirements-triton.txt
+	touch $@
 
 # rebuild the native engine when its sources change
 build: $(VENV)/.built $(XBRAID_BUILT)
@@ -56,11 +79,15 @@ endif
 		$(BIN)/python -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
-test: build
+test: build $(SETUP_TEST)
 	$(BIN)/python -m pytest -q
 
-test-fast: build
+test-fast: build $(SETUP_TEST)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# the fused Triton steps on the CPU, under Triton's interpreter (installs the extra)
+test-triton: build $(SETUP_TRITON)
+	$(BIN)/python -m pytest -q tests/test_triton_kernels.py
 
 bench: build
 	$(BIN)/python -m layerpar.bench
@@ -90,13 +117,16 @@ bench-grid: build
 	$(BIN)/python -m layerpar.bench grid --np 4 --csv docs/results/grid/grid.csv | tee docs/results/grid/grid.txt
 
 # time to accuracy, serial vs --auto at TTA_NP ranks, cases a-d (docs/results/tta/npN; it
-# prints its own estimate first); the smoke run checks the pipeline in a few minutes (its
-# figures are not a measurement, so they go to build/, not docs/)
+# prints its own estimate first); the smoke run checks the pipeline (its figures are not a
+# measurement) and writes under out/, which git ignores: twelve short trainings, most of
+# whose time is starting processes, so its duration follows the machine's load (it
+# measures a start-up and prints its estimate first)
 TTA_NP ?= 2
+TTA_SMOKE_OUT ?= out/tta/smoke
 bench-tta: build
 	$(BIN)/python -m layerpar.bench tta --np $(TTA_NP) --out docs/results/tta/np$(TTA_NP)
 bench-tta-smoke: build
-	$(BIN)/python -m layerpar.bench tta --smoke --np 2 --out build/tta-smoke
+	$(BIN)/python -m layerpar.bench tta --smoke --np 2 --out $(TTA_SMOKE_OUT)
 
 # The device rows (results: docs/results/tta/README.md): time to accuracy on one GPU,
 # case a; on the 16 CPU cores
@@ -186,13 +216,14 @@ test-gpu: cuda-check device-setup
 train: build
 	$(BIN)/layerpar train peaks --np $(NP)
 
-lint: setup
+lint: $(SETUP_TEST)
 	$(BIN)/ruff check layerpar tests examples
 
 help:
 	@echo "make train            set up (.venv, torch, MPI, engine) and train Peaks layer-parallel"
 	@echo "make test             set up and run the test suite (what CI runs)"
 	@echo "make test-fast        the tests not marked slow"
+	@echo "make test-triton      the fused Triton kernels under Triton's interpreter (installs triton, ~1 GB)"
 	@echo "make build            (re)build the native engine (and XBraid's, with XBRAID_DIR)"
 	@echo "make lint             ruff over layerpar, tests and examples"
 	@echo "make bench            engine and training micro-benchmarks, 1 and 2 ranks"
@@ -202,7 +233,8 @@ help:
 	@echo "make bench-grid       data x layer grids over MPI and torch.distributed"
 	@echo "make bench-sync       replica synchronisation: all-reduce, DASO, Lion Cub"
 	@echo "make bench-tta        time to accuracy, serial against --auto (long: ~45 min)"
-	@echo "make bench-tta-smoke  the same, every case shrunk (a few minutes; not a measurement)"
+	@echo "make bench-tta-smoke  the same, every case shrunk, into out/tta/smoke (not a measurement;"
+	@echo "                      it prints its own estimate of the time first)"
 	@echo "GPU machine (DEVICE=1): device-wheels (here), then test-gpu, bench-gpu,"
 	@echo "  bench-tta-gpu, bench-tta-gpu-compiled, study-cpu-16core (docs/guide/gpu.md)"
 	@echo "make clean            remove build outputs (not .venv)"

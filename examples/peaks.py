@@ -35,7 +35,8 @@ from layerpar.apps.train import (
 
 def main(argv: list[str] | None = None) -> dict:
     parser = add_arguments(OneLineParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter),
+        problems=("peaks",))
     args = parser.parse_args(argv)
     world = MPI.COMM_WORLD
     try:  # bad values name the option, before any layer is built

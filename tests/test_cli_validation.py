@@ -444,8 +444,7 @@ def test_a_jobs_bad_command_line_is_said_once(env: dict, says: bool,
     assert err == ("layerpar: error: `--layers` must be >= 1, got -1\n" if says else ""), err
 
 
-@pytest.mark.skipif(not __import__("layerpar.mgrit.xbraid", fromlist=["x"]).xbraid_available(),
-                    reason="the XBraid engine was not built")
+@pytest.mark.parametrize("built", [True, False], ids=["xbraid-built", "xbraid-not-built"])
 @pytest.mark.parametrize("argv, message", [
     (["--np", "2", "--adaptive"], "`--engine xbraid` with `--adaptive`"),
     (["--adaptive"], "`--engine xbraid` with `--adaptive`"),
@@ -453,11 +452,19 @@ def test_a_jobs_bad_command_line_is_said_once(env: dict, says: bool,
     (["--np", "2", "--launcher", "torchrun"], "`--engine xbraid` with `--launcher torchrun`"),
     (["--np", "3"], "a segment of 32 layers on 3 ranks would give a rank different layers"),
     (["--np", "4", "--layers", "20", "--nested", "1"], "a segment of 10 layers on 4 ranks"),
+    (["--serial"], "`--engine` with `--serial`"),
+    (["--auto"], "`--engine` with `--auto`"),
 ])
-def test_xbraid_runs_it_cannot_do_are_one_line(argv: list, message: str,
+def test_xbraid_runs_it_cannot_do_are_one_line(argv: list, message: str, built: bool,
+                                               monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture) -> None:
     """What XBraid cannot run ended in a traceback on every rank (its LayerParallel
-    refused it); now one line before any process starts, exit 2."""
+    refused it); now one line before any process starts, exit 2.  A conflict between
+    options is a usage error: the same line whether or not the XBraid engine was built
+    (not "was not built" on a clone without XBraid beside it)."""
+    from layerpar.apps import train as train_mod
+
+    monkeypatch.setattr(train_mod, "xbraid_available", lambda: built)
     assert cli.main(["train", "peaks", "--engine", "xbraid", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err

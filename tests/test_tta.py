@@ -25,6 +25,14 @@ def test_tta_tiny(tmp_path: Path) -> None:
                                      probe=(1, {1: 0.01}, 10))
     serial, auto = runs
     assert serial.ranks == 1 and auto.ranks == 2 and serial.threads == 1
+    # the printed estimate counts each training's start-up, measured here now: within
+    # a factor 3 of what the two runs took (it assumed 3 s a run: under load a fifth)
+    launch = (tta.launch_seconds(case, 1, 120), tta.launch_seconds(case, 2, 120))
+    steps = serial.history[0].get("steps") or 10
+    est = tta.expected_seconds(case, serial.history[0]["train_seconds"] / steps, steps,
+                               (1, 1), launch)
+    walls = serial.wall_seconds + auto.wall_seconds
+    assert est > walls / 3, (est, walls, launch)
     assert target == pytest.approx(serial.best_acc - 0.005)
     for r in runs:
         assert len(r.history) == 1 and 0 < r.history[0]["train_seconds"] < r.wall_seconds
@@ -241,3 +249,43 @@ def test_auto_gets_the_serial_baselines_threads_at_one_rank(
     assert launched[0] == (["--serial", "--device", "cpu"], 1, 4)
     assert launched[1][1:] == (nprocs, auto_threads) and launched[1][0][0] == "--auto"
     assert [r.threads for r in runs] == [4, auto_threads]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ignored_by_git(folder: str) -> bool:
+    """Whether git ignores files written under `folder` (relative to the checkout)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    got = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q",
+                          f"{folder}/README.md"], capture_output=True)
+    return got.returncode == 0
+
+
+def test_smoke_target_and_defaults_write_where_git_ignores() -> None:
+    """`make bench-tta-smoke` and a bare ``python -m layerpar.bench tta [--smoke]`` write
+    into a folder git ignores: a fresh clone stays clean (the smoke target rewrote the
+    tracked docs/tta/smoke)."""
+    import re
+
+    text = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^bench-tta-smoke:.*\n\t(.*)$", text, re.M)
+    assert recipe, "no bench-tta-smoke target"
+    out = re.search(r"--out (\S+)", recipe.group(1)).group(1)
+    var = re.fullmatch(r"\$\((\w+)\)", out)
+    if var:
+        out = re.search(rf"^{var.group(1)} \??= *(\S+)", text, re.M).group(1)
+    for folder in (out, *tta.OUT.values()):
+        assert _ignored_by_git(folder), folder
+
+
+def test_the_estimate_counts_each_trainings_start_up() -> None:
+    """Each serial run pays a process's start-up, each layer-parallel run a job's."""
+    case = tta.Case("t", "peaks", "Peaks", 2)
+    train = 1.1 * 0.01 * 50 * 2
+    assert tta.expected_seconds(case, 0.01, 50, (1, 2), (4.0, 7.0)) == \
+        pytest.approx(3 * train + 4.0 + 2 * 7.0)

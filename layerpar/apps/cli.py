@@ -89,8 +89,13 @@ class _Parser(OneLineParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``layerpar`` command (all subcommands)."""
-    from .train import MODELS, add_arguments
+    """The argument parser of the ``layerpar`` command (all subcommands).
+
+    Built, and its help printed, without importing torch: the options, and the table
+    of each problem's defaults under ``train --help``, come from
+    `layerpar.apps.arguments`, the problems from `layerpar.apps.recipes`."""
+    from .arguments import add_arguments
+    from .recipes import PROBLEMS
 
     parser = _Parser(
         prog="layerpar", description="Layer-parallel training of ResNets with MGRIT.")
@@ -99,10 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train", help="train a bundled problem (peaks, digits, mnist1d)",
-        description="Train a bundled problem serially or layer-parallel and print one "
-                    "summary line (accuracy, time per batch, MGRIT iterations and "
-                    "residuals).")
-    train.add_argument("model", choices=MODELS, help="which problem")
+        description="Train a bundled problem serially or layer-parallel and print one\n"
+                    "summary line (accuracy, time per batch, MGRIT iterations and\n"
+                    "residuals).",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("model", choices=PROBLEMS, help="which problem")
     train.add_argument("--np", type=int, default=1, metavar="N",
                        help="number of processes to launch (default 1: this process)")
     train.add_argument("--data-parallel", type=int, default=1, metavar="R",
@@ -143,7 +149,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse and check the command line; ValueError names the option of a bad value."""
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        from .train import RECIPES, check_arguments, check_problem
+        from .train import RECIPES, check_arguments, check_engine_built, check_problem
 
         if args.np < 1:
             raise ValueError(f"`--np` must be >= 1, got {args.np}")
@@ -158,7 +164,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "(N processes form R replicas of N/R ranks)")
         # every value's own range first (so a negative `--layers` names `--layers`), and
         # the net's size: the checks below divide it among the ranks
-        check_arguments(args)
+        check_arguments(args, built=False)
         check_net_size(args)
         ranks = 1 if args.serial else nprocs // args.data_parallel
         check_problem(args, args.model, ranks)
@@ -196,6 +202,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if args.launcher != "mpiexec" and args.np == 1 and not launched():
             raise ValueError(f"`--launcher` {args.launcher} starts the processes of `--np` "
                              "N > 1: give `--np`")
+        # what this installation lacks, last: a conflict between options is a usage
+        # error, refused alike with and without the XBraid engine
+        check_engine_built(args)
     return args
 
 
@@ -223,7 +232,7 @@ def check_net_size(args: argparse.Namespace) -> None:
     fit in this machine's memory: one line naming the options, not minutes of building
     layers and then an allocator's traceback (values already in range:
     `check_arguments`)."""
-    from .nets import ARCHITECTURES, RECIPES
+    from .recipes import ARCHITECTURES, RECIPES
 
     if args.layers is None and getattr(args, "width", None) is None:
         return  # the problem's own size

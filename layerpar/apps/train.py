@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import nonneg_int, positive_float, positive_int
-from ..defaults import MAX_REL_ERROR, MIN_COSINE, TRAINING
+from ..defaults import TRAINING
 from ..mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MGRITOptions
 from ..mgrit.transport import DEFAULT_TIMEOUT
 from ..mgrit.xbraid import BUILD_HINT, ENGINES, xbraid_available
@@ -45,6 +45,7 @@ from ..parallel.adaptive import AccuracyPolicy, as_policy
 from ..parallel.autotune import auto_policy
 from ..parallel.timing import SpanTimer
 from . import data
+from .arguments import AUTO_CHOOSES, add_arguments
 from .loop import Batches, Progress, adam, available_cores, train_steps
 from .nets import PROBLEMS, RECIPES, Recipe, problem_name, problem_net
 
@@ -56,6 +57,7 @@ __all__ = [
     "add_arguments",
     "build_net",
     "check_arguments",
+    "check_engine_built",
     "dtype_from_arguments",
     "format_summary",
     "load_data",
@@ -1014,109 +1016,16 @@ def parse_summary(text: str) -> dict[str, Any]:
 
 
 # -- command-line options shared by the examples and `layerpar train` -----------------------
+# (the options themselves: layerpar.apps.arguments, which the help reads without torch)
 
-class _Given(argparse.Action):
-    """Store the option's value and note that the command line gave it (``given``):
-    `check_arguments` refuses MGRIT settings that ``--auto`` would replace, even where
-    their value is the default's."""
+def check_arguments(args: argparse.Namespace, *, built: bool = True) -> None:
+    """Raise ValueError naming the option (e.g. ``--cfactor``) for a value out of range
+    or options that conflict.
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: Optional[str] = None) -> None:
-        setattr(namespace, self.dest, values)
-        namespace.given = {*getattr(namespace, "given", ()), option_string}
-
-
-#: the options whose settings ``--auto`` chooses itself (refused beside it)
-AUTO_CHOOSES = ("--levels", "--cfactor", "--fwd-iters", "--bwd-iters", "--tol", "--nrelax",
-                "--engine")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the training and MGRIT options (--levels, --cfactor, ... --float64) to ``parser``.
-
-    Values are checked by `check_arguments`, not by argparse, so that a bad value is a
-    ValueError naming its option.
-    """
-    g = parser.add_argument_group("MGRIT (forward and adjoint solves)")
-    g.add_argument("--levels", action=_Given, type=int, default=TRAINING.levels,
-                   help="MGRIT levels at most (1: exact)")
-    g.add_argument("--cfactor", action=_Given, type=int, default=TRAINING.cfactor,
-                   help="coarsening factor")
-    g.add_argument("--fwd-iters", action=_Given, type=int, default=TRAINING.fwd_iters,
-                   help="forward MGRIT iterations")
-    g.add_argument("--bwd-iters", action=_Given, type=int, default=TRAINING.bwd_iters,
-                   help="adjoint MGRIT iterations")
-    g.add_argument("--tol", action=_Given, type=float, default=MGRITOptions.tol,
-                   help="absolute residual tolerance (halts earlier if reached)")
-    g.add_argument("--nrelax", action=_Given, type=int, default=MGRITOptions.nrelax,
-                   help="relaxation sweeps (0: F, 1: FCF)")
-    g.add_argument("--engine", action=_Given, default="native", metavar="{native,xbraid}",
-                   help="MGRIT engine: layerpar's own (default) or XBraid itself (when "
-                        "built with XBRAID_DIR)")
-    t = parser.add_argument_group("training")
-    t.add_argument("--epochs", type=int, default=None, help="epochs (default: per problem)")
-    t.add_argument("--batch-size", type=int, default=None,
-                   help="batch size (default: per problem)")
-    t.add_argument("--lr", type=float, default=None,
-                   help="peak Adam learning rate (default: per problem)")
-    t.add_argument("--seed", type=int, default=0, help="data, initialisation and order")
-    t.add_argument("--serial", action="store_true",
-                   help="train the plain ODENet with autograd (the serial oracle)")
-    t.add_argument("--compile", action="store_true",
-                   help="with --serial: the net compiled by torch.compile (its "
-                        "compilation counts in the training time)")
-    t.add_argument("--float64", action="store_true", help="train in double precision")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    t.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
-                   help=f"seconds any one wait for another rank may take before the job "
-                        f"stops with a message naming it (default {DEFAULT_TIMEOUT:g})")
-    a = parser.add_argument_group("accuracy")
-    a.add_argument("--check-every", type=int, default=0, metavar="K",
-                   help="measure the gradient error against exact propagation every K "
-                        "batches (0: never)")
-    a.add_argument("--adaptive", action="store_true",
-                   help="adaptive accuracy: MGRIT iterations follow the measured gradient "
-                        f"error (cosine >= {MIN_COSINE:g}, relative error <= "
-                        f"{100 * MAX_REL_ERROR:g}%%), exact propagation "
-                        "where MGRIT stalls")
-    a.add_argument("--nested", type=int, default=0, metavar="K",
-                   help="nested iteration: train K coarser nets (n/2^K ... n/2 layers) "
-                        "first, refining each onto the next")
-    a.add_argument("--nested-epochs", type=int, default=None, metavar="E",
-                   help="epochs of each coarser net (default 2)")
-    a.add_argument("--auto", action="store_true",
-                   help="MGRIT settings chosen by measurement on the first batch (time "
-                        "and gradient error of a few candidates; the fastest within the "
-                        "bound, exact/serial where nothing parallel pays), then watched "
-                        "by the adaptive policy")
-    a.add_argument("--max-grad-error", type=float, default=None, metavar="E",
-                   help="the bound of --adaptive and --auto: largest relative gradient "
-                        f"error (default {MAX_REL_ERROR:g}; --auto by default measures its "
-                        "bound: half the batch gradient's sampling error)")
-    a.add_argument("--min-cosine", type=float, default=None, metavar="C",
-                   help="the bound of --adaptive and --auto: smallest cosine between "
-                        f"inexact and exact gradients (default {MIN_COSINE:g}; --auto's "
-                        "measured bound implies its own: sqrt(1 - error^2))")
-    n = parser.add_argument_group("network, device and stopping")
-    n.add_argument("--model", dest="arch", default=None, choices=("dense", "conv"),
-                   help="architecture (mnist1d: dense or conv; default: per problem)")
-    n.add_argument("--layers", type=int, default=None, metavar="N",
-                   help="residual layers (default: per problem)")
-    n.add_argument("--width", type=int, default=None, metavar="W",
-                   help="width: features (dense) or channels (conv)")
-    n.add_argument("--t-final", type=float, default=None, metavar="T",
-                   help="final time of the ODE (step size = T / layers)")
-    n.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    n.add_argument("--target-acc", type=float, default=None, metavar="A",
-                   help="stop once the validation accuracy reaches A (in (0, 1]); the "
-                        "summary then gives time_to_target")
-    n.add_argument("--time-budget", type=float, default=None, metavar="S",
-                   help="stop training after S seconds (evaluation not counted)")
-    return parser
-
-
-def check_arguments(args: argparse.Namespace) -> None:
-    """Raise ValueError naming the option (e.g. ``--cfactor``) for a value out of range."""
+    `built`: last, refuse an engine this installation lacks (`check_engine_built`).  A
+    conflict between options is a usage error whatever was built, so it is reported
+    first; a caller with conflicts of its own to check passes False and calls
+    `check_engine_built` after them."""
     checks = [("--levels", args.levels, 1), ("--cfactor", args.cfactor, 2),
               ("--fwd-iters", args.fwd_iters, 1), ("--bwd-iters", args.bwd_iters, 1),
               ("--nrelax", args.nrelax, 0), ("--epochs", args.epochs, 1),
@@ -1151,9 +1060,6 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"`--lr` must be a positive number, got {args.lr}")
     if getattr(args, "engine", "native") not in ENGINES:
         raise ValueError(f"`--engine` must be one of {', '.join(ENGINES)}, got {args.engine!r}")
-    if getattr(args, "engine", "native") == "xbraid" and not xbraid_available():
-        raise ValueError("`--engine` xbraid: layerpar's XBraid engine was not built: "
-                         + BUILD_HINT)
     if getattr(args, "nested_epochs", None) is not None and not getattr(args, "nested", 0):
         raise ValueError("`--nested-epochs` sets the epochs of each `--nested` stage: "
                          "give `--nested`")
@@ -1207,6 +1113,18 @@ def check_arguments(args: argparse.Namespace) -> None:
             if flag in getattr(args, "given", ()):
                 raise ValueError(f"`{flag}` with `--serial`: the serial oracle runs no MGRIT "
                                  "solve (nor an engine); give one or the other")
+    if built:
+        check_engine_built(args)
+
+
+def check_engine_built(args: argparse.Namespace) -> None:
+    """ValueError when ``--engine xbraid`` names an engine this installation did not
+    build (XBRAID_DIR at build time), saying how to build it.  Checked after every
+    conflict between options (`check_arguments`), so that a command line refused for
+    its options is refused alike with and without the XBraid engine."""
+    if getattr(args, "engine", "native") == "xbraid" and not xbraid_available():
+        raise ValueError("`--engine` xbraid: layerpar's XBraid engine was not built: "
+                         + BUILD_HINT)
 
 
 def check_problem(args: argparse.Namespace, problem: str, ranks: int) -> None:

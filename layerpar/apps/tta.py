@@ -1,7 +1,7 @@
 """Time to accuracy: serial training against layer-parallel training with ``--auto``.
 
-    python -m layerpar.bench tta [--cases a,b,c,d] [--np 2] [--out docs/tta/latest]
-    python -m layerpar.bench tta --smoke            # every case shrunk: a minute or two
+    python -m layerpar.bench tta [--cases a,b,c,d] [--np 2] [--out out/tta/latest]
+    python -m layerpar.bench tta --smoke            # every case shrunk: checks the pipeline
 
 For each case, the best serial training on this machine (plain `ODENet` with
 autograd, at the torch thread count that runs a batch fastest here: each count from 1
@@ -75,8 +75,10 @@ CASES: dict[str, Case] = {
     "c": Case("c", "digits", "digits (bundled: conv, 8 layers)", 8),
     "d": Case("d", "peaks", "Peaks (bundled: 32 layers x 8, T=5)", 20),
 }
-#: the same cases shrunk, to check the pipeline in a minute or two (not a measurement
-#: of time to accuracy: too short for anything to converge)
+#: the same cases shrunk, to check the pipeline (not a measurement of time to accuracy:
+#: too short for anything to converge).  Its trainings are short, so starting their
+#: processes takes most of its time: 12 trainings, each a few seconds to start on a quiet
+#: 2-core machine and several times that under load (`main` prints its estimate)
 SMOKE: dict[str, Case] = {
     "a": Case("a", "mnist1d", "MNIST-1D dense, 128 layers x 32, T=1 (smoke)", 1,
               ("--model", "dense", "--layers", "128", "--width", "32", "--t-final", "1")),
@@ -197,18 +199,33 @@ def best_threads(case: Case, batches: int = 4) -> tuple[int, dict[int, float], i
     return min(per, key=lambda k: (per[k], k)), per, -(-len(x) // batch)
 
 
-#: seconds each training's own process takes beyond its steps (Python, torch and MPI
-#: start-up, the data set's generation): about 3 s on the 2-core development machine
-#: (`--smoke --cases d`: 10.5 s wall for its three runs, each well under a second of
-#: training, 2026-11-26)
-LAUNCH_SECONDS = 3.0
+#: where a run writes without ``--out``: a folder git ignores (``/out/`` in .gitignore), so
+#: that running the benchmark in a checkout leaves it clean; a run meant to be committed
+#: names its folder (``make bench-tta``: docs/tta/all)
+OUT = {"run": "out/tta/latest", "smoke": "out/tta/smoke"}
 
 
-def expected_seconds(case: Case, step: float, steps_per_epoch: int, runs: int = 3) -> float:
+def launch_seconds(case: Case, nprocs: int, timeout: Optional[float] = None) -> float:
+    """Wall seconds of a training of `case` that stops after its first batch (serial at
+    one process, else layer-parallel on a job of `nprocs` ranks), here and now: what
+    each training costs beyond its steps (start-up of Python, torch and MPI, the data,
+    the net, evaluation).  Measured rather than assumed, because it is most of a short
+    run's time and grows with the machine's load (a few seconds on a quiet 2-core
+    machine, several times that on a busy one)."""
+    extra = ["--time-budget", "1e-9", *(["--serial"] if nprocs == 1 else [])]
+    return _launch(case, extra, nprocs, 1, timeout)[1]
+
+
+def expected_seconds(case: Case, step: float, steps_per_epoch: int,
+                     runs: tuple[int, int] = (1, 2),
+                     launch: tuple[float, float] = (0.0, 0.0)) -> float:
     """A rough duration of `run_case` from the best serial step time: `runs` trainings
-    (serial and the auto runs, assumed no slower), each with evaluation (~10 %) and its
-    process's start-up (`LAUNCH_SECONDS`)."""
-    return runs * (LAUNCH_SECONDS + 1.1 * step * steps_per_epoch * case.epochs)
+    (serial, layer-parallel; all assumed to step no slower than serial), each with
+    evaluation (~10 %) and its process's start-up (`launch`: seconds to start one
+    serial process and one layer-parallel job, `launch_seconds`).  A lower bound where
+    the layer-parallel runs step slower than serial."""
+    train = 1.1 * step * steps_per_epoch * case.epochs
+    return sum(runs) * train + runs[0] * launch[0] + runs[1] * launch[1]
 
 
 #: ``layerpar train`` options of the captured serial baseline on CUDA: one rank in
@@ -435,8 +452,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--np", type=int, default=2, help="ranks of the layer-parallel runs")
     p.add_argument("--smoke", action="store_true",
                    help="every case shrunk (checks the pipeline; not a measurement)")
-    p.add_argument("--out", default="docs/tta/latest",
-                   help="folder for CSV, plot and README (default docs/tta/latest); a "
+    p.add_argument("--out", default=None,
+                   help=f"folder for CSV, plot and README (default {OUT['run']}, "
+                        f"{OUT['smoke']} with --smoke: under out/, which git ignores); a "
                         "file there that this benchmark did not write is never replaced")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds any one training may take")
@@ -489,7 +507,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         if not torch.cuda.is_available():
             p.error("`--device` cuda: CUDA is not available on this machine")
-    out = Path(args.out)
+    out = Path(args.out or OUT["smoke" if args.smoke else "run"])
     try:
         check_outputs(out)
     except ValueError as exc:
@@ -499,17 +517,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     results = []
     t0 = time.perf_counter()
     probes = {k: best_threads(table[k]) for k in keys}
-    total = 0.0
+    first = table[keys[0]]
+    serial_start = launch_seconds(first, 1, args.timeout)
+    launch = (serial_start, launch_seconds(first, args.np, args.timeout))
+    total = time.perf_counter() - t0  # the probes' own time
+    runs = (1 + (args.device == "cuda") + args.compiled_serial, len(bounds))
     for k in keys:
         threads, per, steps = probes[k]
-        est = len(seeds) * expected_seconds(table[k], per[threads], steps,
-                                            1 + len(bounds) + args.compiled_serial)
+        est = len(seeds) * expected_seconds(table[k], per[threads], steps, runs, launch)
         total += est
         print(f"[{k}] {table[k].label}: {steps} steps per epoch, best serial step "
               f"{1e3 * per[threads]:.1f} ms at {threads} thread(s): expect about "
               f"{_duration(est)}", flush=True)
-    print(f"layerpar.bench tta: expect about {_duration(total)} in all (time budgets "
-          f"in the cases' options shorten it)", flush=True)
+    print(f"layerpar.bench tta: expect about {_duration(total)} in all, or more where "
+          f"the layer-parallel runs step slower than serial (starting a training took "
+          f"{launch[0]:.1f} s here now, {launch[1]:.1f} s at {args.np} rank(s); time "
+          f"budgets in the cases' options shorten it)", flush=True)
     for k, seed in ((k, seed) for k in keys for seed in seeds):
         case = table[k] if seeds == [0] else table[k].with_seed(seed)
         runs, target, _ = run_case(case, args.np, args.timeout, probe=probes[k],

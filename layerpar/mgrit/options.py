@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Union
 
 from .._checks import boolean, finite_in, integer
+from ..defaults import MGRIT_NRELAX, MGRIT_TOL
 
 IntOrSeq = Union[int, Sequence[int]]
 
@@ -55,8 +56,8 @@ class MGRITOptions:
 
     max_levels: int = MAX_LEVELS
     cfactor: IntOrSeq = 2
-    nrelax: IntOrSeq = 1
-    tol: float = 1e-9
+    nrelax: IntOrSeq = MGRIT_NRELAX
+    tol: float = MGRIT_TOL
     rtol: float = 0.0
     max_iter: int = 100
     skip: bool = True

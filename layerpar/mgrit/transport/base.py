@@ -50,9 +50,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from ...defaults import DEFAULT_TIMEOUT  # seconds any one wait may take
 from ..errors import RankMismatchError, RemoteError
 
-DEFAULT_TIMEOUT = 600.0  # seconds any one wait may take (LayerParallel, solve)
 # requests given up on (a failure elsewhere, a timeout, a cancel) that may still be
 # active, with their buffers: a backend may write into a receive buffer until the
 # request completes, so these must never be freed
