@@ -1,7 +1,7 @@
 """Auto's setting captured in a CUDA graph (`AutoCapturedStep`, issue 20).
 
 On one H200, case a trains at 8.6 ms per captured step of a fixed setting against
-27-34 ms for auto's eager passes (docs/tta/gpu/), so ``layerpar train --auto`` on
+27-34 ms for auto's eager passes (docs/results/tta/gpu-h200/), so ``layerpar train --auto`` on
 CUDA at one rank captures the setting auto chose and captures it again when a
 gradient check changes it.  A graph cannot be captured on this CPU: the capture
 function is replaced by one that runs the captured step eagerly, which checks all

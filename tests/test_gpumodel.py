@@ -1,5 +1,5 @@
 """The GPU launch + work model (layerpar/studies/gpumodel.py): its H100 constants come
-from the measured rows in docs/gpu as documented, it predicts the held-out rows of the
+from the measured rows in docs/results/gpu as documented, it predicts the held-out rows of the
 default run within the issue's 25%, names the regimes, and its command runs."""
 from __future__ import annotations
 

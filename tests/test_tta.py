@@ -85,7 +85,7 @@ def test_tta_never_replaces_a_file_it_did_not_write(name: str, tmp_path: Path,
 def test_tta_accepts_its_own_folders() -> None:
     """The committed runs' folders (READMEs this benchmark wrote, plots from before the
     plot carried a marker) may be written again."""
-    docs = Path(tta.__file__).resolve().parents[2] / "docs" / "tta"
+    docs = Path(tta.__file__).resolve().parents[2] / "docs" / "results" / "tta"
     ran = [d for d in docs.iterdir() if (d / "tta.csv").exists()]
     assert ran
     for d in ran:

@@ -1,7 +1,7 @@
 """Training time per batch on one GPU: layer-parallel MGRIT against serial PyTorch.
 
     python -m layerpar.bench gpu [--csv PATH] [--models dense,conv] [--steps 20]
-    make bench-gpu                      # the same, CSV to docs/gpu/bench-gpu-rows.csv
+    make bench-gpu                      # the same, CSV to docs/results/gpu/bench-gpu-rows.csv
 
 One training batch is zero_grad, forward, cross-entropy, backward and an SGD step
 (foreach).  Three ways to run it, all on the same GPU, same model and batch:

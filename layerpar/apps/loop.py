@@ -165,7 +165,7 @@ class Batches:
     draws the order (its sampler, its use of `generator`), and each batch is then
     ``t[indices]`` instead of a tuple built per sample and stacked: inside case a's
     training steps at 2 ranks on the 2-core CPU, 0.58-0.62 -> 0.25-0.30 ms per batch
-    of 128 MNIST-1D rows (docs/tta/ceilings/loader.py, issue 20), and where the tensors
+    of 128 MNIST-1D rows, and where the tensors
     live on a GPU no batch is copied from the host.  ``len`` is the batches per
     epoch; `generator` is the shuffling generator (a caller may save and restore its
     state to peek)."""

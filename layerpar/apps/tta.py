@@ -201,7 +201,7 @@ def best_threads(case: Case, batches: int = 4) -> tuple[int, dict[int, float], i
 
 #: where a run writes without ``--out``: a folder git ignores (``/out/`` in .gitignore), so
 #: that running the benchmark in a checkout leaves it clean; a run meant to be committed
-#: names its folder (``make bench-tta``: docs/tta/all)
+#: names its folder (``make bench-tta``: docs/results/tta/np2)
 OUT = {"run": "out/tta/latest", "smoke": "out/tta/smoke"}
 
 
@@ -328,7 +328,7 @@ CSV_HEADS = {"tta.csv": "case,seed,method,", "summary.csv": "case,seed,label,met
 def check_outputs(out: Path) -> None:
     """Refuse (`StudyFileError`, a ValueError) before anything trains when ``--out``
     cannot be written or holds a file of this benchmark's names that it did not write
-    (a README a person wrote is never replaced: ``docs/tta/README.md`` is the status
+    (a README a person wrote is never replaced: ``docs/results/tta/README.md`` is the status
     table, next to the runs' own folders)."""
     from .studies.files import check_output_dir, first_line, refuse_foreign
 

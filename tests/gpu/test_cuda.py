@@ -199,7 +199,7 @@ def test_capture_after_eager_steps_on_the_default_stream(levels: int) -> None:
     must not outlive them, or the captured backward makes the default stream wait on
     the capturing one (`cudaErrorStreamCaptureImplicit`: on the H100 and the H200 the
     nodes were kept by direct mode's states in the engine, by another model's cache
-    and by a reference cycle in the plain layers' records; docs/tta/gpu-capture-check)."""
+    and by a reference cycle in the plain layers' records)."""
     from layerpar.parallel import capture_step
 
     make, shape = nets()["dense"]

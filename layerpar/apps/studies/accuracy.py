@@ -1,6 +1,6 @@
 """The ``accuracy`` study: how wrong is an inexact layer-parallel gradient?
 
-    python -m layerpar.studies accuracy --out docs/studies/accuracy
+    python -m layerpar.studies accuracy --out docs/results/accuracy
     python -m layerpar.studies accuracy --quick --out /tmp/acc      # seconds
 
 Training runs the forward and adjoint MGRIT solves with a few iterations, so the
@@ -55,7 +55,7 @@ COLUMNS = ("model", "state", "val_acc", "layers", "batch", "levels", "levels_use
 CSV_NAME, PLOT_NAME, README_NAME = "accuracy.csv", "accuracy.png", "README.md"
 MARKER = "<!-- written by `python -m layerpar.studies accuracy`; rewritten on each run -->"
 PNG_MARKER = "layerpar accuracy study"
-COMMAND = "python -m layerpar.studies accuracy --out docs/studies/accuracy"
+COMMAND = "python -m layerpar.studies accuracy --out docs/results/accuracy"
 #: (levels, cfactor, forward, backward iterations) that `layerpar train` uses
 TRAINING_DEFAULT = (3, 4, 2, 1)
 

@@ -2,7 +2,7 @@
 
     python -m layerpar.studies predict-gpu --model conv --layers 256 --width 16 \\
         --size 32 --batch 64 [--levels 3 --cfactor 4 --fwd-iters 2 --bwd-iters 1]
-    python -m layerpar.studies predict-gpu --validate      # error on docs/gpu/*.csv
+    python -m layerpar.studies predict-gpu --validate      # error on docs/results/gpu/*.csv
 
 A GPU runs a training batch as a sequence of kernels.  Each costs a fixed latency (the
 host's dispatch per operation when eager; launch plus minimum kernel time when the batch
@@ -35,7 +35,7 @@ replace serial's O(layers), and it wins), bandwidth-bound or compute-bound (MGRI
 extra work, (Sf + 2 Sb + N) / 3N of serial's, is paid in full: it cannot win).
 
 Calibration and validation (`validate`): the four fitted constants of `H100` were
-derived (`calibrate`) from four measurements in ``docs/gpu/bench-gpu.csv``: the dense
+derived (`calibrate`) from four measurements in ``docs/results/gpu/bench-gpu.csv``: the dense
 graph-captured serial time (latency_graph), the dense eager serial time
 (latency_eager), the conv graph-captured serial time (conv_efficiency) and the dense
 eager MGRIT time (engine_step_host).  The model's error is reported on the other
@@ -87,7 +87,7 @@ class GPU:
 
 
 #: NVIDIA H100 SXM (80 GB HBM3): 67 TFLOP/s FP32 and 3.35 TB/s from the data sheet; the
-#: last four constants from `calibrate` on docs/gpu/bench-gpu.csv (dense graph and
+#: last four constants from `calibrate` on docs/results/gpu/bench-gpu.csv (dense graph and
 #: eager serial, conv graph serial, dense eager MGRIT), rounded
 H100 = GPU("NVIDIA H100 80GB HBM3", flops=67e12, bandwidth=3.35e12, latency_graph=2.59e-6,
            latency_eager=11.25e-6, conv_efficiency=0.0768, engine_step_host=9.18e-6)
@@ -231,7 +231,7 @@ def predict_gpu(model: str, layers: int, batch: int, width: int, size: int = 1, 
 
 
 # ------------------------------------------------------------------------------------------
-# calibration and validation on the measured rows (docs/gpu/*.csv)
+# calibration and validation on the measured rows (docs/results/gpu/*.csv)
 # ------------------------------------------------------------------------------------------
 #: the nets of the measured rows (`layerpar.apps.opcount.CONFIGS`) as predict_gpu arguments
 ROW_NETS: dict[str, dict[str, int]] = {
@@ -248,7 +248,7 @@ FIT_ROWS = (("bench-gpu.csv", "dense", "graph_seconds_per_batch"),
             ("bench-gpu.csv", "dense", "eager_seconds_per_batch"),
             ("bench-gpu.csv", "conv", "graph_seconds_per_batch"),
             ("bench-gpu.csv", "dense", "mgrit_eager_seconds_per_batch"))
-DOCS = Path(__file__).resolve().parents[3] / "docs" / "gpu"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "results" / "gpu"
 
 
 def _row_prediction(row: dict[str, Any], gpu: GPU) -> GPUPrediction:
@@ -344,7 +344,7 @@ def format_validation(rows: Sequence[dict[str, Any]]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m layerpar.studies predict-gpu``: the prediction for a net, or
-    (--validate) the model against the measured rows of docs/gpu."""
+    (--validate) the model against the measured rows of docs/results/gpu."""
     p = OneLineParser(prog="python -m layerpar.studies predict-gpu",
                       description=__doc__.split("\n")[0])
     p.add_argument("--model", default="dense", choices=sorted(PASSES),
@@ -366,7 +366,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--bwd-iters", dest="bwd_iters", type=int, default=TRAINING.bwd_iters,
                    help=f"adjoint MGRIT iterations ({TRAINING.bwd_iters})")
     p.add_argument("--validate", action="store_true",
-                   help="compare the model with the measured rows in docs/gpu/*.csv")
+                   help="compare the model with the measured rows in docs/results/gpu/*.csv")
     args = p.parse_args(argv)
     if args.validate:
         rows = validate()
