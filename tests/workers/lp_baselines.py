@@ -12,8 +12,8 @@ eval_forward output are compared with serial training's.  Each rank prints per m
 schedule torch refuses) or ``... FAIL <what>``; at the end ``RANK <r> DONE``.
 
 Case "refusals": bad arguments raise the same way on every rank before any message.
+Case "tune": `PipelineNet.tune_microbatches` chooses alike on every rank.
 """
-import copy
 import os
 import sys
 from pathlib import Path
@@ -30,6 +30,7 @@ from layerpar.parallel.baselines import (
     LayerParallelMethod,
     PipelineNet,
     SerialMethod,
+    process_group_from_mpi,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
@@ -123,11 +124,12 @@ def check(method, want):
 
 def methods(make):
     yield "data-allreduce", lambda: DataParallelNet(make(), comm, engine="allreduce")
-    if TORCH:
-        yield "data-ddp", lambda: DataParallelNet(make(), comm, engine="ddp")
+    # DistributedDataParallel; under mpiexec over the world group made from MPI
+    yield "data-ddp", lambda: DataParallelNet(
+        make(), comm if TORCH else process_group_from_mpi(comm), engine="ddp")
     yield "layerparallel-exact", lambda: LayerParallelMethod(make(), comm)
     for name in SCHEDULES:
-        for m in (2, 4):
+        for m in (2, 4, 8) if size > 2 else (2, 4):
             yield f"pipeline-{name}-m{m}", lambda name=name, m=m: PipelineNet(
                 make(), comm, schedule=name, microbatches=m)
 
@@ -169,6 +171,10 @@ def refusals():
         "rows": lambda: DataParallelNet(make(), comm).train_step(
             torch.zeros(size * 2 + 1, 3, dtype=torch.float64),
             torch.zeros(size * 2 + 1, dtype=torch.long), loss_fn),
+        # a rank passing a batch of another shape
+        "batch-differ": lambda: PipelineNet(make(), comm, microbatches=2).train_step(
+            torch.zeros(4 * (rank + 1), 3, dtype=torch.float64),
+            torch.zeros(4 * (rank + 1), dtype=torch.long), loss_fn),
         "pipe-rows": lambda: PipelineNet(make(), comm, microbatches=2).train_step(
             torch.zeros(3, 3, dtype=torch.float64), torch.zeros(3, dtype=torch.long),
             loss_fn),
@@ -182,11 +188,31 @@ def refusals():
     report("DONE")
 
 
+def tune():
+    """tune_microbatches: the same choice on every rank, no parameter changed, and
+    training with the chosen count still matches serial training."""
+    want = serial_run(one_segment)
+    pipe = PipelineNet(one_segment(), comm, schedule="gpipe", microbatches=1)
+    before = pipe.gather_state_dict()
+    times = pipe.tune_microbatches(*data(0), loss_fn, candidates=(1, 2, 3, 4, 8),
+                                   repeats=1)
+    after = pipe.gather_state_dict()
+    same = all(torch.equal(before[k], after[k]) for k in before)
+    grads_unset = all(p.grad is None for p in pipe.parameters())
+    worst = check(pipe, want)
+    report(f"CASE tune chose={pipe.microbatches} candidates={sorted(times)} "
+           f"unchanged={same} grads_unset={grads_unset} worst={worst:.2e}")
+    pipe.close()
+    report("DONE")
+
+
 if __name__ == "__main__":
     what = sys.argv[1]
     if what == "correct":
         correct(sys.argv[2] if len(sys.argv) > 2 else None)
     elif what == "refusals":
         refusals()
+    elif what == "tune":
+        tune()
     else:
         raise SystemExit(f"unknown case {what}")

@@ -248,6 +248,12 @@ class PipelineNet(TrainingMethod):
             self.microbatches = positive_int("microbatches", microbatches)
             self.check_inputs = check_check_inputs(check_inputs)
             timeout = check_timeout(timeout)
+            self.schedule = schedule
+            self._local = {q: _Stage(net, self.plan.stages[q])
+                           for q in self.plan.stages_of(self.transport.rank)}
+            self.device = next(iter(net.parameters())).device
+            one = [(1,)] * len(self.plan.stages)
+            self._build(1, one, one, torch.float64)  # torch's refusals, before any message
             key = {"schedule": schedule, "microbatches": microbatches,
                    "stages_per_rank": stages_per_rank, "check_inputs": check_inputs,
                    **{n: v for k, m in enumerate(net.layers) for n, v in
@@ -259,10 +265,6 @@ class PipelineNet(TrainingMethod):
         assert isinstance(net, ODENet)
         self.transport.timeout = timeout
         self.net = net
-        self.schedule = schedule
-        self._local = {s: _Stage(net, self.plan.stages[s])
-                       for s in self.plan.stages_of(self.rank)}
-        self.device = next(iter(net.parameters())).device
         self._built: dict[tuple, Any] = {}  # (input shape, dtype, m) -> torch schedule
         self._shapes: dict[tuple, list[tuple[int, ...]]] = {}
         self._loss_fn: Optional[LossFn] = None
@@ -293,28 +295,34 @@ class PipelineNet(TrainingMethod):
         m = self.microbatches
         key = (tuple(x.shape), x.dtype, m)
         sched = self._built.get(key)
-        if sched is not None:
-            return sched
+        if sched is None:
+            outs = self._stage_shapes(x)
+            sched = self._build(x.shape[0] // m, [tuple(x.shape[1:]), *outs[:-1]], outs,
+                                x.dtype)
+            self._built[key] = sched
+        return sched
+
+    def _build(self, rows: int, ins: Sequence[tuple[int, ...]],
+               outs: Sequence[tuple[int, ...]], dtype: torch.dtype) -> Any:
+        """torch's stages of this rank and its schedule, for micro-batches of `rows`
+        rows; per stage the input and output shapes without the batch dimension.  No
+        message: torch's own refusals (too few micro-batches for the schedule) come
+        out as ValueError, alike on every rank."""
         import torch.distributed.pipelining as pp
 
-        rows = x.shape[0] // m
-        outs = self._stage_shapes(x)
-        ins = [tuple(x.shape[1:]), *outs[:-1]]
         n = len(self.plan.stages)
         stages = [pp.PipelineStage(
             mod, s, n, self.device,
             # (torch allocates gradient buffers only for tensors that require grad: a
             # later stage's input and every output carry one back)
-            input_args=torch.empty((rows, *ins[s]), dtype=x.dtype, device=self.device,
+            input_args=torch.empty((rows, *ins[s]), dtype=dtype, device=self.device,
                                    requires_grad=s > 0),
-            output_args=torch.empty((rows, *outs[s]), dtype=x.dtype, device=self.device,
+            output_args=torch.empty((rows, *outs[s]), dtype=dtype, device=self.device,
                                     requires_grad=True),
             group=self.group) for s, mod in self._local.items()]
         cls = getattr(pp, SCHEDULES[self.schedule][0])
         single = SCHEDULES[self.schedule][1] == "single"
-        sched = cls(stages[0] if single else stages, m, loss_fn=self._loss)
-        self._built[key] = sched
-        return sched
+        return cls(stages[0] if single else stages, self.microbatches, loss_fn=self._loss)
 
     def _loss(self, out: Tensor, target: Any) -> Tensor:
         assert self._loss_fn is not None
