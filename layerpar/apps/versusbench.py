@@ -1,7 +1,10 @@
 """Per-batch time of every way to train one deep narrow dense ODE-net on P ranks.
 
-    mpiexec -n 2 python -m mpi4py -m layerpar.apps.versusbench [--layers 256]
-        [--width 32] [--batch 128] [--steps 5]
+    MPIR_CVAR_CH4_PROGRESS_THROTTLE=1 mpiexec -n 2 python -m mpi4py \
+        -m layerpar.apps.versusbench [--layers 256] [--width 32] [--batch 128] [--steps 5]
+
+(MPICH's waits poll busily; the throttle leaves the core to the ranks that work while
+the others wait, e.g. for the serial row.)
 
 One job: the same net (rank 0's initial weights everywhere) trained by each method of
 `layerpar.parallel.baselines` for a warm-up step and `--steps` timed steps (a
