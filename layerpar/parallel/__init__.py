@@ -38,6 +38,7 @@ lion.py       the Lion optimizer
 # would be charged to whichever setting ran first (auto's timings, time to target).
 import torch.fx.experimental.symbolic_shapes  # noqa: F401, E402
 
+from .baselines import DataParallelNet, PipelineNet, TrainingMethod
 from .capture import AutoCapturedStep, CapturedStep, capture_step
 from .grid import ProcessGrid
 from .lion import Lion
@@ -47,3 +48,4 @@ from .sync import DASO, AllReduce, LionCub, SlowLink, SyncStrategy
 
 __all__ = ["DASO", "AllReduce", "AutoCapturedStep", "CapturedStep", "LayerParallel", "Lion",
            "LionCub", "Plan", "ProcessGrid", "SlowLink", "SyncStrategy", "capture_step"]
+__all__ += ["DataParallelNet", "PipelineNet", "TrainingMethod"]  # baselines/

@@ -1,0 +1,201 @@
+"""Data parallelism: the whole `ODENet` on every rank, the batch split over the ranks.
+
+Each rank runs the net on its equal share of the batch's rows and back-propagates
+that share's mean loss; the gradients are then averaged over the ranks, so every
+rank holds the gradient of the mean loss over the whole batch (the serial net's)
+and identical optimizers keep identical parameters.  Two engines average them:
+
+- ``"ddp"``: torch's `DistributedDataParallel` over a torch.distributed process group
+  (gloo on CPU, NCCL on CUDA): bucketed all-reduces started by autograd hooks as the
+  backward pass produces gradients.
+- ``"allreduce"``: layerpar's own transport (an mpi4py communicator or a process
+  group) and its bucketed averager (`parallel.replicas.GradAverager`): each gradient
+  is queued as soon as autograd has accumulated it, in one fixed order on every rank
+  (the reverse of the parameters' order, waiting for those before it), so the
+  reductions overlap with the rest of the backward pass.
+
+Rank 0's parameters and buffers are broadcast when the method is built, so every
+rank starts from the same net whatever each built.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from ...mgrit.transport import DEFAULT_TIMEOUT, check_timeout, make_transport
+from ...ode.net import ODENet
+from ..agree import layer_key
+from ..replicas import GradAverager
+from .method import LossFn, TrainingMethod, as_net, check_check_inputs
+
+__all__ = ["DataParallelNet"]
+
+ENGINES = ("auto", "ddp", "allreduce")
+
+
+class DataParallelNet(TrainingMethod):
+    """Train `net` data-parallel over the ranks of `comm`.
+
+    net: an `ODENet`, or a zero-argument factory returning one (rank 0's values are
+        broadcast to the others).
+    comm: an mpi4py communicator, a torch.distributed process group, or None (one rank).
+    engine: "ddp" (torch's DistributedDataParallel; needs a process group), "allreduce"
+        (layerpar's transport and bucketed averager; any communicator), or "auto"
+        (default): "ddp" for a process group, "allreduce" otherwise.
+    check_inputs: for this many first steps compare the batch's shapes between ranks.
+    timeout: seconds any wait of the "allreduce" engine may take (None: unbounded).
+
+    `train_step` takes the whole batch on every rank (its rows must divide by the
+    number of ranks) and runs this rank's share; `forward(x_share)` runs a share the
+    user chose, as `DistributedDataParallel` does (then call ``backward`` and
+    `average_gradients` yourself with the "allreduce" engine).
+    """
+
+    name = "data"
+
+    def __init__(self, net: Union[ODENet, Callable[[], ODENet]], comm: Any = None, *,
+                 engine: str = "auto", check_inputs: int = 10,
+                 timeout: Optional[float] = DEFAULT_TIMEOUT) -> None:
+        self.transport = make_transport(comm)
+        err: Optional[BaseException] = None
+        key: Any = None
+        try:
+            net = as_net(net)
+            if engine not in ENGINES:
+                raise ValueError(f"`engine` must be one of {list(ENGINES)}, got {engine!r}")
+            pg = self.transport.backend in ("gloo", "nccl")
+            if engine == "auto":
+                engine = "ddp" if pg else "allreduce"
+            if engine == "ddp" and not pg:
+                raise TypeError(
+                    "`engine='ddp'` needs `comm` to be a torch.distributed process group "
+                    "(under mpiexec: layerpar.parallel.baselines.process_group_from_mpi"
+                    "(comm)); use engine='allreduce' with an mpi4py communicator")
+            self.check_inputs = check_check_inputs(check_inputs)
+            timeout = check_timeout(timeout)
+            key = {"engine": engine, "check_inputs": check_inputs,
+                   **{n: v for k, m in enumerate(net.layers) for n, v in
+                      layer_key(k, m).items()}}
+        except Exception as exc:  # noqa: BLE001 - raised alike on every rank by agree
+            err = exc
+        self.transport.agree(key, err, "DataParallelNet settings (engine, layers)")
+        assert isinstance(net, ODENet)
+        self.transport.timeout = timeout
+        self.net = net
+        self.engine = engine
+        self._averager: Optional[GradAverager] = None
+        self._ddp: Optional[nn.Module] = None
+        if engine == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            dev = next(net.parameters()).device
+            self._ddp = DistributedDataParallel(
+                net, device_ids=None if dev.type == "cpu" else [dev],
+                process_group=comm)  # broadcasts rank 0's parameters and buffers
+        else:
+            self._broadcast_state()
+            self._averager = GradAverager(self.transport)
+            self._order = list(reversed(self.parameters()))
+            self._ready: set[int] = set()
+            self._queued = 0
+            self._in_step = False  # the hooks act inside train_step only: the net may be
+            self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
+                           for p in self._order]  # trained otherwise as well
+
+    # -- the "allreduce" engine ------------------------------------------------------------
+    def _broadcast_state(self) -> None:
+        if self.size == 1:
+            return
+        with torch.no_grad():
+            for t in [*self.net.parameters(), *self.net.buffers()]:
+                got = self.transport.bcast_tensor(
+                    t.detach() if self.rank == 0 else None, 0, tuple(t.shape), t.dtype,
+                    t.device, "rank 0's initial parameters")
+                if self.rank != 0:
+                    t.copy_(got)
+
+    def _grad_ready(self, p: Tensor) -> None:
+        """Queue gradients for averaging in the fixed order, as far as they are ready."""
+        if not self._in_step or self._averager is None or self.size == 1:
+            return
+        self._ready.add(id(p))
+        while self._queued < len(self._order) and id(self._order[self._queued]) in self._ready:
+            self._averager.add([self._order[self._queued].grad])
+            self._queued += 1
+
+    def average_gradients(self) -> None:
+        """Finish averaging this pass's gradients over the ranks ("allreduce" engine;
+        `train_step` calls it; DistributedDataParallel does it inside backward)."""
+        if self._averager is None or self.size == 1:
+            return
+        # parameters autograd did not reach (none on any rank of one net) are skipped
+        self._averager.add(p.grad for p in self._order[self._queued:])
+        self._averager.finish()
+        self._ready.clear()
+        self._queued = 0
+
+    # -- the interface ---------------------------------------------------------------------
+    def forward(self, x: Tensor) -> Tensor:
+        """The net on this rank's own rows (through DistributedDataParallel with "ddp")."""
+        return (self._ddp if self._ddp is not None else self.net)(x)
+
+    __call__ = forward
+
+    def _batch_error(self, x: Tensor, y: Any) -> Optional[BaseException]:
+        err = super()._batch_error(x, y)
+        if err is None and x.shape[0] % self.size:
+            err = ValueError(f"the batch has {x.shape[0]} rows, which do not split evenly "
+                             f"over {self.size} ranks: `x` must have a multiple of "
+                             f"{self.size} rows")
+        return err
+
+    def shard(self, t: Any) -> Any:
+        """This rank's equal share of the rows of `t` (anything not a batch as it is)."""
+        if not isinstance(t, Tensor) or t.dim() == 0:
+            return t
+        n = t.shape[0] // self.size
+        return t[self.rank * n:(self.rank + 1) * n]
+
+    def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
+        self._check_batch(x, y)
+        self._zero_grad()
+        self._in_step = True
+        try:
+            loss = loss_fn(self.forward(self.shard(x)), self.shard(y))
+            loss.backward()
+        finally:
+            self._in_step = False
+        self.average_gradients()
+        value = self._loss_value(loss)
+        if self.size > 1:
+            value = self.transport.allreduce_sum([value])[0] / self.size
+        return value
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.net.parameters() if p.requires_grad]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return ((n, p) for n, p in self.net.named_parameters() if p.requires_grad)
+
+    def eval_forward(self, x: Tensor) -> Tensor:
+        """The whole batch on every rank (every rank holds the whole, identical net: no
+        message)."""
+        with torch.no_grad():
+            return self.net(x)
+
+    def gather_state_dict(self) -> dict[str, Tensor]:
+        """This rank's copy of the net's state (parameters are the same on every rank;
+        buffers such as batch-norm statistics are this rank's)."""
+        return {k: v.detach().cpu() for k, v in self.net.state_dict().items()}
+
+    def close(self) -> None:
+        """Remove the gradient hooks (and the DistributedDataParallel wrapper, whose
+        hooks go with it) and release the duplicated communicator (collective)."""
+        for h in getattr(self, "_hooks", []):
+            h.remove()
+        self._hooks = []
+        self._ddp = None
+        super().close()

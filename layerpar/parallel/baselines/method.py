@@ -1,0 +1,227 @@
+"""The training-step interface every way of training an `ODENet` offers alike.
+
+A benchmark or a policy that chooses between serial training, layer-parallel MGRIT,
+a batch split and a pipeline drives each through the same five calls
+(`TrainingMethod`): ``train_step(x, y, loss_fn)`` runs one forward and backward pass
+and returns the loss; the caller's optimizer, built over ``parameters()``, then steps.
+The input and target are the *whole* batch, given alike on every rank (as
+`LayerParallel` takes them); each method splits them its own way.  After
+``train_step`` every rank's parameters hold the gradient of the mean loss over the
+whole batch (the serial net's, for that rank's parameters), so one model, one
+initialisation and one optimizer compare across methods.
+
+`SerialMethod` (the net on one process) and `LayerParallelMethod` (a `LayerParallel`)
+are the adapters of the two existing ways; `DataParallelNet` and `PipelineNet` are
+the baselines.  `METHODS` maps a name to each class; `make_method` builds one by name.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any, Callable, ClassVar, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..._checks import nonneg_int
+from ...mgrit.transport import SerialTransport, Transport
+from ...ode.net import ODENet
+
+__all__ = ["LayerParallelMethod", "LossFn", "SerialMethod", "TrainingMethod", "as_net"]
+
+LossFn = Callable[[Tensor, Any], Tensor]
+
+
+def as_net(net: Union[ODENet, Callable[[], ODENet]]) -> ODENet:
+    """`net`, or what the zero-argument factory `net` returns; a TypeError otherwise."""
+    if not isinstance(net, ODENet):
+        if not callable(net) or isinstance(net, nn.Module):
+            raise TypeError(f"`net` must be an ODENet or a factory returning one, got "
+                            f"{type(net).__name__}")
+        net = net()
+        if not isinstance(net, ODENet):
+            raise TypeError(f"the `net` factory returned {type(net).__name__}, not an ODENet")
+    return net
+
+
+def _rows(t: Any) -> Optional[int]:
+    return int(t.shape[0]) if isinstance(t, Tensor) and t.dim() > 0 else None
+
+
+class TrainingMethod(ABC):
+    """One way of training an `ODENet` on the ranks of a communicator.
+
+    The contract (every call is collective: make it on every rank, in the same order):
+
+    - ``train_step(x, y, loss_fn) -> float``: `x` and `y` are the whole batch, the same
+      on every rank; ``loss_fn(output, target)`` is the mean loss over the rows it is
+      given.  Sets each of this rank's parameters' ``.grad`` to the gradient of the mean
+      loss over the whole batch (earlier gradients are dropped, not accumulated) and
+      returns that loss, the same on every rank.
+    - ``parameters()``: this rank's trainable parameters (build the optimizer over them).
+    - ``eval_forward(x)``: the whole output for the batch `x`, on every rank, without
+      gradients, in the modules' current mode (call ``net.eval()`` first for batch norm
+      and dropout in inference mode).
+    - ``gather_state_dict()``: the whole net's state dict, on every rank; it loads into
+      the serial `ODENet`.
+    - ``close()``: release the communicator the method duplicated.
+
+    Subclasses set `name`, `transport` (for the agreement on each batch) and
+    `check_inputs`; `_check_batch` compares the batch's shapes between ranks for the
+    first `check_inputs` steps, so a rank passing different data raises instead of
+    training a wrong model or hanging.
+    """
+
+    name: ClassVar[str] = "abstract"
+    transport: Transport
+    check_inputs: int = 10
+    _steps: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+    @property
+    def size(self) -> int:
+        return self.transport.size
+
+    @abstractmethod
+    def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
+        """One forward and backward pass over the whole batch; the loss (see the class)."""
+
+    @abstractmethod
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's trainable parameters."""
+
+    @abstractmethod
+    def eval_forward(self, x: Tensor) -> Tensor:
+        """The whole output for `x` on every rank, without gradients."""
+
+    @abstractmethod
+    def gather_state_dict(self) -> dict[str, Tensor]:
+        """The whole net's state dict on every rank (loads into the serial `ODENet`)."""
+
+    def close(self) -> None:
+        """Release the duplicated communicator (collective)."""
+        self.transport.close()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's trainable parameters under their names in the serial net."""
+        raise NotImplementedError
+
+    # -- helpers for subclasses ------------------------------------------------------------
+    def _zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    def _batch_error(self, x: Tensor, y: Any) -> Optional[BaseException]:
+        """What is wrong with this batch for this method (checked alike on every rank)."""
+        if not isinstance(x, Tensor) or x.dim() == 0:
+            return TypeError(f"`x` must be a tensor with a batch dimension, got "
+                             f"{type(x).__name__}")
+        ry = _rows(y)
+        if ry is not None and ry != x.shape[0]:
+            return ValueError(f"`y` has {ry} rows but `x` has {x.shape[0]}: they must be "
+                              "the same batch")
+        return None
+
+    def _check_batch(self, x: Tensor, y: Any) -> None:
+        """Raise the batch's error the same way on every rank; for the first
+        `check_inputs` steps also compare the shapes and dtypes between ranks."""
+        err = self._batch_error(x, y)
+        self._steps += 1
+        if self.size > 1 and self._steps <= self.check_inputs:
+            key = tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, Tensor) else
+                        type(t).__name__ for t in (x, y))
+            self.transport.agree(key, err, "the batch's shapes and dtypes (`x`, `y`): "
+                                 "every rank must pass the whole batch")
+        elif err is not None:
+            raise err
+
+    @staticmethod
+    def _loss_value(loss: Tensor) -> float:
+        return float(loss.detach())
+
+
+class SerialMethod(TrainingMethod):
+    """The serial `ODENet` in this process, plain autograd: the reference every other
+    method is compared with (one rank)."""
+
+    name = "serial"
+
+    def __init__(self, net: Union[ODENet, Callable[[], ODENet]]) -> None:
+        self.net = as_net(net)
+        self.transport = SerialTransport()
+
+    def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
+        self._check_batch(x, y)
+        self._zero_grad()
+        loss = loss_fn(self.net(x), y)
+        loss.backward()
+        return self._loss_value(loss)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.net.parameters() if p.requires_grad]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return ((n, p) for n, p in self.net.named_parameters() if p.requires_grad)
+
+    def eval_forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            return self.net(x)
+
+    def gather_state_dict(self) -> dict[str, Tensor]:
+        return {k: v.detach().cpu() for k, v in self.net.state_dict().items()}
+
+
+class LayerParallelMethod(TrainingMethod):
+    """A `LayerParallel` behind the common interface.
+
+    model: a `LayerParallel`, or an `ODENet` (or factory) to build one from, with `comm`
+        and any other `LayerParallel` arguments (`options`, `backward_options`, ...).
+    `close()` closes the model.
+    """
+
+    name = "layerparallel"
+
+    def __init__(self, model: Any, comm: Any = None, *args: Any, **kwargs: Any) -> None:
+        from ..model import LayerParallel
+
+        if not isinstance(model, LayerParallel):
+            model = LayerParallel(model, comm, *args, **kwargs)
+        elif comm is not None or args or kwargs:
+            raise TypeError("pass `comm` and LayerParallel arguments only with a net, not "
+                            "with a built LayerParallel")
+        self.model = model
+        self.transport = model.transport
+        self.check_inputs = 0  # the model compares its own inputs (`check_inputs`)
+
+    def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
+        err = self._batch_error(x, y)
+        if err is not None:
+            raise err
+        self._zero_grad()
+        loss = loss_fn(self.model(x), y)
+        loss.backward()
+        return self._loss_value(loss)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
+
+    def eval_forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            return self.model(x)
+
+    def gather_state_dict(self) -> dict[str, Tensor]:
+        return self.model.gather_state_dict()
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def check_check_inputs(value: Any) -> int:
+    """`check_inputs` validated (a count of first steps, >= 0)."""
+    return nonneg_int("check_inputs", value)

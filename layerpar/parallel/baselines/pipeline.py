@@ -1,0 +1,438 @@
+"""Pipeline parallelism: the `ODENet`'s layers in stages over the ranks, micro-batches
+flowing through them (`torch.distributed.pipelining`).
+
+Stages are cut where `LayerParallel` cuts: each segment's residual layers in
+contiguous blocks of near-equal size (`layerpar.mgrit.grid.Partition`), the plain
+layers before the first segment with the first block, every other plain layer with
+the block before it (so on the last rank, as in `LayerParallel`).  `StagePlan` is
+that cut as plain data (print it); the schedule, chosen by name, orders the work:
+
+  "gpipe", "1f1b"      one stage per rank.  One segment: rank q holds LayerParallel's
+                       block q.  Several segments: all residual layers are cut into P
+                       contiguous blocks (LayerParallel puts one block of every segment
+                       on each rank, which a one-stage schedule cannot run).
+  "interleaved",       v stages per rank (`stages_per_rank`, default the number of
+  "looped-bfs",        segments, or 2 with one segment), placed round robin: stage s on
+  "zero-bubble"        rank s mod P.  Each segment is cut into P·v/S blocks; with v = S
+                       every rank holds exactly LayerParallel's layers.
+  "zbv"                two stages per rank in a V: stage s on rank s, then 2P-1-s.
+
+Each rank builds (or is given) the whole net, keeps its stages' layers, and trains
+only those: `parameters()` are its stages' parameters, `gather_state_dict()` merges
+every rank's.  The loss lives on the rank of the last stage and is broadcast, so
+`train_step` returns it on every rank.  Micro-batches are equal row slices of the
+batch (the rows must divide by `microbatches`); torch scales the gradients by
+1/`microbatches`, so they are the serial net's for the mean loss over the batch.
+`tune_microbatches` chooses the count by timing a few steps of each candidate.
+
+torch.distributed.pipelining needs a torch.distributed process group: under
+torchrun pass ``torch.distributed.group.WORLD``; under mpiexec pass the mpi4py
+communicator and the world group is initialised from it (`process_group_from_mpi`).
+Dropout draws its masks from each rank's own generator (not the serial net's seeds),
+and batch norm sees micro-batch statistics.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..._checks import positive_int
+from ...mgrit.grid import Partition
+from ...mgrit.transport import DEFAULT_TIMEOUT, check_timeout, make_transport
+from ...ode.net import ODENet, Segment
+from ..agree import layer_key
+from ..checkpoint import _name_order
+from ..move import Like, move
+from .dist import as_process_group
+from .method import LossFn, TrainingMethod, as_net, check_check_inputs
+
+__all__ = ["SCHEDULES", "PipelineNet", "StagePlan"]
+
+#: schedule name -> (torch class name, placement: "single", "loop" or "v")
+SCHEDULES: dict[str, tuple[str, str]] = {
+    "gpipe": ("ScheduleGPipe", "single"),
+    "1f1b": ("Schedule1F1B", "single"),
+    "interleaved": ("ScheduleInterleaved1F1B", "loop"),
+    "looped-bfs": ("ScheduleLoopedBFS", "loop"),
+    "zero-bubble": ("ScheduleInterleavedZeroBubble", "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", "v"),
+}
+
+_TAG = 31107
+
+# a unit of a stage: (index in net.layers, (first step, stop step) of a segment, or None
+# for a plain layer)
+Unit = tuple[int, Optional[tuple[int, int]]]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which layers each pipeline stage runs and which rank holds it (plain data, the
+    same on every rank; ``print(StagePlan.build(net, 4, "interleaved"))``)."""
+
+    stages: tuple[tuple[Unit, ...], ...]
+    ranks: tuple[int, ...]
+    n_ranks: int
+
+    @classmethod
+    def build(cls, net: ODENet, n_ranks: int, schedule: str = "1f1b",
+              stages_per_rank: Optional[int] = None) -> StagePlan:
+        """The stages of `net` over `n_ranks` ranks for `schedule` (see the module)."""
+        if schedule not in SCHEDULES:
+            raise ValueError(f"`schedule` must be one of {list(SCHEDULES)}, got {schedule!r}")
+        placement = SCHEDULES[schedule][1]
+        segs = net.segments
+        n_segs = len(segs)
+        if placement == "single":
+            v = 1
+        elif placement == "v":
+            v = 2
+        else:
+            v = n_segs if n_segs > 1 else 2
+        if stages_per_rank is not None:
+            positive_int("stages_per_rank", stages_per_rank)
+            if stages_per_rank != v and placement != "loop":
+                raise ValueError(f"`stages_per_rank` must be {v} (or None) with schedule "
+                                 f"{schedule!r}, got {stages_per_rank}")
+            v = stages_per_rank
+        if placement == "single" and n_segs > 1:
+            stages = cls._contiguous(net, n_ranks)
+        else:
+            if v % n_segs:
+                raise ValueError(
+                    f"`stages_per_rank` ({v}) must be a multiple of the net's {n_segs} "
+                    f"segments with schedule {schedule!r} (each segment is cut into "
+                    "P * stages_per_rank / segments blocks)")
+            stages = cls._per_segment(net, n_ranks * v // n_segs)
+        n = len(stages)
+        if placement == "v":
+            ranks = tuple(s if s < n_ranks else 2 * n_ranks - 1 - s for s in range(n))
+        else:
+            ranks = tuple(s % n_ranks for s in range(n))
+        return cls(tuple(tuple(s) for s in stages), ranks, n_ranks)
+
+    @staticmethod
+    def _per_segment(net: ODENet, pieces: int) -> list[list[Unit]]:
+        stages: list[list[Unit]] = []
+        head: list[Unit] = []
+        for k, layer in enumerate(net.layers):
+            if not isinstance(layer, Segment):
+                (stages[-1] if stages else head).append((k, None))
+                continue
+            if layer.n_steps < pieces:
+                raise ValueError(
+                    f"segment net.layers[{k}] has {layer.n_steps} layers but is cut into "
+                    f"{pieces} pipeline stages: use fewer ranks or `stages_per_rank`")
+            part = Partition.build(layer.n_steps, pieces)
+            for i in range(pieces):
+                steps = part.steps(i)
+                stages.append([*head, (k, (steps.start, steps.stop))])
+                head = []
+        return stages
+
+    @staticmethod
+    def _contiguous(net: ODENet, n_stages: int) -> list[list[Unit]]:
+        total = net.n_steps_total
+        if total < n_stages:
+            raise ValueError(f"the net has {total} residual layers but {n_stages} "
+                             "pipeline stages: use fewer ranks")
+        part = Partition.build(total, n_stages)
+        stages: list[list[Unit]] = [[] for _ in range(n_stages)]
+        offset, last = 0, 0
+        for k, layer in enumerate(net.layers):
+            if not isinstance(layer, Segment):
+                stages[last].append((k, None))
+                continue
+            for q in range(n_stages):
+                r = part.steps(q)
+                lo, hi = max(r.start, offset), min(r.stop, offset + layer.n_steps)
+                if lo < hi:
+                    stages[q].append((k, (lo - offset, hi - offset)))
+                    last = q
+            offset += layer.n_steps
+        return stages
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stage indices `rank` holds, in order."""
+        return [s for s, q in enumerate(self.ranks) if q == rank]
+
+    def __str__(self) -> str:
+        rows = [f"StagePlan: {len(self.stages)} stages over {self.n_ranks} ranks"]
+        for s, units in enumerate(self.stages):
+            parts = [f"layers[{k}]" if st is None else
+                     f"layers[{k}] steps {st[0]}-{st[1] - 1}" for k, st in units]
+            rows.append(f"  stage {s} on rank {self.ranks[s]}: " + ", ".join(parts))
+        return "\n".join(rows)
+
+
+class _Piece(nn.Module):
+    """Some consecutive blocks of a Segment, registered under their indices so that
+    parameter names match the serial net's (``blocks.<n>.…``)."""
+
+    def __init__(self, seg: Segment, steps: range) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({str(n): seg.blocks[n] for n in steps})
+
+
+class _Stage(nn.Module):
+    """One pipeline stage: its units of the net in order.  Parameter names are the
+    serial net's (``layers.<k>.…``)."""
+
+    def __init__(self, net: ODENet, units: Sequence[Unit]) -> None:
+        super().__init__()
+        seg_index = {k: j for j, (k, _) in enumerate(net.segments)}
+        self.layers = nn.ModuleDict()
+        self._run: list[tuple[nn.Module, Optional[range], int]] = []
+        for k, steps in units:
+            layer = net.layers[k]
+            if steps is None:
+                self.layers[str(k)] = layer
+                self._run.append((layer, None, -1))
+            else:
+                assert isinstance(layer, Segment)
+                rng = range(*steps)
+                self.layers[str(k)] = _Piece(layer, rng)
+                self._run.append((layer, rng, seg_index[k]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer, steps, j in self._run:
+            if steps is None:
+                x = layer(x)
+            else:
+                assert isinstance(layer, Segment)
+                for n in steps:
+                    x = layer.step(x, n, n + 1, segment_index=j)
+        return x
+
+
+class PipelineNet(TrainingMethod):
+    """Train `net` as a pipeline over the ranks of `comm` (`torch.distributed.pipelining`).
+
+    net: an `ODENet`, or a zero-argument factory returning one (called on every rank:
+        seed the global generator first, or load one state dict everywhere).
+    comm: a torch.distributed process group, or an mpi4py communicator spanning the job
+        (the world group is then initialised from it with gloo: `process_group_from_mpi`).
+    schedule: "gpipe", "1f1b", "interleaved", "looped-bfs", "zero-bubble" or "zbv"
+        (see the module docstring for where each puts the stages).
+    microbatches: micro-batches per batch (the batch's rows must divide by it; torch
+        asks at least as many as stages of "1f1b" and "zbv").  `tune_microbatches`
+        chooses it by measurement.
+    stages_per_rank: stages per rank of the looped schedules (default: the number of
+        segments, or 2 with one segment); must be a multiple of the number of segments.
+    check_inputs: for this many first steps compare the batch's shapes between ranks.
+    timeout: seconds any wait of layerpar's own messages may take (loss, outputs,
+        agreements); the pipeline's own messages are bounded by the process group's.
+    """
+
+    name = "pipeline"
+
+    def __init__(self, net: Union[ODENet, Callable[[], ODENet]], comm: Any, *,
+                 schedule: str = "1f1b", microbatches: int = 4,
+                 stages_per_rank: Optional[int] = None, check_inputs: int = 10,
+                 timeout: Optional[float] = DEFAULT_TIMEOUT) -> None:
+        if comm is None:
+            raise TypeError("`comm` must be a torch.distributed process group or an mpi4py "
+                            "communicator: a pipeline needs torch.distributed")
+        self.group = as_process_group(comm)
+        self.transport = make_transport(self.group)
+        err: Optional[BaseException] = None
+        key: Any = None
+        try:
+            net = as_net(net)
+            self.plan = StagePlan.build(net, self.transport.size, schedule, stages_per_rank)
+            self.microbatches = positive_int("microbatches", microbatches)
+            self.check_inputs = check_check_inputs(check_inputs)
+            timeout = check_timeout(timeout)
+            self.schedule = schedule
+            self._local = {q: _Stage(net, self.plan.stages[q])
+                           for q in self.plan.stages_of(self.transport.rank)}
+            self.device = next(iter(net.parameters())).device
+            one = [(1,)] * len(self.plan.stages)
+            self._build(1, one, one, torch.float64)  # torch's refusals, before any message
+            key = {"schedule": schedule, "microbatches": microbatches,
+                   "stages_per_rank": stages_per_rank, "check_inputs": check_inputs,
+                   **{n: v for k, m in enumerate(net.layers) for n, v in
+                      layer_key(k, m).items()}}
+        except Exception as exc:  # noqa: BLE001 - raised alike on every rank by agree
+            err = exc
+        self.transport.agree(key, err, "PipelineNet settings (schedule, microbatches, "
+                             "stages_per_rank, layers)")
+        assert isinstance(net, ODENet)
+        self.transport.timeout = timeout
+        self.net = net
+        self._built: dict[tuple, Any] = {}  # (input shape, dtype, m) -> torch schedule
+        self._shapes: dict[tuple, list[tuple[int, ...]]] = {}
+        self._loss_fn: Optional[LossFn] = None
+
+    # -- shapes and torch's objects --------------------------------------------------------
+    def _stage_shapes(self, x: Tensor) -> list[tuple[int, ...]]:
+        """Per stage, the shape of its output without the batch dimension, from one row
+        run through the whole local net (no gradients, modules in eval mode for it:
+        shapes only, so other ranks' stale layers do no harm)."""
+        key = (tuple(x.shape[1:]), x.dtype)
+        got = self._shapes.get(key)
+        if got is None:
+            modes = [(m, m.training) for m in self.net.modules()]
+            self.net.eval()
+            try:
+                with torch.no_grad():
+                    u, got = x[:1], []
+                    for units in self.plan.stages:
+                        u = _Stage(self.net, units)(u)
+                        got.append(tuple(u.shape[1:]))
+            finally:
+                for m, mode in modes:
+                    m.training = mode
+            self._shapes[key] = got
+        return got
+
+    def _torch_schedule(self, x: Tensor) -> Any:
+        m = self.microbatches
+        key = (tuple(x.shape), x.dtype, m)
+        sched = self._built.get(key)
+        if sched is None:
+            outs = self._stage_shapes(x)
+            sched = self._build(x.shape[0] // m, [tuple(x.shape[1:]), *outs[:-1]], outs,
+                                x.dtype)
+            self._built[key] = sched
+        return sched
+
+    def _build(self, rows: int, ins: Sequence[tuple[int, ...]],
+               outs: Sequence[tuple[int, ...]], dtype: torch.dtype) -> Any:
+        """torch's stages of this rank and its schedule, for micro-batches of `rows`
+        rows; per stage the input and output shapes without the batch dimension.  No
+        message: torch's own refusals (too few micro-batches for the schedule) come
+        out as ValueError, alike on every rank."""
+        import torch.distributed.pipelining as pp
+
+        n = len(self.plan.stages)
+        stages = [pp.PipelineStage(
+            mod, s, n, self.device,
+            # (torch allocates gradient buffers only for tensors that require grad: a
+            # later stage's input and every output carry one back)
+            input_args=torch.empty((rows, *ins[s]), dtype=dtype, device=self.device,
+                                   requires_grad=s > 0),
+            output_args=torch.empty((rows, *outs[s]), dtype=dtype, device=self.device,
+                                    requires_grad=True),
+            group=self.group) for s, mod in self._local.items()]
+        cls = getattr(pp, SCHEDULES[self.schedule][0])
+        single = SCHEDULES[self.schedule][1] == "single"
+        return cls(stages[0] if single else stages, self.microbatches, loss_fn=self._loss)
+
+    def _loss(self, out: Tensor, target: Any) -> Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(out, target)
+
+    def _holds(self, stage: int) -> bool:
+        return self.plan.ranks[stage] == self.rank
+
+    # -- the interface ---------------------------------------------------------------------
+    def _batch_error(self, x: Tensor, y: Any) -> Optional[BaseException]:
+        err = super()._batch_error(x, y)
+        if err is None and x.shape[0] % self.microbatches:
+            err = ValueError(f"the batch has {x.shape[0]} rows, which do not split into "
+                             f"`microbatches`={self.microbatches} equal micro-batches")
+        return err
+
+    def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
+        self._check_batch(x, y)
+        sched = self._torch_schedule(x)
+        self._zero_grad()
+        self._loss_fn = loss_fn
+        losses: list[Tensor] = []
+        last = len(self.plan.stages) - 1
+        try:
+            sched.step(x, target=y, losses=losses, return_outputs=False)
+        finally:
+            self._loss_fn = None
+        value = sum(float(t.detach()) for t in losses) / len(losses) \
+            if self._holds(last) else 0.0
+        return self.transport.allreduce_sum([value])[0]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()
+        for mod in self._local.values():
+            for n, p in mod.named_parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    yield n, p
+
+    def eval_forward(self, x: Tensor) -> Tensor:
+        """The whole batch through the stages one after the other (no micro-batches),
+        the output broadcast from the last stage's rank."""
+        err = TrainingMethod._batch_error(self, x, None)
+        if err is not None:
+            raise err
+        outs = self._stage_shapes(x)
+        rows = x.shape[0]
+        u: Optional[Tensor] = x
+        with torch.no_grad():
+            for s in range(len(self.plan.stages)):
+                src = self.plan.ranks[s - 1] if s else self.plan.ranks[0]
+                if src != self.plan.ranks[s]:
+                    like = Like((rows, *outs[s - 1]), x.dtype, self.device)
+                    u = move(self.transport, [(src, self.plan.ranks[s],
+                                               u if self.rank == src else like)],
+                             tag=_TAG, what="a pipeline activation")[0]  # type: ignore[assignment]
+                if self._holds(s):
+                    u = self._local[s](u)
+        root = self.plan.ranks[-1]
+        return self.transport.bcast_tensor(u if self.rank == root else None, root,
+                                           (rows, *outs[-1]), x.dtype, self.device,
+                                           "the pipeline's output")
+
+    def gather_state_dict(self) -> dict[str, Tensor]:
+        local: dict[str, Tensor] = {}
+        for mod in self._local.values():
+            local.update({k: v.detach().cpu() for k, v in mod.state_dict().items()})
+        merged: dict[str, Tensor] = {}
+        for part in self.transport.allgather_object(local, "gather_state_dict"):
+            merged.update(part)
+        return dict(sorted(merged.items(), key=lambda kv: _name_order(kv[0])))
+
+    def tune_microbatches(self, x: Tensor, y: Any, loss_fn: LossFn,
+                          candidates: Sequence[int] = (1, 2, 4, 8), repeats: int = 3
+                          ) -> dict[int, float]:
+        """Choose `microbatches` by measurement (collective): for each candidate that
+        divides the batch and that the schedule accepts, one warm-up `train_step` and
+        `repeats` timed ones; a candidate's time is the slowest rank's median, and the
+        fastest candidate is kept (the same on every rank).  Returns candidate ->
+        seconds per step (refused candidates left out).  Gradients are left unset
+        (`.grad` None): no parameter changes."""
+        positive_int("repeats", repeats)
+        times: dict[int, float] = {}
+        keep = self.microbatches
+        try:
+            for m in candidates:
+                m = positive_int("candidates", m)
+                if x.shape[0] % m:
+                    continue
+                self.microbatches = m
+                try:
+                    self._torch_schedule(x)
+                except ValueError:  # torch refuses it (too few micro-batches), alike
+                    continue
+                self.train_step(x, y, loss_fn)
+                own = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    self.train_step(x, y, loss_fn)
+                    own.append(time.perf_counter() - t0)
+                med = sorted(own)[len(own) // 2]
+                times[m] = max(self.transport.allgather_object(med, "tune_microbatches"))
+        finally:
+            self.microbatches = keep
+            self._zero_grad()
+        if not times:
+            raise ValueError(f"none of `candidates` {list(candidates)} divides the batch of "
+                             f"{x.shape[0]} rows and suits schedule {self.schedule!r}")
+        self.microbatches = min(times, key=lambda m: (times[m], m))
+        return times

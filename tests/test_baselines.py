@@ -1,0 +1,233 @@
+"""The baselines (`layerpar.parallel.baselines`): data and pipeline parallelism from the
+same `ODENet`, behind the training-step interface all methods share.
+
+In one process: the stage plans cut where `LayerParallel` cuts, and the serial and
+layer-parallel adapters train as the serial net does.  Under mpiexec and torchrun at 2
+and 4 ranks (`workers/lp_baselines.py`): every method's first gradients, losses, the
+state after three SGD steps and the evaluated output equal serial training's (float64,
+same initial weights), for a net with plain layers around one segment and one with two
+segments; every schedule torch runs on CPU/gloo runs, and a count of micro-batches torch
+refuses is refused alike on every rank; bad arguments fail alike on every rank.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from mpi_util import describe, rank_lines, run_mpi, run_torchrun
+from torch import nn
+
+import layerpar
+from layerpar.mgrit.grid import Partition
+from layerpar.ode import blocks
+from layerpar.ode.net import Segment
+from layerpar.parallel import Plan
+from layerpar.parallel.baselines import (
+    METHODS,
+    SCHEDULES,
+    LayerParallelMethod,
+    SerialMethod,
+    StagePlan,
+    make_method,
+)
+
+WORKERS = Path(__file__).parent / "workers"
+LAUNCHERS = {"mpiexec": run_mpi, "torchrun": run_torchrun}
+
+
+def two_segments(n1: int = 8, n2: int = 6) -> layerpar.ODENet:
+    torch.manual_seed(1)
+    return layerpar.ODENet(layers=[nn.Linear(3, 4), Segment(lambda k: blocks.Dense(4), n1),
+                                   nn.Tanh(), Segment(lambda k: blocks.Dense(4), n2),
+                                   nn.Linear(4, 5)]).double()
+
+
+def one_segment(n: int = 16) -> layerpar.ODENet:
+    torch.manual_seed(0)
+    return layerpar.ODENet(open=nn.Linear(3, 4), steps=lambda k: blocks.Dense(4),
+                           n_steps=n, close=nn.Linear(4, 5)).double()
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_one_stage_per_rank_holds_layerparallels_layers(ranks: int) -> None:
+    """gpipe/1f1b on one segment: stage q is LayerParallel's block q; the plain layer
+    before the segment is on rank 0, the one after on the last rank."""
+    net = one_segment(13)
+    plan = StagePlan.build(net, ranks, "1f1b")
+    lp = Plan.build(net, ranks, layerpar.MGRITOptions(max_levels=1))
+    assert plan.ranks == tuple(range(ranks))
+    for q, units in enumerate(plan.stages):
+        steps = [st for k, st in units if st is not None]
+        owned = lp.segments[0].layers(q)
+        assert steps == [(owned.start, owned.stop)]
+    assert plan.stages[0][0] == (0, None) and plan.stages[-1][-1] == (2, None)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zero-bubble", "looped-bfs"])
+def test_looped_stages_of_two_segments_are_layerparallels(schedule: str) -> None:
+    """With v = S (two segments, the default), rank q holds block q of each segment:
+    exactly LayerParallel's layers; plain layers between and after sit on the last rank."""
+    net = two_segments()
+    plan = StagePlan.build(net, 2, schedule)
+    assert plan.ranks == (0, 1, 0, 1)
+    for q in range(2):
+        held = [u for s in plan.stages_of(q) for u in plan.stages[s]]
+        want = []
+        for k, seg in net.segments:
+            r = Partition.build(seg.n_steps, 2).steps(q)
+            want.append((k, (r.start, r.stop)))
+        assert [u for u in held if u[1] is not None] == want
+        plain = {k for k, st in held if st is None}
+        assert plain == ({0} if q == 0 else {2, 4})
+
+
+def test_v_and_contiguous_placements() -> None:
+    """zbv puts stage s on rank s then 2P-1-s; a one-stage schedule over two segments
+    cuts all residual layers into P contiguous blocks; every layer lands in one stage."""
+    net = two_segments(8, 6)
+    v = StagePlan.build(net, 2, "zbv")
+    assert v.ranks == (0, 1, 1, 0)
+    c = StagePlan.build(net, 2, "gpipe")
+    assert [[u for u in s if u[1] is not None] for s in c.stages] == \
+        [[(1, (0, 7))], [(1, (7, 8)), (3, (0, 6))]]
+    for plan in (v, c, StagePlan.build(net, 2, "interleaved", stages_per_rank=4)):
+        steps = sorted((k, n) for s in plan.stages for k, st in s if st for n in range(*st))
+        assert steps == [(1, n) for n in range(8)] + [(3, n) for n in range(6)]
+        plain = sorted(k for s in plan.stages for k, st in s if st is None)
+        assert plain == [0, 2, 4]
+    assert "stage 0 on rank 0: layers[0], layers[1] steps 0-6" in str(c)
+
+
+@pytest.mark.parametrize("args, match", [
+    (("bogus",), "`schedule` must be one of"),
+    (("interleaved", 3), "multiple of the net's 2 segments"),
+    (("zbv", 3), "`stages_per_rank` must be 2"),
+    (("1f1b", 2), "`stages_per_rank` must be 1"),
+    (("interleaved", 0), "`stages_per_rank` must be a positive int"),
+])
+def test_stage_plan_refusals(args: tuple, match: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(match)):
+        StagePlan.build(two_segments(), 2, *args)
+
+
+def test_too_many_stages_for_a_segment() -> None:
+    with pytest.raises(ValueError, match=r"has 6 layers but is cut into 8 pipeline stages"):
+        StagePlan.build(two_segments(), 4, "interleaved", stages_per_rank=4)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, y)
+
+
+def test_serial_and_layerparallel_adapters_train_as_the_net(tol) -> None:
+    """SerialMethod and LayerParallelMethod (one rank) give the plain net's gradients,
+    losses and state; make_method builds by name and refuses unknown names."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 3, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 5, (8,), generator=g)
+    ref = one_segment()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = loss_fn(ref(x), y)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        opt.step()
+    for method in (SerialMethod(one_segment), make_method("layerparallel", one_segment()),
+                   LayerParallelMethod(layerpar.LayerParallel(one_segment()))):
+        opt = torch.optim.SGD(method.parameters(), lr=0.1)
+        got = []
+        for _ in range(3):
+            got.append(method.train_step(x, y, loss_fn))
+            opt.step()
+        assert got == pytest.approx(losses, rel=tol[torch.float64].roundoff)
+        state = method.gather_state_dict()
+        for k, v in ref.state_dict().items():
+            assert torch.allclose(state[k], v, rtol=tol[torch.float64].roundoff, atol=0)
+        assert torch.allclose(method.eval_forward(x), ref(x).detach(),
+                              rtol=tol[torch.float64].roundoff, atol=0)
+        method.close()
+    assert set(METHODS) == {"serial", "layerparallel", "data", "pipeline"}
+    with pytest.raises(ValueError, match="`name` must be one of"):
+        make_method("bogus", one_segment())
+    with pytest.raises(TypeError, match="`net` must be an ODENet"):
+        SerialMethod(nn.Linear(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`y` has 3 rows but `x` has 8"):
+        SerialMethod(one_segment()).train_step(x, y[:3], loss_fn)
+
+
+def _cases(proc) -> dict[int, dict[str, str]]:
+    out: dict[int, dict[str, str]] = {}
+    for r, lines in rank_lines(proc.stdout).items():
+        for line in lines:
+            m = re.match(r"CASE (\S+) (.*)", line)
+            if m:
+                out.setdefault(r, {})[m.group(1)] = m.group(2)
+    return out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_baselines_train_as_the_serial_net(launcher: str, nprocs: int) -> None:
+    """Data parallelism (DDP and layerpar's all-reduce), LayerParallel (exact) and the
+    pipeline with every schedule and 2, 4 (and 8) micro-batches: gradients, losses,
+    state after 3 SGD steps and output equal serial training's, at every rank."""
+    proc = LAUNCHERS[launcher](WORKERS / "lp_baselines.py", nprocs, "correct", timeout=400)
+    assert proc.returncode == 0, describe(proc)
+    cases = _cases(proc)
+    assert sorted(cases) == list(range(nprocs)), describe(proc)
+    ms = (2, 4, 8) if nprocs > 2 else (2, 4)
+    want = {f"{net}/{m}" for net in ("one", "two") for m in
+            ["data-allreduce", "data-ddp", "layerparallel-exact",
+             *(f"pipeline-{s}-m{k}" for s in SCHEDULES for k in ms)]}
+    for r, got in cases.items():
+        assert set(got) == want, describe(proc)
+        bad = {k: v for k, v in got.items() if not v.startswith(("OK", "SKIP"))}
+        assert not bad, f"rank {r}: {bad}\n{describe(proc)}"
+        skipped = {k for k, v in got.items() if v.startswith("SKIP")}
+        # torch asks 1F1B for at least one micro-batch per stage: the only refusal
+        assert skipped == ({f"{net}/pipeline-1f1b-m2" for net in ("one", "two")}
+                           if nprocs == 4 else set()), describe(proc)
+        for k in skipped:
+            assert "Number of microbatches (2) must be greater than or equal to the " \
+                   "number of stages (4)" in got[k]
+        status = {k: v.split()[0] for k, v in got.items()}  # (errors are each rank's own)
+        assert status == {k: v.split()[0] for k, v in cases[0].items()}, describe(proc)
+    assert all(lines[-1] == "DONE" for lines in rank_lines(proc.stdout).values())
+
+
+@pytest.mark.mpi
+def test_baselines_refuse_alike_on_every_rank() -> None:
+    """Bad settings, settings that differ between ranks, a batch that does not split,
+    and a rank passing a batch of another shape raise the same way on every rank."""
+    proc = run_torchrun(WORKERS / "lp_baselines.py", 2, "refusals", timeout=200)
+    assert proc.returncode == 0, describe(proc)
+    cases = _cases(proc)
+    assert cases[0] == cases[1], describe(proc)
+    got = cases[0]
+    assert got["schedule"].startswith("ValueError: `schedule` must be one of")
+    assert got["microbatches"].startswith("ValueError: `microbatches` must be a positive")
+    assert got["engine"].startswith("ValueError: `engine` must be one of")
+    assert got["differ"].startswith("RankMismatchError:") and "`microbatches`" in got["differ"]
+    assert "do not split evenly over 2 ranks" in got["rows"]
+    assert got["batch-differ"].startswith("RankMismatchError:")
+    assert "`microbatches`=2 equal micro-batches" in got["pipe-rows"]
+
+
+@pytest.mark.mpi
+def test_tune_microbatches_chooses_alike_and_changes_nothing() -> None:
+    """tune_microbatches times the candidates that divide the batch (3 does not), picks
+    the same count on every rank and leaves the parameters and gradients untouched."""
+    proc = run_mpi(WORKERS / "lp_baselines.py", 2, "tune", timeout=200)
+    assert proc.returncode == 0, describe(proc)
+    cases = _cases(proc)
+    lines = [cases[r]["tune"] for r in (0, 1)]
+    chosen = {re.search(r"chose=(\d+)", t).group(1) for t in lines}  # type: ignore[union-attr]
+    assert len(chosen) == 1, describe(proc)
+    for t in lines:
+        assert "candidates=[1, 2, 4, 8] unchanged=True grads_unset=True" in t, describe(proc)
+        assert float(t.rsplit("worst=", 1)[1]) <= 1e-12
