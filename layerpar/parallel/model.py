@@ -45,6 +45,9 @@ from .move import Like, move
 from .plan import Plan
 from .replicas import GradAverager
 from .runner import SegmentRunner
+from .sharing import SharedParams
+from .sharing import add as add_grads
+from .sharing import finish as finish_grads
 from .tape import PassRecord, PlainRecord
 
 _LINK_TAG = 31002
@@ -319,6 +322,9 @@ class LayerParallel(nn.Module):
                 shards.append(layer if owner == rank else _Remote(owner))
                 self._layers_meta.append(("plain", owner))
         self.layers = nn.ModuleList(shards)
+        # parameters several layers use (one block for every step; tied weights):
+        # every use's gradient summed, over the ranks too (`sharing`)
+        self._shared = SharedParams.build(self._layer_owners(net))
         self._param_list: Optional[list[nn.Parameter]] = None
         self._deliver = GradDelivery()
         self._closed = False
@@ -352,6 +358,20 @@ class LayerParallel(nn.Module):
         if auto:
             self._auto = AutoTuner(auto_policy(policy))
             self.accuracy = None  # the chosen setting's controller, once tuned
+
+    def _layer_owners(self, net: ODENet) -> list[tuple[str, nn.Module, int]]:
+        """(name, module, owner rank) of every layer of the whole net, a segment's
+        blocks one by one (the same on every rank)."""
+        out: list[tuple[str, nn.Module, int]] = []
+        for k, layer in enumerate(net.layers):
+            kind, info = self._layers_meta[k]
+            if kind == "plain":
+                out.append((f"layers.{k}", layer, info))
+                continue
+            part = self._runners[k].part
+            out.extend((f"layers.{k}.blocks.{n}", layer.blocks[n], q)
+                       for q in range(self.size) for n in part.steps(q))
+        return out
 
     @property
     def last_forward(self) -> list[MGRITResult]:
@@ -765,6 +785,7 @@ class LayerParallel(nn.Module):
                                       "loss?)")
         size, rank = self.size, self.rank
         grads: dict[int, Tensor] = {}  # id(parameter) -> gradient (Tensor.__hash__ is slow)
+        extra: list[tuple[int, Tensor]] = []  # a shared parameter's further uses
         g: Optional[Tensor] = gy if rank == ctx.out_holder else None
         holder = ctx.out_holder
         seg_shapes = list(ctx.shapes)
@@ -789,9 +810,9 @@ class LayerParallel(nn.Module):
                         g, outs = (outs[0], outs) if wrt else (None, (None, *outs))
                         if self._averager is not None:
                             self._averager.add(outs[1:])
-                        for p, gp in zip(rec.group_params, outs[1:]):
-                            if gp is not None:
-                                grads[id(p)] = gp
+                        add_grads(grads, extra, ((id(p), gp) for p, gp in
+                                                 zip(rec.group_params, outs[1:])
+                                                 if gp is not None))
             else:
                 runner = self._runners[k]
                 shape, dtype = seg_shapes.pop()
@@ -800,14 +821,22 @@ class LayerParallel(nn.Module):
                     g = self._move(g, holder, size - 1, shape, dtype, gy.device)
                     holder = size - 1
                 g, stats, seg_grads = runner.backward(g if rank == size - 1 else None, like,
-                                                      ctx.tapes.pop(k))
+                                                      ctx.tapes.pop(k), extra)
                 self.last_backward.append(stats)
-                grads.update(seg_grads)
+                if self._shared is None:
+                    grads.update(seg_grads)
+                else:
+                    add_grads(grads, extra, seg_grads.items())
                 holder = 0
                 g_meta = (shape, dtype)
         self.last_backward.reverse()
         if self._averager is not None:
             self._averager.finish()
+        if self._shared is not None:
+            # every use of a shared parameter, once the replicas averaged each use's
+            # gradient in place, then over the ranks whose layers use it
+            finish_grads(grads, extra)
+            self._shared.reduce(grads, self.transport, rank)
         if self.training and self._stats_averager is not None and not self._checking:
             self._average_running_stats()
         gx = None
