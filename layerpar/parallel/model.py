@@ -1041,8 +1041,12 @@ class LayerParallel(nn.Module):
         p = float(norm_type)
         params = [q for q in self.parameters() if q.grad is not None]
         local = 0.0
-        if params:
-            part = float(torch.nn.utils.get_total_norm([q.grad for q in params], p))
+        # a parameter whose layers lie on several ranks has the same gradient on each:
+        # counted once, on the first of them
+        counted = params if self._shared is None else \
+            [q for q in params if self._shared.counts_here(q, self.rank)]
+        if counted:
+            part = float(torch.nn.utils.get_total_norm([q.grad for q in counted], p))
             local = part if p == float("inf") else part ** p
         parts = [local] if self.size == 1 else self.guard(
             lambda: self.transport.allgather_object(local, "clip_grad_norm_"))

@@ -50,6 +50,7 @@ class SharedParams:
         self.uses = {i: (p, names) for i, (p, names, _) in uses.items()}
         self.cross: list[tuple[nn.Parameter, frozenset[int]]] = [
             (p, frozenset(ranks)) for p, _, ranks in uses.values() if len(set(ranks)) > 1]
+        self._first = {id(p): min(ranks) for p, ranks in self.cross}
 
     @classmethod
     def build(cls, layers: Sequence[tuple[str, nn.Module, int]]) -> Optional[SharedParams]:
@@ -66,6 +67,12 @@ class SharedParams:
                     got[2].append(owner)
         shared = {i: v for i, v in found.items() if len(v[1]) > 1}
         return cls(shared) if shared else None
+
+    def counts_here(self, p: Tensor, rank: int) -> bool:
+        """Whether `rank` counts `p` in a whole-net sum over the ranks' parameters (a
+        norm): every rank its own, a cross-rank shared one only its first rank."""
+        ranks = self._first.get(id(p))
+        return ranks is None or ranks == rank
 
     def describe(self) -> list[str]:
         """One line per shared parameter: its shape and the layers that use it."""

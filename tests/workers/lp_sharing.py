@@ -8,14 +8,15 @@ NET is ``shared`` (one `Dense` block for all 8 steps of the segment) or ``tied``
 (8 distinct blocks; the closing layer's weight is the opening layer's).  Each PATH
 (``batched``, ``per-step``, ``average``: converged MGRIT with vectorised cycles,
 per-step cycles, and per-step cycles with averaged coarse parameters; ``exact``:
-sequential solves; ``grid-batched`` / ``grid-per-step``: converged MGRIT on a
-grid of 2 data replicas, at an even number of ranks; ``replicated`` / ``split``:
-auto's replicated serial, whole or batch split, at 2+ ranks) trains a LayerParallel copy of the net and a serial copy
-three SGD steps from the same weights (float64).  Each rank reports
-``RANK <r> <PATH> grad <err> state <err> copies <err>``: the largest relative
-difference of its parameters' gradients from serial's over the steps, of the
-gathered state dict from the serial net's after them, and between the ranks' own
-copies of each parameter after them (all ranks' largest).
+sequential solves; ``grid-batched`` / ``grid-per-step``: converged MGRIT on a grid of
+2 data replicas, at an even number of ranks; ``replicated`` / ``split``: auto's
+replicated serial, whole or batch split, at 2+ ranks) trains a LayerParallel copy of
+the net and a serial copy three SGD steps (momentum) from the same weights (float64).
+Each rank reports ``RANK <r> <PATH> grad <err> state <err> copies <err>``: the
+largest relative difference of its parameters' gradients (and of the whole net's
+gradient norm, `clip_grad_norm_`) from serial's over the steps; of the gathered state
+dict, and of the gathered optimizer state loaded at one rank, from the serial net's
+after them; and between the ranks' own copies of each parameter (all ranks').
 """
 from __future__ import annotations
 
@@ -79,8 +80,8 @@ def run(kind: str, path: str) -> tuple[float, float, float]:
     step_fn = model
     if path in ("replicated", "split"):
         step_fn = ReplicatedSerial(model, split=path == "split")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt_s = torch.optim.SGD(serial.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
     sp = dict(serial.named_parameters(remove_duplicate=False))
     g = torch.Generator().manual_seed(1)
     d_in = net.layers[0].in_features
@@ -95,6 +96,10 @@ def run(kind: str, path: str) -> tuple[float, float, float]:
         torch.nn.functional.mse_loss(serial(x), y).backward()
         for name, p in model.named_parameters(remove_duplicate=False):
             grad_err = max(grad_err, rel(p.grad, sp[name].grad))
+        # the whole net's gradient norm (each shared parameter once, as serial counts)
+        norm = model.clip_grad_norm_(1e9)
+        want = torch.nn.utils.clip_grad_norm_(serial.parameters(), 1e9)
+        grad_err = max(grad_err, rel(norm, want))
         opt.step()
         opt_s.step()
     state = model.gather_state_dict()
@@ -107,6 +112,15 @@ def run(kind: str, path: str) -> tuple[float, float, float]:
         for k, v in other.items():
             if k in mine:
                 copies = max(copies, rel(mine[k], v))
+    # the optimizer state, gathered here and loaded at one rank (comm=None): every
+    # parameter's momentum is serial's
+    saved = model.gather_optimizer_state(opt)
+    one = LayerParallel(copy.deepcopy(serial), None)
+    opt1 = torch.optim.SGD(one.parameters(), lr=0.1, momentum=0.9)
+    one.load_optimizer_state(opt1, saved)
+    for name, p in one.named_parameters():
+        state_err = max(state_err, rel(opt1.state[p]["momentum_buffer"],
+                                       opt_s.state[sp[name]]["momentum_buffer"]))
     model.close()
     return (comm.allreduce(grad_err, MPI.MAX), state_err, comm.allreduce(copies, MPI.MAX))
 
