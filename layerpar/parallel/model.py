@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -1064,37 +1064,60 @@ class LayerParallel(nn.Module):
                         assign: bool = False) -> Any:
         """`nn.Module.load_state_dict`, which also takes the whole network's state dict
         (`gather_state_dict`, or the serial `ODENet`'s) on any number of ranks: each
-        rank loads its own part.  The other ranks' entries (their layers, named as in
-        the whole net) are not "unexpected"; a key of no layer of this network still is,
-        and with `strict` every key of this rank's part must be there.  Not collective.
-        (At more than one rank ``model.load_state_dict(full)`` raised on every key of
-        another rank's layers.)"""
+        rank loads its own part.  Not collective, yet a whole-network dict is checked
+        whole on every rank (each holds the whole net's names and shapes): a key of no
+        layer, a wrong shape anywhere, and with `strict` a key missing anywhere raise
+        alike on every rank, before anything is loaded.  A dict of this rank's keys
+        only (its own ``state_dict()``) is this rank's part and is checked as such.
+
+        assign: refused (`ValueError`).  layerpar holds this rank's parameter tensors
+        beyond the modules (the segment solvers' per-layer lists, vectorised steps'
+        stacked views, shared parameters' reductions, auto's candidates and
+        replicated copies): new tensors put in the modules would be used by some of
+        these and not by others, and the old ones would keep training.  Load with the
+        default ``assign=False`` (the values are copied into the tensors layerpar and
+        the optimizer hold), or load into the `ODENet` with ``assign=True`` before
+        building the LayerParallel.
+        """
+        if assign:
+            raise ValueError(
+                "LayerParallel.load_state_dict does not support `assign=True`: layerpar "
+                "holds this rank's parameter tensors in its solvers, vectorised steps and "
+                "gradient reductions, which would go on using and training the old "
+                "tensors. Load with assign=False (the values are copied into the "
+                "parameters layerpar and your optimizer hold), or load the state into "
+                "the ODENet with assign=True before building the LayerParallel")
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"`state_dict` must be a mapping of names to tensors, got "
+                            f"{type(state_dict).__name__}")
         mine = self.state_dict(keep_vars=True)
-        if all(k in mine for k in state_dict):
-            return super().load_state_dict(state_dict, strict, assign)
-        unexpected = [k for k in state_dict if k not in mine and not self._whole_net_key(k)]
+        # checked first, against this rank's part or the whole net's (torch's own
+        # load copies what it can before it raises)
+        whole = mine if all(k in mine for k in state_dict) else \
+            self.whole_net.state_dict(keep_vars=True)
+        unexpected = [k for k in state_dict if k not in whole]
+        errors = []
         if strict and unexpected:
-            raise RuntimeError("Error(s) in loading state_dict for LayerParallel: "
-                               "Unexpected key(s) in state_dict (no layer of this network "
-                               "has them): " + ", ".join(f'"{k}"' for k in unexpected))
+            errors.append("Unexpected key(s) in state_dict (no layer of this network has "
+                          "them): " + ", ".join(f'"{k}"' for k in unexpected))
+        if strict:
+            missing = [k for k in whole if k not in state_dict]
+            if missing:
+                errors.append("Missing key(s) in state_dict: "
+                              + ", ".join(f'"{k}"' for k in missing))
+        for k, v in state_dict.items():
+            want = whole.get(k)
+            if want is not None and isinstance(v, Tensor) and v.shape != want.shape:
+                errors.append(f"size mismatch for {k}: copying a param with shape "
+                              f"{v.shape} from checkpoint, the shape in current model is "
+                              f"{want.shape}.")
+        if errors:
+            raise RuntimeError("Error(s) in loading state_dict for LayerParallel:\n\t"
+                               + "\n\t".join(errors))
         got = super().load_state_dict({k: v for k, v in state_dict.items() if k in mine},
-                                      strict, assign)
+                                      strict)
         got.unexpected_keys.extend(unexpected)
         return got
-
-    def _whole_net_key(self, key: str) -> bool:
-        """Whether `key` names a tensor of another rank's part of this network: a plain
-        layer's, or block j of a segment of N steps (0 <= j < N)."""
-        parts = key.split(".")
-        if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit():
-            return False
-        k = int(parts[1])
-        if k >= len(self._layers_meta):
-            return False
-        if self._layers_meta[k][0] == "plain":
-            return True
-        return len(parts) >= 4 and parts[2] == "blocks" and parts[3].isdigit() and \
-            int(parts[3]) < self._runners[k].n
 
     def gather_state_dict(self) -> dict[str, Tensor]:
         """The whole network's state dict (loads into the serial `ODENet`), on every rank
