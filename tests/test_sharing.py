@@ -11,7 +11,7 @@ import pytest
 from mpi_util import WORKERS, run_mpi
 from tolerances import F64
 
-MGRIT = ["batched", "per-step", "average", "exact"]
+MGRIT = ["batched", "per-step", "average", "batched-average", "exact"]
 SEVERAL = [*MGRIT, "replicated", "split"]
 
 
@@ -27,10 +27,10 @@ def _run(nprocs: int, net: str, paths: list[str]) -> None:
         assert copies == 0.0, (rank, path, errs)  # the ranks' copies stay identical
 
 
-@pytest.mark.parametrize("net", ["shared", "tied"])
+@pytest.mark.parametrize("net", ["shared", "tied", "tied-plain"])
 def test_one_rank(net: str) -> None:
-    """At one rank too: a segment's layers share one block (MGRIT summed only one
-    layer's use before), or a tied weight serves two plain layers."""
+    """At one rank too: a segment's layers share one block, or a tied weight serves
+    two plain layers (apart, or in a row: one graph)."""
     _run(1, net, MGRIT)
 
 

@@ -4,10 +4,11 @@ serial net, on every path.
 
 Usage: mpiexec -n P python -m mpi4py tests/workers/lp_sharing.py NET PATH [PATH ...]
 
-NET is ``shared`` (one `Dense` block for all 8 steps of the segment) or ``tied``
-(8 distinct blocks; the closing layer's weight is the opening layer's).  Each PATH
-(``batched``, ``per-step``, ``average``: converged MGRIT with vectorised cycles,
-per-step cycles, and per-step cycles with averaged coarse parameters; ``exact``:
+NET is ``shared`` (one `Dense` block for all 8 steps of the segment), ``tied`` (8
+distinct blocks; the closing layer's weight is the opening layer's) or ``tied-plain``
+(two plain layers in a row, one weight).  Each PATH (``batched``, ``per-step``:
+converged MGRIT with vectorised and per-step cycles; ``average``, ``batched-average``:
+the same with averaged coarse parameters; ``exact``:
 sequential solves; ``grid-batched`` / ``grid-per-step``: converged MGRIT on a grid of
 2 data replicas, at an even number of ranks; ``replicated`` / ``split``: auto's
 replicated serial, whole or batch split, at 2+ ranks) trains a LayerParallel copy of
@@ -28,7 +29,7 @@ from mpi4py import MPI
 
 from layerpar import LayerParallel, ProcessGrid
 from layerpar.mgrit import MGRITOptions
-from layerpar.ode import ODENet
+from layerpar.ode import ODENet, Segment
 from layerpar.ode.blocks import Dense
 from layerpar.parallel.replicated import ReplicatedSerial
 
@@ -49,6 +50,11 @@ def make_net(kind: str) -> ODENet:
         shared = Dense(4)
         return ODENet(torch.nn.Linear(3, 4), lambda k: shared, 8, 2.0,
                       torch.nn.Linear(4, 2))
+    if kind == "tied-plain":  # two plain layers in a row (one graph) share a weight
+        first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        second.weight = first.weight
+        return ODENet(layers=[first, torch.nn.Tanh(), second,
+                              Segment(lambda k: Dense(4), 8, 2.0), torch.nn.Linear(4, 4)])
     net = ODENet(torch.nn.Linear(4, 4), lambda k: Dense(4), 8, 2.0, torch.nn.Linear(4, 4))
     net.layers[2].weight = net.layers[0].weight
     return net
@@ -65,6 +71,8 @@ def run(kind: str, path: str) -> tuple[float, float, float]:
                       "per-step": {"options": CONVERGED, "batched": False},
                       "average": {"options": CONVERGED, "batched": False,
                                   "coarsening": "average"},
+                      "batched-average": {"options": CONVERGED, "batched": True,
+                                          "coarsening": "average"},
                       "grid-batched": {"options": CONVERGED, "batched": True},
                       "grid-per-step": {"options": CONVERGED, "batched": False},
                       "replicated": {}, "split": {}}[path]
@@ -85,7 +93,7 @@ def run(kind: str, path: str) -> tuple[float, float, float]:
     sp = dict(serial.named_parameters(remove_duplicate=False))
     g = torch.Generator().manual_seed(1)
     d_in = net.layers[0].in_features
-    d_out = net.layers[2].out_features
+    d_out = net.layers[-1].out_features
     grad_err = 0.0
     for _ in range(3):
         x = torch.randn(6, d_in, generator=g)
