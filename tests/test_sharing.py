@@ -6,6 +6,7 @@ state after three SGD steps, and the ranks' copies of each parameter equal."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from mpi_util import WORKERS, run_mpi
@@ -51,3 +52,13 @@ def test_grid_replicas_compose(net: str) -> None:
     """2 data replicas x 2 layer ranks: the replicas' averaging and the shared
     parameters' sum over the layer ranks compose."""
     _run(4, net, ["grid-batched", "grid-per-step"])
+
+
+def test_time_invariant_example_two_ranks() -> None:
+    """`examples/03_time_invariant.py`: one block shared by 32 layers over 2 ranks
+    trains, and the ranks' copies of the block stay equal."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "03_time_invariant.py"
+    proc = run_mpi(example, 2, "--epochs", "1", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "validation accuracy" in proc.stdout, proc.stdout
+    assert "differ by at most 0.0e+00" in proc.stdout, proc.stdout
