@@ -41,13 +41,13 @@ class SharedParams:
     """The whole net's parameters used by more than one layer (by identity), and the
     ranks whose layers use them (the same on every rank).
 
-    uses: layer names per shared parameter (``layers.0``, ``layers.1.blocks.3``...),
-        in the whole net's order: named in errors and in `describe`.
-    cross: the shared parameters used on more than one rank, with those ranks.
+    uses: id -> (parameter, the names of the layers using it, their owner ranks).
+    cross: the shared parameters used on more than one rank, with those ranks, in the
+        whole net's order.
     """
 
     def __init__(self, uses: dict[int, tuple[nn.Parameter, list[str], list[int]]]) -> None:
-        self.uses = {i: (p, names) for i, (p, names, _) in uses.items()}
+        self.uses = uses
         self.cross: list[tuple[nn.Parameter, frozenset[int]]] = [
             (p, frozenset(ranks)) for p, _, ranks in uses.values() if len(set(ranks)) > 1]
         self._first = {id(p): min(ranks) for p, ranks in self.cross}
@@ -71,13 +71,8 @@ class SharedParams:
     def counts_here(self, p: Tensor, rank: int) -> bool:
         """Whether `rank` counts `p` in a whole-net sum over the ranks' parameters (a
         norm): every rank its own, a cross-rank shared one only its first rank."""
-        ranks = self._first.get(id(p))
-        return ranks is None or ranks == rank
-
-    def describe(self) -> list[str]:
-        """One line per shared parameter: its shape and the layers that use it."""
-        return [f"{tuple(p.shape)} used by {', '.join(names)}"
-                for p, names in self.uses.values()]
+        first = self._first.get(id(p))
+        return first is None or first == rank
 
     def reduce(self, grads: dict[int, Tensor], transport: Any, rank: int) -> None:
         """Sum, over the ranks that use it, each cross-rank shared parameter's gradient
