@@ -155,6 +155,13 @@ class LayerParallel(nn.Module):
     rank's parameters, under the names they have in the serial net.  After each pass
     `last_forward` / `last_backward` report MGRIT iterations and residuals per segment.
 
+    A parameter that several layers use (one block module for every step, a
+    time-invariant ODE; weights tied between layers) gets, as in serial autograd, the
+    sum of its uses' gradients: summed on each rank, then over the ranks whose layers
+    use it (one all-reduce per backward pass, only for nets with such parameters;
+    `layerpar.parallel.sharing`), so each rank's copy gets the same gradient and, with
+    the same optimizer, stays equal to the others'.
+
     On one rank with sequential forward and adjoint solves (`max_levels=1` for both,
     the default) the model runs in *direct mode*: the forward sweep is recorded onto
     the input's own graph and PyTorch's engine runs the backward, which is then
