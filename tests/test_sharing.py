@@ -13,7 +13,7 @@ from mpi_util import WORKERS, run_mpi
 from tolerances import F64
 
 MGRIT = ["batched", "per-step", "average", "batched-average", "exact"]
-SEVERAL = [*MGRIT, "replicated", "split"]
+SEVERAL = [*MGRIT, "replicated", "split", "auto-replicated", "auto-split"]
 
 
 def _run(nprocs: int, net: str, paths: list[str]) -> None:

@@ -11,7 +11,8 @@ converged MGRIT with vectorised and per-step cycles; ``average``, ``batched-aver
 the same with averaged coarse parameters; ``exact``:
 sequential solves; ``grid-batched`` / ``grid-per-step``: converged MGRIT on a grid of
 2 data replicas, at an even number of ranks; ``replicated`` / ``split``: auto's
-replicated serial, whole or batch split, at 2+ ranks) trains a LayerParallel copy of
+replicated serial, whole or batch split, at 2+ ranks, built directly or chosen by
+``options="auto"`` as ``auto-replicated`` / ``auto-split``) trains a LayerParallel copy of
 the net and a serial copy three SGD steps (momentum) from the same weights (float64).
 Each rank reports ``RANK <r> <PATH> grad <err> state <err> copies <err>``: the
 largest relative difference of its parameters' gradients (and of the whole net's
@@ -31,12 +32,14 @@ from layerpar import LayerParallel, ProcessGrid
 from layerpar.mgrit import MGRITOptions
 from layerpar.ode import ODENet, Segment
 from layerpar.ode.blocks import Dense
+from layerpar.parallel import autotune
 from layerpar.parallel.replicated import ReplicatedSerial
 
 torch.set_default_dtype(torch.float64)
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
 CONVERGED = MGRITOptions(max_levels=2, cfactor=2, tol=1e-13, max_iter=50)
+timed = autotune._time_passes
 
 
 def say(text: str) -> None:
@@ -75,7 +78,8 @@ def run(kind: str, path: str) -> tuple[float, float, float]:
                                           "coarsening": "average"},
                       "grid-batched": {"options": CONVERGED, "batched": True},
                       "grid-per-step": {"options": CONVERGED, "batched": False},
-                      "replicated": {}, "split": {}}[path]
+                      "replicated": {}, "split": {}, "auto-replicated": {"options": "auto"},
+                      "auto-split": {"options": "auto"}}[path]
     rows = slice(None)
     if path.startswith("grid"):
         # data x layers: each replica its half of the batch, gradients averaged
@@ -88,6 +92,24 @@ def run(kind: str, path: str) -> tuple[float, float, float]:
     step_fn = model
     if path in ("replicated", "split"):
         step_fn = ReplicatedSerial(model, split=path == "split")
+    if path.startswith("auto"):
+        # the clock replaced by costs that make auto choose the path named
+        autotune.STRUCTURES = ((2, 2),)
+        split = path == "auto-split"
+
+        def fake_clock(model: LayerParallel, m: object, *args: object, **kw: object) -> float:
+            timed(model, m, *args[:3], 1)  # the passes and exchanges, as usual
+            if isinstance(m, ReplicatedSerial):
+                return 0.5 if m.split == split else 0.8
+            return 1.0
+
+        autotune._time_passes = fake_clock
+        x0 = torch.randn(6, net.layers[0].in_features)
+        model.tune(x0, torch.zeros(6, net.layers[-1].out_features),
+                   torch.nn.functional.mse_loss)
+        autotune._time_passes = timed
+        chosen = model.tuner.chosen
+        assert isinstance(chosen, ReplicatedSerial) and chosen.split == split, chosen
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt_s = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
     sp = dict(serial.named_parameters(remove_duplicate=False))
