@@ -14,6 +14,7 @@ WANT = {"missing": "RuntimeError", "shape": "RuntimeError", "unexpected": "Runti
         "assign": "ValueError", "ok": "OK"}
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("nprocs", [1, 2, 3])
 def test_bad_state_dict_raises_on_every_rank(nprocs: int) -> None:
     proc = run_mpi(WORKERS / "lp_load_state.py", nprocs, timeout=120)

@@ -28,6 +28,7 @@ def _run(nprocs: int, net: str, paths: list[str]) -> None:
         assert copies == 0.0, (rank, path, errs)  # the ranks' copies stay identical
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("net", ["shared", "tied", "tied-plain"])
 def test_one_rank(net: str) -> None:
     """At one rank too: a segment's layers share one block, or a tied weight serves
@@ -35,18 +36,21 @@ def test_one_rank(net: str) -> None:
     _run(1, net, MGRIT)
 
 
+@pytest.mark.mpi
 def test_shared_block_two_ranks() -> None:
     """The shared block's layers lie on both ranks: each rank's uses summed, then over
     the ranks, on every path (auto's replicated serial and batch split too)."""
     _run(2, "shared", SEVERAL)
 
 
+@pytest.mark.mpi
 def test_tied_open_close_three_ranks() -> None:
     """Opening layer on rank 0, closing layer on rank 2, one weight: rank 1 holds none
     of it and still takes part in the reduction."""
     _run(3, "tied", SEVERAL)
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("net", ["shared", "tied"])
 def test_grid_replicas_compose(net: str) -> None:
     """2 data replicas x 2 layer ranks: the replicas' averaging and the shared
@@ -54,6 +58,7 @@ def test_grid_replicas_compose(net: str) -> None:
     _run(4, net, ["grid-batched", "grid-per-step"])
 
 
+@pytest.mark.mpi
 def test_time_invariant_example_two_ranks() -> None:
     """`examples/03_time_invariant.py`: one block shared by 32 layers over 2 ranks
     trains, and the ranks' copies of the block stay equal."""
