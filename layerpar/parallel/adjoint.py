@@ -496,9 +496,15 @@ class AdjointApp(StateOps):
         if self.averager is not None:
             self.averager.add(g for k in sorted(tape.param_grads)
                               for g in tape.param_grads[k])
+        if self.r.shares:
+            for k, pg in tape.param_grads.items():
+                add(grads, extra, ((id(p), gp) for p, gp in zip(self.layer_params[k], pg)
+                                   if gp is not None))
+            return grads
         for k, pg in tape.param_grads.items():
-            add(grads, extra, ((id(p), gp) for p, gp in zip(self.layer_params[k], pg)
-                               if gp is not None))
+            for p, gp in zip(self.layer_params[k], pg):
+                if gp is not None:
+                    grads[id(p)] = gp
         return grads
 
     def batched_grads(self, extra: list[tuple[int, Tensor]]) -> dict[int, Tensor]:
