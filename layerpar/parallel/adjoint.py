@@ -27,6 +27,7 @@ from .batched import (
     stack_rows,
     unstack_rows,
 )
+from .sharing import add
 from .tape import Tape
 
 if TYPE_CHECKING:
@@ -65,6 +66,20 @@ def _reversed_rows(states: list) -> Optional[Tensor]:
     return None
 
 
+def _first_uses(params: list[Tensor], grads: tuple[Optional[Tensor], ...],
+                seen: set[int]) -> tuple[Optional[Tensor], ...]:
+    """`grads` of `params` with None for a parameter already in `seen` (the ids of
+    parameters whose gradient was kept); `seen` gains the others."""
+    out = []
+    for p, g in zip(params, grads):
+        if id(p) in seen:
+            g = None
+        elif g is not None:
+            seen.add(id(p))
+        out.append(g)
+    return tuple(out)
+
+
 class _Rows:
     """A pass's gradients of one parameter name, kept by `AdjointApp._keep_rows`:
     `base` [layers, ...] (a row per layer, in `layers` order), the layers' tensors and
@@ -95,7 +110,9 @@ class AdjointApp(StateOps):
         self.index_cache: dict[tuple, Tensor] = {}
         self.move_cache: dict[tuple, tuple] = {}  # see `_plan`
         self.row_cache: dict[int, _Rows] = {}  # see `_rows_reused`
-        self.reuse_rows = True  # (off: every pass makes new rows, as before; benchmarks)
+        # (off: every pass makes new rows, as before; benchmarks; and where a parameter
+        # serves several layers, whose rows are summed, not kept)
+        self.reuse_rows = not runner.shares
         self.end()
 
     # -- the pass ------------------------------------------------------------------------
@@ -180,9 +197,15 @@ class AdjointApp(StateOps):
         outs = list(grads[:len(recs)])
         if with_params:
             off = len(recs)
+            # a parameter several of these layers share: autograd gave each of its
+            # places the sum over all of them; kept at its first place only
+            seen: Optional[set[int]] = set() if self.r.shares else None
             for a, _ in pairs:
                 k = len(self.layer_params[a])
-                self.tape.param_grads[a] = grads[off:off + k]
+                got = grads[off:off + k]
+                if seen is not None:
+                    got = _first_uses(self.layer_params[a], got, seen)
+                self.tape.param_grads[a] = got
                 off += k
         if fs is not None:
             outs = [o if g is None else torch.add(o, g) for o, g in zip(outs, fs)]
@@ -461,27 +484,35 @@ class AdjointApp(StateOps):
             rec.xd = rec.x.detach()
         return Row(rec.xd, row)
 
-    def gradients(self) -> dict[int, Tensor]:
+    def gradients(self, extra: list[tuple[int, Tensor]]) -> dict[int, Tensor]:
         """id(parameter) -> gradient of this rank's layers, from the final adjoint
-        sweep (handed to the replicas' averaging first, where there is one)."""
+        sweep (handed to the replicas' averaging first, where there is one).  A
+        parameter several layers share (`SegmentRunner.shares`) gets its first use's
+        there, and each further use's (id, gradient) in `extra` (`sharing.add`)."""
         if self.bb is not None:
-            return self.batched_grads()
+            return self.batched_grads(extra)
         grads: dict[int, Tensor] = {}
         tape = self.tape
         if self.averager is not None:
             self.averager.add(g for k in sorted(tape.param_grads)
                               for g in tape.param_grads[k])
+        if self.r.shares:
+            for k, pg in tape.param_grads.items():
+                add(grads, extra, ((id(p), gp) for p, gp in zip(self.layer_params[k], pg)
+                                   if gp is not None))
+            return grads
         for k, pg in tape.param_grads.items():
             for p, gp in zip(self.layer_params[k], pg):
                 if gp is not None:
                     grads[id(p)] = gp
         return grads
 
-    def batched_grads(self) -> dict[int, Tensor]:
+    def batched_grads(self, extra: list[tuple[int, Tensor]]) -> dict[int, Tensor]:
         """id(parameter) -> gradient of this rank's layers, from the records of the
         final adjoint sweep: rows of stacked gradients, as views (no copy per layer),
         matched to their parameters without a Python step per layer
-        (`BatchedBlocks.column`).  Frozen parameters get none."""
+        (`BatchedBlocks.column`).  Frozen parameters get none; a shared parameter's
+        further uses go to `extra` (`gradients`)."""
         bb = self.bb
         assert bb is not None
         recs = [r for r in self.tape.brecords if r.grads]
@@ -515,7 +546,10 @@ class AdjointApp(StateOps):
             params = bb.column(k, layers)
             # frozen layers' rows dropped; C-level iteration throughout
             pairs = list(compress(zip(map(id, params), rows), map(_REQUIRES_GRAD, params)))
-            out.update(pairs)
+            if self.r.shares:
+                add(out, extra, pairs)
+            else:
+                out.update(pairs)
             if self.averager is None and self.reuse_rows:
                 self._keep_rows(k, layers, rows, params, pairs)
         return out

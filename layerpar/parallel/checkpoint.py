@@ -27,13 +27,16 @@ def gather_state_dict(model: LayerParallel) -> dict[str, Tensor]:
         merged.update(part)
     return dict(sorted(merged.items(), key=lambda kv: _name_order(kv[0])))
 
-def _optimizer_names(model: LayerParallel, optimizer: Any, what: str) -> dict[int, str]:
-    """id(parameter) -> its name, for every tensor `optimizer` holds; a ValueError when
-    one is not a parameter of this rank's part of `model`."""
+def _optimizer_names(model: LayerParallel, optimizer: Any, what: str) -> dict[int, list[str]]:
+    """id(parameter) -> every name it has in this rank's part of `model` (several for a
+    parameter that several layers share), for every tensor `optimizer` holds; a
+    ValueError when one is not a parameter of this rank's part of `model`."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"`optimizer` must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    names = {id(p): n for n, p in model.named_parameters()}
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
     for gi, g in enumerate(optimizer.param_groups):
         for pi, p in enumerate(g["params"]):
             if id(p) not in names:
@@ -56,12 +59,14 @@ def gather_optimizer_state(model: LayerParallel,
         names = _optimizer_names(model, optimizer, "gather_optimizer_state")
         sd = optimizer.state_dict()
         order = [p for g in optimizer.param_groups for p in g["params"]]
-        state = {names[id(order[i])]: {k: (v.detach().cpu() if isinstance(v, Tensor) else v)
-                                       for k, v in st.items()}
-                 for i, st in sd["state"].items()}
+        # a parameter several layers share, under each of its names here: a rank of
+        # another partition looks it up under the first name it has there
+        state = {n: {k: (v.detach().cpu() if isinstance(v, Tensor) else v)
+                     for k, v in st.items()}
+                 for i, st in sd["state"].items() for n in names[id(order[i])]}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
-        group_of = {names[id(p)]: gi for gi, g in enumerate(optimizer.param_groups)
-                    for p in g["params"]}
+        group_of = {n: gi for gi, g in enumerate(optimizer.param_groups)
+                    for p in g["params"] for n in names[id(p)]}
         part = (state, groups, group_of, type(optimizer).__name__)
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         err = exc
@@ -107,7 +112,7 @@ def load_optimizer_state(model: LayerParallel, optimizer: torch.optim.Optimizer,
                          "`optimizer`")
     new_state = {}
     for i, p in enumerate(order):
-        st = state["state"].get(names[id(p)])
+        st = next((state["state"][n] for n in names[id(p)] if n in state["state"]), None)
         if st is not None:
             # copies: the optimizer updates its state in place, and `state` must stay
             # what was gathered (it may be loaded again, or saved later)

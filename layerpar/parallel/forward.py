@@ -83,7 +83,7 @@ class ForwardApp(StateOps):
         if final and tape.recording:
             prev = tape.records.get(a - 1)
             with torch.enable_grad():
-                if prev is not None and u is prev[2]:
+                if prev is not None and u is prev[2] and not self.r.shares:
                     u_in = prev[1]  # continue the previous step's graph (a chain)
                     tape.chain_head[a] = tape.chain_head[a - 1]
                 else:
@@ -112,11 +112,14 @@ class ForwardApp(StateOps):
             return outs
         prev = tape.records.get(as_[0] - 1)
         with torch.enable_grad():
-            if prev is not None and u is prev[2]:
+            shares = self.r.shares  # (then each step its own graph: see the runner)
+            if prev is not None and u is prev[2] and not shares:
                 x, head = prev[1], tape.chain_head[as_[0] - 1]
             else:
                 x, head = u.detach().requires_grad_(), as_[0]
             for a, b in zip(as_, bs):
+                if shares and a != as_[0]:
+                    x, head = x.detach().requires_grad_(), a
                 x_in = x
                 x = self.phi(x_in, a, b, True)
                 det = x.detach()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -45,6 +45,9 @@ from .move import Like, move
 from .plan import Plan
 from .replicas import GradAverager
 from .runner import SegmentRunner
+from .sharing import SharedParams
+from .sharing import add as add_grads
+from .sharing import finish as finish_grads
 from .tape import PassRecord, PlainRecord
 
 _LINK_TAG = 31002
@@ -151,6 +154,13 @@ class LayerParallel(nn.Module):
     (and so the loss) is returned on every rank.  `named_parameters()` yields only this
     rank's parameters, under the names they have in the serial net.  After each pass
     `last_forward` / `last_backward` report MGRIT iterations and residuals per segment.
+
+    A parameter that several layers use (one block module for every step, a
+    time-invariant ODE; weights tied between layers) gets, as in serial autograd, the
+    sum of its uses' gradients: summed on each rank, then over the ranks whose layers
+    use it (one all-reduce per backward pass, only for nets with such parameters;
+    `layerpar.parallel.sharing`), so each rank's copy gets the same gradient and, with
+    the same optimizer, stays equal to the others'.
 
     On one rank with sequential forward and adjoint solves (`max_levels=1` for both,
     the default) the model runs in *direct mode*: the forward sweep is recorded onto
@@ -319,6 +329,9 @@ class LayerParallel(nn.Module):
                 shards.append(layer if owner == rank else _Remote(owner))
                 self._layers_meta.append(("plain", owner))
         self.layers = nn.ModuleList(shards)
+        # parameters several layers use (one block for every step; tied weights):
+        # every use's gradient summed, over the ranks too (`sharing`)
+        self._shared = SharedParams.build(self._layer_owners(net))
         self._param_list: Optional[list[nn.Parameter]] = None
         self._deliver = GradDelivery()
         self._closed = False
@@ -352,6 +365,20 @@ class LayerParallel(nn.Module):
         if auto:
             self._auto = AutoTuner(auto_policy(policy))
             self.accuracy = None  # the chosen setting's controller, once tuned
+
+    def _layer_owners(self, net: ODENet) -> list[tuple[str, nn.Module, int]]:
+        """(name, module, owner rank) of every layer of the whole net, a segment's
+        blocks one by one (the same on every rank)."""
+        out: list[tuple[str, nn.Module, int]] = []
+        for k, layer in enumerate(net.layers):
+            kind, info = self._layers_meta[k]
+            if kind == "plain":
+                out.append((f"layers.{k}", layer, info))
+                continue
+            part = self._runners[k].part
+            out.extend((f"layers.{k}.blocks.{n}", layer.blocks[n], q)
+                       for q in range(self.size) for n in part.steps(q))
+        return out
 
     @property
     def last_forward(self) -> list[MGRITResult]:
@@ -768,6 +795,7 @@ class LayerParallel(nn.Module):
                                       "loss?)")
         size, rank = self.size, self.rank
         grads: dict[int, Tensor] = {}  # id(parameter) -> gradient (Tensor.__hash__ is slow)
+        extra: list[tuple[int, Tensor]] = []  # a shared parameter's further uses
         g: Optional[Tensor] = gy if rank == ctx.out_holder else None
         holder = ctx.out_holder
         seg_shapes = list(ctx.shapes)
@@ -792,9 +820,9 @@ class LayerParallel(nn.Module):
                         g, outs = (outs[0], outs) if wrt else (None, (None, *outs))
                         if self._averager is not None:
                             self._averager.add(outs[1:])
-                        for p, gp in zip(rec.group_params, outs[1:]):
-                            if gp is not None:
-                                grads[id(p)] = gp
+                        add_grads(grads, extra, ((id(p), gp) for p, gp in
+                                                 zip(rec.group_params, outs[1:])
+                                                 if gp is not None))
             else:
                 runner = self._runners[k]
                 shape, dtype = seg_shapes.pop()
@@ -803,14 +831,22 @@ class LayerParallel(nn.Module):
                     g = self._move(g, holder, size - 1, shape, dtype, gy.device)
                     holder = size - 1
                 g, stats, seg_grads = runner.backward(g if rank == size - 1 else None, like,
-                                                      ctx.tapes.pop(k))
+                                                      ctx.tapes.pop(k), extra)
                 self.last_backward.append(stats)
-                grads.update(seg_grads)
+                if self._shared is None:
+                    grads.update(seg_grads)
+                else:
+                    add_grads(grads, extra, seg_grads.items())
                 holder = 0
                 g_meta = (shape, dtype)
         self.last_backward.reverse()
         if self._averager is not None:
             self._averager.finish()
+        if self._shared is not None:
+            # every use of a shared parameter, once the replicas averaged each use's
+            # gradient in place, then over the ranks whose layers use it
+            finish_grads(grads, extra)
+            self._shared.reduce(grads, self.transport, rank)
         if self.training and self._stats_averager is not None and not self._checking:
             self._average_running_stats()
         gx = None
@@ -1015,8 +1051,12 @@ class LayerParallel(nn.Module):
         p = float(norm_type)
         params = [q for q in self.parameters() if q.grad is not None]
         local = 0.0
-        if params:
-            part = float(torch.nn.utils.get_total_norm([q.grad for q in params], p))
+        # a parameter whose layers lie on several ranks has the same gradient on each:
+        # counted once, on the first of them
+        counted = params if self._shared is None else \
+            [q for q in params if self._shared.counts_here(q, self.rank)]
+        if counted:
+            part = float(torch.nn.utils.get_total_norm([q.grad for q in counted], p))
             local = part if p == float("inf") else part ** p
         parts = [local] if self.size == 1 else self.guard(
             lambda: self.transport.allgather_object(local, "clip_grad_norm_"))
@@ -1034,37 +1074,60 @@ class LayerParallel(nn.Module):
                         assign: bool = False) -> Any:
         """`nn.Module.load_state_dict`, which also takes the whole network's state dict
         (`gather_state_dict`, or the serial `ODENet`'s) on any number of ranks: each
-        rank loads its own part.  The other ranks' entries (their layers, named as in
-        the whole net) are not "unexpected"; a key of no layer of this network still is,
-        and with `strict` every key of this rank's part must be there.  Not collective.
-        (At more than one rank ``model.load_state_dict(full)`` raised on every key of
-        another rank's layers.)"""
+        rank loads its own part.  Not collective, yet a whole-network dict is checked
+        whole on every rank (each holds the whole net's names and shapes): a key of no
+        layer, a wrong shape anywhere, and with `strict` a key missing anywhere raise
+        alike on every rank, before anything is loaded.  A dict of this rank's keys
+        only (its own ``state_dict()``) is this rank's part and is checked as such.
+
+        assign: refused (`ValueError`).  layerpar holds this rank's parameter tensors
+        beyond the modules (the segment solvers' per-layer lists, vectorised steps'
+        stacked views, shared parameters' reductions, auto's candidates and
+        replicated copies): new tensors put in the modules would be used by some of
+        these and not by others, and the old ones would keep training.  Load with the
+        default ``assign=False`` (the values are copied into the tensors layerpar and
+        the optimizer hold), or load into the `ODENet` with ``assign=True`` before
+        building the LayerParallel.
+        """
+        if assign:
+            raise ValueError(
+                "LayerParallel.load_state_dict does not support `assign=True`: layerpar "
+                "holds this rank's parameter tensors in its solvers, vectorised steps and "
+                "gradient reductions, which would go on using and training the old "
+                "tensors. Load with assign=False (the values are copied into the "
+                "parameters layerpar and your optimizer hold), or load the state into "
+                "the ODENet with assign=True before building the LayerParallel")
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"`state_dict` must be a mapping of names to tensors, got "
+                            f"{type(state_dict).__name__}")
         mine = self.state_dict(keep_vars=True)
-        if all(k in mine for k in state_dict):
-            return super().load_state_dict(state_dict, strict, assign)
-        unexpected = [k for k in state_dict if k not in mine and not self._whole_net_key(k)]
+        # checked first, against this rank's part or the whole net's (torch's own
+        # load copies what it can before it raises)
+        whole = mine if all(k in mine for k in state_dict) else \
+            self.whole_net.state_dict(keep_vars=True)
+        unexpected = [k for k in state_dict if k not in whole]
+        errors = []
         if strict and unexpected:
-            raise RuntimeError("Error(s) in loading state_dict for LayerParallel: "
-                               "Unexpected key(s) in state_dict (no layer of this network "
-                               "has them): " + ", ".join(f'"{k}"' for k in unexpected))
+            errors.append("Unexpected key(s) in state_dict (no layer of this network has "
+                          "them): " + ", ".join(f'"{k}"' for k in unexpected))
+        if strict:
+            missing = [k for k in whole if k not in state_dict]
+            if missing:
+                errors.append("Missing key(s) in state_dict: "
+                              + ", ".join(f'"{k}"' for k in missing))
+        for k, v in state_dict.items():
+            want = whole.get(k)
+            if want is not None and isinstance(v, Tensor) and v.shape != want.shape:
+                errors.append(f"size mismatch for {k}: copying a param with shape "
+                              f"{v.shape} from checkpoint, the shape in current model is "
+                              f"{want.shape}.")
+        if errors:
+            raise RuntimeError("Error(s) in loading state_dict for LayerParallel:\n\t"
+                               + "\n\t".join(errors))
         got = super().load_state_dict({k: v for k, v in state_dict.items() if k in mine},
-                                      strict, assign)
+                                      strict)
         got.unexpected_keys.extend(unexpected)
         return got
-
-    def _whole_net_key(self, key: str) -> bool:
-        """Whether `key` names a tensor of another rank's part of this network: a plain
-        layer's, or block j of a segment of N steps (0 <= j < N)."""
-        parts = key.split(".")
-        if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit():
-            return False
-        k = int(parts[1])
-        if k >= len(self._layers_meta):
-            return False
-        if self._layers_meta[k][0] == "plain":
-            return True
-        return len(parts) >= 4 and parts[2] == "blocks" and parts[3].isdigit() and \
-            int(parts[3]) < self._runners[k].n
 
     def gather_state_dict(self) -> dict[str, Tensor]:
         """The whole network's state dict (loads into the serial `ODENet`), on every rank

@@ -239,9 +239,13 @@ class ReplicatedSerial:
             # finds that out on each pass (36 us on digits, 96 us on Peaks)
             self.net.forward_seed = _no_seed
         self._owners = owners
+        real = {id(named[i][1]) for i in local}
         for i, (_, t) in enumerate(rep):
-            if owners[i] != self.rank and isinstance(t, nn.Parameter):
-                # its owner computes its gradient; split, every rank adds its rows' share
+            if owners[i] != self.rank and isinstance(t, nn.Parameter) and id(t) not in real:
+                # its owner computes its gradient; split, every rank adds its rows' share.
+                # (A tensor this rank holds too, one that layers of several ranks use,
+                # keeps its flag: the whole net's autograd gives each such rank the sum
+                # of all its uses, serial's gradient, so the ranks' copies stay equal.)
                 t.requires_grad_(split and named[i][1].requires_grad)
         # split: every trainable tensor (the same list on every rank, laid out by owner
         # so that each rank's own ones lie together in the flat gradient), and where
@@ -269,7 +273,6 @@ class ReplicatedSerial:
         for i, (_, t) in enumerate(rep):
             if owners[i] is not None:
                 by.setdefault(t.dtype, {}).setdefault(owners[i], []).append(t)
-        real = {id(named[i][1]) for i in local}
         self._xchg: list[_Exchange] = []
         for dtype, per in by.items():
             width = max(sum(t.numel() for t in ts) for ts in per.values())

@@ -44,6 +44,7 @@ from .bn_dropout import batch_norms, layer_function
 from .direct import DirectApp
 from .forward import ForwardApp
 from .ghosts import Ghosts, needed_layers
+from .sharing import shares_parameters
 from .tape import Tape, autocast_as, autocast_dtype
 from .timing import best_seconds
 
@@ -90,6 +91,11 @@ class SegmentRunner:
                              lambda q: needed_layers(n, size, q, fwd, bwd, coarsening))
         self.blocks: dict[int, nn.Module] = {k: seg.blocks[k] for k in self.owned}
         self.blocks.update(self.ghosts.blocks)
+        # one parameter tensor serves several of this rank's layers (one block module
+        # for every step: a time-invariant ODE): each recorded step gets a graph of its
+        # own (a chain's graph would hand a layer's parameter gradient the earlier
+        # layers' uses too), and the uses' gradients are summed (`sharing`)
+        self.shares = shares_parameters(self.blocks[k] for k in self.owned)
         # the one propagator over them, which every app steps through
         self.prop = Propagator(self.blocks, self.times, self.scheme, coarsening)
         # trainable parameters per owned layer; refreshed when requires_grad changes
@@ -390,11 +396,13 @@ class SegmentRunner:
         assert out is not None
         return out, stats
 
-    def backward(self, lam_n: Optional[Tensor], like: Tensor, tape: Tape
+    def backward(self, lam_n: Optional[Tensor], like: Tensor, tape: Tape,
+                 extra: list[tuple[int, Tensor]]
                  ) -> tuple[Optional[Tensor], MGRITResult, dict[int, Tensor]]:
         """Adjoint solve of the pass that recorded `tape` (MGRIT, or exact propagation
         as that pass ran); returns (lambda_0 on rank 0 else None, stats, id(parameter)
-        -> gradient of this rank's layers).  The tape's records are consumed."""
+        -> gradient of this rank's layers; a shared parameter's further uses are put in
+        `extra`, see `AdjointApp.gradients`).  The tape's records are consumed."""
         self.rtransport.set_template(like)
         if tape.bb is not None and tape.versions is not None:
             tape.bb.check_versions(tape.versions, self.seg_index)
@@ -405,7 +413,7 @@ class SegmentRunner:
             with autocast_as(like.device, tape.autocast):
                 stats = session.drive(lazy_history=not self.check_finite)
                 out = as_tensor(session.state(self.n)) if self.transport.rank == 0 else None
-                grads = app.gradients()
+                grads = app.gradients(extra)
         finally:
             app.end()
             tape.__init__()  # consumed: drop the records and their graphs

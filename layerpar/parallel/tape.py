@@ -122,7 +122,10 @@ class PlainRecord:
         else:
             self.x, self.y = x, layer(x)
         self.params = [p for p in layer.parameters() if p.requires_grad]
-        self.group_params = (prev.group_params if prev is not None else []) + self.params
+        # each tensor once (the group's gradient of a weight two of its layers share is
+        # the sum of both uses; listed twice, autograd would hand that sum out twice)
+        group = prev.group_params if prev is not None else []
+        self.group_params = group + [p for p in self.params if all(p is not q for q in group)]
 
     @property
     def head(self) -> PlainRecord:
