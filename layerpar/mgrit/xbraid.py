@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 from .errors import RemoteError
 from .transport.base import describe, nbytes, pack, unpack
@@ -131,6 +131,7 @@ class XBraidEngine:
         from .._native._xbraid import XBraidCore
 
         self.transport = transport
+        self._comm: Optional[MPI.Intracomm]
         if transport.backend == "serial":
             self._comm, self._own = MPI.COMM_SELF, False
         else:
@@ -185,9 +186,10 @@ class XBraidEngine:
 
     def close(self) -> None:
         """Release the engine's communicator."""
-        if self._own and getattr(self, "_comm", None) is not None:
+        comm = getattr(self, "_comm", None)
+        if self._own and comm is not None:
             from mpi4py import MPI
 
             if not MPI.Is_finalized():
-                self._comm.Free()
+                comm.Free()
         self._comm = None
