@@ -140,8 +140,7 @@ class XBraidEngine:
                                self._unpack)
 
     def _unpack(self, raw: Any) -> Any:
-        t = self.transport
-        return unpack(raw, t._shape, t._dtype, t._device)
+        return unpack(raw, *self.transport.template)
 
     def set_options(self, **kwargs: Any) -> None:
         self.core.set_options(**kwargs)
@@ -153,7 +152,8 @@ class XBraidEngine:
         """Run XBraid; re-raise a callback's exception here, or `RemoteError` for one
         raised on another rank.  Returns 0 or NAN_ERROR, as `Core.drive`."""
         t = self.transport
-        self.core.set_nbytes(nbytes(t._shape, t._dtype))
+        shape, dtype, _ = t.template
+        self.core.set_nbytes(nbytes(shape, dtype))
         if t.size > 1:
             # XBraid's own waits watch no error channel and have no time limit: enter
             # braid_Drive only when every rank has come this far (this exchange is

@@ -283,6 +283,11 @@ class Transport:
         """Shape, dtype and device of the states received from now on."""
         self._shape, self._dtype, self._device = tuple(like.shape), like.dtype, like.device
 
+    @property
+    def template(self) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+        """(shape, dtype, device) of the states received, as `set_template` gave them."""
+        return self._shape, self._dtype, self._device
+
     def world_rank(self, q: int) -> int:
         """Group rank `q` as the error channel numbers it (the world rank in a process
         grid); the group rank where the group is the world."""
