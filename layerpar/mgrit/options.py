@@ -26,6 +26,11 @@ def _int(name: str, value: Any, lo: int, hi: int = ENGINE_INT_MAX) -> int:
                    why=" (the engine holds it in a C int)")
 
 
+def _levels(value: IntOrSeq) -> tuple[int, ...]:
+    """A per-level setting as the tuple `MGRITOptions` normalises it to."""
+    return (value,) if isinstance(value, int) else tuple(value)
+
+
 def _per_level(name: str, value: Any, lo: int) -> tuple[int, ...]:
     if isinstance(value, (list, tuple)):
         if not value:
@@ -84,12 +89,13 @@ class MGRITOptions:
 
     def cfactor_at(self, level: int) -> int:
         """Coarsening factor from `level` to `level + 1`."""
-        cf = self.cfactor  # normalised to a tuple
-        return cf[min(level, len(cf) - 1)]  # type: ignore[index]
+        cf = _levels(self.cfactor)
+        return cf[min(level, len(cf) - 1)]
 
     def nrelax_at(self, level: int) -> int:
-        nr = self.nrelax
-        return nr[min(level, len(nr) - 1)]  # type: ignore[index]
+        """FC sweeps on `level` before its final F-sweep."""
+        nr = _levels(self.nrelax)
+        return nr[min(level, len(nr) - 1)]
 
     def replace(self, **changes: Any) -> MGRITOptions:
         """A copy with some fields changed (validated again)."""
@@ -108,8 +114,8 @@ class MGRITOptions:
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `Core.set_options`."""
         return dict(
-            max_levels=self.max_levels, cfactor=list(self.cfactor),  # type: ignore[arg-type]
-            nrelax=list(self.nrelax), min_coarse=self.min_coarse,  # type: ignore[arg-type]
+            max_levels=self.max_levels, cfactor=list(_levels(self.cfactor)),
+            nrelax=list(_levels(self.nrelax)), min_coarse=self.min_coarse,
             tol=self.tol, rtol=self.rtol, max_iter=self.max_iter, skip=self.skip,
             fmg=self.fmg, cweight=self.cweight, final_fc_relax=self.final_fc_relax,
         )

@@ -71,13 +71,16 @@ class _SolveApp:
     def __init__(self, step: StepFn, step_batch: Optional[BatchStepFn], u0: torch.Tensor,
                  init: Optional[Callable[[float], torch.Tensor]]) -> None:
         self._user_step = step
-        self._user_batch = step_batch
         self.u0 = u0
         self._init = init
         self._zero = torch.zeros_like(u0)
         self._shape, self._dtype, self._cuda = u0.shape, u0.dtype, u0.is_cuda
-        if step_batch is None:
-            self.step_batch = None  # the engine then calls step() per state
+        # the engine's batched step where the user gave one (None: it calls step() per
+        # state)
+        self.step_batch: Optional[Callable[..., list]] = None
+        if step_batch is not None:
+            self._batch_fn: BatchStepFn = step_batch
+            self.step_batch = self._step_batch
 
     def step(self, u: torch.Tensor, f: Optional[torch.Tensor], ts: float, te: float, is_: int,
              ie: int, level: int, final: int) -> torch.Tensor:
@@ -92,10 +95,10 @@ class _SolveApp:
             _check_state(out, self.u0, "step")
         return out if f is None else torch.add(out, f)
 
-    def step_batch(self, us: list, fs: Optional[list], ts: list, te: list, is_: list, ie: list,
-                   level: int, final: int) -> list:
+    def _step_batch(self, us: list, fs: Optional[list], ts: list, te: list, is_: list,
+                    ie: list, level: int, final: int) -> list:
         versions = [u._version for u in us]
-        outs = list(self._user_batch(us, ts, te, level))  # type: ignore[misc]
+        outs = list(self._batch_fn(us, ts, te, level))
         if any(u._version != v for u, v in zip(us, versions)):
             _modified_input("step_batch")
         if len(outs) != len(us):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 from .errors import RemoteError
 from .transport.base import describe, nbytes, pack, unpack
@@ -131,6 +131,7 @@ class XBraidEngine:
         from .._native._xbraid import XBraidCore
 
         self.transport = transport
+        self._comm: Optional[MPI.Intracomm]
         if transport.backend == "serial":
             self._comm, self._own = MPI.COMM_SELF, False
         else:
@@ -139,8 +140,7 @@ class XBraidEngine:
                                self._unpack)
 
     def _unpack(self, raw: Any) -> Any:
-        t = self.transport
-        return unpack(raw, t._shape, t._dtype, t._device)
+        return unpack(raw, *self.transport.template)
 
     def set_options(self, **kwargs: Any) -> None:
         self.core.set_options(**kwargs)
@@ -152,7 +152,8 @@ class XBraidEngine:
         """Run XBraid; re-raise a callback's exception here, or `RemoteError` for one
         raised on another rank.  Returns 0 or NAN_ERROR, as `Core.drive`."""
         t = self.transport
-        self.core.set_nbytes(nbytes(t._shape, t._dtype))
+        shape, dtype, _ = t.template
+        self.core.set_nbytes(nbytes(shape, dtype))
         if t.size > 1:
             # XBraid's own waits watch no error channel and have no time limit: enter
             # braid_Drive only when every rank has come this far (this exchange is
@@ -185,9 +186,10 @@ class XBraidEngine:
 
     def close(self) -> None:
         """Release the engine's communicator."""
-        if self._own and getattr(self, "_comm", None) is not None:
+        comm = getattr(self, "_comm", None)
+        if self._own and comm is not None:
             from mpi4py import MPI
 
             if not MPI.Is_finalized():
-                self._comm.Free()
+                comm.Free()
         self._comm = None

@@ -10,16 +10,56 @@ gradients.  One error channel spans the world, so a failure anywhere stops all.
 """
 from __future__ import annotations
 
-import datetime
-import os
-import socket
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from .._checks import positive_int
-from ..mgrit.transport import DEFAULT_TIMEOUT, Transport, check_timeout, make_transport
+from ..mgrit.transport import (
+    DEFAULT_TIMEOUT,
+    ErrorChannel,
+    Transport,
+    check_timeout,
+    make_transport,
+)
 from .sync import SlowLink, SyncStrategy, make_sync
 
 __all__ = ["ProcessGrid"]
+
+
+@dataclass
+class _Shape:
+    """A grid's checked arguments (what `ProcessGrid` agrees on before any group)."""
+
+    data: int
+    layers: int
+    nodes: Optional[int]
+    strategy: SyncStrategy
+    link: Optional[SlowLink]
+
+    def key(self) -> dict[str, Any]:
+        """What must be equal on every process."""
+        return {"data": self.data, "layers": self.layers, "nodes": self.nodes,
+                **self.strategy.key(),
+                "link": None if self.link is None else self.link.key()}
+
+
+def _check_shape(size: int, data: Any, layers: Any, nodes: Any, sync: Any,
+                 link: Any) -> _Shape:
+    """`ProcessGrid`'s arguments checked against the `size` processes of its group."""
+    data = positive_int("data", data)
+    layers = size // data if layers is None else positive_int("layers", layers)
+    if data * layers != size:
+        raise ValueError(f"a grid of `data`={data} x `layers`={layers} = "
+                         f"{data * layers} processes does not match the "
+                         f"{size} processes of `comm`")
+    if nodes is not None:
+        nodes = positive_int("nodes", nodes)
+        if data % nodes:
+            raise ValueError(f"`nodes`={nodes} must divide `data`={data} (each "
+                             "simulated node holds data/nodes replicas)")
+    if link is not None and not isinstance(link, SlowLink):
+        raise TypeError(f"`link` must be a SlowLink or None, got {type(link).__name__}")
+    return _Shape(data, layers, nodes, make_sync(sync), link)
 
 
 class ProcessGrid:
@@ -62,59 +102,38 @@ class ProcessGrid:
         self.world.timeout = timeout
         size = self.world.size
         err: Optional[BaseException] = None
+        shape: Optional[_Shape] = None
         try:
-            data = positive_int("data", data)
-            layers = size // data if layers is None else positive_int("layers", layers)
-            if data * layers != size:
-                raise ValueError(f"a grid of `data`={data} x `layers`={layers} = "
-                                 f"{data * layers} processes does not match the "
-                                 f"{size} processes of `comm`")
-            if nodes is not None:
-                nodes = positive_int("nodes", nodes)
-                if data % nodes:
-                    raise ValueError(f"`nodes`={nodes} must divide `data`={data} (each "
-                                     "simulated node holds data/nodes replicas)")
-            if link is not None and not isinstance(link, SlowLink):
-                raise TypeError(f"`link` must be a SlowLink or None, got "
-                                f"{type(link).__name__}")
-            strategy = make_sync(sync)
+            shape = _check_shape(size, data, layers, nodes, sync, link)
         except (TypeError, ValueError) as exc:
             err = exc
-        self.world.agree(None if err else {
-            "data": data, "layers": layers, "nodes": nodes, **strategy.key(),
-            "link": None if link is None else link.key()}, err, "ProcessGrid shape")
-        assert layers is not None
+        self.world.agree(None if shape is None else shape.key(), err, "ProcessGrid shape")
+        if shape is None:  # agree() has raised this rank's error
+            raise RuntimeError("ProcessGrid: the shape check failed without an error")
         self.comm = comm
-        self.data, self.layers = data, layers
+        self.data, self.layers = shape.data, shape.layers
         self.world_rank, self.world_size = self.world.group_rank, size
-        self.data_rank, self.layer_rank = divmod(self.world_rank, layers)
+        self.data_rank, self.layer_rank = divmod(self.world_rank, self.layers)
         self.timeout = timeout
-        self.layer_comm, self.data_comm = self._split(comm)
+        L, R = self.layers, self.data
+        # this process's layer group (the ranks of its replica), then its data group
+        # (the ranks holding its layers in every replica), in this order on every rank
+        self.layer_comm: Any = self.world.split([[d * L + q for q in range(L)]
+                                                 for d in range(R)])
+        self.data_comm: Any = self.world.split([[d * L + q for d in range(R)]
+                                                for q in range(L)])
         self.meter: dict[str, int] = {}
         self.link = link
-        self.node_of = self._node_ids(nodes)
-        self.sync: SyncStrategy = strategy
-        strategy.setup(self)
+        self.node_of = self._node_ids(shape.nodes)
+        self.sync: SyncStrategy = shape.strategy
+        shape.strategy.setup(self)
 
     def _node_ids(self, nodes: Optional[int]) -> list[int]:
         """The node (0, 1, ...) of every process of the group (collective)."""
         L, per = self.layers, self.data // nodes if nodes else 0
         if nodes is not None:
             return [(w // L) // per for w in range(self.world_size)]
-        if self.comm is None:
-            return [0]
-        if self.world.backend == "mpi":
-            from mpi4py import MPI
-
-            shared = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.world_rank)
-            key: Any = shared.allreduce(self.world_rank, op=MPI.MIN)
-            shared.Free()
-        else:
-            import torch.distributed as dist
-
-            local = os.environ.get("LOCAL_WORLD_SIZE")
-            key = dist.get_rank() // int(local) if local else socket.gethostname()
-        keys = self.world.allgather_object(key, "the node of each process")
+        keys = self.world.allgather_object(self.world.node_key(), "the node of each process")
         ids: dict[Any, int] = {}
         return [ids.setdefault(k, len(ids)) for k in keys]
 
@@ -137,90 +156,19 @@ class ProcessGrid:
             leaders.append([m[0] for m in by.values()])
         me = self.world_rank
         leader = any(me == g[0] for g in nodes)
-        return self._subgroup(nodes), self._subgroup(leaders), leader
-
-    def _subgroup(self, parts: list[list[int]]) -> Any:
-        """This process's group among disjoint `parts` (world ranks; groups of one
-        process are not made): None where it is in none (collective)."""
-        if self.comm is None:
-            return None
-        me = self.world_rank
-        mine = next((i for i, g in enumerate(parts) if me in g and len(g) > 1), None)
-        if self.world.backend == "mpi":
-            from mpi4py import MPI
-
-            c = self.comm.Split(MPI.UNDEFINED if mine is None else mine, me)
-            if c == MPI.COMM_NULL:
-                return None
-            self._free.append(c)
-            return c
-        import torch.distributed as dist
-
-        ranks = dist.get_process_group_ranks(self.comm)
-        kw: dict[str, Any] = {"backend": "nccl" if self.world.backend == "nccl" else "gloo"}
-        if self.timeout is not None:
-            kw["timeout"] = datetime.timedelta(seconds=self.timeout)
-        got = None
-        for i, g in enumerate(parts):  # every process creates every group, in order
-            if len(g) > 1:
-                made = dist.new_group([ranks[w] for w in g], **kw)
-                if i == mine:
-                    got = made
-        return got
-
-    def _split(self, comm: Any) -> tuple[Any, Any]:
-        """(this process's layer group, its data group) as `comm`'s kind of group."""
-        if comm is None:
-            return None, None
-        if self.world.backend == "mpi":
-            layer = comm.Split(color=self.data_rank, key=self.layer_rank)
-            data = comm.Split(color=self.layer_rank, key=self.data_rank)
-            self._free = [layer, data]
-            return layer, data
-        import torch.distributed as dist
-
-        ranks = dist.get_process_group_ranks(comm)
-        L, R = self.layers, self.data
-        self._free = []
-        if R == 1:  # the layer group is the whole group
-            return comm, None
-        if L == 1:  # one layer rank per replica: no layer messages
-            return None, comm
-        # a group over the whole world is created by every process (names by creation
-        # order); over a subgroup by its members only (torch names such a group by its
-        # ranks and the number of groups the process has: its members must have created
-        # the same number of groups before)
-        local = len(ranks) != dist.get_world_size()
-        backend = "nccl" if self.world.backend == "nccl" else "gloo"
-        kw: dict[str, Any] = {"backend": backend, "use_local_synchronization": local}
-        if self.timeout is not None:
-            kw["timeout"] = datetime.timedelta(seconds=self.timeout)
-        mine_layer = mine_data = None
-        for d in range(R):  # every process creates every group, in the same order
-            members = [ranks[d * L + q] for q in range(L)]
-            if not local or d == self.data_rank:
-                g = dist.new_group(members, **kw)
-                if d == self.data_rank:
-                    mine_layer = g
-        for q in range(L):
-            members = [ranks[d * L + q] for d in range(R)]
-            if not local or q == self.layer_rank:
-                g = dist.new_group(members, **kw)
-                if q == self.layer_rank:
-                    mine_data = g
-        return mine_layer, mine_data
+        return self.world.subgroup(nodes), self.world.subgroup(leaders), leader
 
     @property
-    def errors(self) -> Any:
+    def errors(self) -> Optional[ErrorChannel]:
         """The world's error channel (shared by every transport built on this grid)."""
-        return getattr(self.world, "_errors", None)
+        return self.world.errors
 
     def transports(self) -> tuple[Transport, Optional[Transport]]:
         """New transports (duplicates) of the layer group and, with several replicas,
         the data group, sharing the world's error channel (collective)."""
         layer = make_transport(self.layer_comm, errors=self.errors, timeout=self.timeout)
         layer.timeout = self.timeout
-        layer._state["meter"] = self.meter
+        layer.meter = self.meter
         if self.data == 1:
             return layer, None
         data = make_transport(self.data_comm, errors=self.errors, timeout=self.timeout)
@@ -264,11 +212,9 @@ class ProcessGrid:
                                   shuffle=shuffle, seed=seed, drop_last=drop_last)
 
     def close(self) -> None:
-        """Release the groups this grid made (collective)."""
+        """Release the groups this grid made (collective; the world transport's close
+        frees the groups split from it)."""
         self.sync.close()
-        for c in getattr(self, "_free", []):
-            c.Free()
-        self._free = []
         self.world.close()
 
     def __repr__(self) -> str:

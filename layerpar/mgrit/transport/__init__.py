@@ -14,6 +14,8 @@ from typing import Any, Optional
 from .base import (
     _UNFINISHED,
     DEFAULT_TIMEOUT,
+    ChannelState,
+    ErrorChannel,
     Pending,
     Transport,
     check_timeout,
@@ -22,12 +24,12 @@ from .base import (
     pack,
     unpack,
 )
-from .mpi import MPITransport
+from .mpi import MPIErrors, MPITransport
 from .serial import SerialTransport
 
-__all__ = ["DEFAULT_TIMEOUT", "MPITransport", "Pending", "SerialTransport", "Transport",
-           "check_timeout", "describe", "guarded", "is_comm", "make_transport", "pack",
-           "unpack", "_UNFINISHED"]
+__all__ = ["DEFAULT_TIMEOUT", "ChannelState", "ErrorChannel", "MPITransport", "Pending",
+           "SerialTransport", "Transport", "check_timeout", "describe", "guarded", "is_comm",
+           "make_transport", "pack", "unpack", "_UNFINISHED"]
 
 
 def _is_process_group(comm: Any) -> bool:
@@ -47,18 +49,29 @@ def is_comm(comm: Any) -> bool:
     return _is_mpi_comm(comm) or _is_process_group(comm)
 
 
-def make_transport(comm: Any, *, errors: Any = None,
+def _channel_of(kind: type, errors: Optional[ErrorChannel], what: str) -> Any:
+    """`errors` where it is None or a channel of the `kind` the backend watches."""
+    if errors is not None and not isinstance(errors, kind):
+        raise TypeError(f"`errors` must be the error channel of {what} transport (a "
+                        f"{kind.__name__}, as its `errors`), got {type(errors).__name__}")
+    return errors
+
+
+def make_transport(comm: Any, *, errors: Optional[ErrorChannel] = None,
                    timeout: Optional[float] = None) -> Transport:
     """The transport for `comm`: None gives `SerialTransport`, an mpi4py communicator
     `MPITransport`, a `torch.distributed` process group (e.g. ``dist.group.WORLD``)
-    `TorchTransport`.  `errors` shares an error channel (a process grid's)."""
+    `TorchTransport`.  `errors` shares an error channel (another transport's `errors`
+    of the same backend: a process grid's)."""
     if comm is None:
         return SerialTransport()
     if _is_mpi_comm(comm):
-        return MPITransport(comm, errors=errors)
+        return MPITransport(comm, errors=_channel_of(MPIErrors, errors, "an mpi4py"))
     if _is_process_group(comm):
-        from .torchdist import TorchTransport
+        from .torchdist import StoreErrors, TorchTransport
 
-        return TorchTransport(comm, errors=errors, timeout=timeout)
+        return TorchTransport(comm, errors=_channel_of(StoreErrors, errors,
+                                                       "a torch.distributed"),
+                              timeout=timeout)
     raise TypeError(f"`comm` must be an mpi4py communicator, a torch.distributed process "
                     f"group or None, got {type(comm).__name__}")

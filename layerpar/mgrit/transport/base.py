@@ -35,8 +35,14 @@ Contract
   grid: every rank of the world) that this one failed, and a rank waiting anywhere
   then raises `RemoteError` instead of waiting on.  A rank that dies is reported as
   lost where the backend notices (a closed connection), else by the timeout.
+- **Sub-groups.**  `split(parts)` and `subgroup(parts)` make groups of the same kind
+  (an mpi4py communicator, a `torch.distributed` process group) from a partition of
+  the group's ranks, following each backend's rules for creating them collectively;
+  `node_key()` says which processes share a node.  A process grid builds its layer,
+  data and node groups with these alone, whatever the backend.
 - **Lifetime.**  A transport owns a duplicate of the user's group (its messages never
-  meet the user's); `close()` releases it (collective).
+  meet the user's); `close()` releases it, and the groups `split`/`subgroup` made where
+  the backend frees groups (collective).
 """
 from __future__ import annotations
 
@@ -44,8 +50,9 @@ import copy
 import itertools
 import math
 import pickle
-from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -58,8 +65,8 @@ from ..errors import RankMismatchError, RemoteError
 # request completes, so these must never be freed
 _UNFINISHED: list = []
 
-__all__ = ["DEFAULT_TIMEOUT", "Transport", "check_timeout", "describe", "guarded", "pack",
-           "unpack"]
+__all__ = ["DEFAULT_TIMEOUT", "ChannelState", "ErrorChannel", "Transport", "check_timeout",
+           "describe", "guarded", "pack", "unpack"]
 
 
 def check_timeout(timeout: Any) -> float | None:
@@ -121,11 +128,72 @@ def mismatch(labels: list[str]) -> Optional[RankMismatchError]:
         "calls in the same order (did a rank skip backward() or a batch?)")
 
 
+def need_tensor(t: Optional[torch.Tensor], what: str) -> torch.Tensor:
+    """`t`, which the root of a broadcast must give (a clear error where it did not)."""
+    if t is None:
+        raise ValueError(f"the root of {what} must pass the tensor to broadcast, got None")
+    return t
+
+
+def part_of(parts: Sequence[Sequence[int]], rank: int, smallest: int = 1) -> Optional[int]:
+    """The index of the part of `parts` holding `rank` among those of at least `smallest`
+    ranks (None: in none)."""
+    return next((i for i, g in enumerate(parts) if rank in g and len(g) >= smallest), None)
+
+
+def check_partition(parts: Sequence[Sequence[int]], size: int, cover: bool) -> None:
+    """Raise ValueError unless `parts` are disjoint lists of ranks in [0, size), each in
+    increasing order (and, with `cover`, hold every rank): the same on every rank, which
+    passes the same `parts`."""
+    seen: set[int] = set()
+    for g in parts:
+        if any(a >= b for a, b in zip(g, list(g)[1:])):
+            raise ValueError(f"each part must list its ranks in increasing order, got "
+                             f"{list(g)}")
+        for q in g:
+            if isinstance(q, bool) or not isinstance(q, int) or not 0 <= q < size:
+                raise ValueError(f"`parts` must hold ranks in [0, {size}), got {q!r}")
+            if q in seen:
+                raise ValueError(f"`parts` must be disjoint: rank {q} is in two parts")
+            seen.add(q)
+    if cover and len(seen) != size:
+        missing = sorted(set(range(size)) - seen)
+        raise ValueError(f"`parts` must cover the group's {size} ranks; ranks {missing} "
+                         "are in none")
+
+
+class ErrorChannel(Protocol):
+    """Where a failing rank posts its failure for every rank of a world to see (one
+    backend's kind: `MPIErrors`, `StoreErrors`); shared by the transports of a grid."""
+
+    rank: int  #: this process's rank as the channel names it (its world rank)
+    broken: Optional[RemoteError]  #: the failure seen on the channel, None while none
+
+    def post(self, text: str) -> None:
+        """Tell every other rank that this one failed with `text`."""
+
+
+@dataclass
+class ChannelState:
+    """What a transport and its `reversed()` view share (one object, not a copy)."""
+
+    #: the failure this channel has seen (its own, sent to the others, or received)
+    broken: Optional[RemoteError] = None
+    #: seconds any one wait may take (None: unbounded)
+    timeout: Optional[float] = DEFAULT_TIMEOUT
+    #: what the caller is doing now, named in a TimeoutError ("batch 3, backward pass")
+    context: str = ""
+    #: whether `close()` ran
+    closed: bool = False
+    #: byte counts by kind that `count_sent` adds to (a process grid's meter; None: none)
+    meter: Optional[dict[str, int]] = None
+
+
 class Pending:
     """An asynchronous collective started by `Transport.allreduce_start`."""
 
     def __init__(self, transport: Transport, handle: Any, what: str,
-                 done: Optional[Callable[[], None]] = None) -> None:
+                 done: Optional[Callable[[], object]] = None) -> None:
         self._transport, self._handle, self._what, self._done = transport, handle, what, done
 
     def wait(self) -> None:
@@ -144,16 +212,15 @@ class Transport:
     #: the backend's name ("serial", "mpi", "gloo", "nccl")
     backend = "abstract"
 
-    def __init__(self, size: int, group_rank: int, state: Optional[dict] = None,
+    def __init__(self, size: int, group_rank: int, state: Optional[ChannelState] = None,
                  reverse: bool = False) -> None:
         self.size = size
         self.group_rank = group_rank
         self._reverse = reverse
         self.rank = self._map(group_rank)
-        # shared with reversed(): failure, ownership, the wait bound and what the
-        # caller is doing (named in a TimeoutError, e.g. "batch 3, backward pass")
-        self._state = state if state is not None else {
-            "broken": None, "timeout": DEFAULT_TIMEOUT, "context": "", "closed": False}
+        # shared with reversed(): failure, ownership, the wait bound, the caller's
+        # context and the byte meter
+        self._state = state if state is not None else ChannelState()
         self._reqs: dict[int, tuple[Any, str, int]] = {}
         self._ids = itertools.count()
         self._shape: tuple[int, ...] = ()
@@ -176,25 +243,50 @@ class Transport:
     # -- settings --------------------------------------------------------------------------
     @property
     def timeout(self) -> float | None:
-        return self._state["timeout"]
+        """Seconds any one wait may take (None: unbounded)."""
+        return self._state.timeout
 
     @timeout.setter
     def timeout(self, value: float | None) -> None:
-        self._state["timeout"] = check_timeout(value)
+        self._state.timeout = check_timeout(value)
 
     @property
-    def failure(self) -> Optional[BaseException]:
+    def failure(self) -> Optional[RemoteError]:
         """The failure this channel has seen (its own, sent to the others, or one
         received from another rank), None while there is none."""
-        return self._state["broken"]
+        return self._state.broken
+
+    @property
+    def errors(self) -> Optional[ErrorChannel]:
+        """The error channel this transport watches and posts to (None where there is
+        no other rank); pass it to `make_transport(errors=...)` to share it."""
+        return None
+
+    @property
+    def meter(self) -> Optional[dict[str, int]]:
+        """The byte counts by kind that this transport's sends add to (None: not
+        counted); a process grid sets its own meter on its layer transports."""
+        return self._state.meter
+
+    @meter.setter
+    def meter(self, value: Optional[dict[str, int]]) -> None:
+        if value is not None and not isinstance(value, dict):
+            raise TypeError(f"`meter` must be a dict of byte counts or None, got "
+                            f"{type(value).__name__}")
+        self._state.meter = value
 
     def set_context(self, text: str) -> None:
         """What the caller is doing now, for the message of a TimeoutError."""
-        self._state["context"] = text
+        self._state.context = text
 
     def set_template(self, like: torch.Tensor) -> None:
         """Shape, dtype and device of the states received from now on."""
         self._shape, self._dtype, self._device = tuple(like.shape), like.dtype, like.device
+
+    @property
+    def template(self) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+        """(shape, dtype, device) of the states received, as `set_template` gave them."""
+        return self._shape, self._dtype, self._device
 
     def world_rank(self, q: int) -> int:
         """Group rank `q` as the error channel numbers it (the world rank in a process
@@ -208,7 +300,7 @@ class Transport:
         return f"rank {q}" if w == q else f"rank {q} of this group (world rank {w})"
 
     def _timeout_error(self, what: str, peer: Optional[int], limit: float) -> TimeoutError:
-        ctx = self._state["context"]
+        ctx = self._state.context
         who = self._who(peer) if peer is not None else "the other ranks"
         return TimeoutError(
             f"{self._who(self.group_rank)} waited {limit:g} s for {what} from {who}"
@@ -270,13 +362,34 @@ class Transport:
 
     def close(self) -> None:  # backend
         """Release the duplicated group (collective)."""
-        self._state["closed"] = True
+        self._state.closed = True
+
+    # -- sub-groups ------------------------------------------------------------------------
+    def split(self, parts: Sequence[Sequence[int]]) -> Any:  # backend
+        """This process's group among `parts`, disjoint lists of group ranks that cover
+        the group, each in increasing order (as mpi4py's ``Split`` and
+        torch.distributed's ``new_group`` make them), as a group of this backend's kind
+        (collective: every process passes the same `parts`).  A backend may give the
+        group itself for a part that is the whole group, and None for a part of one
+        process (`make_transport(None)` is then that process's transport)."""
+        raise NotImplementedError
+
+    def subgroup(self, parts: Sequence[Sequence[int]]) -> Any:  # backend
+        """This process's group among disjoint `parts` of group ranks that need not
+        cover the group; parts of one process are not made; None where this process
+        is in none of the others (collective: every process passes the same `parts`)."""
+        raise NotImplementedError
+
+    def node_key(self) -> Hashable:  # backend
+        """A value equal on the processes of one node and different between nodes, as
+        the launcher placed them (collective where the backend must ask the others)."""
+        raise NotImplementedError
 
     # -- bytes sent ----------------------------------------------------------------------
     def count_sent(self, nbytes: int, kind: str = "p2p") -> None:
-        """Add `nbytes` sent by this process to the meter a process grid gave this
-        transport (``_state["meter"]``, a dict of byte counts by kind; none: no count)."""
-        meter = self._state.get("meter")
+        """Add `nbytes` sent by this process to `meter` under `kind` (nothing where
+        there is no meter)."""
+        meter = self._state.meter
         if meter is not None:
             meter[kind] = meter.get(kind, 0) + int(nbytes)
 
@@ -321,7 +434,9 @@ class Transport:
     def recv_tensor(self, src: int, tag: int, shape: Sequence[int], dtype: torch.dtype,
                     device: torch.device, what: str = "a tensor") -> torch.Tensor:
         got = self.complete(self.post_recv(shape, dtype, device, src, tag), what, src)
-        assert got is not None
+        if got is None:
+            raise RuntimeError(f"the {self.backend} transport completed the receive of "
+                               f"{what} from rank {src} without a tensor")
         return got
 
     # -- small objects ---------------------------------------------------------------------
@@ -338,7 +453,7 @@ class Transport:
         a step (say a backward()) would otherwise pair this exchange with a different
         one and read the wrong data; differing labels raise `RankMismatchError` on every
         rank, saying where each rank is."""
-        ctx = self._state["context"]
+        ctx = self._state.context
         label = what + (f" ({ctx})" if ctx else "")
         got = [pickle.loads(b) for b in self._allgather_bytes(
             pickle.dumps((label, obj)), f"{what} (all ranks must call it)")]
@@ -379,10 +494,10 @@ class Transport:
     def broadcast_error(self, exc: BaseException) -> None:
         """Tell every other rank of the error channel that this one failed with `exc`
         (does not raise)."""
-        if isinstance(exc, RemoteError) or self._state["broken"] is not None:
+        if isinstance(exc, RemoteError) or self._state.broken is not None:
             return
         self._post_error(describe(exc))
-        self._state["broken"] = RemoteError(self.error_rank, describe(exc))
+        self._state.broken = RemoteError(self.error_rank, describe(exc))
 
     @property
     def error_rank(self) -> int:

@@ -10,14 +10,24 @@ from __future__ import annotations
 import atexit
 import functools
 import time
-from collections.abc import Sequence
-from typing import Any, Optional
+from collections.abc import Hashable, Sequence
+from typing import Any, NoReturn, Optional
 
 import numpy as np
 import torch
 
 from ..errors import RemoteError
-from .base import _UNFINISHED, Pending, Transport, nbytes, pack, unpack
+from .base import (
+    _UNFINISHED,
+    Pending,
+    Transport,
+    check_partition,
+    nbytes,
+    need_tensor,
+    pack,
+    part_of,
+    unpack,
+)
 
 _ERROR_TAG = 32001
 _ERROR_BYTES = 4096
@@ -87,7 +97,8 @@ class MPITransport(Transport):
     """Transport over an mpi4py communicator (duplicated, so tags never clash with the
     user's messages).  Engine rank q is communicator rank q, or size-1-q in the
     `reversed()` view (adjoint solves).  `errors`: a shared error channel (a process
-    grid's); by default the transport opens its own on its duplicate."""
+    grid's); by default the transport opens its own on its duplicate.  Its sub-groups
+    are communicators split from the duplicate, freed by `close()`."""
 
     backend = "mpi"
 
@@ -98,7 +109,13 @@ class MPITransport(Transport):
         self.comm = comm.Dup()
         self._own_errors = errors is None
         self._errors = MPIErrors(self.comm) if errors is None else errors
+        # communicators split() and subgroup() made (shared with reversed(): one list)
+        self._groups: list[Any] = []
         super().__init__(self.comm.Get_size(), self.comm.Get_rank())
+
+    @property
+    def errors(self) -> MPIErrors:
+        return self._errors
 
     @property
     def error_rank(self) -> int:
@@ -112,9 +129,9 @@ class MPITransport(Transport):
         return int(got[0])
 
     # -- waiting ---------------------------------------------------------------------------
-    def _raise_remote(self) -> None:
-        broken = self._state["broken"] or self._errors.remote()
-        self._state["broken"] = broken
+    def _raise_remote(self) -> NoReturn:
+        broken = self._state.broken or self._errors.remote()
+        self._state.broken = broken
         raise broken
 
     def _wait_request(self, req: Any, what: str = "a collective operation",
@@ -124,10 +141,10 @@ class MPITransport(Transport):
         caller's context when it takes longer.  When the wait is given up, `req` and
         `keep` (its buffers) are kept alive: the operation may still complete."""
         try:
-            if self._state["broken"] is not None or self._errors.broken is not None:
+            if self._state.broken is not None or self._errors.broken is not None:
                 self._raise_remote()
             reqs = [req, self._errors.req]
-            limit = self._state["timeout"]
+            limit = self._state.timeout
             if limit is None:
                 idx = self._MPI.Request.Waitany(reqs, self._errors.status)
             else:
@@ -157,7 +174,7 @@ class MPITransport(Transport):
                 time.sleep(pause)
 
     def check_errors(self) -> None:
-        if self._state["broken"] is not None or self._errors.poll() is not None:
+        if self._state.broken is not None or self._errors.poll() is not None:
             self._raise_remote()
 
     def _post_error(self, text: str) -> None:
@@ -226,16 +243,12 @@ class MPITransport(Transport):
     def bcast_tensor(self, t: Optional[torch.Tensor], root: int, shape: Sequence[int],
                      dtype: torch.dtype, device: torch.device,
                      what: str = "a broadcast tensor") -> torch.Tensor:
-        if self.group_rank == root:
-            assert t is not None
-            buf = pack(t)
-        else:
-            buf = torch.empty(nbytes(shape, dtype), dtype=torch.uint8).numpy()
+        mine = need_tensor(t, what) if self.group_rank == root else None
+        buf = pack(mine) if mine is not None else \
+            torch.empty(nbytes(shape, dtype), dtype=torch.uint8).numpy()
         self._wait_request(self.comm.Ibcast([buf, self._MPI.BYTE], root=root), what, root,
                            keep=buf)
-        if self.group_rank == root:
-            return t  # type: ignore[return-value]
-        return unpack(buf, shape, dtype, device)
+        return mine if mine is not None else unpack(buf, shape, dtype, device)
 
     def _bcast_bytes(self, data: Optional[bytes], root: int, what: str) -> bytes:
         n = np.array([len(data) if data is not None else 0], dtype=np.int64)
@@ -258,13 +271,46 @@ class MPITransport(Transport):
             keep=(sendbuf, out))
         return [bytes(out[d:d + s]) for d, s in zip(displs, sizes)]
 
+    # -- sub-groups ------------------------------------------------------------------------
+    def split(self, parts: Sequence[Sequence[int]]) -> Any:
+        """``Split`` of the duplicate: colour = the index of this process's part, key =
+        its place in it (a part of one process gives a communicator of one)."""
+        check_partition(parts, self.size, cover=True)
+        color = part_of(parts, self.group_rank)
+        if color is None:  # not reached: check_partition saw every rank covered
+            raise ValueError(f"`parts` do not hold rank {self.group_rank}")
+        made = self.comm.Split(color=color, key=list(parts[color]).index(self.group_rank))
+        self._groups.append(made)
+        return made
+
+    def subgroup(self, parts: Sequence[Sequence[int]]) -> Any:
+        check_partition(parts, self.size, cover=False)
+        mine = part_of(parts, self.group_rank, smallest=2)
+        made = self.comm.Split(self._MPI.UNDEFINED if mine is None else mine,
+                               self.group_rank)
+        if made == self._MPI.COMM_NULL:
+            return None
+        self._groups.append(made)
+        return made
+
+    def node_key(self) -> Hashable:
+        """The lowest rank of this process's shared-memory group (collective)."""
+        shared = self.comm.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.group_rank)
+        key = shared.allreduce(self.group_rank, op=self._MPI.MIN)
+        shared.Free()
+        return int(key)
+
     def close(self) -> None:
-        """Release the duplicated communicator (collective)."""
-        if self._state["closed"]:
+        """Free the communicators `split`/`subgroup` made, and the duplicated one
+        (collective)."""
+        if self._state.closed:
             return
-        self._state["closed"] = True
+        self._state.closed = True
+        for made in self._groups:
+            made.Free()
+        self._groups.clear()
         self.cancel_all()
         if self._own_errors:
             self._errors.close()
-        if self._state["broken"] is None and self._errors.broken is None:
+        if self._state.broken is None and self._errors.broken is None:
             self.comm.Free()

@@ -1,23 +1,23 @@
 """The transport of a single rank: nothing to send, reductions are identities."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, Optional
 
 import torch
 
-from .base import Pending, Transport
+from .base import ChannelState, Pending, Transport, check_partition, need_tensor
 
 
 class SerialTransport(Transport):
-    """One rank: collectives return their input; there is no one to send to."""
+    """One rank: collectives return their input; there is no one to send to; its
+    sub-groups are None (a group of one process is served by a serial transport)."""
 
     backend = "serial"
     comm = None
-    timeout: float | None = None  # type: ignore[assignment]  # nothing to wait for
 
     def __init__(self) -> None:
-        super().__init__(1, 0)
+        super().__init__(1, 0, ChannelState(timeout=None))  # nothing to wait for
 
     def post_send(self, t: torch.Tensor, dest: int, tag: int) -> Any:  # pragma: no cover
         raise RuntimeError("a serial transport cannot send")
@@ -33,8 +33,7 @@ class SerialTransport(Transport):
     def bcast_tensor(self, t: Optional[torch.Tensor], root: int, shape: Sequence[int],
                      dtype: torch.dtype, device: torch.device,
                      what: str = "a broadcast tensor") -> torch.Tensor:
-        assert t is not None
-        return t
+        return need_tensor(t, what)
 
     def allreduce_start(self, t: torch.Tensor, what: str = "") -> Pending:
         return Pending(self, None, what)
@@ -51,7 +50,8 @@ class SerialTransport(Transport):
         return [data]
 
     def _bcast_bytes(self, data: Optional[bytes], root: int, what: str) -> bytes:
-        assert data is not None
+        if data is None:
+            raise ValueError(f"the root of {what} must pass its bytes, got None")
         return data
 
     def agree(self, key: Any, error: BaseException | None, what: str) -> None:
@@ -72,3 +72,14 @@ class SerialTransport(Transport):
 
     def reversed(self) -> SerialTransport:
         return self
+
+    def split(self, parts: Sequence[Sequence[int]]) -> Any:
+        check_partition(parts, 1, cover=True)
+        return None
+
+    def subgroup(self, parts: Sequence[Sequence[int]]) -> Any:
+        check_partition(parts, 1, cover=False)
+        return None
+
+    def node_key(self) -> Hashable:
+        return 0

@@ -26,18 +26,20 @@
 from __future__ import annotations
 
 import datetime
+import os
 import queue
 import secrets
+import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..errors import RankLostError, RemoteError
-from .base import _UNFINISHED, Pending, Transport
+from .base import _UNFINISHED, Pending, Transport, check_partition, need_tensor, part_of
 
 _LOST = ("Connection closed", "Connection reset", "Broken pipe", "connection refused",
          "Socket closed", "NCCL communicator was aborted")
@@ -133,6 +135,12 @@ class StoreErrors:
         self.broken = RemoteError(src, text)
 
 
+def _sleep(seconds: float) -> bool:
+    """Sleep; False: the wait is not over (a `block` for `TorchTransport._wait`)."""
+    time.sleep(seconds)
+    return False
+
+
 class _Waiters:
     """Daemon threads that block in gloo ``Work.wait()`` for the caller (see the module
     docstring); one per outstanding request, reused.  Daemon threads never delay exit."""
@@ -222,6 +230,10 @@ class TorchTransport(Transport):
         self._errors = errors
 
     @property
+    def errors(self) -> StoreErrors:
+        return self._errors
+
+    @property
     def error_rank(self) -> int:
         return self._errors.rank
 
@@ -230,18 +242,18 @@ class TorchTransport(Transport):
 
     # -- waiting ---------------------------------------------------------------------------
     def _raise_if_broken(self) -> None:
-        broken = self._state["broken"] or self._errors.poll(force=False)
+        broken = self._state.broken or self._errors.poll(force=False)
         if broken is not None:
-            self._state["broken"] = broken
+            self._state.broken = broken
             raise broken
 
     def _wait(self, done: Callable[[], bool], block: Callable[[float], bool], what: str,
               peer: Optional[int]) -> None:
         """Until `done()`: spin for 2 ms, then `block(slice)` for slices growing to 10 ms,
         watching the error channel and the timeout in between."""
-        if self._state["broken"] is not None:
-            raise self._state["broken"]
-        limit = self._state["timeout"]
+        if self._state.broken is not None:
+            raise self._state.broken
+        limit = self._state.timeout
         start = time.monotonic()
         pause = 0.0
         while not done():
@@ -257,7 +269,7 @@ class TorchTransport(Transport):
     def _finish_work(self, work: Any, what: str, peer: Optional[int]) -> None:
         """Complete a collective's work (gloo collectives can be polled)."""
         try:
-            self._wait(work.is_completed, lambda s: bool(time.sleep(s)), what, peer)
+            self._wait(work.is_completed, _sleep, what, peer)
             work.wait()
         except BaseException as exc:
             _UNFINISHED.append(work)
@@ -275,7 +287,7 @@ class TorchTransport(Transport):
             if missing is None:  # another rank was first: its verdict
                 got = self._errors.poll(force=True)
                 if got is not None:
-                    self._state["broken"] = got
+                    self._state.broken = got
                     return got
                 missing = []
             if len(missing) == 1:
@@ -284,7 +296,7 @@ class TorchTransport(Transport):
                 how = f"ranks {missing} did not answer after a connection closed"
         err = RankLostError(who, f"{how} ({str(exc).splitlines()[0][:160]})")
         self._errors.post(RankLostError.PREFIX + err.detail, -1 if who is None else who)
-        self._state["broken"] = err
+        self._state.broken = err
         return err
 
     def _start(self, fn: Callable, peer: Optional[int], *args: Any, **kw: Any) -> Any:
@@ -295,9 +307,9 @@ class TorchTransport(Transport):
             raise self._lost(exc, peer) from exc
 
     def check_errors(self) -> None:
-        broken = self._state["broken"] or self._errors.poll()
+        broken = self._state.broken or self._errors.poll()
         if broken is not None:
-            self._state["broken"] = broken
+            self._state.broken = broken
             raise broken
 
     def _post_error(self, text: str) -> None:
@@ -402,18 +414,18 @@ class TorchTransport(Transport):
     def bcast_tensor(self, t: Optional[torch.Tensor], root: int, shape: Sequence[int],
                      dtype: torch.dtype, device: torch.device,
                      what: str = "a broadcast tensor") -> torch.Tensor:
-        mine = self.group_rank == root
+        mine = need_tensor(t, what) if self.group_rank == root else None
         if self._on_device(torch.device(device)):
-            x = t.contiguous() if mine else torch.empty(tuple(shape), dtype=dtype,
-                                                        device=device)
+            x = mine.contiguous() if mine is not None else torch.empty(
+                tuple(shape), dtype=dtype, device=device)
             self._start(dist.broadcast, root, x, self._global[root], group=self.group,
                         async_op=True).wait()
-            return t if mine else x  # type: ignore[return-value]
-        x = t.detach().to("cpu").contiguous() if mine else torch.empty(tuple(shape),
-                                                                        dtype=dtype)
+            return mine if mine is not None else x
+        x = mine.detach().to("cpu").contiguous() if mine is not None else torch.empty(
+            tuple(shape), dtype=dtype)
         self._host(dist.broadcast, what, root, x, self._global[root])
-        if mine:
-            return t  # type: ignore[return-value]
+        if mine is not None:
+            return mine
         return x if torch.device(device).type == "cpu" else x.to(device)
 
     def _bcast_bytes(self, data: Optional[bytes], root: int, what: str) -> bytes:
@@ -437,13 +449,65 @@ class TorchTransport(Transport):
         self._host(dist.all_gather, what, None, outs, mine)
         return [bytes(o[:int(s)].numpy()) for o, s in zip(outs, sizes)]
 
+    # -- sub-groups ------------------------------------------------------------------------
+    def _new_group_kw(self) -> dict[str, Any]:
+        """``new_group`` arguments of a sub-group: this group's kind (NCCL or gloo) and
+        the transport's timeout."""
+        kw: dict[str, Any] = {"backend": "nccl" if self._nccl else "gloo"}
+        if self.timeout is not None:
+            kw["timeout"] = datetime.timedelta(seconds=self.timeout)
+        return kw
+
+    def split(self, parts: Sequence[Sequence[int]]) -> Any:
+        """The group itself for one part, None for parts of one process; otherwise a
+        new group.  Within the whole world, every process creates every group in the
+        same order (torch names groups by creation order); within a subgroup of it,
+        only a group's members create it (torch then names it by its ranks and the
+        number of groups each member made before, which its members share as long as
+        they made the same groups before)."""
+        check_partition(parts, self.size, cover=True)
+        if len(parts) == 1:
+            return self.group
+        if all(len(g) == 1 for g in parts):
+            return None
+        mine = part_of(parts, self.group_rank)
+        local = self.size != dist.get_world_size()
+        kw = {**self._new_group_kw(), "use_local_synchronization": local}
+        got = None
+        for i, g in enumerate(parts):
+            if len(g) > 1 and (not local or i == mine):
+                made = dist.new_group([self._global[q] for q in g], **kw)
+                if i == mine:
+                    got = made
+        return got
+
+    def subgroup(self, parts: Sequence[Sequence[int]]) -> Any:
+        """Every process creates every group of two or more, in order."""
+        check_partition(parts, self.size, cover=False)
+        mine = part_of(parts, self.group_rank, smallest=2)
+        kw = self._new_group_kw()
+        got = None
+        for i, g in enumerate(parts):
+            if len(g) > 1:
+                made = dist.new_group([self._global[q] for q in g], **kw)
+                if i == mine:
+                    got = made
+        return got
+
+    def node_key(self) -> Hashable:
+        """The node index from torchrun's LOCAL_WORLD_SIZE (consecutive ranks per
+        node), else the host name."""
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        return dist.get_rank() // int(local) if local else socket.gethostname()
+
     def close(self) -> None:
-        """Forget outstanding requests; release a gloo group made for a NCCL group."""
-        if self._state["closed"]:
+        """Forget outstanding requests; release a gloo group made for a NCCL group
+        (the groups `split`/`subgroup` made live as long as torch.distributed)."""
+        if self._state.closed:
             return
-        self._state["closed"] = True
+        self._state.closed = True
         self.cancel_all()
-        if self._state["broken"] is None and self._errors.broken is None:
+        if self._state.broken is None and self._errors.broken is None:
             for g in self._made:
                 try:
                     dist.destroy_process_group(g)
