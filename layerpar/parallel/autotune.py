@@ -1198,6 +1198,22 @@ class AutoTuner:
             return self.results[-1].choice.candidate.name(ranks)
         return None if self.trial is None else self.trial.cand.name(ranks)
 
+    def apply(self, fn: Callable[[Tensor], Tensor]) -> None:
+        """What `nn.Module._apply` applied to the model (`.to()`, `.float()`,
+        `.cuda()` ...), applied to every setting held: the chosen one and those the
+        trial keeps (a twin shares the model's modules, so this reaches its ghost
+        blocks; a replicated setting builds its private net again).  No message."""
+        held = [self.chosen, *([] if self.trial is None else self.trial.kept.values())]
+        done: set[int] = set()
+        for s in held:
+            if s is None or id(s) in done:
+                continue
+            done.add(id(s))
+            if isinstance(s, ReplicatedSerial):
+                s.apply(fn)
+            else:
+                s._apply(fn)
+
     def close(self) -> None:
         if self.trial is not None:
             self.trial.close()  # (the running one, `chosen`, among them)

@@ -228,6 +228,12 @@ class LayerParallel(nn.Module):
             timeout = check_timeout(timeout)
             nonneg_int("check_inputs", check_inputs)
             check_engine(engine)
+            if auto and engine != "native":
+                # (before the engine's own checks: this holds whether or not it was built)
+                raise ValueError(f"`engine`={engine!r} with options='auto': auto's "
+                                 "candidates (batched cycles, replicated serial) run on "
+                                 "layerpar's own engine; leave `engine` unset, or give "
+                                 "MGRITOptions for engine='xbraid'")
             if batched is None:
                 batched = "auto" if engine == "native" else False
             if not (isinstance(batched, bool) or batched == "auto"):
@@ -1080,10 +1086,13 @@ class LayerParallel(nn.Module):
 
     def _apply(self, fn: Callable, recurse: bool = True) -> LayerParallel:
         """`.to()`, `.double()`, `.cuda()` ... also reach the ghost blocks, which are not
-        submodules (they hold no trainable parameters of this rank)."""
+        submodules (they hold no trainable parameters of this rank), and under
+        ``options="auto"`` every setting the tuner holds (`AutoTuner.apply`)."""
         super()._apply(fn, recurse)
         for runner in self._runners.values():
             runner.ghosts.apply(fn)
+        if getattr(self, "_auto", None) is not None:
+            self._auto.apply(fn)
         return self
 
     def close(self) -> None:
