@@ -40,3 +40,18 @@ def test_freezing_and_to_dtype_under_auto(nprocs: int) -> None:
     mgrit = next(s.split() for s in got if s.startswith("mgrit "))
     assert mgrit[-4] == "float32", mgrit
     assert float(mgrit[-3]) == pytest.approx(float(mgrit[-1]), rel=1e-4), mgrit
+
+
+def test_auto_refuses_another_engine() -> None:
+    """``options="auto"`` with ``engine="xbraid"`` is refused at construction, naming
+    both (it was accepted, and the first pass failed naming `batched`, which the user
+    never set); the refusal comes before the engine is needed, built or not."""
+    import torch
+
+    from layerpar.apps.nets import problem_net
+    from layerpar.parallel import LayerParallel
+
+    torch.manual_seed(0)
+    net = problem_net("peaks", 8, 4).double()
+    with pytest.raises(ValueError, match=r"`engine`='xbraid' with options='auto'"):
+        LayerParallel(net, None, "auto", engine="xbraid")
