@@ -55,3 +55,34 @@ def test_auto_refuses_another_engine() -> None:
     net = problem_net("peaks", 8, 4).double()
     with pytest.raises(ValueError, match=r"`engine`='xbraid' with options='auto'"):
         LayerParallel(net, None, "auto", engine="xbraid")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_check_loop_under_auto(nprocs: int) -> None:
+    """The adaptive check loop (``if model.accuracy.check_due(batch):
+    model.check_gradients(...)``) runs under auto before the first tuning and after
+    each choice (forced by a fake clock): MGRIT is checked, an exact setting (exact
+    propagation or serial autograd, replicated serial) has nothing due and says it
+    runs exactly (`model.accuracy` was None there: AttributeError).  ``engine="xbraid"``
+    with auto is refused on every rank at construction."""
+    proc = run_mpi(WORKERS / "lp_auto_check_loop.py", nprocs, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == list(range(nprocs)), proc.stdout
+    assert all(lines[r] == lines[0] for r in lines), lines
+    loops = {x.split(" | ")[0].split()[1]: x.split(" | ") for x in lines[0]
+             if x.startswith("loop ")}
+    want = {"mgrit": "L2 cf4 1/1 batched",
+            "exact": "exact propagation" if nprocs > 1 else "serial autograd",
+            "replicated": "serial (replicated)"}
+    assert sorted(loops) == sorted(["mgrit", "exact"] + (["replicated"] if nprocs > 1
+                                                         else [])), lines[0]
+    for name, got in loops.items():
+        assert got[1] == f"choice {want[name]}" and got[2] == "due0 False", got
+        if name == "mgrit":
+            assert got[3] != "checks -" and got[4] == "exact False", got
+        else:
+            assert got[3] == "checks -" and got[4] == "exact True", got
+    engine = next(x for x in lines[0] if x.startswith("engine "))
+    assert "`engine`='xbraid' with options='auto'" in engine, engine

@@ -104,7 +104,9 @@ def test_only_exact_within_the_bound_picks_exact(monkeypatch: pytest.MonkeyPatch
     assert len(mgrit) >= 4 and all(m.rel_error is not None and m.rel_error > 1e-6
                                    for m in mgrit), got.lines()
     assert got.choice.candidate.exact and "no MGRIT setting tried is within" in got.reason
-    assert model.accuracy is None  # exact: nothing to watch
+    # exact: nothing to watch (the adaptive check loop asks, and no check is due)
+    assert model.accuracy.controller is None and model.accuracy.exact
+    assert not any(model.accuracy.check_due(b) for b in range(1, 101))
     out = model(x)  # trains through the chosen setting: serial autograd, exact
     torch.testing.assert_close(out, net(x), rtol=0, atol=0)
     model.close()

@@ -102,7 +102,7 @@ from ..mgrit.grid import build_levels
 from ..mgrit.options import MGRITOptions
 from ..ode.net import ODENet
 from .accuracy import ExactReference, GradientCheck, _Restore, _sq, check_gradients, exact_reference
-from .adaptive import AccuracyPolicy
+from .adaptive import AccuracyController, AccuracyEvent, AccuracyPolicy
 from .batched import same_structures
 from .replicated import ReplicatedSerial, split_supported, supported
 from .timing import first_uses
@@ -112,7 +112,7 @@ _log = logging.getLogger("layerpar")
 if TYPE_CHECKING:
     from .model import LayerParallel
 
-__all__ = ["ITERATIONS", "NOISE_CAP", "NOISE_FRACTION", "STRUCTURES", "AutoTuner",
+__all__ = ["ITERATIONS", "NOISE_CAP", "NOISE_FRACTION", "STRUCTURES", "AutoAccuracy", "AutoTuner",
            "Candidate", "Measurement", "NO_TARGETS", "TuneResult", "auto_policy", "choose",
            "gradient_noise", "order_structures", "tune"]
 
@@ -868,6 +868,82 @@ class _Trial:
         self.kept.clear()
 
 
+class AutoAccuracy:
+    """`LayerParallel.accuracy` under ``options="auto"``: the adaptive controller of
+    the setting auto runs now (`controller`), where it has one, and an answer for
+    every setting, so that the adaptive check loop (``if
+    model.accuracy.check_due(batch): model.check_gradients(x, y, loss_fn)``) works
+    whatever auto chose, and before it tuned.  An exact setting (replicated serial,
+    exact propagation, serial autograd) has nothing to watch: no check is due, and
+    `exact` is True.  `log` holds the decisions of every setting's controller since
+    the first tuning.  Other attributes are the controller's, read and written
+    through (an AttributeError, saying so, where the setting has none)."""
+
+    __slots__ = ("_tuner",)
+
+    def __init__(self, tuner: AutoTuner) -> None:
+        object.__setattr__(self, "_tuner", tuner)
+
+    @property
+    def controller(self) -> Optional[AccuracyController]:
+        """The running setting's controller (None: an exact setting, or not tuned)."""
+        chosen = self._tuner.chosen
+        return None if chosen is None else chosen.accuracy
+
+    def check_due(self, batch: int) -> bool:
+        """Whether the training loop should check the gradients at `batch` (numbered
+        as the training counts its batches, from 1): the controller's answer; never
+        for an exact setting or before the tuning."""
+        ctl = self.controller
+        return ctl is not None and ctl.check_due(batch)
+
+    @property
+    def exact(self) -> bool:
+        """Whether the passes run exactly (an exact setting, or its controller's
+        switch to exact propagation)."""
+        ctl = self.controller
+        return ctl is None or ctl.exact
+
+    @property
+    def policy(self) -> AccuracyPolicy:
+        """The bound in force."""
+        ctl = self.controller
+        return self._tuner.bound if ctl is None else ctl.policy
+
+    @property
+    def log(self) -> list[AccuracyEvent]:
+        ctl = self.controller
+        return [*self._tuner.events, *([] if ctl is None else ctl.log)]
+
+    def observe_check(self, batch: int, check: GradientCheck) -> None:
+        ctl = self.controller
+        if ctl is not None:
+            ctl.observe_check(batch, check)
+
+    def summary(self) -> str:
+        ctl = self.controller
+        if ctl is not None:
+            return ctl.summary()
+        name = self._tuner.choice_name(2)
+        return "not tuned yet" if name is None else f"{name}: exact, nothing to watch"
+
+    def _controller_or_raise(self, name: str) -> AccuracyController:
+        ctl = self.controller
+        if ctl is None:
+            raise AttributeError(f"model.accuracy.{name}: auto runs an exact setting "
+                                 f"({self.summary()}), which has no adaptive controller")
+        return ctl
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._controller_or_raise(name), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._controller_or_raise(name), name, value)
+
+    def __repr__(self) -> str:
+        return f"AutoAccuracy({self.summary()})"
+
+
 @dataclass
 class AutoTuner:
     """The auto settings of one `LayerParallel` (identical on every rank).
@@ -904,6 +980,8 @@ class AutoTuner:
     #: at one rank with serial autograd chosen: the net that training passes run
     #: directly (`plain_serial`), else None
     plain: Optional[ODENet] = None
+    #: the decisions of the controllers of settings chosen before the one running now
+    events: list[AccuracyEvent] = field(default_factory=list)
 
     @property
     def tuned(self) -> bool:
@@ -972,6 +1050,8 @@ class AutoTuner:
         if got.noise is not None:
             self.noise, self.checks_since_noise = got.noise, 0
         old, self.chosen = self.chosen, None
+        if getattr(old, "accuracy", None) is not None:
+            self.events += old.accuracy.log
         _drop(old)
         cand = got.choice.candidate
         kept, got.kept = got.kept, {}
@@ -994,7 +1074,6 @@ class AutoTuner:
                                                 self._noise_share())
         for other in kept.values():
             other.close()
-        model.accuracy = self.chosen.accuracy
         self.plain = plain_serial(model, self.chosen)
         return got
 
@@ -1010,7 +1089,6 @@ class AutoTuner:
         rep.training = model.training
         _drop(self.chosen)
         self.chosen = rep
-        model.accuracy = None  # exact: nothing to watch
         self.trial = _Trial(x, y, loss_fn, steps, self.batches, first, queue, {first: rep})
         self.trial.seconds = time.perf_counter() - t0
 

@@ -36,7 +36,7 @@ from ..ode.rng import draw_seed
 from . import checkpoint
 from .adaptive import AccuracyController, apply_iterations, as_policy
 from .agree import Agreed, check_xbraid, layer_key, same_values, values_fingerprint
-from .autotune import AutoTuner, auto_policy
+from .autotune import AutoAccuracy, AutoTuner, auto_policy
 from .bn_dropout import batch_norms
 from .direct import direct_backward_started
 from .grads import GradDelivery
@@ -357,7 +357,8 @@ class LayerParallel(nn.Module):
         self._auto: Optional[AutoTuner] = None
         if auto:
             self._auto = AutoTuner(auto_policy(policy))
-            self.accuracy = None  # the chosen setting's controller, once tuned
+            # the chosen setting's controller, and an answer for every setting
+            self.accuracy = AutoAccuracy(self._auto)  # type: ignore[assignment]
 
     @property
     def last_forward(self) -> list[MGRITResult]:
@@ -977,7 +978,7 @@ class LayerParallel(nn.Module):
         from .accuracy import check_gradients
 
         with self.checking():
-            if self.accuracy is not None:
+            if self.accuracy is not None and self._auto is None:
                 apply_iterations(self)  # measure MGRIT as the controller runs it
             return check_gradients(self, x, y, loss_fn)
 
