@@ -86,3 +86,24 @@ def test_check_loop_under_auto(nprocs: int) -> None:
             assert got[3] == "checks -" and got[4] == "exact True", got
     engine = next(x for x in lines[0] if x.startswith("engine "))
     assert "`engine`='xbraid' with options='auto'" in engine, engine
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_bound_holds_for_the_trained_loss_without_tune(nprocs: int) -> None:
+    """Batch norm in the blocks, no `tune` call, MGRIT "faster" by a fake clock: the
+    setting auto runs after the first batch's check has a gradient error on the
+    training loss of its tuning batch within the bound that tuning printed.  (It tuned
+    on a surrogate loss and printed "relative error <= 0.05" for a choice 0.125 off on
+    the real loss.)  Here the first tuning, at the first backward, is first order (its
+    choice 0.211 off against 0.2), so the check due at once tunes again on the loss
+    itself."""
+    proc = run_mpi(WORKERS / "lp_auto_bn_bound.py", nprocs, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == list(range(nprocs)), proc.stdout
+    assert all(lines[r] == lines[0] for r in lines), lines
+    real = next(x.split() for x in lines[0] if x.startswith("real "))
+    err, cos, bound, min_cos = (float(real[k]) for k in (1, 2, 4, 5))
+    assert err <= bound and cos >= min_cos, real
+    assert real[7] == "L2", real  # an MGRIT setting: its error is a real one

@@ -222,14 +222,16 @@ def test_retuning_reuses_timings_and_the_remaining_budget(
     model.close()
 
 
-def test_first_forward_tunes_with_a_surrogate_loss(monkeypatch: pytest.MonkeyPatch,
-                                                   caplog: pytest.LogCaptureFixture
-                                                   ) -> None:
-    """Without `tune`, the first training pass tunes with a surrogate loss, the
-    MGRIT candidates' gradient errors included (the checks refused its missing
-    targets, so auto crashed on any net deep enough for MGRIT to be tried), under the
-    default bound, which the log says why; an evaluation or no-grad pass before it
-    (a loaded checkpoint's, say) runs exact propagation and tunes nothing."""
+def test_first_backward_tunes_with_the_training_loss(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture
+                                                     ) -> None:
+    """Without `tune`, the first training pass runs exactly (its gradients serial
+    autograd's) and its backward tunes, on the loss's gradient at the output, the
+    MGRIT candidates' gradient errors included, under the bound measured on that
+    batch, which the log says how; an evaluation or no-grad pass before it (a loaded
+    checkpoint's, say) runs exact propagation and tunes nothing.  A training pass
+    whose backward never came before the next tunes that next one with a surrogate
+    loss, under the default bound, which the log says why."""
     _fixed_cost(monkeypatch)
     net, x, y = _stiff_batch(1.0)
     ref = problem_net("peaks", 32, 8, t_final=1.0).double()
@@ -244,18 +246,32 @@ def test_first_forward_tunes_with_a_surrogate_loss(monkeypatch: pytest.MonkeyPat
         model(x)
     assert not model.tuner.tuned and model.tuner.results == []
     with caplog.at_level(logging.INFO, logger="layerpar"):
-        loss = torch.nn.functional.cross_entropy(model(x), y)  # tunes first
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        assert model.tuner.results == []
+        loss.backward()  # tunes, once the backward is over
     got = model.tuner.results[-1]
     # a user's own loop sees the table and the choice: logged, and str() of the result
     assert str(got) == "\n".join(got.lines()) and str(got) in caplog.text
-    assert "auto: chose" in caplog.text
+    assert "auto: chose" in caplog.text and got.batch == 1
     checked = [m for m in got.table if not m.candidate.exact and m.rel_error is not None]
-    assert len(checked) >= 2, got.lines()
-    assert "no targets (tuned on the first forward pass" in "\n".join(got.lines())
+    assert len(checked) >= 1, got.lines()
+    assert "the training loss's to first order" in str(got) and "measured:" in str(got)
     assert got.choice.within and not got.choice.candidate.exact, got.lines()
-    loss.backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all()
-               for p in model.parameters())
+    torch.nn.functional.cross_entropy(ref.train()(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-13, atol=0)
+    # the first check is due at once, on the loss itself
+    assert model.accuracy.check_due(1)
+    model.check_gradients(x, y, torch.nn.functional.cross_entropy)
+    assert model.tuner.last_check is not None and not model.tuner.provisional
+    model.close()
+
+    model = LayerParallel(problem_net("peaks", 32, 8, t_final=1.0).double(), None, "auto")
+    model(x)  # a training pass whose backward never comes
+    with caplog.at_level(logging.INFO, logger="layerpar"):
+        model(x).sum().backward()
+    got = model.tuner.results[-1]
+    assert "no targets (tuned on a forward pass whose backward never came" in str(got)
     model.close()
 
 

@@ -93,10 +93,12 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.variable import Variable
 
 from ..mgrit.grid import build_levels
 from ..mgrit.options import MGRITOptions
@@ -587,7 +589,8 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
          policy: AccuracyPolicy, repeats: int = 3, batch: int = 0,
          steps: Optional[int] = None,
          known: Optional[dict[Candidate, float]] = None,
-         built: Optional[dict[Candidate, ReplicatedSerial]] = None) -> TuneResult:
+         built: Optional[dict[Candidate, ReplicatedSerial]] = None,
+         time_exact: bool = False) -> TuneResult:
     """Measure the candidates on one batch and choose (collective; every rank passes
     the same `x`, `y`).  See the module docstring.  Nothing the training sees
     changes (gradients by `torch.autograd.grad`, the random generator put back).
@@ -605,19 +608,25 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     built: replicated settings already built on this model (`AutoTuner`'s trial ran
     them): timed instead of new ones; the tuning closes those it does not keep.
 
+    time_exact: exact propagation is timed whatever the budget says (the trial's
+    timed training step found room for it; this tuning's budget counts passes, which
+    are shorter than steps, and would not always agree).
+
     The buffers (batch-norm running statistics and their counts), the random generators
     and the model's last solve statistics are put back afterwards: the candidates'
     passes are measurements, not training (they updated a batch norm's statistics four
     times per candidate, so an evaluation after an auto-tuned training differed from
     serial's)."""
     with _Restore(model):
-        return _tune(model, x, y, loss_fn, policy, repeats, batch, steps, known, built)
+        return _tune(model, x, y, loss_fn, policy, repeats, batch, steps, known, built,
+                     time_exact)
 
 
 def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
           policy: AccuracyPolicy, repeats: int, batch: int, steps: Optional[int],
           known: Optional[dict[Candidate, float]],
-          built: Optional[dict[Candidate, ReplicatedSerial]]) -> TuneResult:
+          built: Optional[dict[Candidate, ReplicatedSerial]],
+          time_exact: bool = False) -> TuneResult:
     t_start = time.perf_counter()
     built = {} if built is None else built
     known = {} if known is None else known
@@ -659,6 +668,12 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
     noise: Optional[float] = None
     note = ("" if bound is None else f"given: relative error <= {policy.max_rel_error:g}, "
             f"cosine >= {policy.min_cosine:g}")
+    # (no tune() call: the first training pass's backward revealed the loss)
+    loss_note = ("the gradients are the training loss's to first order, from its "
+                 "gradient at the first training pass's output (tuned at its backward; "
+                 "the first gradient check, due at once, holds the choice to the bound "
+                 "on the loss itself, and tunes again where it is outside); "
+                 if loss_fn is _output_gradient_loss else "")
 
     def over(ahead: float = 0.0) -> bool:
         """Whether the budget is spent (or would be, after `ahead` more seconds)."""
@@ -672,7 +687,8 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
     if split_supported(model) is None and x.shape[0] >= ranks and (
             split in known or not over((repeats + 1) * best_t)):
         best_t = min(best_t, replicated(split))
-    if Candidate(1) not in known and over(EXACT_SETUP + (repeats + 1) * best_t):
+    if not time_exact and Candidate(1) not in known and \
+            over(EXACT_SETUP + (repeats + 1) * best_t):
         stopped = True  # a small net: the budget has no room for exact propagation
     else:
         if Candidate(1) in known:
@@ -696,8 +712,9 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
             noise = gradient_noise(model, x, y, loss_fn)
             if noise is None:
                 bound = replace(policy, noise_fraction=None)
-                why = ("no targets (tuned on the first forward pass, with a surrogate "
-                       "loss: call tune(x, y, loss_fn) to tune on the training's own)"
+                why = ("no targets (tuned on a forward pass whose backward never came, "
+                       "with a surrogate loss: call tune(x, y, loss_fn) to tune on the "
+                       "training's own)"
                        if y is NO_TARGETS else
                        "the gradient noise could not be measured on this batch")
                 note = (f"{why}, so the default: relative error <= "
@@ -793,6 +810,7 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
     if bound is None:
         note = (f"to be measured ({policy.noise_fraction:g} x the batch's gradient noise)"
                 "; no MGRIT candidate needed it")
+    note = loss_note + note
     return TuneResult(table, choice, reason, spent, ranks, batch, noise, bound, note, reused,
                       kept=kept)
 
@@ -825,6 +843,15 @@ class _NoTargets:
 
 #: the targets `AutoTuner.forward` tunes with (see `_NoTargets`)
 NO_TARGETS = _NoTargets()
+
+
+def _output_gradient_loss(out: Tensor, grad: Tensor) -> Tensor:
+    """The training's loss as its first backward revealed it: ``(out * grad).sum()``,
+    `grad` the loss's gradient at the first training pass's output, so that the
+    tuning's gradients are the loss's own to first order (exactly, at the exact
+    output and the parameters of that pass).  One row per sample, as the loss's, so
+    the gradient noise of the batch can be measured from its halves."""
+    return (out * grad).sum()
 
 
 def _surrogate_loss(out: Tensor, y: Any) -> Tensor:
@@ -895,7 +922,7 @@ class AutoAccuracy:
         as the training counts its batches, from 1): the controller's answer; never
         for an exact setting or before the tuning."""
         ctl = self.controller
-        return ctl is not None and ctl.check_due(batch)
+        return ctl is not None and (self._tuner.provisional or ctl.check_due(batch))
 
     @property
     def exact(self) -> bool:
@@ -982,6 +1009,13 @@ class AutoTuner:
     plain: Optional[ODENet] = None
     #: the decisions of the controllers of settings chosen before the one running now
     events: list[AccuracyEvent] = field(default_factory=list)
+    #: the first training pass ran (exact) without a tuning: its backward tunes
+    awaiting: bool = False
+    #: the choice was made on the loss's gradient at the output (`_first_backward`):
+    #: the first check, due at once, holds it to the bound on the loss itself
+    provisional: bool = False
+    #: the last check: (its batch, the bound it was held to, what auto did)
+    last_check: Optional[tuple[int, AccuracyPolicy, str]] = None
 
     @property
     def tuned(self) -> bool:
@@ -1007,7 +1041,8 @@ class AutoTuner:
              loss_fn: Callable[[Tensor, Any], Tensor],
              steps: Optional[int] = None, online: bool = False,
              built: Optional[dict[Candidate, ReplicatedSerial]] = None,
-             trial: Optional[tuple[int, float, int]] = None) -> Optional[TuneResult]:
+             trial: Optional[tuple[int, float, int]] = None, batch: Optional[int] = None,
+             time_exact: bool = False) -> Optional[TuneResult]:
         """Measure and choose on this batch (collective); the choice runs from now on.
         `steps`: the training steps to come, if known (they bound the tuning's time; a
         later call without them counts what is left of the first call's).
@@ -1024,7 +1059,10 @@ class AutoTuner:
 
         built: replicated settings already built on `model` (the trial's), timed by
         the tuning instead of new ones.  trial: (steps it trained, its timed step's
-        seconds, the steps then to come), for the result's log."""
+        seconds, the steps then to come), for the result's log.  batch: the training
+        batch whose data `x` is, numbered as the training counts them (default: the
+        next).  time_exact: time exact propagation whatever the budget (the trial found
+        room for it)."""
         if self.trial is not None:  # asked again before the steps decided: tune now
             self.trial.close()
             self.trial = self.chosen = None
@@ -1038,8 +1076,9 @@ class AutoTuner:
             return None
         known = self.timings.setdefault((tuple(x.shape), x.dtype, x.device), {})
         with same_structures():  # (a model per candidate, over the same modules)
-            got = tune(model, x, y, loss_fn, self.policy, self.repeats, self.batches, steps,
-                       known=dict(known), built=built)
+            got = tune(model, x, y, loss_fn, self.policy, self.repeats,
+                       self.batches + 1 if batch is None else batch, steps,
+                       known=dict(known), built=built, time_exact=time_exact)
         for m in got.table:
             known.setdefault(m.candidate, m.seconds)
         if trial is not None:  # (the trial's steps came first; its timed step decided)
@@ -1089,7 +1128,8 @@ class AutoTuner:
         rep.training = model.training
         _drop(self.chosen)
         self.chosen = rep
-        self.trial = _Trial(x, y, loss_fn, steps, self.batches, first, queue, {first: rep})
+        self.trial = _Trial(x, y, loss_fn, steps, self.batches + 1, first, queue,
+                            {first: rep})
         self.trial.seconds = time.perf_counter() - t0
 
     def _trial_step(self, model: LayerParallel) -> None:
@@ -1118,7 +1158,8 @@ class AutoTuner:
             self.trial = self.chosen = None
             # (this forward's step runs the choice: the steps before it trained)
             got = self.tune(model, tr.x, tr.y, tr.loss_fn, built=tr.kept,
-                            trial=(tr.steps_run - 1, t, tr.steps))
+                            trial=(tr.steps_run - 1, t, tr.steps), batch=tr.batch,
+                            time_exact=True)
             assert got is not None
             return
         ts = tr.times
@@ -1159,22 +1200,44 @@ class AutoTuner:
             _log.info("%s", got)
 
     def forward(self, model: LayerParallel, x: Tensor) -> Tensor:
-        """A pass of `model`: tuned first if it never was (with a surrogate loss,
-        since a forward pass knows no targets; `layerpar.apps.train` tunes with its loss).
+        """A pass of `model`.  Where `tune` was never called, the first training pass
+        runs exact propagation and its backward tunes, with the training's own loss
+        as that backward reveals it (`_first_backward`); where no backward came before
+        the next training pass (or nothing there requires grad), that pass tunes with
+        a surrogate loss (`layerpar.apps.train` calls `tune` with its loss).
         A pass before any tuning that trains nothing (no gradient recorded, or the
         model in eval mode: an evaluation of a loaded checkpoint, say) runs exact
         propagation and leaves the tuning to the first training pass, whose passes
         it would time."""
         if self.trial is not None:
             self._trial_step(model)
+        train = model.training and torch.is_grad_enabled()
         if not self.tuned:
-            if not (model.training and torch.is_grad_enabled()):
+            if not train:
                 with model.exact():
                     return model(x)
+            if not self.awaiting:
+                # the first training pass: exact; its backward reveals the loss
+                self.batches += 1
+                with model.exact():
+                    out = model(x)
+                if out.requires_grad:
+                    self.awaiting = True
+                    out.register_hook(partial(self._first_backward, model, x.detach(),
+                                              self.batches))
+                    return out
+                self.batches -= 1  # (nothing to differentiate: tuned below, this batch)
+            # no backward came (or none can): the loss is unknown
+            self.awaiting = False
             self.tune(model, x, NO_TARGETS, _surrogate_loss)
         assert self.chosen is not None
         self.chosen.training = model.training
-        self.batches += 1
+        if train:
+            self.batches += 1
+        twin = self.chosen if self.plain is None and not isinstance(
+            self.chosen, ReplicatedSerial) else None
+        if twin is not None:  # its batches numbered as the training's (its log, checks)
+            twin._batch = self.batches - 1 if train else self.batches
         net = self.plain
         if net is not None:  # one rank, serial autograd: the net itself
             if net.training is not model.training:
@@ -1184,6 +1247,25 @@ class AutoTuner:
             return ODENet.forward_seeded(net, x, net.forward_seed() if model.has_dropout
                                          else None)
         return self.chosen(x)
+
+    def _first_backward(self, model: LayerParallel, x: Tensor, batch: int,
+                        grad: Tensor) -> None:
+        """At the first training pass's backward (a hook on its output's gradient,
+        collective: every rank runs the same backward): tune on that batch once the
+        backward is over (its saved tensors, batch-norm statistics among them, must
+        not change under it), with the training's own loss as the backward reveals
+        it, its gradient at the (exact) output (`_output_gradient_loss`), at the
+        parameters that pass ran with (before any optimizer step)."""
+        if not self.awaiting:  # (a second backward through the same output)
+            return
+        self.awaiting = False
+        g = grad.detach().clone()
+
+        def tune() -> None:
+            self.tune(model, x, g, _output_gradient_loss, batch=batch)
+            self.provisional = True
+
+        Variable._execution_engine.queue_callback(tune)
 
     def count_captured(self) -> None:
         """A pass of the chosen setting that ran in a captured CUDA graph
@@ -1195,7 +1277,7 @@ class AutoTuner:
         if self.chosen is not None:
             self.chosen.training = True
             if not isinstance(self.chosen, ReplicatedSerial):
-                self.chosen._batch += 1  # (a LayerParallel twin)
+                self.chosen._batch = self.batches  # (a LayerParallel twin)
 
     def check(self, model: LayerParallel, x: Tensor, y: Any,
               loss_fn: Callable[[Tensor, Any], Tensor]) -> GradientCheck:
@@ -1210,7 +1292,11 @@ class AutoTuner:
         check)."""
         assert self.chosen is not None
         ctl = self.chosen.accuracy
-        if self.policy.noise_fraction is not None and ctl is not None:
+        # a choice made on the loss's gradient at the output (no `tune` call) is checked
+        # on the loss itself at once, against the bound it was chosen by, and tuned
+        # again at once where it is outside (no second check to confirm)
+        provisional, self.provisional = self.provisional and ctl is not None, False
+        if self.policy.noise_fraction is not None and ctl is not None and not provisional:
             if self.noise_due():
                 noise = gradient_noise(model, x, y, loss_fn)
                 self.checks_since_noise = 0
@@ -1220,24 +1306,40 @@ class AutoTuner:
                     ctl.policy = self.remeasured
             else:
                 self.checks_since_noise += 1
+        batch, name = self.batches, self.choice_name(model.size)
         if ctl is None:  # replicated serial or exact propagation: exact
-            return self.chosen.check_gradients(x, y, loss_fn)
+            got = self.chosen.check_gradients(x, y, loss_fn)
+            self.last_check = (batch, self.bound, f"{name} is exact: nothing to change")
+            return got
         got = self.chosen.measure_gradients(x, y, loss_fn)
-        if not _within(got, self.bound) and not self.unconfirmed and \
+        bound = self.bound
+        if not _within(got, bound) and not self.unconfirmed and not provisional and \
                 len(self.results) <= self.max_retunes:
             # one batch's error is a noisy estimate of the setting's (case a: 0.115 to
             # 0.21 from check to check): nothing changes before the next check, due
             # after `check_every` batches, finds it outside the bound too
             self.unconfirmed = True
             ctl.backoff, ctl.min_every = 1, 0
+            self.last_check = (batch, bound, f"auto kept {name}: one check's error is a "
+                               "noisy estimate, and the next check (due after "
+                               f"{ctl.policy.check_every} batches) confirms it or not")
             return got
         self.unconfirmed = False
         ctl.observe_check(self.chosen.batch, got)
         if got.inexact_seconds > 0:
             ctl.min_every = _check_interval(got.inexact_seconds, got.exact_seconds,
                                             self._noise_share(), self.step_seconds)
-        if not _within(got, self.bound) and len(self.results) <= self.max_retunes:
-            self.tune(model, x, y, loss_fn)
+        if _within(got, bound):
+            self.last_check = (batch, bound, f"{name} within the bound")
+        elif len(self.results) <= self.max_retunes:
+            self.tune(model, x, y, loss_fn, batch=batch)
+            self.last_check = (batch, bound, f"auto tuned again on this batch and chose "
+                               f"{self.choice_name(model.size)}")
+        else:
+            self.last_check = (batch, bound, f"auto kept {name}, its iteration counts "
+                               f"now {ctl.fwd_iters}/{ctl.bwd_iters} (its adaptive "
+                               f"controller's answer): it has tuned {len(self.results)} "
+                               f"times, its most (max_retunes={self.max_retunes})")
         return got
 
     def _pinned(self) -> bool:
