@@ -304,7 +304,7 @@ def test_auto_decides_alike_on_every_rank() -> None:
     chosen = float(step.split("chosen_err ")[1])
     assert abs(grad_rel - chosen) <= 1e-5 * max(chosen, 1e-12) + 1e-12, step
     assert grad_rel <= at.NOISE_CAP, step
-    # tuned on the first training pass, with no targets: MGRIT candidates checked
+    # tuned at the first training pass's backward, no tune(): MGRIT candidates checked
     surrogate = [x for x in got if x.startswith("surrogate ")]
     assert surrogate[0] == "surrogate eval_exact True tuned False", surrogate
     assert int(surrogate[1].split("checked ")[1].split()[0]) >= 2, surrogate
