@@ -780,6 +780,11 @@ def test_online_trial_times_exact_settings_on_training_steps(nprocs: int) -> Non
            in whole, whole
     assert "tune None | steps 3 | online 2 | timed False | choice serial (replicated) " \
            "| table exact propagation 1, " in room and "L2 cf4 1/1 batched 2" in room, room
+    # where the trial found room for exact propagation, the tuning timed it, and the
+    # log does not also say that the budget had no room for it
+    story = next(x for x in lines[0] if x.startswith("room passes story "))
+    assert story == "room passes story room True | exact timed True | not timed False", \
+        story
     for x in (split, whole, room):
         assert float(x.split("worst ")[1]) <= 1e-10, x
         # one instance per replicated setting: the full tuning times the trial's
