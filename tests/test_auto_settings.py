@@ -107,3 +107,62 @@ def test_bound_holds_for_the_trained_loss_without_tune(nprocs: int) -> None:
     err, cos, bound, min_cos = (float(real[k]) for k in (1, 2, 4, 5))
     assert err <= bound and cos >= min_cos, real
     assert real[7] == "L2", real  # an MGRIT setting: its error is a real one
+
+
+def test_one_batch_numbering_and_the_last_check_line(monkeypatch: pytest.MonkeyPatch
+                                                     ) -> None:
+    """Tunings, the chosen setting's controller and the checks count training batches
+    as the training loop does (evaluation passes between them count for none: the
+    tunings counted every pass, and the controller counted from its own creation, so
+    ``layerpar train --auto`` printed tunings at 574 and 937 beside adaptive lines at
+    94 and 171 of one run).  The last check's line names its own batch and, above
+    the bound, says so and what auto did."""
+    import torch
+    from test_autotune import _fixed_cost, _stiff_batch
+
+    from layerpar.apps.train import _auto_check_note, last_check_line
+    from layerpar.parallel import LayerParallel
+    from layerpar.parallel.adaptive import AccuracyPolicy
+
+    _fixed_cost(monkeypatch)
+    net, x, y = _stiff_batch(1.0)
+    loss = torch.nn.functional.cross_entropy
+    model = LayerParallel(net, None, "auto", accuracy=AccuracyPolicy(max_rel_error=0.05))
+    model.tune(x, y, loss)
+    tuner = model.tuner
+    assert tuner.results[0].batch == 1  # tuned on the first batch, before it trained
+    c = tuner.results[0].choice
+    for batch in range(1, 6):
+        loss(model(x), y).backward()
+        model.eval()
+        with torch.no_grad():  # an evaluation between training batches
+            model(x)
+            model(x)
+        model.train()
+        assert tuner.batches == batch and tuner.chosen.batch == batch
+    # outside a tighter bound: the first check changes nothing, the second tunes again
+    tuner.policy = AccuracyPolicy(max_rel_error=c.rel_error / 2)
+    got = model.check_gradients(x, y, loss)
+    note = _auto_check_note(model, 5, got)
+    assert note is not None and note.startswith(
+        f"above the bound (relative error <= {c.rel_error / 2:.3g}, cosine >= 0.99): auto "
+        f"kept {c.candidate.name(1)}: one check's error is a noisy estimate"), note
+    for _ in range(6, 8):
+        loss(model(x), y).backward()
+    got = model.check_gradients(x, y, loss)
+    assert [r.batch for r in tuner.results] == [1, 7]
+    note = _auto_check_note(model, 7, got)
+    assert note is not None and "auto tuned again on this batch and chose " \
+        f"{tuner.choice_name(1)}" in note, note
+    assert tuner.chosen.batch == 7  # the new setting's controller counts on from there
+    loss(model(x), y).backward()
+    assert tuner.chosen.batch == 8
+    events = [e.batch for e in model.accuracy.log]
+    assert all(1 <= b <= 8 for b in events), events
+    line = last_check_line({"batch": 7, "exact": False, "cosine": got.cos,
+                            "rel_error": got.error, "mgrit_cosine": got.cos,
+                            "mgrit_rel_error": got.error, "note": note})
+    assert line.startswith(f"last gradient check (batch 7): cosine {got.cos:.4f}, "
+                           f"relative error {got.error:.3g}; above the bound"), line
+    assert _auto_check_note(model, 6, got) is None  # (not the last check's batch)
+    model.close()

@@ -1098,6 +1098,7 @@ class AutoTuner:
             self.chosen = kept.pop(cand, None) or ReplicatedSerial(model, split=cand.split)
         else:
             self.chosen = _build(model, cand, None if cand.exact else self.bound)
+            self.chosen._batch = self.batches  # (numbered as the training's batches)
             ctl = self.chosen.accuracy
             if ctl is not None and ctl.costs is not None:  # the tuning's timings count
                 exact = next(m for m in got.table if m.candidate.exact)
@@ -1246,7 +1247,10 @@ class AutoTuner:
             # subclass's own forward); a seed only where the net has dropout
             return ODENet.forward_seeded(net, x, net.forward_seed() if model.has_dropout
                                          else None)
-        return self.chosen(x)
+        out = self.chosen(x)
+        if twin is not None and not train:
+            twin._batch = self.batches  # (an evaluation pass is no training batch)
+        return out
 
     def _first_backward(self, model: LayerParallel, x: Tensor, batch: int,
                         grad: Tensor) -> None:
