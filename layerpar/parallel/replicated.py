@@ -408,7 +408,13 @@ class ReplicatedSerial:
             # this rank's backward run, and join the others' all-reduce)
             own = self._own or ([self._anchor] if self._trainable else [])
             return _SplitBatch.apply(self, torch.is_grad_enabled(), x, *own)
-        return self.net(x)
+        out = self.net(x)
+        if not out.requires_grad and torch.is_grad_enabled():
+            # nothing of this rank's requires grad (its own layers frozen): the output
+            # still carries a graph, as on the ranks whose layers train, so that the
+            # same training loop runs backward() on every rank
+            out = out + 0 * self._anchor
+        return out
 
     def check_gradients(self, x: Tensor, y: Any,
                         loss_fn: Callable[[Tensor, Any], Tensor]) -> Any:

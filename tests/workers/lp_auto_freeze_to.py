@@ -19,7 +19,9 @@ of every parameter's gradient over all ranks; ``none`` says that the parameters 
 serial gradient is None have none either).  A second model, with an MGRIT setting
 chosen (its ghost blocks are its own), reports ``RANK <r> mgrit <dtype> <rel>`` after
 ``.to(torch.float32)``: its output's difference from the serial net's, inexact, and
-the same difference in float64 before.
+the same difference in float64 before.  At 2+ ranks a third, with replicated serial
+chosen (no batch split) and every parameter of the last rank frozen, reports
+``RANK <r> whole choice <name>`` and its ``step 9``.
 """
 
 import sys
@@ -151,3 +153,17 @@ say(f"mgrit {got.choice.candidate.name(size)} {str(out.dtype).split('.')[1]} "
     f"{float((out - ref).detach().abs().max() / ref.detach().abs().max()):.3e} "
     f"float64 {before:.3e}")
 model2.close()
+
+# replicated serial without the batch split, every parameter of the last rank frozen:
+# that rank's output still carries a graph, so the same loop runs backward() there
+if size > 1:
+    costs.update(split=5.0, replicated=0.5, mgrit=2.0)
+    net3, serial3, _, _ = peaks_twins()
+    model = LayerParallel(net3, comm, "auto")
+    serial, sp = serial3, dict(serial3.named_parameters())
+    got = model.tune(x, y, loss_fn)
+    for n in owners[size - 1]:
+        freeze(n, False)
+    say(f"whole choice {got.choice.candidate.name(size)}")
+    step(9, x)
+    model.close()
