@@ -71,6 +71,18 @@ passes), and the tuning above runs then on the first batch, or the two replicate
 settings train a few steps each in turn and the faster is kept.  Their steps are
 exact, so a small net's tuning costs no pass that does not train.
 
+**Without a `tune` call** (a user's own loop): the first training pass runs exact
+propagation, and once its backward is over the tuning runs on that batch with the
+training's own loss as the backward revealed it, its gradient at the output
+(`_output_gradient_loss`: the loss's gradients to first order).  The first gradient
+check is then due at once (`AutoAccuracy.check_due`) and holds the choice to the bound
+on the loss itself, tuning again at once where it is outside.  Batches are numbered
+as the training counts them (training passes from 1; evaluation passes count for
+none), in the tunings' results, the chosen setting's controller and the checks.
+Under auto, ``model.accuracy`` is an `AutoAccuracy`: the running setting's adaptive
+controller where it has one, and an answer for every setting (an exact one has
+nothing to check), so the adaptive check loop works whatever auto chose.
+
 Every rank decides alike: times are the slowest rank's (one small exchange per
 candidate) and gradient checks are reduced over ranks, so the table, and the
 choice taken from it by `choose`, are identical on every rank.  The table and the

@@ -24,7 +24,13 @@ net's, on every rank.
   and loss; backward, each rank back-propagates its rows, one all-reduce sums the
   parameter (and input) gradients, flat and laid out by owner, and each keeps its
   own parameters' sums (one slice of it): the batch's gradient to round-off, the
-  arithmetic shared over the ranks.
+  arithmetic shared over the ranks.  The trainable set is read per pass, as the
+  layer-parallel passes read it: each rank's parameters' ``requires_grad`` flags
+  travel with the refresh, so a block frozen or unfrozen on its owner changes the
+  layout on every rank at the same pass; a rank left with nothing trainable joins
+  the backward through an anchor.
+- **Moves.**  `apply` (what `.to()`, `.float()`, `.cuda()` ... apply to the model)
+  builds the private net again from the model's tensors as they are then.
 - **Identical on every rank.**  The same input, the same parameter values and the
   same code on every rank give the same output and loss; each rank's gradients are
   those of the serial net for its own layers.
