@@ -602,7 +602,7 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
          steps: Optional[int] = None,
          known: Optional[dict[Candidate, float]] = None,
          built: Optional[dict[Candidate, ReplicatedSerial]] = None,
-         time_exact: bool = False) -> TuneResult:
+         step_seconds: Optional[float] = None) -> TuneResult:
     """Measure the candidates on one batch and choose (collective; every rank passes
     the same `x`, `y`).  See the module docstring.  Nothing the training sees
     changes (gradients by `torch.autograd.grad`, the random generator put back).
@@ -620,9 +620,10 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     built: replicated settings already built on this model (`AutoTuner`'s trial ran
     them): timed instead of new ones; the tuning closes those it does not keep.
 
-    time_exact: exact propagation is timed whatever the budget says (the trial's
-    timed training step found room for it; this tuning's budget counts passes, which
-    are shorter than steps, and would not always agree).
+    step_seconds: a training step's measured time (the online trial's): the budget
+    counts steps of that length (a pass where it is longer), and exact propagation is
+    timed whatever the budget says (the trial's step found room for it: counted in
+    passes, shorter than steps, this budget would not always agree).
 
     The buffers (batch-norm running statistics and their counts), the random generators
     and the model's last solve statistics are put back afterwards: the candidates'
@@ -631,14 +632,14 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     serial's)."""
     with _Restore(model):
         return _tune(model, x, y, loss_fn, policy, repeats, batch, steps, known, built,
-                     time_exact)
+                     step_seconds)
 
 
 def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
           policy: AccuracyPolicy, repeats: int, batch: int, steps: Optional[int],
           known: Optional[dict[Candidate, float]],
           built: Optional[dict[Candidate, ReplicatedSerial]],
-          time_exact: bool = False) -> TuneResult:
+          step_seconds: Optional[float] = None) -> TuneResult:
     t_start = time.perf_counter()
     built = {} if built is None else built
     known = {} if known is None else known
@@ -649,6 +650,12 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
     table: list[Measurement] = []
     best_t = math.inf  # the time to beat
     limit: Optional[float] = None
+    unit = math.nan  # what the budget counts a training step as (`per_step`)
+
+    def per_step() -> float:
+        """What the budget counts a training step as: the time to beat (the fastest
+        exact setting's pass), or the trial's measured step where that is longer."""
+        return max(best_t, step_seconds or 0.0)
 
     def replicated(cand: Candidate) -> float:
         """A replicated setting's pass time (refresh included): known, or timed on a
@@ -673,7 +680,8 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
 
     if supported(model) is None:  # replicated serial
         best_t = replicated(Candidate(1, replicated=True))
-        limit = None if steps is None else BUDGET * best_t * steps
+        unit = per_step()
+        limit = None if steps is None else BUDGET * unit * steps
     best: Optional[Candidate] = None
     stopped = False
     bound: Optional[AccuracyPolicy] = None if policy.noise_fraction is not None else policy
@@ -699,7 +707,7 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
     if split_supported(model) is None and x.shape[0] >= ranks and (
             split in known or not over((repeats + 1) * best_t)):
         best_t = min(best_t, replicated(split))
-    if not time_exact and Candidate(1) not in known and \
+    if step_seconds is None and Candidate(1) not in known and \
             over(EXACT_SETUP + (repeats + 1) * best_t):
         stopped = True  # a small net: the budget has no room for exact propagation
     else:
@@ -714,7 +722,8 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
         table.insert(0, Measurement(Candidate(1), t_exact, 0.0, 1.0, True))
         best_t = min(best_t, t_exact)
         if steps is not None:
-            limit = BUDGET * best_t * steps
+            unit = per_step()
+            limit = BUDGET * unit * steps
 
     def held_to() -> AccuracyPolicy:
         """The bound, measured on this batch the first time a candidate needs it."""
@@ -816,7 +825,7 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
     if stopped:
         reason += (f" (tuning stopped after {len(table)} candidates: it may take "
                    f"{100 * BUDGET:g}% of the expected training time, {steps} steps x "
-                   f"{1e3 * min(m.seconds for m in table if m.candidate.exact):.1f} ms)")
+                   f"{1e3 * unit:.1f} ms)")
     spent = time.perf_counter() - t_start
     spent = max(model.transport.allgather_object(spent, "the auto-tuning's duration"))
     if bound is None:
@@ -1054,7 +1063,7 @@ class AutoTuner:
              steps: Optional[int] = None, online: bool = False,
              built: Optional[dict[Candidate, ReplicatedSerial]] = None,
              trial: Optional[tuple[int, float, int]] = None, batch: Optional[int] = None,
-             time_exact: bool = False) -> Optional[TuneResult]:
+             step_seconds: Optional[float] = None) -> Optional[TuneResult]:
         """Measure and choose on this batch (collective); the choice runs from now on.
         `steps`: the training steps to come, if known (they bound the tuning's time; a
         later call without them counts what is left of the first call's).
@@ -1073,8 +1082,7 @@ class AutoTuner:
         the tuning instead of new ones.  trial: (steps it trained, its timed step's
         seconds, the steps then to come), for the result's log.  batch: the training
         batch whose data `x` is, numbered as the training counts them (default: the
-        next).  time_exact: time exact propagation whatever the budget (the trial found
-        room for it)."""
+        next).  step_seconds: the trial's timed training step (`tune`'s)."""
         if self.trial is not None:  # asked again before the steps decided: tune now
             self.trial.close()
             self.trial = self.chosen = None
@@ -1090,7 +1098,7 @@ class AutoTuner:
         with same_structures():  # (a model per candidate, over the same modules)
             got = tune(model, x, y, loss_fn, self.policy, self.repeats,
                        self.batches + 1 if batch is None else batch, steps,
-                       known=dict(known), built=built, time_exact=time_exact)
+                       known=dict(known), built=built, step_seconds=step_seconds)
         for m in got.table:
             known.setdefault(m.candidate, m.seconds)
         if trial is not None:  # (the trial's steps came first; its timed step decided)
@@ -1172,7 +1180,7 @@ class AutoTuner:
             # (this forward's step runs the choice: the steps before it trained)
             got = self.tune(model, tr.x, tr.y, tr.loss_fn, built=tr.kept,
                             trial=(tr.steps_run - 1, t, tr.steps), batch=tr.batch,
-                            time_exact=True)
+                            step_seconds=t)
             assert got is not None
             return
         ts = tr.times
