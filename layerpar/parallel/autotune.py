@@ -1083,6 +1083,8 @@ class AutoTuner:
         seconds, the steps then to come), for the result's log.  batch: the training
         batch whose data `x` is, numbered as the training counts them (default: the
         next).  step_seconds: the trial's timed training step (`tune`'s)."""
+        # (a tuning asked for: the first backward's, still to come, or its check, no more)
+        self.awaiting = self.provisional = False
         if self.trial is not None:  # asked again before the steps decided: tune now
             self.trial.close()
             self.trial = self.chosen = None
