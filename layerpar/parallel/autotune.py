@@ -978,15 +978,22 @@ class AutoAccuracy:
     def _controller_or_raise(self, name: str) -> AccuracyController:
         ctl = self.controller
         if ctl is None:
-            raise AttributeError(f"model.accuracy.{name}: auto runs an exact setting "
-                                 f"({self.summary()}), which has no adaptive controller")
+            what = ("auto has not tuned yet" if self._tuner.chosen is None else
+                    f"auto runs an exact setting ({self.summary()})")
+            raise AttributeError(f"model.accuracy.{name}: {what}, so there is no adaptive "
+                                 "controller (model.accuracy.controller is None)")
         return ctl
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # (its own slot, unset: a copy being built)
+            raise AttributeError(name)
         return getattr(self._controller_or_raise(name), name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._controller_or_raise(name), name, value)
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._controller_or_raise(name), name, value)
 
     def __repr__(self) -> str:
         return f"AutoAccuracy({self.summary()})"
