@@ -104,7 +104,9 @@ def test_only_exact_within_the_bound_picks_exact(monkeypatch: pytest.MonkeyPatch
     assert len(mgrit) >= 4 and all(m.rel_error is not None and m.rel_error > 1e-6
                                    for m in mgrit), got.lines()
     assert got.choice.candidate.exact and "no MGRIT setting tried is within" in got.reason
-    assert model.accuracy is None  # exact: nothing to watch
+    # exact: nothing to watch (the adaptive check loop asks, and no check is due)
+    assert model.accuracy.controller is None and model.accuracy.exact
+    assert not any(model.accuracy.check_due(b) for b in range(1, 101))
     out = model(x)  # trains through the chosen setting: serial autograd, exact
     torch.testing.assert_close(out, net(x), rtol=0, atol=0)
     model.close()
@@ -220,14 +222,16 @@ def test_retuning_reuses_timings_and_the_remaining_budget(
     model.close()
 
 
-def test_first_forward_tunes_with_a_surrogate_loss(monkeypatch: pytest.MonkeyPatch,
-                                                   caplog: pytest.LogCaptureFixture
-                                                   ) -> None:
-    """Without `tune`, the first training pass tunes with a surrogate loss, the
-    MGRIT candidates' gradient errors included (the checks refused its missing
-    targets, so auto crashed on any net deep enough for MGRIT to be tried), under the
-    default bound, which the log says why; an evaluation or no-grad pass before it
-    (a loaded checkpoint's, say) runs exact propagation and tunes nothing."""
+def test_first_backward_tunes_with_the_training_loss(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture
+                                                     ) -> None:
+    """Without `tune`, the first training pass runs exactly (its gradients serial
+    autograd's) and its backward tunes, on the loss's gradient at the output, the
+    MGRIT candidates' gradient errors included, under the bound measured on that
+    batch, which the log says how; an evaluation or no-grad pass before it (a loaded
+    checkpoint's, say) runs exact propagation and tunes nothing.  A training pass
+    whose backward never came before the next tunes that next one with a surrogate
+    loss, under the default bound, which the log says why."""
     _fixed_cost(monkeypatch)
     net, x, y = _stiff_batch(1.0)
     ref = problem_net("peaks", 32, 8, t_final=1.0).double()
@@ -242,18 +246,32 @@ def test_first_forward_tunes_with_a_surrogate_loss(monkeypatch: pytest.MonkeyPat
         model(x)
     assert not model.tuner.tuned and model.tuner.results == []
     with caplog.at_level(logging.INFO, logger="layerpar"):
-        loss = torch.nn.functional.cross_entropy(model(x), y)  # tunes first
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        assert model.tuner.results == []
+        loss.backward()  # tunes, once the backward is over
     got = model.tuner.results[-1]
     # a user's own loop sees the table and the choice: logged, and str() of the result
     assert str(got) == "\n".join(got.lines()) and str(got) in caplog.text
-    assert "auto: chose" in caplog.text
+    assert "auto: chose" in caplog.text and got.batch == 1
     checked = [m for m in got.table if not m.candidate.exact and m.rel_error is not None]
-    assert len(checked) >= 2, got.lines()
-    assert "no targets (tuned on the first forward pass" in "\n".join(got.lines())
+    assert len(checked) >= 1, got.lines()
+    assert "the training loss's to first order" in str(got) and "measured:" in str(got)
     assert got.choice.within and not got.choice.candidate.exact, got.lines()
-    loss.backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all()
-               for p in model.parameters())
+    torch.nn.functional.cross_entropy(ref.train()(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-13, atol=0)
+    # the first check is due at once, on the loss itself
+    assert model.accuracy.check_due(1)
+    model.check_gradients(x, y, torch.nn.functional.cross_entropy)
+    assert model.tuner.last_check is not None and not model.tuner.provisional
+    model.close()
+
+    model = LayerParallel(problem_net("peaks", 32, 8, t_final=1.0).double(), None, "auto")
+    model(x)  # a training pass whose backward never comes
+    with caplog.at_level(logging.INFO, logger="layerpar"):
+        model(x).sum().backward()
+    got = model.tuner.results[-1]
+    assert "no targets (tuned on a forward pass whose backward never came" in str(got)
     model.close()
 
 
@@ -286,7 +304,7 @@ def test_auto_decides_alike_on_every_rank() -> None:
     chosen = float(step.split("chosen_err ")[1])
     assert abs(grad_rel - chosen) <= 1e-5 * max(chosen, 1e-12) + 1e-12, step
     assert grad_rel <= at.NOISE_CAP, step
-    # tuned on the first training pass, with no targets: MGRIT candidates checked
+    # tuned at the first training pass's backward, no tune(): MGRIT candidates checked
     surrogate = [x for x in got if x.startswith("surrogate ")]
     assert surrogate[0] == "surrogate eval_exact True tuned False", surrogate
     assert int(surrogate[1].split("checked ")[1].split()[0]) >= 2, surrogate
@@ -762,6 +780,11 @@ def test_online_trial_times_exact_settings_on_training_steps(nprocs: int) -> Non
            in whole, whole
     assert "tune None | steps 3 | online 2 | timed False | choice serial (replicated) " \
            "| table exact propagation 1, " in room and "L2 cf4 1/1 batched 2" in room, room
+    # where the trial found room for exact propagation, the tuning timed it, and the
+    # log does not also say that the budget had no room for it
+    story = next(x for x in lines[0] if x.startswith("room passes story "))
+    assert story == "room passes story room True | exact timed True | not timed False", \
+        story
     for x in (split, whole, room):
         assert float(x.split("worst ")[1]) <= 1e-10, x
         # one instance per replicated setting: the full tuning times the trial's

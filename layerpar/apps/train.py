@@ -194,8 +194,9 @@ class TrainResult:
     batch_losses: list[float]
     """Every step's training loss (the global batch's, with replicas)."""
     checks: list[dict[str, Any]]
-    """Gradient checks (``check_every``): batch, layers, exact, cosine, rel_error and
-    the MGRIT figures mgrit_cosine, mgrit_rel_error."""
+    """Gradient checks (``check_every``): batch, layers, exact, cosine, rel_error, the
+    MGRIT figures mgrit_cosine, mgrit_rel_error, and note (under auto, for a check
+    above its bound: the bound and what auto did; else None)."""
     accuracy_log: list[str]
     """Decisions of the adaptive accuracy policy."""
     auto_log: list[str]
@@ -586,7 +587,8 @@ def train(
                                    "cosine": 1.0 if exact else got.cos,
                                    "rel_error": 0.0 if exact else got.error,
                                    "mgrit_cosine": got.cos,
-                                   "mgrit_rel_error": got.error})
+                                   "mgrit_rel_error": got.error,
+                                   "note": _auto_check_note(model, batch, got)})
                     if isinstance(captured, AutoCapturedStep):
                         # a re-tuning or the controller may have changed the setting
                         captured.refresh(step.input, step.target)
@@ -672,13 +674,7 @@ def train(
         for line in result.accuracy_log:
             print(f"{model_name}: adaptive accuracy: {line}", flush=True)
         if checks:
-            c = checks[-1]
-            how = ("training propagated exactly; MGRIT at its counts would give cosine "
-                   f"{c['mgrit_cosine']:.4f}, relative error {c['mgrit_rel_error']:.3g}"
-                   if c["exact"] else f"cosine {c['cosine']:.4f}, relative error "
-                   f"{c['rel_error']:.3g}")
-            print(f"{model_name}: last gradient check (batch {c['batch']}): {how}",
-                  flush=True)
+            print(f"{model_name}: {last_check_line(checks[-1])}", flush=True)
         if grid is not None and grid.data > 1:
             print(f"{model_name}: {_replicas_note(grid, result)}", flush=True)
         levels = None if serial or auto else _levels_note(model, fwd)
@@ -689,6 +685,33 @@ def train(
             print(f"{model_name}: {line}", flush=True)
         print(result.summary, flush=True)
     return result
+
+
+def _auto_check_note(model: Any, batch: int, got: Any) -> Optional[str]:
+    """Under auto, for a check (at `batch`, measuring `got`) outside the bound it was
+    held to: the bound, and what auto did about it (`AutoTuner.last_check`); else
+    None."""
+    tuner = model.tuner if isinstance(model, LayerParallel) else None
+    last = None if tuner is None else tuner.last_check
+    if last is None or last[0] != batch:
+        return None
+    _, bound, what = last
+    if got.cos >= bound.min_cosine and got.error <= bound.max_rel_error:
+        return None
+    return (f"above the bound (relative error <= {bound.max_rel_error:.3g}, cosine >= "
+            f"{bound.min_cosine:.3g}): {what}")
+
+
+def last_check_line(c: dict[str, Any]) -> str:
+    """The line that ends a run with checks: the last check (an entry of
+    `TrainResult.checks`), named by its own batch, and where it was above auto's
+    bound, what auto did about it."""
+    how = ("training propagated exactly; MGRIT at its counts would give cosine "
+           f"{c['mgrit_cosine']:.4f}, relative error {c['mgrit_rel_error']:.3g}"
+           if c["exact"] else f"cosine {c['cosine']:.4f}, relative error "
+           f"{c['rel_error']:.3g}")
+    note = c.get("note")
+    return f"last gradient check (batch {c['batch']}): {how}" + (f"; {note}" if note else "")
 
 
 def _exact_kind(fwd_stats: Optional[list], plain: bool = False) -> Optional[str]:

@@ -71,6 +71,18 @@ passes), and the tuning above runs then on the first batch, or the two replicate
 settings train a few steps each in turn and the faster is kept.  Their steps are
 exact, so a small net's tuning costs no pass that does not train.
 
+**Without a `tune` call** (a user's own loop): the first training pass runs exact
+propagation, and once its backward is over the tuning runs on that batch with the
+training's own loss as the backward revealed it, its gradient at the output
+(`_output_gradient_loss`: the loss's gradients to first order).  The first gradient
+check is then due at once (`AutoAccuracy.check_due`) and holds the choice to the bound
+on the loss itself, tuning again at once where it is outside.  Batches are numbered
+as the training counts them (training passes from 1; evaluation passes count for
+none), in the tunings' results, the chosen setting's controller and the checks.
+Under auto, ``model.accuracy`` is an `AutoAccuracy`: the running setting's adaptive
+controller where it has one, and an answer for every setting (an exact one has
+nothing to check), so the adaptive check loop works whatever auto chose.
+
 Every rank decides alike: times are the slowest rank's (one small exchange per
 candidate) and gradient checks are reduced over ranks, so the table, and the
 choice taken from it by `choose`, are identical on every rank.  The table and the
@@ -93,16 +105,18 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.variable import Variable
 
 from ..mgrit.grid import build_levels
 from ..mgrit.options import MGRITOptions
 from ..ode.net import ODENet
 from .accuracy import ExactReference, GradientCheck, _Restore, _sq, check_gradients, exact_reference
-from .adaptive import AccuracyPolicy
+from .adaptive import AccuracyController, AccuracyEvent, AccuracyPolicy
 from .batched import same_structures
 from .replicated import ReplicatedSerial, split_supported, supported
 from .timing import first_uses
@@ -112,7 +126,7 @@ _log = logging.getLogger("layerpar")
 if TYPE_CHECKING:
     from .model import LayerParallel
 
-__all__ = ["ITERATIONS", "NOISE_CAP", "NOISE_FRACTION", "STRUCTURES", "AutoTuner",
+__all__ = ["ITERATIONS", "NOISE_CAP", "NOISE_FRACTION", "STRUCTURES", "AutoAccuracy", "AutoTuner",
            "Candidate", "Measurement", "NO_TARGETS", "TuneResult", "auto_policy", "choose",
            "gradient_noise", "order_structures", "tune"]
 
@@ -587,7 +601,8 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
          policy: AccuracyPolicy, repeats: int = 3, batch: int = 0,
          steps: Optional[int] = None,
          known: Optional[dict[Candidate, float]] = None,
-         built: Optional[dict[Candidate, ReplicatedSerial]] = None) -> TuneResult:
+         built: Optional[dict[Candidate, ReplicatedSerial]] = None,
+         step_seconds: Optional[float] = None) -> TuneResult:
     """Measure the candidates on one batch and choose (collective; every rank passes
     the same `x`, `y`).  See the module docstring.  Nothing the training sees
     changes (gradients by `torch.autograd.grad`, the random generator put back).
@@ -605,19 +620,26 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     built: replicated settings already built on this model (`AutoTuner`'s trial ran
     them): timed instead of new ones; the tuning closes those it does not keep.
 
+    step_seconds: a training step's measured time (the online trial's): the budget
+    counts steps of that length (a pass where it is longer), and exact propagation is
+    timed whatever the budget says (the trial's step found room for it: counted in
+    passes, shorter than steps, this budget would not always agree).
+
     The buffers (batch-norm running statistics and their counts), the random generators
     and the model's last solve statistics are put back afterwards: the candidates'
     passes are measurements, not training (they updated a batch norm's statistics four
     times per candidate, so an evaluation after an auto-tuned training differed from
     serial's)."""
     with _Restore(model):
-        return _tune(model, x, y, loss_fn, policy, repeats, batch, steps, known, built)
+        return _tune(model, x, y, loss_fn, policy, repeats, batch, steps, known, built,
+                     step_seconds)
 
 
 def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
           policy: AccuracyPolicy, repeats: int, batch: int, steps: Optional[int],
           known: Optional[dict[Candidate, float]],
-          built: Optional[dict[Candidate, ReplicatedSerial]]) -> TuneResult:
+          built: Optional[dict[Candidate, ReplicatedSerial]],
+          step_seconds: Optional[float] = None) -> TuneResult:
     t_start = time.perf_counter()
     built = {} if built is None else built
     known = {} if known is None else known
@@ -628,6 +650,12 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
     table: list[Measurement] = []
     best_t = math.inf  # the time to beat
     limit: Optional[float] = None
+    unit = math.nan  # what the budget counts a training step as (`per_step`)
+
+    def per_step() -> float:
+        """What the budget counts a training step as: the time to beat (the fastest
+        exact setting's pass), or the trial's measured step where that is longer."""
+        return max(best_t, step_seconds or 0.0)
 
     def replicated(cand: Candidate) -> float:
         """A replicated setting's pass time (refresh included): known, or timed on a
@@ -652,13 +680,20 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
 
     if supported(model) is None:  # replicated serial
         best_t = replicated(Candidate(1, replicated=True))
-        limit = None if steps is None else BUDGET * best_t * steps
+        unit = per_step()
+        limit = None if steps is None else BUDGET * unit * steps
     best: Optional[Candidate] = None
     stopped = False
     bound: Optional[AccuracyPolicy] = None if policy.noise_fraction is not None else policy
     noise: Optional[float] = None
     note = ("" if bound is None else f"given: relative error <= {policy.max_rel_error:g}, "
             f"cosine >= {policy.min_cosine:g}")
+    # (no tune() call: the first training pass's backward revealed the loss)
+    loss_note = ("the gradients are the training loss's to first order, from its "
+                 "gradient at the first training pass's output (tuned at its backward; "
+                 "the first gradient check, due at once, holds the choice to the bound "
+                 "on the loss itself, and tunes again where it is outside); "
+                 if loss_fn is _output_gradient_loss else "")
 
     def over(ahead: float = 0.0) -> bool:
         """Whether the budget is spent (or would be, after `ahead` more seconds)."""
@@ -672,7 +707,8 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
     if split_supported(model) is None and x.shape[0] >= ranks and (
             split in known or not over((repeats + 1) * best_t)):
         best_t = min(best_t, replicated(split))
-    if Candidate(1) not in known and over(EXACT_SETUP + (repeats + 1) * best_t):
+    if step_seconds is None and Candidate(1) not in known and \
+            over(EXACT_SETUP + (repeats + 1) * best_t):
         stopped = True  # a small net: the budget has no room for exact propagation
     else:
         if Candidate(1) in known:
@@ -686,7 +722,8 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
         table.insert(0, Measurement(Candidate(1), t_exact, 0.0, 1.0, True))
         best_t = min(best_t, t_exact)
         if steps is not None:
-            limit = BUDGET * best_t * steps
+            unit = per_step()
+            limit = BUDGET * unit * steps
 
     def held_to() -> AccuracyPolicy:
         """The bound, measured on this batch the first time a candidate needs it."""
@@ -696,8 +733,9 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
             noise = gradient_noise(model, x, y, loss_fn)
             if noise is None:
                 bound = replace(policy, noise_fraction=None)
-                why = ("no targets (tuned on the first forward pass, with a surrogate "
-                       "loss: call tune(x, y, loss_fn) to tune on the training's own)"
+                why = ("no targets (tuned on a forward pass whose backward never came, "
+                       "with a surrogate loss: call tune(x, y, loss_fn) to tune on the "
+                       "training's own)"
                        if y is NO_TARGETS else
                        "the gradient noise could not be measured on this batch")
                 note = (f"{why}, so the default: relative error <= "
@@ -787,12 +825,13 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
     if stopped:
         reason += (f" (tuning stopped after {len(table)} candidates: it may take "
                    f"{100 * BUDGET:g}% of the expected training time, {steps} steps x "
-                   f"{1e3 * min(m.seconds for m in table if m.candidate.exact):.1f} ms)")
+                   f"{1e3 * unit:.1f} ms)")
     spent = time.perf_counter() - t_start
     spent = max(model.transport.allgather_object(spent, "the auto-tuning's duration"))
     if bound is None:
         note = (f"to be measured ({policy.noise_fraction:g} x the batch's gradient noise)"
                 "; no MGRIT candidate needed it")
+    note = loss_note + note
     return TuneResult(table, choice, reason, spent, ranks, batch, noise, bound, note, reused,
                       kept=kept)
 
@@ -825,6 +864,15 @@ class _NoTargets:
 
 #: the targets `AutoTuner.forward` tunes with (see `_NoTargets`)
 NO_TARGETS = _NoTargets()
+
+
+def _output_gradient_loss(out: Tensor, grad: Tensor) -> Tensor:
+    """The training's loss as its first backward revealed it: ``(out * grad).sum()``,
+    `grad` the loss's gradient at the first training pass's output, so that the
+    tuning's gradients are the loss's own to first order (exactly, at the exact
+    output and the parameters of that pass).  One row per sample, as the loss's, so
+    the gradient noise of the batch can be measured from its halves."""
+    return (out * grad).sum()
 
 
 def _surrogate_loss(out: Tensor, y: Any) -> Tensor:
@@ -868,6 +916,89 @@ class _Trial:
         self.kept.clear()
 
 
+class AutoAccuracy:
+    """`LayerParallel.accuracy` under ``options="auto"``: the adaptive controller of
+    the setting auto runs now (`controller`), where it has one, and an answer for
+    every setting, so that the adaptive check loop (``if
+    model.accuracy.check_due(batch): model.check_gradients(x, y, loss_fn)``) works
+    whatever auto chose, and before it tuned.  An exact setting (replicated serial,
+    exact propagation, serial autograd) has nothing to watch: no check is due, and
+    `exact` is True.  `log` holds the decisions of every setting's controller since
+    the first tuning.  Other attributes are the controller's, read and written
+    through (an AttributeError, saying so, where the setting has none)."""
+
+    __slots__ = ("_tuner",)
+
+    def __init__(self, tuner: AutoTuner) -> None:
+        object.__setattr__(self, "_tuner", tuner)
+
+    @property
+    def controller(self) -> Optional[AccuracyController]:
+        """The running setting's controller (None: an exact setting, or not tuned)."""
+        chosen = self._tuner.chosen
+        return None if chosen is None else chosen.accuracy
+
+    def check_due(self, batch: int) -> bool:
+        """Whether the training loop should check the gradients at `batch` (numbered
+        as the training counts its batches, from 1): the controller's answer; never
+        for an exact setting or before the tuning."""
+        ctl = self.controller
+        return ctl is not None and (self._tuner.provisional or ctl.check_due(batch))
+
+    @property
+    def exact(self) -> bool:
+        """Whether the passes run exactly (an exact setting, or its controller's
+        switch to exact propagation)."""
+        ctl = self.controller
+        return ctl is None or ctl.exact
+
+    @property
+    def policy(self) -> AccuracyPolicy:
+        """The bound in force."""
+        ctl = self.controller
+        return self._tuner.bound if ctl is None else ctl.policy
+
+    @property
+    def log(self) -> list[AccuracyEvent]:
+        ctl = self.controller
+        return [*self._tuner.events, *([] if ctl is None else ctl.log)]
+
+    def observe_check(self, batch: int, check: GradientCheck) -> None:
+        ctl = self.controller
+        if ctl is not None:
+            ctl.observe_check(batch, check)
+
+    def summary(self) -> str:
+        ctl = self.controller
+        if ctl is not None:
+            return ctl.summary()
+        name = self._tuner.choice_name(2)
+        return "not tuned yet" if name is None else f"{name}: exact, nothing to watch"
+
+    def _controller_or_raise(self, name: str) -> AccuracyController:
+        ctl = self.controller
+        if ctl is None:
+            what = ("auto has not tuned yet" if self._tuner.chosen is None else
+                    f"auto runs an exact setting ({self.summary()})")
+            raise AttributeError(f"model.accuracy.{name}: {what}, so there is no adaptive "
+                                 "controller (model.accuracy.controller is None)")
+        return ctl
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # (its own slot, unset: a copy being built)
+            raise AttributeError(name)
+        return getattr(self._controller_or_raise(name), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._controller_or_raise(name), name, value)
+
+    def __repr__(self) -> str:
+        return f"AutoAccuracy({self.summary()})"
+
+
 @dataclass
 class AutoTuner:
     """The auto settings of one `LayerParallel` (identical on every rank).
@@ -904,6 +1035,15 @@ class AutoTuner:
     #: at one rank with serial autograd chosen: the net that training passes run
     #: directly (`plain_serial`), else None
     plain: Optional[ODENet] = None
+    #: the decisions of the controllers of settings chosen before the one running now
+    events: list[AccuracyEvent] = field(default_factory=list)
+    #: the first training pass ran (exact) without a tuning: its backward tunes
+    awaiting: bool = False
+    #: the choice was made on the loss's gradient at the output (`_first_backward`):
+    #: the first check, due at once, holds it to the bound on the loss itself
+    provisional: bool = False
+    #: the last check: (its batch, the bound it was held to, what auto did)
+    last_check: Optional[tuple[int, AccuracyPolicy, str]] = None
 
     @property
     def tuned(self) -> bool:
@@ -929,7 +1069,8 @@ class AutoTuner:
              loss_fn: Callable[[Tensor, Any], Tensor],
              steps: Optional[int] = None, online: bool = False,
              built: Optional[dict[Candidate, ReplicatedSerial]] = None,
-             trial: Optional[tuple[int, float, int]] = None) -> Optional[TuneResult]:
+             trial: Optional[tuple[int, float, int]] = None, batch: Optional[int] = None,
+             step_seconds: Optional[float] = None) -> Optional[TuneResult]:
         """Measure and choose on this batch (collective); the choice runs from now on.
         `steps`: the training steps to come, if known (they bound the tuning's time; a
         later call without them counts what is left of the first call's).
@@ -946,7 +1087,11 @@ class AutoTuner:
 
         built: replicated settings already built on `model` (the trial's), timed by
         the tuning instead of new ones.  trial: (steps it trained, its timed step's
-        seconds, the steps then to come), for the result's log."""
+        seconds, the steps then to come), for the result's log.  batch: the training
+        batch whose data `x` is, numbered as the training counts them (default: the
+        next).  step_seconds: the trial's timed training step (`tune`'s)."""
+        # (a tuning asked for: the first backward's, still to come, or its check, no more)
+        self.awaiting = self.provisional = False
         if self.trial is not None:  # asked again before the steps decided: tune now
             self.trial.close()
             self.trial = self.chosen = None
@@ -960,8 +1105,9 @@ class AutoTuner:
             return None
         known = self.timings.setdefault((tuple(x.shape), x.dtype, x.device), {})
         with same_structures():  # (a model per candidate, over the same modules)
-            got = tune(model, x, y, loss_fn, self.policy, self.repeats, self.batches, steps,
-                       known=dict(known), built=built)
+            got = tune(model, x, y, loss_fn, self.policy, self.repeats,
+                       self.batches + 1 if batch is None else batch, steps,
+                       known=dict(known), built=built, step_seconds=step_seconds)
         for m in got.table:
             known.setdefault(m.candidate, m.seconds)
         if trial is not None:  # (the trial's steps came first; its timed step decided)
@@ -972,6 +1118,8 @@ class AutoTuner:
         if got.noise is not None:
             self.noise, self.checks_since_noise = got.noise, 0
         old, self.chosen = self.chosen, None
+        if getattr(old, "accuracy", None) is not None:
+            self.events += old.accuracy.log
         _drop(old)
         cand = got.choice.candidate
         kept, got.kept = got.kept, {}
@@ -979,6 +1127,7 @@ class AutoTuner:
             self.chosen = kept.pop(cand, None) or ReplicatedSerial(model, split=cand.split)
         else:
             self.chosen = _build(model, cand, None if cand.exact else self.bound)
+            self.chosen._batch = self.batches  # (numbered as the training's batches)
             ctl = self.chosen.accuracy
             if ctl is not None and ctl.costs is not None:  # the tuning's timings count
                 exact = next(m for m in got.table if m.candidate.exact)
@@ -994,7 +1143,6 @@ class AutoTuner:
                                                 self._noise_share())
         for other in kept.values():
             other.close()
-        model.accuracy = self.chosen.accuracy
         self.plain = plain_serial(model, self.chosen)
         return got
 
@@ -1010,8 +1158,8 @@ class AutoTuner:
         rep.training = model.training
         _drop(self.chosen)
         self.chosen = rep
-        model.accuracy = None  # exact: nothing to watch
-        self.trial = _Trial(x, y, loss_fn, steps, self.batches, first, queue, {first: rep})
+        self.trial = _Trial(x, y, loss_fn, steps, self.batches + 1, first, queue,
+                            {first: rep})
         self.trial.seconds = time.perf_counter() - t0
 
     def _trial_step(self, model: LayerParallel) -> None:
@@ -1040,7 +1188,8 @@ class AutoTuner:
             self.trial = self.chosen = None
             # (this forward's step runs the choice: the steps before it trained)
             got = self.tune(model, tr.x, tr.y, tr.loss_fn, built=tr.kept,
-                            trial=(tr.steps_run - 1, t, tr.steps))
+                            trial=(tr.steps_run - 1, t, tr.steps), batch=tr.batch,
+                            step_seconds=t)
             assert got is not None
             return
         ts = tr.times
@@ -1081,22 +1230,44 @@ class AutoTuner:
             _log.info("%s", got)
 
     def forward(self, model: LayerParallel, x: Tensor) -> Tensor:
-        """A pass of `model`: tuned first if it never was (with a surrogate loss,
-        since a forward pass knows no targets; `layerpar.apps.train` tunes with its loss).
+        """A pass of `model`.  Where `tune` was never called, the first training pass
+        runs exact propagation and its backward tunes, with the training's own loss
+        as that backward reveals it (`_first_backward`); where no backward came before
+        the next training pass (or nothing there requires grad), that pass tunes with
+        a surrogate loss (`layerpar.apps.train` calls `tune` with its loss).
         A pass before any tuning that trains nothing (no gradient recorded, or the
         model in eval mode: an evaluation of a loaded checkpoint, say), or that has an
         empty batch (nothing to time), runs exact propagation and leaves the tuning to
         the first training pass with samples, whose passes it would time."""
         if self.trial is not None:
             self._trial_step(model)
+        train = model.training and torch.is_grad_enabled()
         if not self.tuned:
-            if not (model.training and torch.is_grad_enabled()) or x.numel() == 0:
+            if not train or x.numel() == 0:
                 with model.exact():
                     return model(x)
+            if not self.awaiting:
+                # the first training pass: exact; its backward reveals the loss
+                self.batches += 1
+                with model.exact():
+                    out = model(x)
+                if out.requires_grad:
+                    self.awaiting = True
+                    out.register_hook(partial(self._first_backward, model, x.detach(),
+                                              self.batches))
+                    return out
+                self.batches -= 1  # (nothing to differentiate: tuned below, this batch)
+            # no backward came (or none can): the loss is unknown
+            self.awaiting = False
             self.tune(model, x, NO_TARGETS, _surrogate_loss)
         assert self.chosen is not None
         self.chosen.training = model.training
-        self.batches += 1
+        if train:
+            self.batches += 1
+        twin = self.chosen if self.plain is None and not isinstance(
+            self.chosen, ReplicatedSerial) else None
+        if twin is not None:  # its batches numbered as the training's (its log, checks)
+            twin._batch = self.batches - 1 if train else self.batches
         net = self.plain
         if net is not None:  # one rank, serial autograd: the net itself
             if net.training is not model.training:
@@ -1105,7 +1276,29 @@ class AutoTuner:
             # subclass's own forward); a seed only where the net has dropout
             return ODENet.forward_seeded(net, x, net.forward_seed() if model.has_dropout
                                          else None)
-        return self.chosen(x)
+        out = self.chosen(x)
+        if twin is not None and not train:
+            twin._batch = self.batches  # (an evaluation pass is no training batch)
+        return out
+
+    def _first_backward(self, model: LayerParallel, x: Tensor, batch: int,
+                        grad: Tensor) -> None:
+        """At the first training pass's backward (a hook on its output's gradient,
+        collective: every rank runs the same backward): tune on that batch once the
+        backward is over (its saved tensors, batch-norm statistics among them, must
+        not change under it), with the training's own loss as the backward reveals
+        it, its gradient at the (exact) output (`_output_gradient_loss`), at the
+        parameters that pass ran with (before any optimizer step)."""
+        if not self.awaiting:  # (a second backward through the same output)
+            return
+        self.awaiting = False
+        g = grad.detach().clone()
+
+        def tune() -> None:
+            self.tune(model, x, g, _output_gradient_loss, batch=batch)
+            self.provisional = True
+
+        Variable._execution_engine.queue_callback(tune)
 
     def count_captured(self) -> None:
         """A pass of the chosen setting that ran in a captured CUDA graph
@@ -1117,7 +1310,7 @@ class AutoTuner:
         if self.chosen is not None:
             self.chosen.training = True
             if not isinstance(self.chosen, ReplicatedSerial):
-                self.chosen._batch += 1  # (a LayerParallel twin)
+                self.chosen._batch = self.batches  # (a LayerParallel twin)
 
     def check(self, model: LayerParallel, x: Tensor, y: Any,
               loss_fn: Callable[[Tensor, Any], Tensor]) -> GradientCheck:
@@ -1132,7 +1325,11 @@ class AutoTuner:
         check)."""
         assert self.chosen is not None
         ctl = self.chosen.accuracy
-        if self.policy.noise_fraction is not None and ctl is not None:
+        # a choice made on the loss's gradient at the output (no `tune` call) is checked
+        # on the loss itself at once, against the bound it was chosen by, and tuned
+        # again at once where it is outside (no second check to confirm)
+        provisional, self.provisional = self.provisional and ctl is not None, False
+        if self.policy.noise_fraction is not None and ctl is not None and not provisional:
             if self.noise_due():
                 noise = gradient_noise(model, x, y, loss_fn)
                 self.checks_since_noise = 0
@@ -1142,24 +1339,40 @@ class AutoTuner:
                     ctl.policy = self.remeasured
             else:
                 self.checks_since_noise += 1
+        batch, name = self.batches, self.choice_name(model.size)
         if ctl is None:  # replicated serial or exact propagation: exact
-            return self.chosen.check_gradients(x, y, loss_fn)
+            got = self.chosen.check_gradients(x, y, loss_fn)
+            self.last_check = (batch, self.bound, f"{name} is exact: nothing to change")
+            return got
         got = self.chosen.measure_gradients(x, y, loss_fn)
-        if not _within(got, self.bound) and not self.unconfirmed and \
+        bound = self.bound
+        if not _within(got, bound) and not self.unconfirmed and not provisional and \
                 len(self.results) <= self.max_retunes:
             # one batch's error is a noisy estimate of the setting's (case a: 0.115 to
             # 0.21 from check to check): nothing changes before the next check, due
             # after `check_every` batches, finds it outside the bound too
             self.unconfirmed = True
             ctl.backoff, ctl.min_every = 1, 0
+            self.last_check = (batch, bound, f"auto kept {name}: one check's error is a "
+                               "noisy estimate, and the next check (due after "
+                               f"{ctl.policy.check_every} batches) confirms it or not")
             return got
         self.unconfirmed = False
         ctl.observe_check(self.chosen.batch, got)
         if got.inexact_seconds > 0:
             ctl.min_every = _check_interval(got.inexact_seconds, got.exact_seconds,
                                             self._noise_share(), self.step_seconds)
-        if not _within(got, self.bound) and len(self.results) <= self.max_retunes:
-            self.tune(model, x, y, loss_fn)
+        if _within(got, bound):
+            self.last_check = (batch, bound, f"{name} within the bound")
+        elif len(self.results) <= self.max_retunes:
+            self.tune(model, x, y, loss_fn, batch=batch)
+            self.last_check = (batch, bound, f"auto tuned again on this batch and chose "
+                               f"{self.choice_name(model.size)}")
+        else:
+            self.last_check = (batch, bound, f"auto kept {name}, its iteration counts "
+                               f"now {ctl.fwd_iters}/{ctl.bwd_iters} (its adaptive "
+                               f"controller's answer): it has tuned {len(self.results)} "
+                               f"times, its most (max_retunes={self.max_retunes})")
         return got
 
     def _pinned(self) -> bool:
@@ -1197,6 +1410,22 @@ class AutoTuner:
         if self.results:
             return self.results[-1].choice.candidate.name(ranks)
         return None if self.trial is None else self.trial.cand.name(ranks)
+
+    def apply(self, fn: Callable[[Tensor], Tensor]) -> None:
+        """What `nn.Module._apply` applied to the model (`.to()`, `.float()`,
+        `.cuda()` ...), applied to every setting held: the chosen one and those the
+        trial keeps (a twin shares the model's modules, so this reaches its ghost
+        blocks; a replicated setting builds its private net again).  No message."""
+        held = [self.chosen, *([] if self.trial is None else self.trial.kept.values())]
+        done: set[int] = set()
+        for s in held:
+            if s is None or id(s) in done:
+                continue
+            done.add(id(s))
+            if isinstance(s, ReplicatedSerial):
+                s.apply(fn)
+            else:
+                s._apply(fn)
 
     def close(self) -> None:
         if self.trial is not None:

@@ -36,7 +36,7 @@ from ..ode.rng import draw_seed, plain_rng
 from . import checkpoint
 from .adaptive import AccuracyController, apply_iterations, as_policy
 from .agree import Agreed, check_xbraid, layer_key, same_values, values_fingerprint
-from .autotune import AutoTuner, auto_policy
+from .autotune import AutoAccuracy, AutoTuner, auto_policy
 from .bn_dropout import batch_norms
 from .direct import direct_backward_started
 from .grads import GradDelivery
@@ -238,6 +238,12 @@ class LayerParallel(nn.Module):
             timeout = check_timeout(timeout)
             nonneg_int("check_inputs", check_inputs)
             check_engine(engine)
+            if auto and engine != "native":
+                # (before the engine's own checks: this holds whether or not it was built)
+                raise ValueError(f"`engine`={engine!r} with options='auto': auto's "
+                                 "candidates (batched cycles, replicated serial) run on "
+                                 "layerpar's own engine; leave `engine` unset, or give "
+                                 "MGRITOptions for engine='xbraid'")
             if batched is None:
                 batched = "auto" if engine == "native" else False
             if not (isinstance(batched, bool) or batched == "auto"):
@@ -364,7 +370,8 @@ class LayerParallel(nn.Module):
         self._auto: Optional[AutoTuner] = None
         if auto:
             self._auto = AutoTuner(auto_policy(policy))
-            self.accuracy = None  # the chosen setting's controller, once tuned
+            # the chosen setting's controller, and an answer for every setting
+            self.accuracy = AutoAccuracy(self._auto)  # type: ignore[assignment]
 
     def _layer_owners(self, net: ODENet) -> list[tuple[str, nn.Module, int]]:
         """(name, module, owner rank) of every layer of the whole net, a segment's
@@ -1010,7 +1017,7 @@ class LayerParallel(nn.Module):
         from .accuracy import check_gradients
 
         with self.checking():
-            if self.accuracy is not None:
+            if self.accuracy is not None and self._auto is None:
                 apply_iterations(self)  # measure MGRIT as the controller runs it
             return check_gradients(self, x, y, loss_fn)
 
@@ -1146,10 +1153,13 @@ class LayerParallel(nn.Module):
 
     def _apply(self, fn: Callable, recurse: bool = True) -> LayerParallel:
         """`.to()`, `.double()`, `.cuda()` ... also reach the ghost blocks, which are not
-        submodules (they hold no trainable parameters of this rank)."""
+        submodules (they hold no trainable parameters of this rank), and under
+        ``options="auto"`` every setting the tuner holds (`AutoTuner.apply`)."""
         super()._apply(fn, recurse)
         for runner in self._runners.values():
             runner.ghosts.apply(fn)
+        if getattr(self, "_auto", None) is not None:
+            self._auto.apply(fn)
         return self
 
     def close(self) -> None:

@@ -24,7 +24,13 @@ net's, on every rank.
   and loss; backward, each rank back-propagates its rows, one all-reduce sums the
   parameter (and input) gradients, flat and laid out by owner, and each keeps its
   own parameters' sums (one slice of it): the batch's gradient to round-off, the
-  arithmetic shared over the ranks.
+  arithmetic shared over the ranks.  The trainable set is read per pass, as the
+  layer-parallel passes read it: each rank's parameters' ``requires_grad`` flags
+  travel with the refresh, so a block frozen or unfrozen on its owner changes the
+  layout on every rank at the same pass; a rank left with nothing trainable joins
+  the backward through an anchor.
+- **Moves.**  `apply` (what `.to()`, `.float()`, `.cuda()` ... apply to the model)
+  builds the private net again from the model's tensors as they are then.
 - **Identical on every rank.**  The same input, the same parameter values and the
   same code on every rank give the same output and loss; each rank's gradients are
   those of the serial net for its own layers.
@@ -95,6 +101,9 @@ class _SplitBatch(torch.autograd.Function):
             out = rep.net(xl)
         ctx.rep, ctx.out, ctx.xl, ctx.rows, ctx.n = rep, out, xl, (lo, hi), n
         ctx.whole = whole
+        # this pass's trainable set (the same on every rank; it may change by the next)
+        ctx.layout = (rep._trainable, rep._own, rep._own_at, rep._own_span)
+        ctx.anchored = bool(own) and not rep._own
         if whole:
             return out.detach()
         if n % size == 0:  # equal shares: gathered straight into the whole output
@@ -113,12 +122,13 @@ class _SplitBatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
         rep, (lo, hi), dx_wanted = ctx.rep, ctx.rows, ctx.xl.requires_grad
-        wrt = rep._trainable + [ctx.xl] if dx_wanted else rep._trainable
+        trainable, own_tensors, own_at, own_span = ctx.layout
+        wrt = trainable + [ctx.xl] if dx_wanted else trainable
         with torch.enable_grad():
             got = _grad(ctx.out, wrt, grad[lo:hi])
         # this rank's rows' gradients in one fresh buffer (autograd may hand the sums on
         # to the caller), laid out by owner; then the input's (zero outside its rows)
-        parts = [torch.zeros_like(t) if g is None else g for t, g in zip(rep._trainable, got)]
+        parts = [torch.zeros_like(t) if g is None else g for t, g in zip(trainable, got)]
         if dx_wanted:
             dx = grad.new_zeros((ctx.n, *ctx.xl.shape[1:]))
             if got[-1] is not None:
@@ -129,12 +139,14 @@ class _SplitBatch(torch.autograd.Function):
             rep.transport.allreduce_start(flat, "the batch's shares' gradients").wait()
         dx_all = flat[flat.numel() - dx.numel():].view_as(dx) if dx_wanted else None
         # this rank's own sums: views of one slice where they lie together
-        if rep._own_span is not None:
+        if ctx.anchored:
+            return (None, None, dx_all, None)
+        if own_span is not None:
             own = torch._C._nn.unflatten_dense_tensors(
-                flat[rep._own_span[0]:rep._own_span[1]], rep._own)
+                flat[own_span[0]:own_span[1]], own_tensors)
         else:
-            every = torch._C._nn.unflatten_dense_tensors(flat, rep._trainable)
-            own = [every[k] for k in rep._own_at]
+            every = torch._C._nn.unflatten_dense_tensors(flat, trainable)
+            own = [every[k] for k in own_at]
         return (None, None, dx_all, *own)
 
 
@@ -217,19 +229,38 @@ class ReplicatedSerial:
         self.model = model
         self.transport = model.transport
         self.rank = model.rank
-        net: nn.Module = model.whole_net
-        named = _named_tensors(net)
+        named = _named_tensors(model.whole_net)
         mine = {id(t) for t in model.parameters()} | {id(b) for b in model.buffers()}
-        local = [i for i, (_, t) in enumerate(named) if id(t) in mine]
+        self._local = [i for i, (_, t) in enumerate(named) if id(t) in mine]
         owners: list[Optional[int]] = [None] * len(named)
         for r, got in enumerate(self.transport.allgather_object(
-                local, "the replicated net's owners")):
+                self._local, "the replicated net's owners")):
             for i in got:
                 if owners[i] is None:
                     owners[i] = r
+        self._owners = owners
+        # joins the backward of the batch split on a rank with nothing of its own to
+        # differentiate (the others' all-reduce waits for it)
+        self._anchor = torch.zeros((), requires_grad=True)
+        self.training = model.training
+        self.last_forward: list[Any] = []
+        self.last_backward: list[Any] = []
+        self._build()
+
+    def _build(self, fn: Optional[Callable[[Tensor], Tensor]] = None) -> None:
+        """The private net and the refresh's exchange, laid out from the owners (no
+        message: they are known on every rank).  `fn`: what `nn.Module._apply` applies
+        (`.to()`, `.double()`, `.cuda()` ...), applied to the copies of the others'
+        tensors (this rank's own are the model's, which it moved already)."""
+        model, owners = self.model, self._owners
+        net: nn.Module = model.whole_net
+        named = _named_tensors(net)
+        local = self._local
         # a private net: this rank's tensors are the real ones, the others' copies
         memo: dict[int, Any] = {id(named[i][1]): named[i][1] for i in local}
         self.net: nn.Module = copy.deepcopy(net, memo)
+        if fn is not None:
+            self.net._apply(fn)
         rep = _named_tensors(self.net)
         assert [n for n, _ in rep] == [n for n, _ in named]
         if hasattr(self.net, "forward_seed") and not any(
@@ -238,44 +269,37 @@ class ReplicatedSerial:
             # forward never draws a seed, so skip the walk over every module that
             # finds that out on each pass (36 us on digits, 96 us on Peaks)
             self.net.forward_seed = _no_seed
-        self._owners = owners
-        real = {id(named[i][1]) for i in local}
-        for i, (_, t) in enumerate(rep):
-            if owners[i] != self.rank and isinstance(t, nn.Parameter) and id(t) not in real:
-                # its owner computes its gradient; split, every rank adds its rows' share.
-                # (A tensor this rank holds too, one that layers of several ranks use,
-                # keeps its flag: the whole net's autograd gives each such rank the sum
-                # of all its uses, serial's gradient, so the ranks' copies stay equal.)
-                t.requires_grad_(split and named[i][1].requires_grad)
-        # split: every trainable tensor (the same list on every rank, laid out by owner
-        # so that each rank's own ones lie together in the flat gradient), and where
-        # this rank's own ones (its `parameters()`) sit in it
-        trainable = [i for i, (_, t) in enumerate(rep)
-                     if isinstance(t, nn.Parameter) and named[i][1].requires_grad]
-        trainable.sort(key=lambda i: (owners[i] is None, owners[i] or 0))
-        self._trainable = [rep[i][1] for i in trainable]
-        where = {id(t): k for k, t in enumerate(self._trainable)}
-        self._own_at = sorted(where[id(p)] for p in model.parameters() if id(p) in where)
-        self._own = [self._trainable[k] for k in self._own_at]
-        self._own_span: Optional[tuple[int, int]] = None
-        if self._own_at and self._own_at == list(range(self._own_at[0],
-                                                        self._own_at[-1] + 1)):
-            at = sum(t.numel() for t in self._trainable[:self._own_at[0]])
-            self._own_span = (at, at + sum(t.numel() for t in self._own))
+        self._rep = rep
+        # the parameters, and which of them each rank owns: under the batch split the
+        # owners' `requires_grad` flags travel with the refresh (`_trainable_from`), so
+        # every rank lays out the same trainable set, pass by pass
+        self._params_at = [i for i, (_, t) in enumerate(rep) if isinstance(t, nn.Parameter)]
+        slots: dict[int, list[int]] = {}
+        for k, i in enumerate(self._params_at):
+            if owners[i] is not None:
+                slots.setdefault(owners[i], []).append(k)
+        self._slots = slots
+        self._mine = [rep[self._params_at[k]][1] for k in slots.get(self.rank, [])]
+        n_flags = max((len(v) for v in slots.values()), default=0) if self.split else 0
         # the refresh's exchange, one per dtype (the same on every rank: the owners are
         # known everywhere): a send buffer of the widest rank's share, which this rank's
         # tensors are concatenated into, and a receive buffer (ranks x width).  The
         # private copies of the others' tensors live in the receive buffer (their
         # storage is a view of it), so the exchange itself updates them; only what
         # cannot live there (a copy on another device; a tensor this rank holds but
-        # another rank owns first) is copied out of it.
+        # another rank owns first) is copied out of it.  Split: the first exchange
+        # carries each rank's parameters' flags after its tensors.
         by: dict[torch.dtype, dict[int, list[Tensor]]] = {}
         for i, (_, t) in enumerate(rep):
             if owners[i] is not None:
                 by.setdefault(t.dtype, {}).setdefault(owners[i], []).append(t)
+        real = {id(named[i][1]) for i in local}
         self._xchg: list[_Exchange] = []
+        self._flag_at = 0
         for dtype, per in by.items():
             width = max(sum(t.numel() for t in ts) for ts in per.values())
+            if not self._xchg:
+                self._flag_at, width = width, width + n_flags
             send = torch.zeros(width, dtype=dtype)
             recv = torch.zeros((model.size, width), dtype=dtype)
             mine = [t.detach() for t in per.get(self.rank, [])]
@@ -297,10 +321,57 @@ class ReplicatedSerial:
             else:
                 into = _views(send, mine)
             self._xchg.append(_Exchange(send, recv, mine, into, copies, views))
-        self.training = model.training
+        self._sent: Optional[tuple[bool, ...]] = None  # this rank's flags as last sent
+        self._seen: Optional[Tensor] = None  # every rank's flags as last received
+        self._set_trainable([named[i][1].requires_grad for i in self._params_at])
         self._mode: Optional[bool] = None
-        self.last_forward: list[Any] = []
-        self.last_backward: list[Any] = []
+
+    def _set_trainable(self, flags: list[bool]) -> None:
+        """Take `flags` (per parameter of the net, its owner's `requires_grad`) as the
+        trainable set: the copies of the others' parameters require grad where theirs
+        do (split: every rank adds its rows' share; else never, their owners compute
+        their gradients), and, split, every trainable tensor in one list, the same on
+        every rank, laid out by owner so that each rank's own ones lie together in the
+        flat gradient, and where this rank's own ones (its `parameters()`) sit in it."""
+        rep, owners = self._rep, self._owners
+        # a tensor this rank holds keeps its flag, also under another rank's name (a
+        # parameter that layers of several ranks share): the whole net's autograd
+        # gives each such rank the sum of all its uses, so the ranks' copies stay equal
+        real = {id(rep[i][1]) for i in self._local}
+        for k, i in enumerate(self._params_at):
+            if owners[i] != self.rank and id(rep[i][1]) not in real:
+                rep[i][1].requires_grad_(self.split and flags[k])
+        trainable = [i for k, i in enumerate(self._params_at) if flags[k]]
+        trainable.sort(key=lambda i: (owners[i] is None, owners[i] or 0))
+        self._trainable = [rep[i][1] for i in trainable]
+        where = {id(t): k for k, t in enumerate(self._trainable)}
+        self._own_at = sorted(where[id(p)] for p in self.model.parameters() if id(p) in where)
+        self._own = [self._trainable[k] for k in self._own_at]
+        self._own_span: Optional[tuple[int, int]] = None
+        if self._own_at and self._own_at == list(range(self._own_at[0],
+                                                        self._own_at[-1] + 1)):
+            at = sum(t.numel() for t in self._trainable[:self._own_at[0]])
+            self._own_span = (at, at + sum(t.numel() for t in self._own))
+
+    def _trainable_from(self, got: Tensor) -> None:
+        """The trainable set from every rank's flags as received (`got`: ranks x
+        slots), where they changed since the last pass."""
+        if self._seen is not None and torch.equal(got, self._seen):
+            return
+        self._seen = got.clone()
+        rows = got.tolist()
+        flags = [self._rep[i][1].requires_grad for i in self._params_at]
+        for r, ks in self._slots.items():
+            for slot, k in enumerate(ks):
+                flags[k] = bool(rows[r][slot])
+        self._set_trainable(flags)
+
+    def apply(self, fn: Callable[[Tensor], Tensor]) -> None:
+        """What `nn.Module._apply` applies to the model (`.to()`, `.float()`,
+        `.cuda()` ...), applied here too: the private net is built again from the
+        model's tensors as they are now, the copies of the others' moved alike (no
+        message)."""
+        self._build(fn)
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's trainable tensors (those the user's optimizer holds)."""
@@ -317,6 +388,13 @@ class ReplicatedSerial:
         0.1 ms inside a training step, where it also absorbs the ranks' skew)."""
         pending = []
         with torch.no_grad():
+            if self.split and self._xchg:  # this rank's flags, where they changed
+                flags = tuple(p.requires_grad for p in self._mine)
+                if flags != self._sent:
+                    self._sent = flags
+                    head = self._xchg[0].send
+                    head[self._flag_at:self._flag_at + len(flags)] = torch.tensor(
+                        flags, dtype=head.dtype)
             for x in self._xchg:
                 if isinstance(x.into, Tensor):
                     torch.cat(x.mine, out=x.into)
@@ -327,6 +405,8 @@ class ReplicatedSerial:
             for x, p in zip(self._xchg, pending):
                 p.wait()
                 _copy(x.copies, x.views)
+            if self.split and self._xchg:
+                self._trainable_from(self._xchg[0].recv[:, self._flag_at:])
 
     def __call__(self, x: Tensor) -> Tensor:
         self.refresh()
@@ -334,8 +414,17 @@ class ReplicatedSerial:
             self.net.train(self.training)
             self._mode = self.training
         if self.split:
-            return _SplitBatch.apply(self, torch.is_grad_enabled(), x, *self._own)
-        return self.net(x)
+            # (no trainable parameter of its own but some elsewhere: the anchor makes
+            # this rank's backward run, and join the others' all-reduce)
+            own = self._own or ([self._anchor] if self._trainable else [])
+            return _SplitBatch.apply(self, torch.is_grad_enabled(), x, *own)
+        out = self.net(x)
+        if not out.requires_grad and torch.is_grad_enabled():
+            # nothing of this rank's requires grad (its own layers frozen): the output
+            # still carries a graph, as on the ranks whose layers train, so that the
+            # same training loop runs backward() on every rank
+            out = out + 0 * self._anchor
+        return out
 
     def check_gradients(self, x: Tensor, y: Any,
                         loss_fn: Callable[[Tensor, Any], Tensor]) -> Any:

@@ -150,7 +150,7 @@ def test_auto_captured_step_trains_like_its_setting_eagerly() -> None:
     got = [float(step(x, y)) for _ in range(3)]
     for a, b in zip(ref[3:], got):  # the 3 warm-up steps were eager
         assert abs(a - b) <= 1e-5 * abs(a), (ref, got)
-    if model.accuracy is not None:  # MGRIT was chosen: the controller can move it
+    if model.accuracy.controller is not None:  # MGRIT chosen: its controller can move it
         model.accuracy.fwd_iters += 1
         assert step.refresh(x, y) and step.captures == 2 and step.captured
     step.close()

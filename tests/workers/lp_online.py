@@ -14,7 +14,10 @@ each against the serial net trained from the same weights with the same fused Ad
 2. ``cheap whole``: the opposite costs;
 3. ``room``: so many steps to come that the budget has room for the full tuning:
    after the first timed step, the tuning runs on the first batch (its passes on
-   fixed costs: replicated serial 0.5, exact propagation 1.0, MGRIT 2.0);
+   fixed costs: replicated serial 0.5, exact propagation 1.0, MGRIT 2.0); ``room
+   passes``: the same where a replicated pass (5 ms) is half a step (10 ms), so the
+   budget counted in passes would have had no room: exact propagation is timed all
+   the same, and the log says so alone (``RANK <r> <case> story ...``);
 4. ``short``: two steps only, so the trial never decides (``RANK <r> short ...``).
 
 Each rank reports ``RANK <r> <case> tune <None|result> | steps <k> | online <n> |
@@ -46,11 +49,14 @@ def say(text: str) -> None:
     sys.stdout.flush()
 
 
+pass_costs = {"replicated": 0.5}
+
+
 def fake_passes(model, m, x, y, loss_fn, repeats, bound=float("inf"), **kw):
     """The full tuning's timings (case 3): the passes as usual, fixed costs."""
     timed(model, m, x, y, loss_fn, 1)
     if isinstance(m, ReplicatedSerial):
-        return 0.5
+        return pass_costs["replicated"]
     return 1.0 if m.options.max_levels == 1 else 2.0  # MGRIT slower: training stays exact
 
 
@@ -125,6 +131,11 @@ def train(case: str, costs: dict[bool, float], steps_to_come: int, evaluate_at: 
     if res is not None and rank == 0:
         for line in res.lines():
             sys.stderr.write(line + "\n")
+    if res is not None:
+        text = "\n".join(res.lines())
+        say(f"{case} story room {'had room to time exact' in text} | exact timed "
+            f"{any(m.candidate.exact and not m.candidate.replicated for m in res.table)} | "
+            f"not timed {'not timed' in text}")
     model.close()
 
 
@@ -132,6 +143,11 @@ def train(case: str, costs: dict[bool, float], steps_to_come: int, evaluate_at: 
 train("cheap split", {True: 1e-3, False: 2e-3}, 1000, evaluate_at=2)
 train("cheap whole", {True: 2e-3, False: 1e-3}, 1000, evaluate_at=0)
 train("room", {True: 1e-3, False: 1e-3}, 10**6, evaluate_at=0)
+# a step (10 ms) twice a replicated pass (5 ms): the step's budget has room for exact
+# propagation, the passes' alone would not (the tuning must time it all the same)
+pass_costs["replicated"] = 5e-3
+train("room passes", {True: 1e-2, False: 1e-2}, 1100, evaluate_at=0)
+pass_costs["replicated"] = 0.5
 
 # a training that ends before the steps decided: the log says so, the choice is the
 # setting that ran
