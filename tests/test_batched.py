@@ -408,6 +408,52 @@ def test_segment_parameters_are_flat_rows_and_steps_read_views() -> None:
     assert sorted(bb._flat) == [1]  # the weights are stacked again, the biases are views
 
 
+def test_making_parameters_flat_keeps_their_gradients_and_hooks() -> None:
+    """`flat.flatten` swaps each tensor for a row of one storage: a gradient accumulated
+    before (a LayerParallel, or auto's MGRIT twin, built between a backward and the
+    optimizer's step) stays the parameter's, and a tensor with a user's hooks is left
+    as it is (swapping would drop them), so the hooks still fire."""
+    blks = [torch.nn.Linear(3, 3) for _ in range(4)]
+    grads = [torch.full_like(b.weight, float(k)) for k, b in enumerate(blks)]
+    for b, g in zip(blks, grads):
+        b.weight.grad = g.clone()
+    flat.flatten(blks)
+    assert flat.rows([b.weight for b in blks]) is not None
+    assert all(torch.equal(b.weight.grad, g) for b, g in zip(blks, grads))
+
+    blks = [torch.nn.Linear(3, 3) for _ in range(4)]
+    fired: list[str] = []
+    blks[1].weight.register_hook(lambda g: fired.append("hook"))
+    blks[2].bias.register_post_accumulate_grad_hook(lambda p: fired.append("post"))
+    flat.flatten(blks)
+    assert flat.rows([b.weight for b in blks]) is None
+    assert flat.rows([b.bias for b in blks]) is None
+    x = torch.randn(2, 3)
+    sum(b(x).sum() for b in blks).backward()
+    assert sorted(fired) == ["hook", "post"]
+
+
+def test_auto_keeps_the_first_batchs_gradients() -> None:
+    """Under ``options="auto"`` without `tune()`, the first training pass's backward
+    tunes (building MGRIT twins of the same blocks) after the gradients were written:
+    they stay serial's, in every layer."""
+    torch.manual_seed(6)
+    serial = layerpar.ODENet(
+        open=torch.nn.Linear(3, 4),
+        steps=lambda k: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()),
+        n_steps=8, close=torch.nn.Linear(4, 5)).double()
+    model = layerpar.LayerParallel(copy.deepcopy(serial), None, "auto")
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    for m in (serial, model):
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+    assert model.tuner is not None and model.tuner.tuned
+    want = dict(serial.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert rel(p.grad, want[name].grad) <= F64.roundoff, name
+    model.close()
+
+
 def test_a_parameter_changed_between_forward_and_backward_is_refused() -> None:
     """The vectorised steps read the parameters as views: one changed in place after
     the forward pass would make the backward pass mix two values, so it is refused,

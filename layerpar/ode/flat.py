@@ -38,6 +38,9 @@ def _column(named: Sequence[dict[str, Tensor]], name: str) -> Optional[list[Tens
     if isinstance(t0, nn.parameter.UninitializedParameter) or t0.numel() == 0 or \
             t0.layout != torch.strided or len({id(t) for t in col}) < len(col):
         return None
+    if any(t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None)
+           for t in col):
+        return None  # swapping a tensor would drop the hooks a user put on it
     if any(t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device or  # type: ignore[union-attr]
            isinstance(t, nn.parameter.UninitializedParameter) for t in col):
         return None
@@ -49,7 +52,8 @@ def flatten(blocks: Sequence[nn.Module]) -> None:
     objects and `requires_grad` unchanged; each tensor swapped for a view of its row,
     `torch.utils.swap_tensors`).  Names that cannot be rows of one tensor (shapes,
     dtypes or devices that differ, a tensor in two blocks, lazy or empty tensors, a
-    tensor an autograd node holds) are left as they are; so are names already flat."""
+    tensor with hooks, a tensor an autograd node holds) are left as they are; so are
+    names already flat."""
     if len(blocks) < 2:
         return
     named = [dict(b.named_parameters()) for b in blocks]
@@ -60,10 +64,15 @@ def flatten(blocks: Sequence[nn.Module]) -> None:
                 continue
             base = torch.stack([t.detach() for t in col])
             for i, t in enumerate(col):
+                grad = t.grad
                 try:
                     # the Parameter object stays (optimizers and hooks hold it); its
                     # tensor becomes row i of base
                     swap_tensors(t, nn.Parameter(base[i], requires_grad=t.requires_grad))
+                    # swapping moves `.grad` too: a gradient accumulated before (a
+                    # model built, or a twin of it, between a backward and its step)
+                    # stays the parameter's
+                    t.grad = grad
                 except RuntimeError:
                     # held elsewhere (an autograd node of an earlier pass): left as it
                     # is, and so the name is not flat (`rows` says so; passes stack)
