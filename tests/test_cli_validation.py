@@ -293,7 +293,8 @@ def test_torchrun_workers_do_not_get_the_launch_options() -> None:
 @pytest.mark.parametrize("kw, err, message", [
     ({"data_parallel": 0}, ValueError, "`data_parallel` must be a positive int, got 0"),
     ({"data_parallel": True}, TypeError, "`data_parallel` must be a positive int, got bool"),
-    ({"data_parallel": 2, "batch_size": 5}, ValueError, "does not divide the 1 processes"),
+    ({"data_parallel": 2, "batch_size": 5}, ValueError,
+     "`data_parallel`=2 must divide the 1 process(es)"),
 ])
 def test_train_function_data_parallel(kw: dict, err: type, message: str) -> None:
     from layerpar.apps.train import train

@@ -231,7 +231,7 @@ def test_accuracy_options_are_checked() -> None:
         train("peaks", serial=True, check_every=5)
     with pytest.raises(TypeError, match="`accuracy` must be None, a bool or an"):
         train("peaks", adaptive="yes")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="`nested`=6: the net's 32 layers must halve"):
+    with pytest.raises(ValueError, match="`nested`=6: peaks's 32 layers must halve"):
         train("peaks", nested=6)
 
 
