@@ -74,22 +74,40 @@ class TrainConfig:
     n_layers: Optional[int] = _opt("--layers")
     width: Optional[int] = _opt("--width")
     data_parallel: int = _opt("--data-parallel", 1)
+    """Replicas R of a `ProcessGrid` (R x L processes): every process draws the same
+    global batches, each replica trains on its share, gradients are averaged."""
     adaptive: Union[bool, AccuracyPolicy] = _opt("--adaptive", False)
+    """Adaptive accuracy (`LayerParallel(accuracy=...)`: True for the default bound, or
+    an `AccuracyPolicy`): iteration counts follow the measured gradient error."""
     check_every: int = _opt("--check-every", 0)
+    """Measure the gradient error every K-th batch (0: never, unless adaptive)."""
     nested: int = _opt("--nested", 0)
+    """Nested iteration: nets of n/2^K, ..., n/2 layers first, `nested_epochs` epochs
+    each, each refined onto the next; then the n-layer net `epochs` epochs."""
     nested_epochs: Optional[int] = _opt("--nested-epochs")
     """Epochs of each coarser net of `nested` (None: 2)."""
     timeout: float = _opt("--timeout", DEFAULT_TIMEOUT)
+    """Seconds any one wait for another rank may take (`LayerParallel`'s)."""
     engine: Optional[str] = _opt("--engine")
     """"native" or "xbraid" (None: "native")."""
     arch: Optional[str] = _opt("--model")
+    """Architecture ("dense" or "conv" for mnist1d; None: the problem's)."""
     t_final: Optional[float] = _opt("--t-final")
+    """Final time of the ODE segment (None: the problem's)."""
     device: str = _opt("--device", "cpu")
+    """"cpu" or "cuda" (a layer-parallel step is captured in a CUDA graph where the
+    settings allow it)."""
     auto: Union[bool, AccuracyPolicy] = _opt("--auto", False)
+    """MGRIT settings chosen by measurement on the first batch, then watched by the
+    adaptive policy (an `AccuracyPolicy` here: its bound)."""
     target_acc: Optional[float] = _opt("--target-acc")
+    """Stop once the validation accuracy reaches it."""
     time_budget: Optional[float] = _opt("--time-budget")
+    """Stop after this many seconds of training (evaluation not counted)."""
     sync: str = _opt("--sync", "allreduce")
+    """How data replicas stay in step: "allreduce", "daso" or "lioncub"."""
     nodes: Optional[int] = _opt("--nodes")
+    """Nodes the replicas are split into (DASO's inter-node exchanges)."""
     optimizer: Optional[str] = _opt("--optimizer")
     """"adam" or "lion" (None: Adam; Lion for sync "lioncub")."""
     slow_link: Optional[float] = _opt("--slow-link")

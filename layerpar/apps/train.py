@@ -1,9 +1,10 @@
 """A small, reusable training loop for the bundled problems (Peaks, digits).
 
 The examples (``examples/peaks.py``, ``examples/digits.py``) and the command line
-(``layerpar train``) are thin front ends to `train`, so all of them train the same
-networks the same way and print the same summary line.  `train` runs either the plain
-`ODENet` with ordinary autograd (``serial=True``: the serial oracle) or a
+(``layerpar train``) are thin front ends to `train`: each builds one
+`layerpar.apps.config.TrainConfig` (the Python API from `train`'s keywords), so all of
+them train the same networks the same way and print the same summary line.  `train`
+runs either the plain `ODENet` with ordinary autograd (``serial=True``: the serial oracle) or a
 `LayerParallel` over ``comm`` (``comm=None``: one process, no MPI), which makes
 serial and layer-parallel runs directly comparable: same seed, same network, same data
 order, same optimiser and schedule.  The networks are `layerpar.apps.nets`' problems; each
@@ -324,7 +325,8 @@ def _set_threads(config: TrainConfig) -> Optional[str]:
         why = f"as {flag} asks"
     else:
         env = os.environ.get("OMP_NUM_THREADS")
-        why = f"as OMP_NUM_THREADS={env} asks" if env else "torch's count, as set"
+        why = f"as OMP_NUM_THREADS={env} asks" if env else \
+            f"torch's setting ({flag} N or OMP_NUM_THREADS sets it)"
     return f"serial on {torch.get_num_threads()} torch thread(s), {why}" \
         if config.serial else None
 
