@@ -293,7 +293,8 @@ def test_torchrun_workers_do_not_get_the_launch_options() -> None:
 @pytest.mark.parametrize("kw, err, message", [
     ({"data_parallel": 0}, ValueError, "`data_parallel` must be a positive int, got 0"),
     ({"data_parallel": True}, TypeError, "`data_parallel` must be a positive int, got bool"),
-    ({"data_parallel": 2, "batch_size": 5}, ValueError, "does not divide the 1 processes"),
+    ({"data_parallel": 2, "batch_size": 5}, ValueError,
+     "`data_parallel`=2 must divide the 1 process(es)"),
 ])
 def test_train_function_data_parallel(kw: dict, err: type, message: str) -> None:
     from layerpar.apps.train import train
@@ -468,3 +469,105 @@ def test_xbraid_runs_it_cannot_do_are_one_line(argv: list, message: str, built: 
     assert cli.main(["train", "peaks", "--engine", "xbraid", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+# --- one training configuration: TrainConfig, from argv or keywords ----------------------
+
+
+def _keywords(message: str) -> str:
+    """`message` with each command-line flag in backticks spelt as its keyword."""
+    from layerpar.apps.config import _FLAGS
+
+    keyword = {flag: name for name, flag in reversed(list(_FLAGS.items()))}
+    keyword.update({"--adaptive": "adaptive", "--model": "arch", "--layers": "n_layers"})
+    return re.sub(r"`(--[a-z-]+)`", lambda m: f"`{keyword[m.group(1)]}`", message)
+
+
+CONFLICTS = [
+    (["--compile"], {"compile": True}),
+    (["--serial", "--compile", "--nested", "1"], {"serial": True, "compile": True,
+                                                  "nested": 1}),
+    (["--serial", "--adaptive"], {"serial": True, "adaptive": True}),
+    (["--serial", "--check-every", "3"], {"serial": True, "check_every": 3}),
+    (["--auto", "--check-every", "5"], {"auto": True, "check_every": 5}),
+    (["--auto", "--nested", "1"], {"auto": True, "nested": 1}),
+    (["--np", "2", "--adaptive", "--data-parallel", "2"], {"adaptive": True,
+                                                          "data_parallel": 2}),
+    (["--sync", "daso"], {"sync": "daso"}),
+    (["--slow-link", "1"], {"slow_link": 1.0}),
+    (["--nested-epochs", "3"], {"nested_epochs": 3}),
+    (["--serial", "--engine", "xbraid"], {"serial": True, "engine": "xbraid"}),
+    (["--auto", "--engine", "native"], {"auto": True, "engine": "native"}),
+]
+
+
+@pytest.mark.parametrize("argv, kw", CONFLICTS, ids=[" ".join(a) for a, _ in CONFLICTS])
+def test_a_conflict_is_one_rule_for_argv_and_keywords(argv: list, kw: dict) -> None:
+    """Each conflict between options is written once (`TrainConfig`): the command line
+    and the Python API raise the same message, naming flags and keywords alike."""
+    from layerpar.apps.config import TrainConfig
+
+    with pytest.raises(ValueError) as by_argv:
+        cli.parse_args(["train", "peaks", *argv])
+    with pytest.raises(ValueError) as by_keywords:
+        TrainConfig(model="peaks", **kw)
+    assert "`--" in str(by_argv.value) and "`--" not in str(by_keywords.value)
+    assert _keywords(str(by_argv.value)) == str(by_keywords.value)
+    with pytest.raises(ValueError, match=re.escape(str(by_keywords.value))):
+        train("peaks", **kw)  # refused before anything is built
+
+
+def test_train_config_is_frozen_resolved_and_the_same_from_both_doors() -> None:
+    import dataclasses
+
+    from layerpar.apps.config import TrainConfig
+
+    got = TrainConfig.from_args(cli.parse_args(["train", "peaks", "--epochs", "2", "--lr",
+                                                "0.01", "--layers", "8", "--float64"]))
+    import torch
+
+    assert got == TrainConfig(model="peaks", epochs=2, lr=0.01, n_layers=8,
+                              dtype=torch.float64)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.epochs = 3  # type: ignore[misc]
+    plain = TrainConfig(model="peaks")  # the recipe's values, resolved
+    r = RECIPES["peaks"]
+    assert (plain.epochs, plain.batch_size, plain.lr, plain.optimizer,
+            plain.nested_epochs) == (r.epochs, r.batch_size, r.lr, "adam", 2)
+    assert TrainConfig(model="peaks", data_parallel=2, sync="lioncub").lr == r.lr / 3
+    assert plain.fwd is None and plain.mgrit_options()[0].max_iter == 2
+
+
+@pytest.mark.parametrize("argv, kw, flag, keyword", [
+    (["--check-every", "-1"], {"check_every": -1}, "--check-every", "check_every"),
+    (["--layers", "0"], {"n_layers": 0}, "--layers", "n_layers"),
+    (["--model", "conv"], {"arch": "conv"}, "--model", "arch"),
+    (["--threads", "0"], {"threads": 0}, "--threads", "threads"),
+    (["--target-acc", "2"], {"target_acc": 2.0}, "--target-acc", "target_acc"),
+    (["--data-parallel", "2", "--nodes", "3", "--np", "2"], {"data_parallel": 2,
+                                                            "nodes": 3}, "--nodes", "nodes"),
+])
+def test_train_config_names_the_flag_or_the_keyword(argv: list, kw: dict, flag: str,
+                                                    keyword: str,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    from layerpar.apps.config import TrainConfig
+
+    assert cli.main(["train", "peaks", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"layerpar: error: `{flag}`") and err.count("\n") == 1, err
+    with pytest.raises(ValueError, match=f"^`{keyword}`"):
+        TrainConfig(model="peaks", **kw)
+
+
+def test_threads_flag_is_checked(capsys: pytest.CaptureFixture) -> None:
+    from layerpar.apps.config import TrainConfig
+
+    for bad in ("0", "-2", str(2**31)):
+        assert cli.main(["train", "digits", "--serial", "--threads", bad]) == 2
+        assert "`--threads` must be" in capsys.readouterr().err
+    assert cli.parse_args(["train", "digits", "--serial", "--threads", "3"]).threads == 3
+    with pytest.raises(TypeError, match="`threads` must be an int"):
+        TrainConfig(model="digits", threads=1.5)
+    with pytest.raises(ValueError, match="`threads`='best' measures the serial net: give "
+                                         "`serial`"):
+        TrainConfig(model="digits", threads="best")

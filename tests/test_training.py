@@ -231,7 +231,7 @@ def test_accuracy_options_are_checked() -> None:
         train("peaks", serial=True, check_every=5)
     with pytest.raises(TypeError, match="`accuracy` must be None, a bool or an"):
         train("peaks", adaptive="yes")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="`nested`=6: the net's 32 layers must halve"):
+    with pytest.raises(ValueError, match="`nested`=6: peaks's 32 layers must halve"):
         train("peaks", nested=6)
 
 
@@ -490,3 +490,56 @@ def test_span_timer_sums_its_spans() -> None:
     assert timer.total()[1] == 4 and timer.total()[0] >= seconds  # read again: the same
     with pytest.raises(RuntimeError, match="without start"):
         timer.stop()
+
+
+# -- the serial baseline's thread count ------------------------------------------------------
+
+
+def test_thread_probe_chooses_the_fastest_count() -> None:
+    from layerpar.apps.threads import fastest_threads, thread_counts
+
+    assert thread_counts(1) == [1] and thread_counts(6) == [1, 2, 4, 6]
+    assert thread_counts(8) == [1, 2, 4, 8]
+    fake = {1: 0.30, 2: 0.10, 4: 0.20, 8: 0.10}  # seconds per batch at each count
+    before = torch.get_num_threads()
+    best, per = fastest_threads(lambda: fake[torch.get_num_threads()], [1, 2, 4, 8])
+    assert (best, per) == (2, fake)  # the fastest; on a tie the fewer threads
+    assert torch.get_num_threads() == before  # left as it was
+
+
+def test_serial_probe_times_the_net_it_will_train() -> None:
+    from layerpar.apps.threads import serial_threads, thread_counts
+
+    rng = torch.get_rng_state()
+    best, per = serial_threads("peaks", 4, batch_size=100, batches=1)
+    assert sorted(per) == thread_counts() and best in per and all(s > 0 for s in per.values())
+    assert torch.equal(torch.get_rng_state(), rng)  # `train` seeds after it
+
+
+@pytest.mark.parametrize("env, says", [
+    (None, "peaks: serial on 1 torch thread(s): its batch ran fastest here (ms at 1: 10.0, "
+           "2: 20.0; `--threads` N sets it)"),
+    ("1", "peaks: serial on 1 torch thread(s), as OMP_NUM_THREADS=1 asks")])
+def test_cli_serial_says_its_thread_count(env: str, says: str,
+                                          monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture) -> None:
+    """``layerpar train --serial`` runs at the count whose batch is fastest here
+    (measured at start), or as OMP_NUM_THREADS or ``--threads`` say, and says which."""
+    from layerpar.apps import train as train_mod
+
+    probed = []
+    monkeypatch.setattr(train_mod, "serial_threads",
+                        lambda *a, **k: probed.append(a) or (1, {1: 0.01, 2: 0.02}))
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    argv = ["train", "peaks", "--serial", "--epochs", "1", "--layers", "4", "--batch-size",
+            "1000", "--no-progress"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == says, out
+    assert len(probed) == (env is None)
+    assert cli.main([*argv, "--threads", "1"]) == 0
+    assert "peaks: serial on 1 torch thread(s), as `--threads` asks" in capsys.readouterr().out
+    assert len(probed) == (env is None)  # given: not measured

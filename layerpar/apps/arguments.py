@@ -4,7 +4,7 @@ problem's defaults that ``layerpar train --help`` prints.
 This module imports only the standard library and torch-free parts of layerpar
 (`layerpar.defaults`, `layerpar.apps.recipes`), so that ``layerpar --help`` and
 ``layerpar train --help`` print without loading torch.  The values are checked by
-`layerpar.apps.train.check_arguments`.
+`layerpar.apps.config.TrainConfig.from_args`.
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def problem_defaults(problems: tuple[str, ...] = PROBLEMS) -> str:
 
 class _Given(argparse.Action):
     """Store the option's value and note that the command line gave it (``given``):
-    `check_arguments` refuses MGRIT settings that ``--auto`` would replace, even where
-    their value is the default's."""
+    `TrainConfig.from_args` refuses MGRIT settings that ``--auto`` would replace, even
+    where their value is the default's."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: Optional[str] = None) -> None:
@@ -63,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser,
                   problems: tuple[str, ...] = PROBLEMS) -> argparse.ArgumentParser:
     """Add the training and MGRIT options (--levels, --cfactor, ... --float64) to ``parser``.
 
-    Values are checked by `check_arguments`, not by argparse, so that a bad value is a
-    ValueError naming its option.  The options whose default depends on the problem
+    Values are checked by `TrainConfig.from_args`, not by argparse, so that a bad value
+    is a ValueError naming its option.  The options whose default depends on the problem
     say so; the parser's epilog, unless it has one, becomes the table of those defaults
     for `problems` (`problem_defaults`), printed as it is written.
     """
@@ -102,6 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser,
     t.add_argument("--compile", action="store_true",
                    help="with --serial: the net compiled by torch.compile (its "
                         "compilation counts in the training time)")
+    t.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch threads per process (default: with --serial, the count "
+                        "whose batch runs fastest here, measured at start unless "
+                        "OMP_NUM_THREADS is set; layer-parallel: the node's cores shared "
+                        "among its ranks)")
     t.add_argument("--float64", action="store_true", help="train in double precision")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",

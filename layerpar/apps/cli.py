@@ -149,62 +149,37 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse and check the command line; ValueError names the option of a bad value."""
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        from .train import RECIPES, check_arguments, check_engine_built, check_problem
+        from .config import TrainConfig
+        from .train import check_engine_built
 
         if args.np < 1:
             raise ValueError(f"`--np` must be >= 1, got {args.np}")
-        if args.data_parallel < 1:
-            raise ValueError(f"`--data-parallel` must be >= 1, got {args.data_parallel}")
+        # every value's own range and every conflict between options (so a negative
+        # `--layers` names `--layers`), then the net's size: the checks below divide it
+        # among the ranks
+        config = TrainConfig.from_args(args)
+        check_net_size(args)
         # inside a job (mpiexec, srun, torchrun) its size decides; every process checks
         # it alike, before any message
         nprocs = job_size() if launched() else args.np
-        if nprocs % args.data_parallel:
-            what = f"the job's processes ({nprocs})" if launched() else f"`--np` {nprocs}"
-            raise ValueError(f"`--data-parallel` {args.data_parallel} must divide {what} "
-                             "(N processes form R replicas of N/R ranks)")
-        # every value's own range first (so a negative `--layers` names `--layers`), and
-        # the net's size: the checks below divide it among the ranks
-        check_arguments(args, built=False)
-        check_net_size(args)
+        config.check_processes(nprocs, f"the job's processes ({nprocs})" if launched()
+                               else f"`--np` {nprocs}")
         ranks = 1 if args.serial else nprocs // args.data_parallel
-        check_problem(args, args.model, ranks)
-        layers = args.layers or RECIPES[args.model].n_layers
+        layers = config.layers
         per = args.np // args.data_parallel
-        nested = max(0, args.nested)
         if per > layers and not args.serial and not launched():  # once, not on N ranks
             what = "`--np`" if args.data_parallel == 1 else \
                 "`--np` / `--data-parallel` (ranks per replica)"
             raise ValueError(f"{what} must be <= {layers}, the number of residual layers "
                              f"of {args.model} (each rank needs at least one), got {per}")
-        if args.engine == "xbraid" and not args.serial:
-            _check_xbraid_run(args, layers, ranks, nested)
-        batch = args.batch_size or RECIPES[args.model].batch_size
-        if batch % args.data_parallel:
-            raise ValueError(f"the batch size {batch} must be divisible by "
-                             f"`--data-parallel` {args.data_parallel}")
-        if args.nodes is not None and (args.nodes < 1 or args.data_parallel % args.nodes):
-            raise ValueError(f"`--nodes` must be >= 1 and divide `--data-parallel` "
-                             f"{args.data_parallel}, got {args.nodes}")
-        if args.sync == "lioncub" and args.optimizer == "adam":
-            raise ValueError("`--sync lioncub` exchanges Lion updates: not with "
-                             "`--optimizer adam`")
-        if args.slow_link is not None and not args.slow_link > 0:
-            raise ValueError(f"`--slow-link` must be a positive number of Gbit/s, got "
-                             f"{args.slow_link}")
-        # options that act only with another: refused alone, not silently ignored
-        if args.data_parallel == 1:
-            for flag, given in (("--sync", args.sync != "allreduce"),
-                                ("--slow-link", args.slow_link is not None),
-                                ("--nodes", args.nodes is not None)):
-                if given:
-                    raise ValueError(f"`{flag}` acts between data replicas: give "
-                                     "`--data-parallel` R > 1")
+        if config.engine_name == "xbraid" and not args.serial:
+            _check_xbraid_run(args, layers, ranks, config.nested)
         if args.launcher != "mpiexec" and args.np == 1 and not launched():
             raise ValueError(f"`--launcher` {args.launcher} starts the processes of `--np` "
                              "N > 1: give `--np`")
         # what this installation lacks, last: a conflict between options is a usage
         # error, refused alike with and without the XBraid engine
-        check_engine_built(args)
+        check_engine_built(config)
     return args
 
 

@@ -1,9 +1,10 @@
 """A small, reusable training loop for the bundled problems (Peaks, digits).
 
 The examples (``examples/peaks.py``, ``examples/digits.py``) and the command line
-(``layerpar train``) are thin front ends to `train`, so all of them train the same
-networks the same way and print the same summary line.  `train` runs either the plain
-`ODENet` with ordinary autograd (``serial=True``: the serial oracle) or a
+(``layerpar train``) are thin front ends to `train`: each builds one
+`layerpar.apps.config.TrainConfig` (the Python API from `train`'s keywords), so all of
+them train the same networks the same way and print the same summary line.  `train`
+runs either the plain `ODENet` with ordinary autograd (``serial=True``: the serial oracle) or a
 `LayerParallel` over ``comm`` (``comm=None``: one process, no MPI), which makes
 serial and layer-parallel runs directly comparable: same seed, same network, same data
 order, same optimiser and schedule.  The networks are `layerpar.apps.nets`' problems; each
@@ -25,34 +26,30 @@ import re
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
-from .._checks import nonneg_int, positive_float, positive_int
-from ..defaults import TRAINING
-from ..mgrit.options import ENGINE_INT_MAX, MAX_LEVELS, MGRITOptions
-from ..mgrit.transport import DEFAULT_TIMEOUT
-from ..mgrit.xbraid import BUILD_HINT, ENGINES, xbraid_available
-from ..ode.net import ODENet
+from ..mgrit.options import MGRITOptions
+from ..mgrit.xbraid import BUILD_HINT, xbraid_available
 from ..ode.refine import refine
-from ..ode.rng import MAX_SEED
 from ..parallel import DASO, AutoCapturedStep, LayerParallel, Lion, ProcessGrid, SlowLink
-from ..parallel.adaptive import AccuracyPolicy, as_policy
-from ..parallel.autotune import auto_policy
 from ..parallel.timing import SpanTimer
 from . import data
-from .arguments import AUTO_CHOOSES, add_arguments
-from .loop import Batches, Progress, adam, available_cores, train_steps
+from .arguments import add_arguments
+from .config import TrainConfig
+from .loop import Batches, Progress, adam, train_steps
 from .nets import PROBLEMS, RECIPES, Recipe, problem_name, problem_net
+from .threads import serial_threads, threads_per_rank
 
 __all__ = [
     "MODELS",
     "Recipe",
     "RECIPES",
+    "TrainConfig",
     "TrainResult",
     "add_arguments",
     "build_net",
@@ -73,9 +70,6 @@ __all__ = [
 MODELS = PROBLEMS
 build_net = problem_net
 
-DEVICES = ("cpu", "cuda")
-
-
 def load_data(model_name: str, seed: int = 0,
               dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(x_train, y_train, x_val, y_val) of a problem, deterministic given ``seed``
@@ -85,26 +79,6 @@ def load_data(model_name: str, seed: int = 0,
     validation images; mnist1d: 16,000 training and 4,000 validation signals.
     """
     return data.splits(problem_name(model_name), seed=seed, dtype=dtype)
-
-
-def threads_per_rank(comm: Any = None) -> int:
-    """Torch threads per rank so that the ranks on one node share its cores.
-
-    The cores this process may use, divided by the number of ranks of ``comm`` on the
-    same node (all of them if ``comm`` is None); at least 1.
-    """
-    cores = available_cores()
-    local = 1
-    if comm is not None and hasattr(comm, "Split_type"):
-        if comm.Get_size() > 1:
-            from mpi4py import MPI
-
-            node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-            local = node.Get_size()
-            node.Free()
-    elif comm is not None:  # a torch.distributed group: its launcher says how many here
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, cores // local)
 
 
 def _mean(values: list[float]) -> Optional[float]:
@@ -230,461 +204,408 @@ class TrainResult:
         return format_summary(self)
 
 
-def train(
-    model_name: str,
-    *,
-    serial: bool = False,
-    epochs: Optional[int] = None,
-    batch_size: Optional[int] = None,
-    lr: Optional[float] = None,
-    seed: int = 0,
-    fwd: Optional[MGRITOptions] = None,
-    bwd: Optional[MGRITOptions] = None,
-    comm: Any = None,
-    progress: bool = True,
-    dtype: torch.dtype = torch.float32,
-    n_layers: Optional[int] = None,
-    width: Optional[int] = None,
-    data_parallel: int = 1,
-    adaptive: Union[bool, AccuracyPolicy] = False,
-    check_every: int = 0,
-    nested: int = 0,
-    nested_epochs: int = 2,
-    timeout: Optional[float] = DEFAULT_TIMEOUT,
-    engine: str = "native",
-    arch: Optional[str] = None,
-    t_final: Optional[float] = None,
-    device: str = "cpu",
-    auto: Union[bool, AccuracyPolicy] = False,
-    target_acc: Optional[float] = None,
-    time_budget: Optional[float] = None,
-    sync: str = "allreduce",
-    nodes: Optional[int] = None,
-    optimizer: Optional[str] = None,
-    slow_link: Optional[float] = None,
-    compile: bool = False,
-) -> TrainResult:
-    """Train the Peaks or digits network and return what happened (a `TrainResult`).
+def train(model_name: str, *, comm: Any = None, config: Optional[TrainConfig] = None,
+          **options: Any) -> TrainResult:
+    """Train a bundled problem and return what happened (a `TrainResult`).
 
-    model_name: "peaks", "digits" or "mnist1d" (see `build_net`, `load_data`).
-    serial: train the plain `ODENet` with ordinary autograd (the serial oracle);
-        ``comm`` then only decides which rank prints.  Otherwise the net is wrapped
-        in `LayerParallel` over ``comm`` (None: one process without MPI).
-    epochs, batch_size, lr: None takes the problem's `Recipe`.
-    seed: fixes the data split, the initial parameters (``torch.manual_seed`` before
-        building the net, on every rank) and the batch order.
-    fwd, bwd: MGRIT options of the forward and adjoint solves (default: 3 levels,
-        coarsening factor 4, 2 forward and 1 backward iteration: inexact training).
-    progress: a progress bar on rank 0's stderr, when that is a terminal.
-    timeout: seconds any one wait for another rank may take (`LayerParallel`'s).
-    dtype: parameter and data dtype (torch.float32 or torch.float64).
-    n_layers, width: override the number of residual layers / the width (channels).
-    data_parallel: replicas R of a `ProcessGrid` over ``comm`` (R x L processes; the
-        layer-parallel model of each replica spans L = size / R ranks).  Every process
-        draws the same global batches; each replica trains on its share
-        (`ProcessGrid.shard`) and gradients are averaged, so results equal training on
-        the global batch.  ``comm`` may be an mpi4py communicator or a
-        torch.distributed process group.
-    adaptive: adaptive accuracy (`LayerParallel(accuracy=...)`: True for the default
-        bound, or an `AccuracyPolicy`): iteration counts follow the gradient error
-        measured every `check_every` batches (default: the policy's), exact
-        propagation where MGRIT stalls.  Decisions go to ``accuracy_log``.
-    check_every: measure the gradient error (`LayerParallel.check_gradients`) on every
-        K-th batch (0: never, unless adaptive); the last one is shown in the progress
-        bar, each epoch's record and ``checks``.
-    nested: nested iteration (Cyr et al. 2019): train nets with n/2^K, ..., n/2 layers
-        first, `nested_epochs` epochs each, refining (`refine`, factor 2, piecewise
-        constant) onto the next; then the n-layer net trains `epochs` epochs.  Each
-        epoch's record says its ``layers``.
-    engine: the MGRIT engine of `LayerParallel`, "native" or "xbraid" (XBraid itself,
-        when built; it steps layer by layer, so the per-step path is used).
-    arch, t_final: the architecture ("dense" or "conv" for mnist1d) and the final time
-        of the ODE segment (default: the problem's; `layerpar.apps.nets.problem_net`).
-    device: "cpu" or "cuda".  On CUDA a layer-parallel step is captured in a CUDA
-        graph (`capture_step`) where the settings allow it (one rank, fixed iteration
-        counts: tol = 0, no adaptive accuracy, no nested iteration), else run
-        eagerly; ``step_mode`` says which, and why.  Under auto at one rank, the
-        setting auto chose is captured after its tuning (`AutoCapturedStep`) and
-        captured again after a gradient check that changed it.
-    auto: MGRIT settings chosen by measurement (``LayerParallel(options="auto")``,
-        tuned on the first batch with this loss, then watched by the adaptive policy:
-        ``adaptive``'s, the policy given as ``auto``, or by default a bound measured
-        on the batch's own gradient noise, `layerpar.parallel.autotune`); the
-        candidate table goes to ``auto_log``.
-    target_acc: stop once the validation accuracy reaches it; ``time_to_target`` is
-        the training time until then (None: not reached).
-    time_budget: stop training after this many seconds (checked after every batch).
-    Times (``train_seconds`` in each epoch's record, ``time_to_target``) count from
-    the first batch, with tuning and gradient checks, without evaluation.
-    sync, nodes, slow_link: how the replicas stay in step (`ProcessGrid`'s `sync`:
-        "allreduce", "daso" with 3/10 of the batches as warm-up, 1/10 as cool-down,
-        "lioncub"), in how many (simulated) nodes (None: as launched), and a
-        `SlowLink` of that many Gbit/s (50 us latency) between nodes (None: none).
-        ``sync_bytes`` in the result and the summary: bytes each process sent for
-        the data dimension per batch, averaged over processes (``bytes_by_kind``:
-        every kind, including MGRIT's point-to-point messages).
-    optimizer: "adam" (default) or "lion" (`layerpar.parallel.Lion`, lr a third of
-        Adam's by default; "lioncub" needs it and is its default).
-    compile: with `serial`, train the net compiled by ``torch.compile`` (default mode;
-        the serial baseline issue 20 asks for on a GPU beside eager and CUDA-graph
-        capture).  The compilation runs in the first steps and counts in the training
-        time, as auto's tuning does; evaluation runs the same net uncompiled (same
-        parameters; no second compilation for eval mode, which is not timed anyway).
+    ``train(model_name, **options)`` trains ``TrainConfig(model=model_name, **options)``
+    (`layerpar.apps.config.TrainConfig`: its fields are the options, each documented
+    there; a bad value or a conflict raises naming the keyword); ``config`` gives a
+    configuration already built instead (``layerpar train``'s, `TrainConfig.from_args`).
 
-    Returns a `TrainResult` (its fields say what each figure means).
+    comm: the processes (an mpi4py communicator, a torch.distributed group, or None:
+        one process without MPI).  With ``serial`` it only decides which rank prints;
+        otherwise the net is wrapped in `LayerParallel` over it, or, with
+        ``data_parallel`` R > 1 (or a torch.distributed group), in a `ProcessGrid` of
+        R replicas whose gradients are averaged, so results equal training on the
+        global batch.
+
+    Every rank runs this in lockstep (same seed, same net, same batches); only rank 0
+    prints.  The run is `_build` (data, net, model), `_tune` (auto's first batch),
+    then per stage of nested iteration `_stage` and per epoch `_epoch`, and last
+    `_result` and `_report`.  On CUDA a layer-parallel step is captured in a CUDA graph
+    where the settings allow it (`_capture_refusal`); ``step_mode`` says which, and why.
     """
-    model_name = problem_name(model_name)
-    recipe = RECIPES[model_name]
-    if not isinstance(serial, bool):
-        raise TypeError(f"`serial` must be a bool, got {type(serial).__name__}")
-    if not isinstance(compile, bool):
-        raise TypeError(f"`compile` must be a bool, got {type(compile).__name__}")
-    epochs = recipe.epochs if epochs is None else positive_int("epochs", epochs)
-    batch_size = recipe.batch_size if batch_size is None else positive_int("batch_size",
-                                                                         batch_size)
-    lr_given = lr is not None
-    lr = recipe.lr if lr is None else lr
-    lr = positive_float("lr", lr)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"`seed` must be an int in [0, 2**64 - 1], got {seed!r}")
-    if dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"`dtype` must be torch.float32 or torch.float64, got {dtype!r}")
-    if auto is not False and (fwd is not None or bwd is not None or engine != "native"):
-        raise ValueError("`fwd`, `bwd` and `engine` with `auto`: auto chooses the MGRIT "
-                         "settings (with layerpar's own engine) by measurement; give one "
-                         "or the other")
-    fwd = TRAINING.fwd_options() if fwd is None else fwd
-    bwd = TRAINING.bwd_options() if bwd is None else bwd
-    for name, o in (("fwd", fwd), ("bwd", bwd)):
-        if not isinstance(o, MGRITOptions):
-            raise TypeError(f"`{name}` must be an MGRITOptions, got {type(o).__name__}")
-    data_parallel = positive_int("data_parallel", data_parallel)
-    policy = as_policy(adaptive)
-    check_every = nonneg_int("check_every", check_every)
-    nested = nonneg_int("nested", nested)
-    nested_epochs = positive_int("nested_epochs", nested_epochs)
-    if compile and not serial:
-        raise ValueError("`compile` compiles the serial net with torch.compile: give "
-                         "`serial` (a LayerParallel step is captured on CUDA instead)")
-    if compile and nested:
-        raise ValueError("`compile` with `nested`: each refinement is a new net, which "
-                         "would compile again; train the compiled net without `nested`")
-    if serial and (policy is not None or check_every):
-        raise ValueError("`adaptive` and `check_every` need a layer-parallel run (they "
-                         "compare MGRIT with exact propagation), not `serial`")
-    if policy is not None and data_parallel > 1:
-        raise ValueError("`adaptive` needs a run without data parallelism (each replica "
-                         "would decide from its own batches: see LayerParallel's `accuracy`)")
-    bound = auto if isinstance(auto, AccuracyPolicy) else None
-    if bound is not None:
-        auto = True
-    if not isinstance(auto, bool):
-        raise TypeError(f"`auto` must be a bool or an AccuracyPolicy, got "
-                        f"{type(auto).__name__}")
-    if auto and (serial or data_parallel > 1 or nested):
-        raise ValueError("`auto` needs a layer-parallel run without data parallelism or "
-                         "nested iteration")
-    if auto and check_every:
-        raise ValueError("`check_every` with `auto`: auto spreads its own gradient checks "
-                         "(about 3 % of the training's time)")
-    if auto and policy is None:
-        policy = auto_policy(None)  # the bound measured on the batch's gradient noise
-    elif auto and bound is not None:
-        policy = bound
-    if device not in DEVICES:
-        raise ValueError(f"`device` must be one of {DEVICES}, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("`device` 'cuda': CUDA is not available here")
-    for name, v, lo, hi in (("target_acc", target_acc, 0.0, 1.0),
-                            ("time_budget", time_budget, 0.0, math.inf)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                              or not (lo < v <= hi)):
-            raise ValueError(f"`{name}` must be a number in ({lo:g}, {hi:g}], got {v!r}")
-    if policy is not None and not auto:
-        # the controller schedules the checks (`check_due`): at the interval asked for
-        # (under auto, the chosen setting's controller says when; exact needs none)
-        if check_every:
-            policy = replace(policy, check_every=check_every)
-        check_every = policy.check_every
-    if sync not in ("allreduce", "daso", "lioncub"):
-        raise ValueError(f"`sync` must be 'allreduce', 'daso' or 'lioncub', got {sync!r}")
-    optimizer = ("lion" if sync == "lioncub" else "adam") if optimizer is None else optimizer
-    if optimizer not in ("adam", "lion"):
-        raise ValueError(f"`optimizer` must be 'adam' or 'lion', got {optimizer!r}")
-    if sync == "lioncub" and optimizer != "lion":
-        raise ValueError("`sync`='lioncub' exchanges Lion updates: use `optimizer`='lion'")
-    if nodes is not None:
-        nodes = positive_int("nodes", nodes)
-        if data_parallel % nodes:
-            raise ValueError(f"`nodes`={nodes} must divide `data_parallel`={data_parallel}")
-    if slow_link is not None:
-        positive_float("slow_link", slow_link)  # Gbit/s
-    if optimizer == "lion" and not lr_given:
-        lr = recipe.lr / 3  # Lion's steps are signs: it wants a smaller rate than Adam
+    if config is None:
+        config = TrainConfig(model=model_name, **options)
+    elif options or problem_name(model_name) != config.model:
+        raise ValueError("`config` with keyword options or another `model_name`: give "
+                         "one or the other")
     rank, size = _rank_size(comm)
-    ranks = 1 if serial else size
-    if data_parallel > 1 and not serial:
-        if size % data_parallel:
-            raise ValueError(f"`data_parallel`={data_parallel} does not divide the {size} "
-                             "processes")
-        if batch_size % data_parallel:
-            raise ValueError(f"the batch size {batch_size} is not divisible by "
-                             f"`data_parallel`={data_parallel}")
-
-    x_train, y_train, x_val, y_val = load_data(model_name, seed, dtype)
-    n_fine = RECIPES[model_name].n_layers if n_layers is None else n_layers
-    if nested and (n_fine % 2 ** nested or n_fine // 2 ** nested < max(1, size // max(
-            data_parallel, 1)) and not serial):
-        raise ValueError(f"`nested`={nested}: the net's {n_fine} layers must halve "
-                         f"{nested} time(s) and still give each rank at least one layer")
-    torch.manual_seed(seed)  # same initial parameters on every rank
-    net = build_net(model_name, n_fine // 2 ** nested, width, arch=arch,
-                    t_final=t_final).to(device=device, dtype=dtype)
-    grid: Optional[ProcessGrid] = None
-    step_mode = "eager"
-    capture = _capture_refusal(device, serial, auto, policy, check_every, nested, size,
-                               data_parallel, fwd, bwd)
-    if device == "cuda":
-        step_mode = "eager (not captured: " + capture + ")" if capture else "captured"
+    config.check_processes(size)
+    thread_note = _set_threads(config)
+    if thread_note is not None and rank == 0:
+        print(f"{config.model}: {thread_note}", flush=True)
+    run = _build(config, comm, rank, size)
     recursion = sys.getrecursionlimit()
-    if serial:
-        model: nn.Module = torch.compile(net) if compile else net
-        if compile:
-            step_mode = "compiled (torch.compile; its compilation counts in the time)"
-            # inductor walks the graph recursively, at least two frames per layer: at
-            # 1,024 layers Python's default limit (1,000) ended the compilation with a
-            # RecursionError, and 50,000 let it finish (docs/tta/ceilings/
-            # compile_serial.txt), so 50 a layer with room; given back at the end
-            sys.setrecursionlimit(max(recursion, 50 * n_fine + 10_000))
-    elif data_parallel > 1 or not (comm is None or hasattr(comm, "Split_type")):
-        grid = ProcessGrid(comm, data=data_parallel, sync=_sync_strategy(
-            sync, (epochs + nested * nested_epochs) * -(-len(x_train) // batch_size)),
-            nodes=nodes, link=None if slow_link is None else SlowLink(slow_link * 1e9))
-        model = LayerParallel(net, None, fwd, bwd, grid=grid, accuracy=policy,
-                              timeout=timeout, engine=engine)
-    elif auto:
-        model = LayerParallel(net, comm, "auto", accuracy=policy, timeout=timeout)
-    else:
-        model = LayerParallel(net, comm, fwd, bwd, accuracy=policy,
-                              check_finite=step_mode != "captured", timeout=timeout,
-                              engine=engine)
-    # the DataLoader's batches, gathered whole (`Batches`); on a GPU (without a process
-    # grid, whose shard takes host tensors) the training data lives there, so no batch
-    # is copied from the host
-    home = device if grid is None else "cpu"
-    loader = Batches(x_train.to(home), y_train.to(home), batch_size=batch_size,
-                     generator=torch.Generator().manual_seed(seed))
-
-    to_device = None if device == "cpu" else (lambda t: t.to(device, non_blocking=True))
-    shard = grid.shard if grid is not None else to_device
-    x_val, y_val = x_val.to(device), y_val.to(device)
-    clock = _Clock(model if isinstance(model, LayerParallel) else None, device)
-    time_to_target: Optional[float] = None
-    epochs_to_target: Optional[int] = None
-    stop = stopped_by_budget = False
+    if config.compile:
+        # inductor walks the graph recursively, at least two frames per layer: at
+        # 1,024 layers Python's default limit (1,000) ended the compilation with a
+        # RecursionError, and 50,000 let it finish, so 50 a layer with room
+        sys.setrecursionlimit(max(recursion, 50 * config.layers + 10_000))
     frozen_before = gc.get_freeze_count() > 0  # the caller's own gc.freeze() is kept
     # what exists now (torch, its imports, the data, the net) out of the cyclic
     # collector's sight before the clock runs: a full collection scans every tracked
     # object, 75-125 ms here with torch's imports, and lands on the ranks at different
-    # batches, so that the others wait for it (digits, 2 ranks: 83 ms of a first
-    # epoch's 300); `gc.freeze` moves objects to a permanent generation, collects nothing
+    # batches, so that the others wait for it; `gc.freeze` moves objects to a permanent
+    # generation, collects nothing
     gc.freeze()
-    if auto:  # tune on the first batch, with the training loss; the time counts
-        assert isinstance(model, LayerParallel)
-        x0, y0 = _first_batch(loader)
-        with clock:
-            # (online: small nets time their exact settings on the training's steps)
-            model.tune(x0.to(device), y0.to(device), nn.functional.cross_entropy,
-                       steps=epochs * len(loader), online=True)
-    history: list[dict[str, Any]] = []
-    batch_losses: list[float] = []
-    checks: list[dict[str, Any]] = []
-    step_time = 0.0
-    total_steps = 0
-    batch = 0  # over all levels: names a check or an adaptive decision
-    stages = [(n_fine // 2 ** k, nested_epochs) for k in range(nested, 0, -1)]
-    stages.append((n_fine, epochs))
-    for stage, (layers, stage_epochs) in enumerate(stages):
-        if stage:  # nested iteration: the trained net, refined, goes on training
-            model = (refine(model, 2) if isinstance(model, (ODENet, LayerParallel))
-                     else model)
-        # this rank's parameters; a captured step reads the learning rate from a tensor
-        if optimizer == "lion":
-            opt: torch.optim.Optimizer = Lion(model.parameters(), lr=lr)
-        elif step_mode != "captured":
-            opt = adam(model.parameters(), lr=lr)  # fused where torch has it
-        else:
-            opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(lr, device=device),
-                                   capturable=True)
-        if grid is not None and isinstance(model, LayerParallel):
-            grid.sync.attach(model, opt)
-        steps_here = stage_epochs * len(loader)
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps_here)
-        captured: Any = None
-        if step_mode == "captured":
-            from ..parallel.capture import capture_step
-
-            x0, y0 = _first_batch(loader)
-            with clock:  # capture's warm-up steps train too: counted in the time
-                if auto:  # (step_mode then says, at the end, how it went)
-                    captured = AutoCapturedStep(model, opt,  # type: ignore[arg-type]
-                                                nn.functional.cross_entropy,
-                                                x0.to(device), y0.to(device))
-                else:
-                    captured = capture_step(model, opt,  # type: ignore[arg-type]
-                                            nn.functional.cross_entropy, x0.to(device),
-                                            y0.to(device))
-        for epoch in range(1, stage_epochs + 1):
-            if stop:
-                break
-            label = f"{model_name} epoch {epoch}/{stage_epochs}" + (
-                f" ({layers} layers)" if nested else "")
-            bar = Progress(len(loader), label, enabled=progress and rank == 0)
-            model.train()
-            losses, correct, seen = [], 0, 0
-            fwd_it, fwd_res, bwd_it, bwd_res = [], [], [], []
-            exact_kinds: list[str] = []  # steps of this epoch that ran no MGRIT cycle
-            t_epoch = time.perf_counter()
-            clock.start()
-            replays = SpanTimer(torch.device(device))  # captured steps' times
-            steps = train_steps(model, loader, opt, scheduler=schedule,
-                                shard=shard) if captured is None else \
-                _captured_steps(captured, loader, schedule, shard, replays)
-            for b, step in enumerate(steps, 1):
-                batch += 1
-                total_steps += 1
-                if total_steps == 1:
-                    # what the tuning and the first step made (settings, optimizer
-                    # state) out of the collector's sight too (~130 ms a full collection
-                    # at 1,024 layers: 4 % of case a's step, issue 20)
-                    gc.freeze()
-                step_time += step.seconds
-                # (kept on the device and read once an epoch: `.item()` here waited for
-                # the GPU at every step, so the host could not queue the next one)
-                losses.append(step.loss)
-                if step.output is not None:
-                    correct += (step.output.detach().argmax(1) == step.target).sum()
-                    seen += len(step.target)
-                kind = _exact_kind(step.fwd_stats, _runs_plain(model))
-                if kind is not None:  # iteration figures are MGRIT's; these ran none
-                    exact_kinds.append(kind)
-                else:
-                    for stats, its, res in ((step.fwd, fwd_it, fwd_res),
-                                            (step.bwd, bwd_it, bwd_res)):
-                        if stats is not None:
-                            its.append(stats.iterations)
-                            res += [] if stats.residual is None else [stats.residual]
-                ctl = getattr(model, "accuracy", None)
-                due = ctl.check_due(batch) if ctl is not None else \
-                    bool(check_every) and batch % check_every == 0
-                if due:
-                    if isinstance(captured, AutoCapturedStep):
-                        captured.observe_step(replays.mean())  # a replayed step's time
-                    exact = ctl is not None and ctl.exact  # training ran exactly
-                    got = model.check_gradients(step.input, step.target,  # type: ignore
-                                                nn.functional.cross_entropy)
-                    checks.append({"batch": batch, "layers": layers, "exact": exact,
-                                   "cosine": 1.0 if exact else got.cos,
-                                   "rel_error": 0.0 if exact else got.error,
-                                   "mgrit_cosine": got.cos,
-                                   "mgrit_rel_error": got.error,
-                                   "note": _auto_check_note(model, batch, got)})
-                    if isinstance(captured, AutoCapturedStep):
-                        # a re-tuning or the controller may have changed the setting
-                        captured.refresh(step.input, step.target)
-                    gc.freeze()  # a check may have tuned again: new settings, new objects
-                bar.update(b, partial(_bar_note, losses[-1], fwd_res, bwd_res, checks))
-                if time_budget is not None and clock.over(time_budget):
-                    stop = stopped_by_budget = True
+    try:
+        _tune(run)
+        for stage, (layers, stage_epochs) in enumerate(run.stages):
+            if stage:  # nested iteration: the trained net, refined, goes on training
+                run.model = refine(run.model, 2)
+            opt, schedule, captured = _stage(run, stage_epochs)
+            for epoch in range(1, stage_epochs + 1):
+                _epoch(run, layers, f"epoch {epoch}/{stage_epochs}", opt, schedule,
+                       captured)
+                if run.stop:
                     break
-            clock.stop()
-            step_time += replays.total()[0]
-            losses = torch.stack(losses).tolist() if losses else []
-            correct = int(correct)
-            if grid is not None and grid.data > 1:  # the global batch's figures
-                losses, correct, seen = _replica_totals(grid, losses, correct, seen)
-            batch_losses += losses
-            val_loss, val_acc = _evaluate(net if compile else model, x_val, y_val)
-            record = {
-                "epoch": len(history) + 1, "layers": layers,
-                "train_loss": sum(losses) / len(losses),
-                "train_acc": correct / seen if seen else math.nan, "val_loss": val_loss,
-                "val_acc": val_acc, "seconds": time.perf_counter() - t_epoch,
-                "train_seconds": clock.seconds, "batches": batch,
-                "fwd_iters": _mean(fwd_it), "fwd_res": _mean(fwd_res),
-                "bwd_iters": _mean(bwd_it), "bwd_res": _mean(bwd_res),
-                "grad_cosine": checks[-1]["cosine"] if checks else None,
-                "grad_error": checks[-1]["rel_error"] if checks else None,
-                "steps": len(losses), "exact_steps": len(exact_kinds),
-                "exact_kind": exact_kinds[-1] if exact_kinds else None,
-            }
-            history.append(record)
-            bar.close(f"train_loss {record['train_loss']:.3f} | val_acc {val_acc:.3f} | "
-                      + _bar_note(None, fwd_res, bwd_res, checks))
-            if target_acc is not None and time_to_target is None and val_acc >= target_acc:
-                time_to_target, epochs_to_target = clock.seconds, record["epoch"]
-                stop = True
-        if stop:
-            break
+            if run.stop:
+                break
+    finally:
+        if not frozen_before:
+            gc.unfreeze()  # what this training froze is the collector's again
+        sys.setrecursionlimit(recursion)
+    result = _result(run)
+    if rank == 0:
+        _report(run, result)
+    return result
 
-    if not frozen_before:
-        gc.unfreeze()  # what this training froze is the collector's again
-    sys.setrecursionlimit(recursion)
-    last = history[-1]
+
+@dataclass
+class _Run:
+    """One training's state, shared by its phases (`_build` makes it)."""
+
+    config: TrainConfig
+    rank: int
+    size: int
+    net: nn.Module
+    """The `ODENet` trained (the serial oracle's, or the one `model` wraps)."""
+    model: nn.Module
+    """What steps: the net (serial, perhaps compiled) or a `LayerParallel`."""
+    grid: Optional[ProcessGrid]
+    loader: Any
+    shard: Any
+    x_val: Tensor
+    y_val: Tensor
+    clock: _Clock
+    step_mode: str
+    check_every: int
+    fwd: MGRITOptions
+    stages: list[tuple[int, int]]
+    """(layers, epochs) of each stage: nested iteration's coarser nets, then the net."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    batch_losses: list[float] = field(default_factory=list)
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    step_time: float = 0.0
+    total_steps: int = 0
+    batch: int = 0  # over all stages: names a check or an adaptive decision
+    stop: bool = False
+    stopped_by_budget: bool = False
+    time_to_target: Optional[float] = None
+    epochs_to_target: Optional[int] = None
+    captured: Any = None
+
+
+def _set_threads(config: TrainConfig) -> Optional[str]:
+    """Set torch's thread count as the configuration asks; what was set and why (for
+    a serial run, which compares with layer-parallel ones; else None)."""
+    flag = config.flag("threads")
+    if config.threads == "best":
+        best, per = serial_threads(config.model, config.n_layers, config.width,
+                                   arch=config.arch, t_final=config.t_final,
+                                   batch_size=config.batch_size, dtype=config.dtype)
+        torch.set_num_threads(best)
+        tried = ", ".join(f"{k}: {1000 * s:.1f}" for k, s in per.items())
+        return (f"serial on {best} torch thread(s): its batch ran fastest here (ms at "
+                f"{tried}; {flag} N sets it)")
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+        why = f"as {flag} asks"
+    else:
+        env = os.environ.get("OMP_NUM_THREADS")
+        why = f"as OMP_NUM_THREADS={env} asks" if env else \
+            f"torch's setting ({flag} N or OMP_NUM_THREADS sets it)"
+    return f"serial on {torch.get_num_threads()} torch thread(s), {why}" \
+        if config.serial else None
+
+
+def _build(config: TrainConfig, comm: Any, rank: int, size: int) -> _Run:
+    """The data, the net (seeded alike on every rank) and what trains it."""
+    c = config
+    x_train, y_train, x_val, y_val = load_data(c.model, c.seed, c.dtype)
+    fwd, bwd = c.mgrit_options()
+    policy = c.policy()
+    check_every = 0 if c.auto else policy.check_every if policy is not None \
+        else c.check_every
+    torch.manual_seed(c.seed)  # same initial parameters on every rank
+    net = build_net(c.model, c.layers // 2 ** c.nested, c.width, arch=c.arch,
+                    t_final=c.t_final).to(device=c.device, dtype=c.dtype)
+    capture = _capture_refusal(c.device, c.serial, c.auto is not False, policy,
+                               check_every, c.nested, size, c.data_parallel, fwd, bwd)
+    step_mode = "eager"
+    if c.device == "cuda":
+        step_mode = "eager (not captured: " + capture + ")" if capture else "captured"
+    stages = [(c.layers // 2 ** k, c.nested_epochs) for k in range(c.nested, 0, -1)]
+    stages.append((c.layers, c.epochs))
+    grid: Optional[ProcessGrid] = None
+    if c.serial:
+        model: nn.Module = torch.compile(net) if c.compile else net
+        if c.compile:
+            step_mode = "compiled (torch.compile; its compilation counts in the time)"
+    elif c.data_parallel > 1 or not (comm is None or hasattr(comm, "Split_type")):
+        batches = sum(e for _, e in stages) * -(-len(x_train) // c.batch_size)
+        grid = ProcessGrid(comm, data=c.data_parallel, sync=_sync_strategy(c.sync, batches),
+                           nodes=c.nodes,
+                           link=None if c.slow_link is None else SlowLink(c.slow_link * 1e9))
+        model = LayerParallel(net, None, fwd, bwd, grid=grid, accuracy=policy,
+                              timeout=c.timeout, engine=c.engine_name)
+    elif c.auto:
+        model = LayerParallel(net, comm, "auto", accuracy=policy, timeout=c.timeout)
+    else:
+        model = LayerParallel(net, comm, fwd, bwd, accuracy=policy,
+                              check_finite=step_mode != "captured", timeout=c.timeout,
+                              engine=c.engine_name)
+    # the DataLoader's batches, gathered whole (`Batches`); on a GPU (without a process
+    # grid, whose shard takes host tensors) the training data lives there, so no batch
+    # is copied from the host
+    home = c.device if grid is None else "cpu"
+    loader = Batches(x_train.to(home), y_train.to(home), batch_size=c.batch_size,
+                     generator=torch.Generator().manual_seed(c.seed))
+    to_device = None if c.device == "cpu" else (lambda t: t.to(c.device, non_blocking=True))
+    return _Run(config=c, rank=rank, size=size, net=net, model=model, grid=grid,
+                loader=loader, shard=grid.shard if grid is not None else to_device,
+                x_val=x_val.to(c.device), y_val=y_val.to(c.device),
+                clock=_Clock(model if isinstance(model, LayerParallel) else None, c.device),
+                step_mode=step_mode, check_every=check_every, fwd=fwd, stages=stages)
+
+
+def _tune(run: _Run) -> None:
+    """Under auto: tune on the first batch, with the training loss; the time counts
+    (online: small nets time their exact settings on the training's steps)."""
+    if not run.config.auto:
+        return
+    assert isinstance(run.model, LayerParallel)
+    x0, y0 = _first_batch(run.loader)
+    device = run.config.device
+    with run.clock:
+        run.model.tune(x0.to(device), y0.to(device), nn.functional.cross_entropy,
+                       steps=run.config.epochs * len(run.loader), online=True)
+
+
+def _stage(run: _Run, epochs: int) -> tuple[torch.optim.Optimizer, Any, Any]:
+    """The optimizer over this rank's parameters, its cosine schedule over the stage's
+    `epochs`, and on CUDA the captured step (else None)."""
+    c, model = run.config, run.model
+    if c.optimizer == "lion":
+        opt: torch.optim.Optimizer = Lion(model.parameters(), lr=c.lr)
+    elif run.step_mode != "captured":
+        opt = adam(model.parameters(), lr=c.lr)  # fused where torch has it
+    else:  # a captured step reads the learning rate from a tensor
+        opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(c.lr, device=c.device),
+                               capturable=True)
+    if run.grid is not None and isinstance(model, LayerParallel):
+        run.grid.sync.attach(model, opt)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs * len(run.loader))
+    captured: Any = None
+    if run.step_mode == "captured":
+        from ..parallel.capture import capture_step
+
+        x0, y0 = _first_batch(run.loader)
+        x0, y0 = x0.to(c.device), y0.to(c.device)
+        with run.clock:  # capture's warm-up steps train too: counted in the time
+            if c.auto:  # (step_mode then says, at the end, how it went)
+                captured = AutoCapturedStep(model, opt,  # type: ignore[arg-type]
+                                            nn.functional.cross_entropy, x0, y0)
+            else:
+                captured = capture_step(model, opt,  # type: ignore[arg-type]
+                                        nn.functional.cross_entropy, x0, y0)
+    run.captured = captured
+    return opt, schedule, captured
+
+
+@dataclass
+class _Tally:
+    """One epoch's figures as its steps come."""
+
+    losses: list = field(default_factory=list)
+    correct: Any = 0
+    seen: int = 0
+    fwd_it: list = field(default_factory=list)
+    fwd_res: list = field(default_factory=list)
+    bwd_it: list = field(default_factory=list)
+    bwd_res: list = field(default_factory=list)
+    exact_kinds: list = field(default_factory=list)  # steps that ran no MGRIT cycle
+
+    def add(self, step: Any, plain: bool) -> None:
+        # (the loss kept on the device and read once an epoch: `.item()` here waited
+        # for the GPU at every step, so the host could not queue the next one)
+        self.losses.append(step.loss)
+        if step.output is not None:
+            self.correct += (step.output.detach().argmax(1) == step.target).sum()
+            self.seen += len(step.target)
+        kind = _exact_kind(step.fwd_stats, plain)
+        if kind is not None:  # iteration figures are MGRIT's; these ran none
+            self.exact_kinds.append(kind)
+            return
+        for stats, its, res in ((step.fwd, self.fwd_it, self.fwd_res),
+                                (step.bwd, self.bwd_it, self.bwd_res)):
+            if stats is not None:
+                its.append(stats.iterations)
+                res += [] if stats.residual is None else [stats.residual]
+
+
+def _epoch(run: _Run, layers: int, label: str, opt: torch.optim.Optimizer, schedule: Any,
+           captured: Any) -> None:
+    """Train one epoch, evaluate, and record it (``run.history``); set ``run.stop``
+    where the time budget or the target accuracy ends training."""
+    c, model = run.config, run.model
+    bar = Progress(len(run.loader), f"{c.model} {label}" + (
+        f" ({layers} layers)" if c.nested else ""), enabled=c.progress and run.rank == 0)
+    model.train()
+    tally = _Tally()
+    plain = _runs_plain(model)
+    t_epoch = time.perf_counter()
+    run.clock.start()
+    replays = SpanTimer(torch.device(c.device))  # captured steps' times
+    steps = train_steps(model, run.loader, opt, scheduler=schedule, shard=run.shard) \
+        if captured is None else _captured_steps(captured, run.loader, schedule,
+                                                   run.shard, replays)
+    for b, step in enumerate(steps, 1):
+        run.batch += 1
+        run.total_steps += 1
+        if run.total_steps == 1:
+            # what the tuning and the first step made (settings, optimizer state) out
+            # of the collector's sight too (~130 ms a full collection at 1,024 layers)
+            gc.freeze()
+        run.step_time += step.seconds
+        tally.add(step, plain)
+        _check(run, step, layers, captured, replays)
+        bar.update(b, partial(_bar_note, tally.losses[-1], tally.fwd_res, tally.bwd_res,
+                              run.checks))
+        if c.time_budget is not None and run.clock.over(c.time_budget):
+            run.stop = run.stopped_by_budget = True
+            break
+    run.clock.stop()
+    run.step_time += replays.total()[0]
+    losses = torch.stack(tally.losses).tolist() if tally.losses else []
+    correct, seen = int(tally.correct), tally.seen
+    if run.grid is not None and run.grid.data > 1:  # the global batch's figures
+        losses, correct, seen = _replica_totals(run.grid, losses, correct, seen)
+    run.batch_losses += losses
+    val_loss, val_acc = _evaluate(run.net if c.compile else model, run.x_val, run.y_val)
+    checks = run.checks
+    record = {
+        "epoch": len(run.history) + 1, "layers": layers,
+        "train_loss": sum(losses) / len(losses),
+        "train_acc": correct / seen if seen else math.nan, "val_loss": val_loss,
+        "val_acc": val_acc, "seconds": time.perf_counter() - t_epoch,
+        "train_seconds": run.clock.seconds, "batches": run.batch,
+        "fwd_iters": _mean(tally.fwd_it), "fwd_res": _mean(tally.fwd_res),
+        "bwd_iters": _mean(tally.bwd_it), "bwd_res": _mean(tally.bwd_res),
+        "grad_cosine": checks[-1]["cosine"] if checks else None,
+        "grad_error": checks[-1]["rel_error"] if checks else None,
+        "steps": len(losses), "exact_steps": len(tally.exact_kinds),
+        "exact_kind": tally.exact_kinds[-1] if tally.exact_kinds else None,
+    }
+    run.history.append(record)
+    bar.close(f"train_loss {record['train_loss']:.3f} | val_acc {val_acc:.3f} | "
+              + _bar_note(None, tally.fwd_res, tally.bwd_res, checks))
+    if c.target_acc is not None and run.time_to_target is None and val_acc >= c.target_acc:
+        run.time_to_target, run.epochs_to_target = run.clock.seconds, record["epoch"]
+        run.stop = True
+
+
+def _check(run: _Run, step: Any, layers: int, captured: Any, replays: SpanTimer) -> None:
+    """A gradient check where one is due after this step (the accuracy controller's
+    schedule, or every ``check_every`` batches), recorded in ``run.checks``."""
+    model = run.model
+    ctl = getattr(model, "accuracy", None)
+    due = ctl.check_due(run.batch) if ctl is not None else \
+        bool(run.check_every) and run.batch % run.check_every == 0
+    if not due:
+        return
+    if isinstance(captured, AutoCapturedStep):
+        captured.observe_step(replays.mean())  # a replayed step's time
+    exact = ctl is not None and ctl.exact  # training ran exactly
+    got = model.check_gradients(step.input, step.target,  # type: ignore[operator]
+                                nn.functional.cross_entropy)
+    run.checks.append({"batch": run.batch, "layers": layers, "exact": exact,
+                       "cosine": 1.0 if exact else got.cos,
+                       "rel_error": 0.0 if exact else got.error,
+                       "mgrit_cosine": got.cos, "mgrit_rel_error": got.error,
+                       "note": _auto_check_note(model, run.batch, got)})
+    if isinstance(captured, AutoCapturedStep):
+        # a re-tuning or the controller may have changed the setting
+        captured.refresh(step.input, step.target)
+    gc.freeze()  # a check may have tuned again: new settings, new objects
+
+
+def _result(run: _Run) -> TrainResult:
+    """What the training did, from its state."""
+    c, model, grid = run.config, run.model, run.grid
+    last = run.history[-1]
     tuner = model.tuner if isinstance(model, LayerParallel) else None
     sync_figures: dict[str, Any] = {}
     if grid is not None and isinstance(model, LayerParallel) and model.averager is not None:
         sync_figures["allreduce_ms_per_batch"] = (1000.0 * model.averager.total_seconds
-                                                  / total_steps)
+                                                  / run.total_steps)
     if grid is not None:
-        sync_figures.update(_sync_bytes(grid, total_steps))
+        sync_figures.update(_sync_bytes(grid, run.total_steps))
+    step_mode = run.step_mode
+    captured = run.captured
     if isinstance(captured, AutoCapturedStep):  # auto's setting, captured again on change
         step_mode = (f"captured ({captured.captures} capture(s) of auto's setting)"
                      if captured.captures else
                      f"eager (not captured: {captured.why_eager})")
         captured.close()
-    result = TrainResult(
-        model=model_name, serial=serial, ranks=ranks,
-        data_parallel=1 if serial else data_parallel, epochs=epochs,
-        batch_size=batch_size, lr=lr, seed=seed, dtype=str(dtype),
-        fwd=None if serial else fwd, bwd=None if serial else bwd,
+    fwd, bwd = c.mgrit_options()
+    ctl = getattr(model, "accuracy", None)
+    return TrainResult(
+        model=c.model, serial=c.serial, ranks=1 if c.serial else run.size,
+        data_parallel=1 if c.serial else c.data_parallel, epochs=c.epochs,
+        batch_size=c.batch_size, lr=c.lr, seed=c.seed, dtype=str(c.dtype),
+        fwd=None if c.serial else fwd, bwd=None if c.serial else bwd,
         val_acc=last["val_acc"], val_loss=last["val_loss"],
         train_loss=last["train_loss"], train_acc=last["train_acc"],
-        ms_per_batch=1000.0 * step_time / total_steps,
+        ms_per_batch=1000.0 * run.step_time / run.total_steps,
         fwd_iters=last["fwd_iters"], fwd_res=last["fwd_res"],
         bwd_iters=last["bwd_iters"], bwd_res=last["bwd_res"],
-        history=history, batch_losses=batch_losses, module=model,
-        checks=checks, nested=nested,
-        seconds=sum(r["seconds"] for r in history),
-        accuracy_log=[] if getattr(model, "accuracy", None) is None else
-        [str(e) for e in model.accuracy.log],  # type: ignore[union-attr]
-        device=device, step_mode=step_mode, arch=arch, t_final=t_final,
-        train_seconds=clock.seconds, target_acc=target_acc,
-        time_to_target=time_to_target, epochs_to_target=epochs_to_target,
-        auto=auto, auto_log=[] if tuner is None else tuner.log(size),
-        auto_choice=None if tuner is None else tuner.choice_name(size),
-        sync=sync, optimizer=optimizer, exact_steps=last["exact_steps"],
+        history=run.history, batch_losses=run.batch_losses, module=model,
+        checks=run.checks, nested=c.nested,
+        seconds=sum(r["seconds"] for r in run.history),
+        accuracy_log=[] if ctl is None else [str(e) for e in ctl.log],
+        device=c.device, step_mode=step_mode, arch=c.arch, t_final=c.t_final,
+        train_seconds=run.clock.seconds, target_acc=c.target_acc,
+        time_to_target=run.time_to_target, epochs_to_target=run.epochs_to_target,
+        auto=c.auto is not False, auto_log=[] if tuner is None else tuner.log(run.size),
+        auto_choice=None if tuner is None else tuner.choice_name(run.size),
+        sync=c.sync, optimizer=c.optimizer, exact_steps=last["exact_steps"],
         exact_kind=last["exact_kind"], last_epoch_steps=last["steps"],
-        stopped_by_budget=stopped_by_budget, **sync_figures)
-    if rank == 0:
-        if device == "cuda" or compile:
-            print(f"{model_name}: step on {device}: {step_mode}", flush=True)
-        for line in result.auto_log:
-            print(f"{model_name}: {line}", flush=True)
-        for line in result.accuracy_log:
-            print(f"{model_name}: adaptive accuracy: {line}", flush=True)
-        if checks:
-            print(f"{model_name}: {last_check_line(checks[-1])}", flush=True)
-        if grid is not None and grid.data > 1:
-            print(f"{model_name}: {_replicas_note(grid, result)}", flush=True)
-        levels = None if serial or auto else _levels_note(model, fwd)
-        if levels is not None:
-            print(f"{model_name}: {levels}", flush=True)
-        for line in _summary_notes(result, time_budget, len(loader),
-                                   sum(e for _, e in stages)):
-            print(f"{model_name}: {line}", flush=True)
-        print(result.summary, flush=True)
-    return result
+        stopped_by_budget=run.stopped_by_budget, **sync_figures)
+
+
+def _report(run: _Run, result: TrainResult) -> None:
+    """What rank 0 prints: the notes the summary line cannot hold, then that line."""
+    c, name = run.config, run.config.model
+    lines = []
+    if c.device == "cuda" or c.compile:
+        lines.append(f"step on {c.device}: {result.step_mode}")
+    lines += result.auto_log
+    lines += [f"adaptive accuracy: {line}" for line in result.accuracy_log]
+    if run.checks:
+        lines.append(last_check_line(run.checks[-1]))
+    if run.grid is not None and run.grid.data > 1:
+        lines.append(_replicas_note(run.grid, result))
+    levels = None if c.serial or c.auto else _levels_note(run.model, run.fwd)
+    if levels is not None:
+        lines.append(levels)
+    lines += _summary_notes(result, c.time_budget, len(run.loader),
+                            sum(e for _, e in run.stages))
+    for line in lines:
+        print(f"{name}: {line}", flush=True)
+    print(result.summary, flush=True)
 
 
 def _auto_check_note(model: Any, batch: int, got: Any) -> Optional[str]:
@@ -1041,141 +962,40 @@ def parse_summary(text: str) -> dict[str, Any]:
 # -- command-line options shared by the examples and `layerpar train` -----------------------
 # (the options themselves: layerpar.apps.arguments, which the help reads without torch)
 
-def check_arguments(args: argparse.Namespace, *, built: bool = True) -> None:
+def check_arguments(args: argparse.Namespace, *, built: bool = True,
+                    model: Optional[str] = None) -> None:
     """Raise ValueError naming the option (e.g. ``--cfactor``) for a value out of range
-    or options that conflict.
+    or options that conflict: the checks of `TrainConfig.from_args`.
 
-    `built`: last, refuse an engine this installation lacks (`check_engine_built`).  A
-    conflict between options is a usage error whatever was built, so it is reported
-    first; a caller with conflicts of its own to check passes False and calls
-    `check_engine_built` after them."""
-    checks = [("--levels", args.levels, 1), ("--cfactor", args.cfactor, 2),
-              ("--fwd-iters", args.fwd_iters, 1), ("--bwd-iters", args.bwd_iters, 1),
-              ("--nrelax", args.nrelax, 0), ("--epochs", args.epochs, 1),
-              ("--batch-size", args.batch_size, 1), ("--seed", args.seed, 0),
-              ("--check-every", getattr(args, "check_every", 0), 0),
-              ("--nested", getattr(args, "nested", 0), 0),
-              ("--nested-epochs", getattr(args, "nested_epochs", 1), 1),
-              ("--layers", getattr(args, "layers", None), 1),
-              ("--width", getattr(args, "width", None), 1)]
-    for flag, value, lo in checks:
-        if value is not None and value < lo:
-            raise ValueError(f"`{flag}` must be >= {lo}, got {value}")
-    if args.levels > MAX_LEVELS:
-        raise ValueError(f"`--levels` must be <= {MAX_LEVELS}, got {args.levels}")
-    # what the engine holds in C ints, and torch in a 64-bit seed: checked here, so a
-    # bad value is one line naming the option, not an OverflowError on every rank
-    for flag, value, hi in [("--cfactor", args.cfactor, ENGINE_INT_MAX),
-                            ("--fwd-iters", args.fwd_iters, ENGINE_INT_MAX),
-                            ("--bwd-iters", args.bwd_iters, ENGINE_INT_MAX),
-                            ("--nrelax", args.nrelax, ENGINE_INT_MAX),
-                            ("--layers", getattr(args, "layers", None) or 1, ENGINE_INT_MAX),
-                            ("--width", getattr(args, "width", None) or 1, ENGINE_INT_MAX),
-                            ("--seed", args.seed, MAX_SEED)]:
-        if value > hi:
-            raise ValueError(f"`{flag}` must be <= {hi}, got {value}")
-    timeout = getattr(args, "timeout", DEFAULT_TIMEOUT)
-    if not (math.isfinite(timeout) and timeout > 0):
-        raise ValueError(f"`--timeout` must be a positive number of seconds, got {timeout}")
-    if not (math.isfinite(args.tol) and args.tol >= 0):
-        raise ValueError(f"`--tol` must be a finite number >= 0, got {args.tol}")
-    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
-        raise ValueError(f"`--lr` must be a positive number, got {args.lr}")
-    if getattr(args, "engine", "native") not in ENGINES:
-        raise ValueError(f"`--engine` must be one of {', '.join(ENGINES)}, got {args.engine!r}")
-    if getattr(args, "nested_epochs", None) is not None and not getattr(args, "nested", 0):
-        raise ValueError("`--nested-epochs` sets the epochs of each `--nested` stage: "
-                         "give `--nested`")
-    for flag, value, hi in (("--t-final", getattr(args, "t_final", None), math.inf),
-                            ("--target-acc", getattr(args, "target_acc", None), 1.0),
-                            ("--time-budget", getattr(args, "time_budget", None), math.inf)):
-        if value is not None and not (math.isfinite(value) and 0 < value <= hi):
-            what = "in (0, 1]" if hi == 1.0 else "a finite number > 0"
-            raise ValueError(f"`{flag}` must be {what}, got {value}")
-    bound = _bound(args)
-    if bound and not (getattr(args, "adaptive", False) or getattr(args, "auto", False)):
-        raise ValueError(f"`--{next(iter(bound)).replace('_', '-').replace('rel-', 'grad-')}"
-                         "` sets the bound of `--adaptive` or `--auto`: give one of them")
-    if bound:
-        try:
-            AccuracyPolicy(**bound)
-        except ValueError as exc:
-            flag = "--max-grad-error" if "max_rel_error" in str(exc) else "--min-cosine"
-            raise ValueError(f"`{flag}`: {exc}") from None
-    device = getattr(args, "device", "cpu")
-    if device not in DEVICES:
-        raise ValueError(f"`--device` must be one of {list(DEVICES)}, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("`--device` cuda: CUDA is not available on this machine")
-    if getattr(args, "auto", False) and (args.serial or getattr(args, "nested", 0)
-                                         or getattr(args, "data_parallel", 1) > 1):
-        raise ValueError("`--auto` chooses layer-parallel settings: not with `--serial`, "
-                         "`--nested` or `--data-parallel`")
-    if getattr(args, "adaptive", False) and getattr(args, "data_parallel", 1) > 1:
-        raise ValueError("`--adaptive` decides from each replica's own batches: not with "
-                         "`--data-parallel`")
-    if getattr(args, "auto", False):
-        for flag in AUTO_CHOOSES:
-            if flag in getattr(args, "given", ()):
-                raise ValueError(f"`{flag}` with `--auto`: auto chooses the MGRIT settings "
-                                 "(and the engine) by measurement; give one or the other")
-    if getattr(args, "auto", False) and getattr(args, "check_every", 0):
-        raise ValueError("`--check-every` with `--auto`: auto spreads its own gradient "
-                         "checks (about 3 % of the training's time)")
-    if getattr(args, "compile", False) and not args.serial:
-        raise ValueError("`--compile` compiles the serial net with torch.compile: give "
-                         "`--serial` (a layer-parallel step is captured on CUDA instead)")
-    if getattr(args, "compile", False) and getattr(args, "nested", 0):
-        raise ValueError("`--compile` with `--nested`: each refinement is a new net, "
-                         "which would compile again")
-    if args.serial and (getattr(args, "adaptive", False) or getattr(args, "check_every", 0)):
-        raise ValueError("`--adaptive` and `--check-every` compare MGRIT with exact "
-                         "propagation: not with `--serial`")
-    if args.serial:
-        for flag in AUTO_CHOOSES:
-            if flag in getattr(args, "given", ()):
-                raise ValueError(f"`{flag}` with `--serial`: the serial oracle runs no MGRIT "
-                                 "solve (nor an engine); give one or the other")
+    model: the problem (default ``args.model``; without one, the checks that depend on
+    the problem wait for `check_problem`).  `built`: last, refuse an engine this
+    installation lacks (`check_engine_built`); a conflict between options is a usage
+    error whatever was built, so it is reported first."""
+    model = model or getattr(args, "model", None)
+    if model is None:  # `--model` (the architecture) is checked against its problem later
+        args = argparse.Namespace(**{**vars(args), "arch": None})
+    config = TrainConfig.from_args(args, model or PROBLEMS[0])
     if built:
-        check_engine_built(args)
+        check_engine_built(config)
 
 
-def check_engine_built(args: argparse.Namespace) -> None:
+def check_engine_built(config: Union[TrainConfig, argparse.Namespace]) -> None:
     """ValueError when ``--engine xbraid`` names an engine this installation did not
     build (XBRAID_DIR at build time), saying how to build it.  Checked after every
-    conflict between options (`check_arguments`), so that a command line refused for
-    its options is refused alike with and without the XBraid engine."""
-    if getattr(args, "engine", "native") == "xbraid" and not xbraid_available():
+    conflict between options, so that a command line refused for its options is
+    refused alike with and without the XBraid engine."""
+    if (getattr(config, "engine", None) or "native") == "xbraid" and not xbraid_available():
         raise ValueError("`--engine` xbraid: layerpar's XBraid engine was not built: "
                          + BUILD_HINT)
 
 
 def check_problem(args: argparse.Namespace, problem: str, ranks: int) -> None:
-    """What a problem's net allows (ValueError naming the option), checked before any
-    layer is built: `--model` among its architectures, and `--nested` K halvings that
-    leave each of the `ranks` ranks per replica a layer.  ``layerpar train`` and the
-    examples share it (the examples ended in a traceback on `--model conv` for Peaks or
-    `--nested 9`, which ``layerpar train`` refused in one line)."""
-    from .nets import ARCHITECTURES
-
-    arch = getattr(args, "arch", None)
-    if arch is not None and arch not in ARCHITECTURES[problem]:
-        raise ValueError(f"`--model` must be one of {list(ARCHITECTURES[problem])} for "
-                         f"{problem}, got {arch!r}")
-    layers = getattr(args, "layers", None) or RECIPES[problem].n_layers
-    nested = max(0, getattr(args, "nested", 0) or 0)
-    if nested and (layers % 2 ** nested or layers // 2 ** nested < ranks):
-        raise ValueError(f"`--nested` {nested}: {problem}'s {layers} layers must halve "
-                         f"{nested} time(s) and still give each of the {ranks} rank(s) "
-                         "per replica at least one layer")
-
-
-def _bound(args: argparse.Namespace) -> dict[str, float]:
-    """The accuracy bound given by ``--max-grad-error`` / ``--min-cosine`` (as
-    `AccuracyPolicy` fields; empty: the default bound)."""
-    got = {"max_rel_error": getattr(args, "max_grad_error", None),
-           "min_cosine": getattr(args, "min_cosine", None)}
-    return {k: v for k, v in got.items() if v is not None}
+    """What a problem's net allows of the parsed options on `ranks` ranks per replica
+    (ValueError naming the option), checked before any layer is built: `--model`
+    among its architectures, and `--nested` halvings that leave each rank a layer
+    (`TrainConfig.check_processes`)."""
+    config = TrainConfig.from_args(args, problem)
+    config.check_processes(ranks * (1 if config.serial else config.data_parallel))
 
 
 def options_from_arguments(args: argparse.Namespace) -> tuple[MGRITOptions, MGRITOptions]:
@@ -1192,33 +1012,13 @@ def dtype_from_arguments(args: argparse.Namespace) -> torch.dtype:
     return torch.float64 if args.float64 else torch.float32
 
 
-
 def train_from_arguments(model_name: str, args: argparse.Namespace,
                          comm: Any = None) -> TrainResult:
     """`train` with the options parsed by `add_arguments` (the examples and
-    `layerpar train` share this).  With a communicator of several ranks, each rank's
-    intra-op threads are set so the ranks on one node share its cores."""
-    fwd, bwd = (None, None) if getattr(args, "auto", False) else options_from_arguments(args)
-    if comm is not None:
+    ``layerpar train`` share this): ``TrainConfig.from_args(args, model_name)``.  With
+    a communicator of several ranks and no ``--threads``, each rank's intra-op threads
+    are set so the ranks on one node share its cores (`threads_per_rank`)."""
+    config = TrainConfig.from_args(args, model_name)
+    if comm is not None and config.threads is None:
         torch.set_num_threads(threads_per_rank(comm))
-    return train(model_name, serial=args.serial, epochs=args.epochs,
-                 batch_size=args.batch_size, lr=args.lr, seed=args.seed, fwd=fwd, bwd=bwd,
-                 comm=comm, progress=not args.no_progress, dtype=dtype_from_arguments(args),
-                 data_parallel=getattr(args, "data_parallel", 1),
-                 adaptive=AccuracyPolicy(**_bound(args)) if args.adaptive and _bound(args)
-                 else args.adaptive, check_every=args.check_every, nested=args.nested,
-                 nested_epochs=2 if args.nested_epochs is None else args.nested_epochs,
-                 n_layers=getattr(args, "layers", None),
-                 width=getattr(args, "width", None), arch=getattr(args, "arch", None),
-                 t_final=getattr(args, "t_final", None),
-                 device=getattr(args, "device", "cpu"),
-                 auto=AccuracyPolicy(**_bound(args)) if getattr(args, "auto", False)
-                 and _bound(args) else getattr(args, "auto", False),
-                 target_acc=getattr(args, "target_acc", None),
-                 time_budget=getattr(args, "time_budget", None),
-                 timeout=getattr(args, "timeout", DEFAULT_TIMEOUT),
-                 engine=getattr(args, "engine", "native"),
-                 sync=getattr(args, "sync", "allreduce"), nodes=getattr(args, "nodes", None),
-                 optimizer=getattr(args, "optimizer", None),
-                 slow_link=getattr(args, "slow_link", None),
-                 compile=getattr(args, "compile", False))
+    return train(model_name, comm=comm, config=config)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .parsing import OneLineParser
+from .threads import best_threads
 
 __all__ = ["CASES", "SMOKE", "Case", "best_threads", "main", "run_case", "worker"]
 
@@ -162,41 +163,6 @@ def _launch(case: Case, extra: list[str], nprocs: int, threads: int,
             raise RuntimeError(f"{' '.join(cmd)} failed (exit {status.returncode}, timed "
                                f"out {status.timed_out}):\n{text[-3000:]}")
         return json.loads(Path(out).read_text()), wall
-
-
-def best_threads(case: Case, batches: int = 4) -> tuple[int, dict[int, float], int]:
-    """The torch thread count at which a serial training step of `case` is fastest
-    here, the seconds per step at each count tried (1, 2, 4, ... up to the cores this
-    process may use): the best serial baseline on this machine; and the steps in one
-    epoch."""
-    import torch
-
-    from .loop import adam, available_cores, train_step
-    from .nets import RECIPES
-    from .train import add_arguments, build_net, load_data
-
-    cores = available_cores()
-    counts = sorted({1, cores} | {2 ** k for k in range(1, 8) if 2 ** k < cores})
-    p = OneLineParser()
-    add_arguments(p)
-    p.add_argument("problem")
-    a = p.parse_args(case.train_args())
-    x, y, _, _ = load_data(case.problem)
-    batch = a.batch_size or RECIPES[case.problem].batch_size
-    xb, yb = x[:batch], y[:batch]
-    before = torch.get_num_threads()
-    per: dict[int, float] = {}
-    try:
-        for k in counts:
-            torch.set_num_threads(k)
-            torch.manual_seed(0)
-            net = build_net(case.problem, a.layers, a.width, arch=a.arch, t_final=a.t_final)
-            opt = adam(net.parameters(), lr=1e-3)  # as `train` does
-            train_step(net, xb, yb, opt)  # warm-up
-            per[k] = min(train_step(net, xb, yb, opt).seconds for _ in range(batches))
-    finally:
-        torch.set_num_threads(before)
-    return min(per, key=lambda k: (per[k], k)), per, -(-len(x) // batch)
 
 
 #: where a run writes without ``--out``: a folder git ignores (``/out/`` in .gitignore), so
