@@ -197,3 +197,50 @@ def test_cycle_finder_sees_type_only_and_nested_imports() -> None:
     graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}, "p.e": set()}
     assert find_cycles(graph) == [["p.a", "p.b", "p.c"]]
     assert find_cycles({"p.a": {"p.b"}, "p.b": set()}) == []
+
+
+# ------------------------------------------------------------------------------------------
+# long functions
+# ------------------------------------------------------------------------------------------
+MAX_FUNCTION_LINES = 120
+#: the functions of layerpar/ still longer than MAX_FUNCTION_LINES ("path:qualname"),
+#: each to be split into named steps; the list may only shrink (the test fails on a
+#: function that is short enough again while still listed)
+LONG_FUNCTIONS_TO_SPLIT = frozenset({
+    "apps/train.py:train",
+    "parallel/model.py:LayerParallel.__init__",
+    "parallel/autotune.py:_tune",
+})
+
+
+def long_functions(limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """"path:qualname" -> lines (decorators to the last line) of every function or
+    method in layerpar/ longer than `limit` lines."""
+    found = {}
+
+    def visit(node: ast.AST, prefix: str, path: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                if not isinstance(child, ast.ClassDef):
+                    first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                    lines = (child.end_lineno or child.lineno) - first + 1
+                    if lines > limit:
+                        found[f"{path}:{name}"] = lines
+                visit(child, name + ".", path)
+            else:
+                visit(child, prefix, path)
+
+    for f in sorted(ROOT.rglob("*.py")):
+        visit(ast.parse(f.read_text()), "", f.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_no_function_longer_than_the_limit() -> None:
+    found = long_functions()
+    new = {k: v for k, v in found.items() if k not in LONG_FUNCTIONS_TO_SPLIT}
+    assert not new, f"functions over {MAX_FUNCTION_LINES} lines (split them into named " \
+        "steps):\n" + "\n".join(f"{k}: {v} lines" for k, v in sorted(new.items()))
+    cleared = LONG_FUNCTIONS_TO_SPLIT - set(found)
+    assert not cleared, "no longer over the limit: remove from LONG_FUNCTIONS_TO_SPLIT: " \
+        + ", ".join(sorted(cleared))
