@@ -97,16 +97,12 @@ def main() -> None:
     if rank == 0:
         print(f"MGRIT on {comm.Get_size()} rank(s): N={args.steps}, {result.n_levels} levels, "
               f"cfactor {args.cfactor}, nrelax {args.nrelax}, {'F' if args.fmg else 'V'}-cycles")
-        # every iteration by its index (0, 1, ...), as result.message counts them; the
-        # residuals are the last iterations': with skip, iteration 0 does no fine-level
-        # work and has none, nor has one level's single sweep (sequential stepping)
-        history = result.residual_history
-        missing = result.iterations - len(history)
+        # every iteration by its index, as result.message counts them
         why = "one level: sequential stepping" if result.n_levels == 1 else \
             "skip: no fine-level work"
-        for k in range(result.iterations):
-            print(f"  iteration {k:2d}  " + (f"no residual ({why})" if k < missing
-                                             else f"residual {history[k - missing]:.3e}"))
+        for k, r in enumerate(result.residual_by_iteration):
+            print(f"  iteration {k:2d}  " + (f"no residual ({why})" if r is None
+                                             else f"residual {r:.3e}"))
         print(result.message)
         print(f"u(T) = {result.final_state.item():.12e}")
         print(f"max |u_i - sequential u_i| over all i: {worst:.3e}")

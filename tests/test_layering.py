@@ -29,6 +29,15 @@ def _package(path: Path) -> str:
     return ".".join(["layerpar", *path.relative_to(ROOT).parent.parts])
 
 
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The module X of ``from X import ...`` in a module of `package` (relative resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imported_modules(source: str, package: str) -> list[str]:
     """Every module that `source`, a module of `package`, imports (relative imports
     resolved; ``from X import y`` gives both X and X.y, since y may be a submodule)."""
@@ -37,12 +46,7 @@ def imported_modules(source: str, package: str) -> list[str]:
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, package)
             found += [mod] + [f"{mod}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(
                 node.func, "id", "")) in ("import_module", "__import__"):
@@ -107,12 +111,7 @@ def import_edges(source: str, module: str, package: str, known: set[str]) -> set
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, package)
             names = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod
                      for a in node.names]
         for name in names:

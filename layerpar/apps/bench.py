@@ -52,7 +52,7 @@ from .loop import train_step
 from .nets import sequential_twin
 from .parsing import OneLineParser
 
-__all__ = ["BENCHMARKS", "BenchContext", "Row", "benchmark", "main", "run"]
+__all__ = ["BENCHMARKS", "BenchContext", "Row", "benchmark", "main", "run", "subcommands"]
 
 
 @dataclass
