@@ -30,7 +30,8 @@ XBRAID_BUILT := $(if $(XBRAID_DIR),$(VENV)/.built-xbraid)
 .PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-engines bench-paths \
 	bench-sync bench-tta bench-tta-smoke bench-tta-gpu bench-tta-gpu-compiled study-cpu-16core \
 	study-cpu-16core-scale \
-	study-cpu-16core-tta device-wheels device-setup cuda-check test-gpu test-triton train lint clean help
+	study-cpu-16core-tta device-wheels device-setup cuda-check test-gpu test-triton train lint typecheck \
+	clean help
 
 # One .venv, filled by what each target needs: `make setup` (and `make train`) the
 # package, MPI and what the `layerpar` command's problems and studies import; `make test`
@@ -216,8 +217,12 @@ test-gpu: cuda-check device-setup
 train: build
 	$(BIN)/layerpar train peaks --np $(NP)
 
-lint: $(SETUP_TEST)
+lint: $(SETUP_TEST) typecheck
 	$(BIN)/ruff check layerpar tests examples
+
+# mypy over the type-checked set that pyproject.toml's [tool.mypy] names
+typecheck: $(SETUP_TEST)
+	$(BIN)/python -m mypy
 
 help:
 	@echo "make train            set up (.venv, torch, MPI, engine) and train Peaks layer-parallel"
@@ -225,7 +230,8 @@ help:
 	@echo "make test-fast        the tests not marked slow"
 	@echo "make test-triton      the fused Triton kernels under Triton's interpreter (installs triton, ~1 GB)"
 	@echo "make build            (re)build the native engine (and XBraid's, with XBRAID_DIR)"
-	@echo "make lint             ruff over layerpar, tests and examples"
+	@echo "make lint             ruff over layerpar, tests and examples, and typecheck"
+	@echo "make typecheck        mypy over the typed packages (pyproject.toml [tool.mypy])"
 	@echo "make bench            engine and training micro-benchmarks, 1 and 2 ranks"
 	@echo "make bench-ops        tensor operations per batch, serial against MGRIT"
 	@echo "make bench-engines    native engine against XBraid"

@@ -12,7 +12,9 @@ Run it:
     mpiexec -n 4 python -m mpi4py examples/02_heat.py --nrelax 0 --levels 2 --cfactor 16
 
 (`python -m mpi4py` makes an error on one rank abort the job instead of hanging it.)
-Rank 0 prints the residual norm of every MGRIT iteration, then the error against
+Rank 0 prints the residual norm of every MGRIT iteration, numbered from 0 as the
+iteration count at the end counts them (with `skip`, the default, iteration 0 does no
+fine-level work and has no residual; nor has the one sweep of `--levels 1`), then the error against
 sequential stepping (what the residual tolerance `--tol`, 1e-10 by default, leaves:
 about 1e-12 to 1e-10 here; a smaller `--tol` takes it toward round-off) and
 against the exact solution e^{-π²t} sin(πx) + ½ e^{-9π²t} sin(3πx) (the
@@ -117,9 +119,12 @@ def main() -> None:
         print(f"MGRIT on {comm.Get_size()} rank(s): N={args.steps}, nx={args.nx}, "
               f"{result.n_levels} levels, cfactor {args.cfactor}, nrelax {args.nrelax}, "
               f"{'F' if args.fmg else 'V'}-cycles")
-        first = 1 if options.skip and result.n_levels > 1 else 0
-        for k, r in enumerate(result.residual_history, start=first):
-            print(f"  iteration {k:2d}  residual {r:.3e}")
+        # every iteration by its index, as result.message counts them
+        why = "one level: sequential stepping" if result.n_levels == 1 else \
+            "skip: no fine-level work"
+        for k, r in enumerate(result.residual_by_iteration):
+            print(f"  iteration {k:2d}  " + (f"no residual ({why})" if r is None
+                                             else f"residual {r:.3e}"))
         print(result.message)
         print(f"max |u_i - sequential u_i| / |sequential u_i| over all i: {worst:.3e}")
         print(f"|u(T) - exact| / |exact| = {rel(result.final_state, exact):.3e} "

@@ -13,8 +13,12 @@ Run it:
 
 (`python -m mpi4py` makes an error on one rank abort the job instead of hanging it.)
 rank 0 prints the summary line (validation accuracy, time per batch, and the MGRIT
-iterations and residual norms reached), after notes on what it cannot say (why a
-residual reads n/a, say).  Needs scikit-learn (`pip install "layerpar[examples]"`).
+iterations and residual norms reached), and above it, where the line cannot say it, a
+note: training stopped by a time budget, steps that ran exactly, a forward residual
+that reads n/a.  The adjoint's ``res n/a`` at its default single iteration has no
+note: with skip, a solve's first iteration does no fine-level work, so a
+one-iteration solve measures no residual.  Needs scikit-learn
+(`pip install "layerpar[examples]"`).
 """
 
 from __future__ import annotations

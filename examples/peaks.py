@@ -15,7 +15,10 @@ Run it:
 Same seed, same epochs: the serial and layer-parallel runs are directly comparable.
 rank 0 prints the summary line (validation accuracy, time per batch, and the MGRIT
 iterations and residual norms reached, so the inexactness of the solves stays
-visible), after notes on what it cannot say (why a residual reads n/a, say).
+visible), and above it, where the line cannot say it, a note: training stopped by a
+time budget, steps that ran exactly, a forward residual that reads n/a.  The adjoint's
+``res n/a`` at its default single iteration has no note: with skip, a solve's first
+iteration does no fine-level work, so a one-iteration solve measures no residual.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from layerpar.mgrit.testing import (
 def test_one_level_equals_sequential_bit_for_bit(name: str, n_steps: int) -> None:
     result, ref = run_case(Case(name, n_steps, dict(max_levels=1)))
     assert result.iterations == 1 and result.converged and result.n_levels == 1
-    assert result.residual_history == []
+    assert result.residual_history == [] and result.residual_by_iteration == [None]
     assert sorted(result.states) == list(range(n_steps + 1))
     for i in range(n_steps + 1):
         assert torch.equal(result.states[i], ref[i]), i
@@ -146,6 +146,11 @@ def test_residual_history_starts_at_r1_with_skip(skip: bool, n_hist: int) -> Non
     result, _ = run_case(Case("heat", 64, dict(max_levels=3, tol=0.0, max_iter=5,
                                                skip=skip)))
     assert result.iterations == 5 and len(result.residual_history) == n_hist
+    # by iteration index: iteration 0 has none with skip
+    by_iter = result.residual_by_iteration
+    assert len(by_iter) == result.iterations
+    assert by_iter[5 - n_hist:] == result.residual_history
+    assert by_iter[:5 - n_hist] == [None] * (5 - n_hist)
 
 
 # --- 4. iteration counts do not grow with N or the number of levels -----------------------

@@ -257,3 +257,24 @@ def test_short_study_end_to_end(tmp_path: Path) -> None:
                              progress=False, serial_threads=[1])
     assert again.launched == 0 and again.skipped == 2 and not again.failed
     assert len(runner.read_rows(csv_path)) == 2
+
+
+def test_layer_parallel_run_without_solve_statistics_says_so(monkeypatch) -> None:
+    """A study run needs each batch's forward and adjoint solve statistics (its
+    communication columns): a batch without them is a RuntimeError naming what is
+    missing, not a bare assert (gone under ``python -O``)."""
+    from mpi4py import MPI
+
+    from layerpar.apps.loop import Step
+    from layerpar.apps.studies import worker
+
+    def no_stats(model, batches, lr, before=None):
+        z = torch.zeros(1)
+        yield Step(loss=z, output=z, target=z, seconds=0.0, forward_seconds=0.0,
+                   backward_seconds=0.0)
+
+    monkeypatch.setattr(worker, "_sgd", no_stats)
+    cfg = {"model": "dense", "layers": 8, "width": 4, "batch": 4, "levels": 2,
+           "cfactor": 2, "steps": 1, "warmup": 0}
+    with pytest.raises(RuntimeError, match="no forward MGRIT solve"):
+        worker.run_layer_parallel(cfg, MPI.COMM_SELF)

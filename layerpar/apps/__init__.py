@@ -9,7 +9,8 @@ The library core (`layerpar.mgrit`, `layerpar.ode`, `layerpar.parallel`,
   bundled data sets; `launch`: starting and stopping MPI/torchrun jobs.
 - `bench`: ``python -m layerpar.bench [sub]``, one command whose subcommands are the
   benchmarks `opcount` (ops), `gpubench` (gpu), `gridbench` (grid), `pathbench` (paths),
-  `syncbench` (sync), `tta` (time to accuracy) and engines.
+  `syncbench` (sync), `tta` (time to accuracy) and engines; `benchkit`: what the
+  benchmark modules share (options, CSV, nets, timing), so none imports `bench` back.
 - `studies`: the scaling and accuracy studies (``layerpar scale``,
   ``python -m layerpar.studies``).
 """

@@ -30,8 +30,6 @@ and append it to `BENCHMARKS` (or decorate it with `@benchmark`).
 from __future__ import annotations
 
 import argparse
-import csv
-import math
 import statistics
 import sys
 import time
@@ -42,12 +40,19 @@ import torch
 
 from ..defaults import TRAINING
 from ..mgrit import MGRITOptions, grid_time, solve
+from .benchkit import (
+    CSV_HELP,
+    check_shared_options,
+    dense_ode_net,
+    interleaved_train_times,
+    write_dict_rows,
+)
 from .launch import world_comm
 from .loop import train_step
 from .nets import sequential_twin
 from .parsing import OneLineParser
 
-__all__ = ["BENCHMARKS", "BenchContext", "Row", "benchmark", "main", "run"]
+__all__ = ["BENCHMARKS", "BenchContext", "Row", "benchmark", "main", "run", "subcommands"]
 
 
 @dataclass
@@ -111,8 +116,6 @@ class BenchContext:
 BenchFn = Callable[[BenchContext], "list[Row]"]
 BENCHMARKS: list[BenchFn] = []
 MAX_THREADS = 1024  # torch threads per rank a command line may ask for
-CSV_HELP = ("also write the rows as CSV (this benchmark's earlier CSV there is replaced; "
-            "any other file is refused)")
 
 
 def benchmark(fn: BenchFn) -> BenchFn:
@@ -204,18 +207,10 @@ def _train_time(ctx: BenchContext, model: torch.nn.Module, x: torch.Tensor,
 
 
 def _train_times_interleaved(ctx: BenchContext, models: list[torch.nn.Module],
-                             x: torch.Tensor, y: torch.Tensor,
-                             repeats: int = 21) -> list[list[float]]:
-    """Seconds per batch of each model, one rank, the models taking turns call by call,
-    so that drifts of the machine (clock, cache, neighbours) hit all of them alike;
-    ratios of these are what the targets are stated in."""
-    for m in models:
-        train_step(m, x, y)
-    times: list[list[float]] = [[] for _ in models]
-    for _ in range(max(repeats, ctx.repeats)):
-        for k, m in enumerate(models):
-            times[k].append(train_step(m, x, y).seconds)
-    return times
+                             x: torch.Tensor, y: torch.Tensor) -> list[list[float]]:
+    """Seconds per batch of each model, one rank, the models taking turns call by call
+    (`interleaved_train_times`), at least 21 times each."""
+    return interleaved_train_times(models, x, y, repeats=max(21, ctx.repeats))
 
 
 def _layer_parallel_rows(ctx: BenchContext, name: str, make: Callable[[], Any],
@@ -260,7 +255,6 @@ def layer_parallel_training(ctx: BenchContext) -> list[Row]:
     net: plain PyTorch, the serial oracle, LayerParallel exact (max_levels=1, 1 rank)
     and MGRIT 3 levels / cf 4 / 2 forward and 1 backward iterations."""
     from ..ode import ODENet
-    from ..ode.blocks import Dense
     from .nets import problem_net
 
     torch.set_num_threads(1)
@@ -270,9 +264,7 @@ def layer_parallel_training(ctx: BenchContext) -> list[Row]:
     y = torch.randint(0, 10, (64,), generator=g)
 
     def dense() -> ODENet:
-        return ODENet(open=torch.nn.Linear(32, 32),
-                      steps=lambda k: Dense(32, activation="tanh"),
-                      n_steps=n_dense, t_final=n_dense / 8, close=torch.nn.Linear(32, 10))
+        return dense_ode_net(32, n_dense, 10, t_final=n_dense / 8)
 
     def digits() -> ODENet:  # the digits problem's net (8 channels), 16 layers
         return problem_net("digits", n_layers=16)
@@ -364,44 +356,9 @@ def _engines_main(argv: list[str]) -> int:
     return 0
 
 
-def check_shared_options(p: argparse.ArgumentParser, args: argparse.Namespace,
-                         header: str) -> None:
-    """The options every benchmark command line shares, checked before anything runs
-    (one line naming the option, exit 2, as `p.error` does): ``--csv`` must be a file
-    that can be written (`check_output_file`: not a folder, its folder present and
-    writable; otherwise the whole measurement ran first and was lost in a traceback)
-    and, where it exists, this benchmark's earlier CSV (its first line starts with
-    `header`, the benchmark's first columns), ``--timeout`` a finite number of
-    seconds > 0."""
-    from .studies.files import StudyFileError, check_output_file
-
-    if getattr(args, "csv", None) is not None:
-        try:
-            check_output_file(args.csv, "--csv", header=header)
-        except StudyFileError as exc:
-            p.error(str(exc))
-    timeout = getattr(args, "timeout", None)
-    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
-        p.error(f"`--timeout` must be a finite number of seconds > 0, got {timeout}")
-
-
-def write_dict_rows(path: str, rows: list[dict]) -> None:
-    """Rows of a benchmark (dicts with the same keys) as a CSV file: the subcommands
-    that launch their own jobs (grid, paths, sync) write their results with this."""
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-
-
 def _write_csv(path: str, rows: list[Row]) -> None:
     """The rows as CSV (with us_per_step)."""
-    with open(path, "w", newline="") as fh:
-        fields = list(asdict(rows[0])) + ["us_per_step"] if rows else []
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({**asdict(r), "us_per_step": r.us_per_step})
+    write_dict_rows(path, [{**asdict(r), "us_per_step": r.us_per_step} for r in rows])
 
 
 def run(ctx: BenchContext, only: Optional[list[str]] = None) -> list[Row]:
@@ -427,61 +384,25 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _ops_main(argv: list[str]) -> int:
-    """`python -m layerpar.bench ops`: operations per training batch (layerpar.apps.opcount)."""
-    from . import opcount
+def subcommands() -> dict[str, Callable[[list[str]], int]]:
+    """The subcommands of ``python -m layerpar.bench`` by name: each module's `main`
+    (imported here, when one is asked for; none of them imports this module)."""
+    from . import gpubench, gridbench, opcount, pathbench, syncbench, tta
 
-    p = OneLineParser(prog="python -m layerpar.bench ops",
-                      description=opcount.__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small models (seconds)")
-    p.add_argument("--unbatched", action="store_true",
-                   help="LayerParallel(batched=False): the per-step path, for comparison")
-    p.add_argument("--csv", metavar="PATH", help=CSV_HELP)
-    args = p.parse_args(argv)
-    check_shared_options(p, args, "model,layers,levels")
-    torch.set_num_threads(1)
-    rows = opcount.ops_rows(quick=args.quick, batched=not args.unbatched)
-    print(f"layerpar.bench ops: top-level aten ops per training batch (zero_grad, forward, "
-          f"backward, SGD step), torch {torch.__version__}, 1 rank")
-    print(opcount.format_ops(rows, quick=args.quick))
-    if args.csv:
-        with open(args.csv, "w", newline="") as fh:
-            w = csv.writer(fh)
-            w.writerow(["model", "layers", "levels", "serial_ops", "mgrit_ops", "ratio"])
-            for r in rows:
-                w.writerow([r.model, r.layers, r.levels, r.serial_ops, r.mgrit_ops,
-                            f"{r.ratio:.2f}"])
-    return 0
+    return {"ops": opcount.main, "gpu": gpubench.main, "paths": pathbench.main,
+            "engines": _engines_main, "tta": tta.main, "grid": gridbench.main,
+            "sync": syncbench.main}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Command line: run the benchmarks, print the table on rank 0, optionally write CSV.
-    ``ops`` as the first argument counts operations per batch instead (`_ops_main`)."""
+    A subcommand's name as the first argument runs that benchmark instead
+    (`subcommands`)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["ops"]:
-        return _ops_main(argv[1:])
-    if argv[:1] == ["gpu"]:
-        from . import gpubench
-
-        return gpubench.main(argv[1:])
-    if argv[:1] == ["paths"]:
-        from . import pathbench
-
-        return pathbench.main(argv[1:])
-    if argv[:1] == ["engines"]:
-        return _engines_main(argv[1:])
-    if argv[:1] == ["tta"]:
-        from . import tta
-
-        return tta.main(argv[1:])
-    if argv[:1] == ["grid"]:
-        from . import gridbench
-
-        return gridbench.main(argv[1:])
-    if argv[:1] == ["sync"]:
-        from . import syncbench
-
-        return syncbench.main(argv[1:])
+    if argv and not argv[0].startswith("-"):
+        commands = subcommands()
+        if argv[0] in commands:
+            return commands[argv[0]](argv[1:])
     doc = __doc__.split("\n")
     p = OneLineParser(
         prog="python -m layerpar.bench", description=doc[0],
@@ -497,8 +418,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help=f"run only these: {', '.join(f.__name__ for f in BENCHMARKS)}")
     args = p.parse_args(argv)
     # checked before any measurement: one line and exit 2, as argparse reports
-    if args.repeats is not None and args.repeats < 1:
-        p.error(f"`--repeats` must be >= 1, got {args.repeats}")
     if not 1 <= args.threads <= MAX_THREADS:
         p.error(f"`--threads` must be in [1, {MAX_THREADS}], got {args.threads}")
     names = [f.__name__ for f in BENCHMARKS]

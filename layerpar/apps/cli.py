@@ -278,7 +278,8 @@ def launch(nprocs: int, argv: Sequence[str], launcher: str = "mpiexec") -> int:
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"{exc}, or run with --np 1") from None
     code = run_job(cmd, env=env).returncode
-    assert code is not None  # run_job returns once the job has ended
+    if code is None:  # run_job returns once the job has ended, with its status
+        raise RuntimeError(f"the job `{' '.join(cmd)}` returned without an exit status")
     return 128 - code if code < 0 else code  # killed by signal s: 128 + s, as shells do
 
 

@@ -36,7 +36,6 @@ counts, and `model_error` = (predicted - measured) / measured of the MGRIT time.
 from __future__ import annotations
 
 import copy
-import csv
 import statistics
 import sys
 from typing import Any, Callable, Optional
@@ -44,7 +43,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import opcount
-from .bench import check_shared_options
+from .benchkit import CSV_HELP, check_shared_options, write_dict_rows
 from .parsing import OneLineParser
 
 COLUMNS = ["device", "model", "layers", "seconds_per_batch", "eager_seconds_per_batch",
@@ -246,8 +245,7 @@ def bench_model(name: str, device: str, steps: int, lr: float = 0.05,
 def main(argv: Optional[list[str]] = None) -> int:
     p = OneLineParser(prog="python -m layerpar.bench gpu",
                       description=__doc__.split("\n")[0])
-    p.add_argument("--csv", metavar="PATH", help="write the rows as CSV (this benchmark's "
-                   "earlier CSV there is replaced; any other file is refused)")
+    p.add_argument("--csv", metavar="PATH", help=CSV_HELP)
     p.add_argument("--models", default="dense,conv",
                    help="comma-separated: dense, conv, conv16, transformer (rows a to d)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
@@ -303,11 +301,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _write(path: Optional[str], rows: list[dict[str, Any]]) -> None:
     if path:
-        with open(path, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=COLUMNS)
-            w.writeheader()
-            for r in rows:
-                w.writerow(r)
+        write_dict_rows(path, rows, COLUMNS)
 
 
 def unmeasured_row(name: str) -> dict[str, Any]:

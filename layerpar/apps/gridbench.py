@@ -28,7 +28,7 @@ import time
 from typing import Any, Optional
 
 from ..defaults import TRAINING
-from .bench import CSV_HELP, check_shared_options, write_dict_rows
+from .benchkit import CSV_HELP, check_shared_options, dense_ode_net, report
 from .parsing import OneLineParser
 
 BATCH = 128  # the global batch every split trains on
@@ -46,7 +46,6 @@ def _worker(args: argparse.Namespace) -> None:
     from torch import nn
 
     import layerpar
-    from layerpar.ode import blocks
 
     torch.set_num_threads(1)
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
@@ -69,10 +68,7 @@ def _worker(args: argparse.Namespace) -> None:
     for R, L in _splits(args.np):
         grid = layerpar.ProcessGrid(comm, data=R, layers=L)
         torch.manual_seed(0)
-        net = layerpar.ODENet(open=nn.Linear(width, width),
-                              steps=lambda k: blocks.Dense(width, activation="tanh"),
-                              n_steps=args.layers, t_final=1.0,
-                              close=nn.Linear(width, 4))
+        net = dense_ode_net(width, args.layers, 4)
         model = layerpar.LayerParallel(net, None, fwd, bwd, grid=grid)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         runs.append({"R": R, "L": L, "grid": grid, "model": model, "opt": opt,
@@ -148,8 +144,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"`--np` must divide the global batch of {BATCH} (its N x 1 split has N "
                 f"replicas of it), got {args.np}")
     check_shared_options(p, args, "launcher,processes,data")
-    if args.repeats is not None and args.repeats < 1:
-        p.error(f"`--repeats` must be >= 1, got {args.repeats}")
     args.layers = args.layers or (64 if args.quick else 256)
     args.repeats = args.repeats or (3 if args.quick else 10)
     if args.worker:  # (--procs: torchrun's own parser would take --np)
@@ -160,13 +154,10 @@ def main(argv: Optional[list[str]] = None) -> int:
              str(args.repeats)]
     launchers = ["mpiexec", "torchrun"] if args.launcher == "both" else [args.launcher]
     rows = [r for lau in launchers for r in _launch(lau, args.np, inner, args.timeout)]
-    print(f"layerpar.bench grid: {args.np} processes, dense ODE-net {args.layers} layers "
-          f"x width 16, global batch 128, 3 levels cf 4, 2/1 iterations, 1 thread each, "
-          f"median of {args.repeats} batches")
-    print(format_rows(rows))
-    if args.csv:
-        write_dict_rows(args.csv, rows)
-    return 0
+    return report(f"layerpar.bench grid: {args.np} processes, dense ODE-net {args.layers} "
+                  f"layers x width 16, global batch 128, 3 levels cf 4, 2/1 iterations, 1 "
+                  f"thread each, median of {args.repeats} batches",
+                  format_rows(rows), rows, args.csv)
 
 
 if __name__ == "__main__":

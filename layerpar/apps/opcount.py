@@ -22,15 +22,17 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from ..defaults import TRAINING
+from .benchkit import CSV_HELP, check_shared_options, write_dict_rows
+from .parsing import OneLineParser
 
-__all__ = ["CONFIGS", "OpsRow", "count_ops", "levels_for", "mgrit_options", "ops_rows",
-           "train_step"]
+__all__ = ["CONFIGS", "OpsRow", "count_ops", "levels_for", "main", "mgrit_options",
+           "ops_rows", "train_step"]
 
 
 @contextlib.contextmanager
@@ -225,3 +227,27 @@ def format_ops(rows: list[OpsRow], quick: bool = False) -> str:
                      + (f">= {TARGETS[r.model]:g}x" if r.model in TARGETS and not quick
                         else "-"))
     return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Command line of ``python -m layerpar.bench ops``: the table, optionally the CSV."""
+    argv = sys.argv[1:] if argv is None else argv
+    p = OneLineParser(prog="python -m layerpar.bench ops",
+                      description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small models (seconds)")
+    p.add_argument("--unbatched", action="store_true",
+                   help="LayerParallel(batched=False): the per-step path, for comparison")
+    p.add_argument("--csv", metavar="PATH", help=CSV_HELP)
+    args = p.parse_args(argv)
+    check_shared_options(p, args, "model,layers,levels")
+    torch.set_num_threads(1)
+    rows = ops_rows(quick=args.quick, batched=not args.unbatched)
+    print(f"layerpar.bench ops: top-level aten ops per training batch (zero_grad, forward, "
+          f"backward, SGD step), torch {torch.__version__}, 1 rank")
+    print(format_ops(rows, quick=args.quick))
+    if args.csv:
+        write_dict_rows(args.csv, [
+            {"model": r.model, "layers": r.layers, "levels": r.levels,
+             "serial_ops": r.serial_ops, "mgrit_ops": r.mgrit_ops, "ratio": f"{r.ratio:.2f}"}
+            for r in rows])
+    return 0

@@ -32,11 +32,9 @@ import torch
 from torch import nn
 
 from ..defaults import TRAINING
-from ..ode import blocks
 from ..ode.net import ODENet, Segment
-from .bench import CSV_HELP, check_shared_options, write_dict_rows
+from .benchkit import CSV_HELP, check_shared_options, dense_ode_net, interleaved_train_times, report
 from .launch import world_comm
-from .loop import train_step
 from .parsing import OneLineParser
 
 FWD, BWD = TRAINING.fwd_options(), TRAINING.bwd_options()
@@ -70,9 +68,7 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], ODENet], tuple, int]]:
                                       nn.Flatten(), nn.Linear(4 * 28 * 28, 10)])
 
     def dense(n: int, width: int) -> Callable[[], ODENet]:
-        return lambda: ODENet(open=nn.Linear(8, width),
-                              steps=lambda k: blocks.Dense(width, activation="tanh"),
-                              n_steps=n, t_final=1.0, close=nn.Linear(width, 10))
+        return lambda: dense_ode_net(width, n, 10, inputs=8)
 
     def mlp(n: int, width: int) -> Callable[[], ODENet]:
         return lambda: ODENet(open=nn.Linear(8, width), steps=lambda k: PreNormMLP(width),
@@ -108,13 +104,8 @@ def _worker(args: argparse.Namespace) -> None:
         for runner in before._runners.values():
             runner.bapp.reuse_rows = False
         models.append(before)
-        for m in models:  # warm-up: the auto model measures both paths here
-            train_step(m, x, y)
-            train_step(m, x, y)
-        times: list[list[float]] = [[] for _ in models]
-        for _ in range(args.repeats):
-            for k, m in enumerate(models):
-                times[k].append(train_step(m, x, y).seconds)
+        # two warm-up calls each: the auto model measures both paths there
+        times = interleaved_train_times(models, x, y, args.repeats, warmup=2)
         choice = next(iter(models[0].cycle_paths[0].values()))  # the one input shape
         if rank == 0:
             labels = [label for label, _ in MODES] + ["before"]
@@ -159,10 +150,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     if any(r < 1 for r in args.ranks):
         p.error(f"`--ranks` must be >= 1, got {args.ranks}")
-    if args.repeats is not None and args.repeats < 1:
-        p.error(f"`--repeats` must be >= 1, got {args.repeats}")
-    args.repeats = args.repeats or (3 if args.quick else 9)
     check_shared_options(p, args, "case,ranks,coarsening")
+    args.repeats = args.repeats or (3 if args.quick else 9)
     if args.worker:
         _worker(args)
         return 0
@@ -172,14 +161,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         ["--quick"] if args.quick else [])
     rows = [r for n in args.ranks for r in run_worker_job(
         "layerpar.apps.pathbench", n, inner, marker="PATHBENCH", timeout=args.timeout)]
-    print(f"layerpar.bench paths: 3 levels cf 4, 2/1 iterations, {args.coarsening} "
-          "coarsening, 1 thread per rank, "
-          f"median of {args.repeats} batches (forward + loss + backward), models taking "
-          "turns")
-    print(format_rows(rows))
-    if args.csv:
-        write_dict_rows(args.csv, rows)
-    return 0
+    return report(f"layerpar.bench paths: 3 levels cf 4, 2/1 iterations, {args.coarsening} "
+                  f"coarsening, 1 thread per rank, median of {args.repeats} batches (forward "
+                  f"+ loss + backward), models taking turns", format_rows(rows), rows,
+                  args.csv)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import time
 from typing import Any, Optional
 
 from ..defaults import TRAINING
-from .bench import CSV_HELP, check_shared_options, write_dict_rows
+from .benchkit import CSV_HELP, check_shared_options, dense_ode_net, report
 from .launch import mpi_world
 from .parsing import OneLineParser
 
@@ -53,7 +53,6 @@ def _worker(args: argparse.Namespace) -> None:
     from torch import nn
 
     import layerpar
-    from layerpar.ode import blocks
     from layerpar.parallel import DASO, Lion, LionCub, SlowLink
 
     torch.set_num_threads(1)
@@ -72,10 +71,7 @@ def _worker(args: argparse.Namespace) -> None:
                 grid = layerpar.ProcessGrid(comm, data=R, layers=L, sync=sync, nodes=2,
                                             link=link)
                 torch.manual_seed(0)
-                net = layerpar.ODENet(open=nn.Linear(width, width),
-                                      steps=lambda k: blocks.Dense(width, activation="tanh"),
-                                      n_steps=args.layers, t_final=1.0,
-                                      close=nn.Linear(width, 4))
+                net = dense_ode_net(width, args.layers, 4)
                 model = layerpar.LayerParallel(net, None, fwd, bwd, grid=grid)
                 opt = Lion(model.parameters(), lr=3e-4) if optim == "lion" else \
                     _adam(model.parameters())
@@ -189,15 +185,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = _launch(["--gbits", str(args.gbits), "--grids", args.grids,
                     "--layers", str(args.layers), "--batches", str(args.batches),
                     "--width", str(args.width), "--batch", str(args.batch)], args.timeout)
-    print(f"layerpar.bench sync: 4 processes (mpiexec) in 2 simulated nodes, dense "
-          f"ODE-net {args.layers} layers x width {args.width}, global batch {args.batch}, "
-          f"float32, 3 levels cf 4, 2/1 iterations, {args.batches} batches per run; bytes "
-          f"sent per process per batch; 'x' = allreduce's bytes / this row's; ms/batch: the "
-          f"slowest process, mean of batches 3..{args.batches}")
-    print(format_rows(rows))
-    if args.csv:
-        write_dict_rows(args.csv, rows)
-    return 0
+    return report(f"layerpar.bench sync: 4 processes (mpiexec) in 2 simulated nodes, dense "
+                  f"ODE-net {args.layers} layers x width {args.width}, global batch "
+                  f"{args.batch}, float32, 3 levels cf 4, 2/1 iterations, {args.batches} "
+                  f"batches per run; bytes sent per process per batch; 'x' = allreduce's "
+                  f"bytes / this row's; ms/batch: the slowest process, mean of batches "
+                  f"3..{args.batches}", format_rows(rows), rows, args.csv)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from ..mgrit.options import MGRITOptions
-from ..ode import blocks
 from ..ode.net import ODENet
 from ..parallel.baselines import (
     DataParallelNet,
@@ -35,12 +34,13 @@ from ..parallel.baselines import (
     TrainingMethod,
     process_group_from_mpi,
 )
+from .benchkit import dense_ode_net
 
 
 def _net(layers: int, width: int, state: Any = None) -> ODENet:
+    """The compared net (`dense_ode_net`, 10 classes): seeded, or loaded from `state`."""
     torch.manual_seed(0)
-    net = ODENet(open=nn.Linear(width, width), steps=lambda k: blocks.Dense(width),
-                 n_steps=layers, t_final=1.0, close=nn.Linear(width, 10))
+    net = dense_ode_net(width, layers, 10)
     if state is not None:
         net.load_state_dict(state)
     return net

@@ -66,6 +66,15 @@ class MGRITResult:
                 f"timings={self.timings})")
 
     @property
+    def residual_by_iteration(self) -> list[Optional[float]]:
+        """The residual of each iteration, 0 to ``iterations - 1`` (as `message` counts
+        them): None where the iteration computed none (iteration 0 with `skip`, which
+        does no fine-level work; the single sweep of one level)."""
+        hist = self.residual_history
+        n = min(self.iterations, len(hist))
+        return [None] * (self.iterations - n) + hist[len(hist) - n:]
+
+    @property
     def success(self) -> bool:
         """Whether a tolerance was met (scipy's name for `converged`)."""
         return self.converged

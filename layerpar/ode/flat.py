@@ -17,8 +17,8 @@ its blocks, and again right after `.to()`, `.double()` and the like have replace
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Optional
+from collections.abc import Mapping, Sequence
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +27,7 @@ from torch.utils import swap_tensors
 __all__ = ["flatten", "rows"]
 
 
-def _column(named: Sequence[dict[str, Tensor]], name: str) -> Optional[list[Tensor]]:
+def _column(named: Sequence[Mapping[str, Tensor]], name: str) -> Optional[list[Tensor]]:
     """Parameter `name` of every block (`named`: each block's parameters by name), where
     all are plain dense tensors of one shape, dtype and device and no tensor serves two
     blocks; else None."""
@@ -47,7 +47,7 @@ def _column(named: Sequence[dict[str, Tensor]], name: str) -> Optional[list[Tens
     return col  # type: ignore[return-value]
 
 
-def flatten(blocks: Sequence[nn.Module]) -> None:
+def flatten(blocks: Union[Sequence[nn.Module], nn.ModuleList]) -> None:
     """Make each parameter the blocks share the rows of one tensor (values, `Parameter`
     objects and `requires_grad` unchanged; each tensor swapped for a view of its row,
     `torch.utils.swap_tensors`).  Names that cannot be rows of one tensor (shapes,

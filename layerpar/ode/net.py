@@ -111,12 +111,13 @@ class Segment(nn.Module):
         if not 0 <= istart < istop <= self.n_steps:
             raise ValueError(f"need 0 <= istart < istop <= {self.n_steps}, got "
                              f"istart={istart}, istop={istop}")
-        rng = seed is not None and needs_rng(self.blocks[istart])
+        # the seed of the layer's random draws, where its block draws any
+        rng_seed = seed if seed is not None and needs_rng(self.blocks[istart]) else None
 
         def wrap(f: Callable[[Tensor], Tensor], a: int, b: int) -> Callable[[Tensor], Tensor]:
             def branch(v: Tensor) -> Tensor:
-                if rng:
-                    with layer_rng(seed, segment_index, a):
+                if rng_seed is not None:
+                    with layer_rng(rng_seed, segment_index, a):
                         out = f(v)
                 else:
                     out = f(v)
@@ -230,8 +231,8 @@ class ODENet(nn.Module):
                 raise TypeError(
                     f"`steps` must be a callable n -> nn.Module, got {type(steps).__name__}"
                 )
-            for name, m in (("open", open), ("close", close)):
-                if m is not None and not isinstance(m, nn.Module):
+            for name, end in (("open", open), ("close", close)):
+                if end is not None and not isinstance(end, nn.Module):
                     raise TypeError(f"`{name}` must be an nn.Module or None")
             segment = Segment(steps, n_steps, t_final, scheme=scheme)
             layers = [m for m in (open, segment, close) if m is not None]

@@ -20,7 +20,7 @@ from .schemes import Scheme
 
 __all__ = ["Propagator", "vjp"]
 
-Blocks = Union[Sequence[nn.Module], Mapping[int, nn.Module]]
+Blocks = Union[Sequence[nn.Module], nn.ModuleList, Mapping[int, nn.Module]]
 Wrap = Callable[[Callable[[Tensor], Tensor], int, int], Callable[[Tensor], Tensor]]
 
 

@@ -37,7 +37,7 @@ class RefinesItself(Protocol):
 
 def _tensors(block: nn.Module) -> dict[str, Tensor]:
     """Every parameter and buffer (persistent or not) of ``block``, by name."""
-    out = dict(block.named_parameters())
+    out: dict[str, Tensor] = dict(block.named_parameters())
     out.update(block.named_buffers())
     return out
 

@@ -153,6 +153,58 @@ def _split(t1: float, tm: float, m: int) -> tuple[float, float]:
     return max(0.0, t1 - step), step
 
 
+def _forward_costs(scheme: Any, blks: list[Any], us: list[Any], dt: float,
+                   budget: float) -> tuple[float, float]:
+    """(cost per call, cost per step) of forward steps without a graph: one step, and
+    for the dense block with Euler also `len(blks)` steps in one batched GEMM over
+    stacked weights, as LayerParallel runs them (other blocks' forward steps are not
+    batched: no cost per call, each step costs one step)."""
+    import torch
+
+    from ...ode import blocks as blocks_mod
+
+    m = len(blks)
+
+    def fwd1() -> None:
+        with torch.no_grad():
+            scheme.step(blks[0], us[0], dt)
+
+    t_fwd1 = _timeit(fwd1, budget)
+    if not (all(type(b) is blocks_mod.Dense for b in blks) and scheme.name == "euler"):
+        return 0.0, t_fwd1
+    act = blocks_mod.get_activation(blks[0].activation)
+    wt = torch.stack([b.linear.weight.detach().t() for b in blks])
+    bias = torch.stack([b.linear.bias.detach() for b in blks]).unsqueeze(1)
+
+    def fwdm() -> None:
+        u = torch.stack(us)
+        d = torch.tensor([dt] * m, dtype=u.dtype).view(-1, 1, 1)
+        list(torch.addcmul(u, d, act(torch.baddbmm(bias, u, wt))).unbind(0))
+
+    return _split(t_fwd1, _timeit(fwdm, budget), m)
+
+
+def _full_vjp_costs(record: Callable[[int], tuple], params: list[list[Any]],
+                    lams: list[Any]) -> tuple[float, float]:
+    """(cost per call, cost per step) of vector-Jacobian products w.r.t. state and
+    parameters, one autograd call over the graphs of 1 and of `len(params)` steps
+    (`record(k)`: step k's (input, output) with its graph); the best of 5, each call
+    on freshly recorded graphs (the call frees them)."""
+    import torch
+
+    def timed_full(n: int) -> float:
+        best = math.inf
+        for _ in range(5):
+            r = [record(k) for k in range(n)]
+            t0 = time.perf_counter()
+            torch.autograd.grad([o for _, o in r], [i for i, _ in r]
+                                + [p for ps in params[:n] for p in ps], lams[:n])
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    return _split(timed_full(1), timed_full(len(params)), len(params))
+
+
 def measure_costs(cfg: dict, threads: int = 1, budget: float = 0.05,
                   batch_of: Optional[int] = None) -> Costs:
     """Measure the per-step costs of the study model `cfg` in this process.
@@ -172,7 +224,6 @@ def measure_costs(cfg: dict, threads: int = 1, budget: float = 0.05,
     import torch
 
     from ...mgrit.solve import vec_sum
-    from ...ode import blocks as blocks_mod
     from ...ode.net import Segment
     from .runs import build_study_net, config, input_shape
 
@@ -192,24 +243,7 @@ def measure_costs(cfg: dict, threads: int = 1, budget: float = 0.05,
         us = [torch.randn(input_shape(cfg), generator=g) for _ in range(m)]
         lams = [torch.randn(input_shape(cfg), generator=g) for _ in range(m)]
 
-        def fwd1() -> None:
-            with torch.no_grad():
-                scheme.step(blks[0], us[0], dt)
-
-        t_fwd1 = _timeit(fwd1, budget)
-        if all(type(b) is blocks_mod.Dense for b in blks) and scheme.name == "euler":
-            act = blocks_mod.get_activation(blks[0].activation)
-            wt = torch.stack([b.linear.weight.detach().t() for b in blks])
-            bias = torch.stack([b.linear.bias.detach() for b in blks]).unsqueeze(1)
-
-            def fwdm() -> None:
-                u = torch.stack(us)
-                d = torch.tensor([dt] * m, dtype=u.dtype).view(-1, 1, 1)
-                list(torch.addcmul(u, d, act(torch.baddbmm(bias, u, wt))).unbind(0))
-
-            fwd_call, fwd = _split(t_fwd1, _timeit(fwdm, budget), m)
-        else:  # the apps do not batch other blocks' forward steps
-            fwd_call, fwd = 0.0, t_fwd1
+        fwd_call, fwd = _forward_costs(scheme, blks, us, dt, budget)
 
         def record(k: int) -> tuple:
             with torch.enable_grad():
@@ -226,23 +260,7 @@ def measure_costs(cfg: dict, threads: int = 1, budget: float = 0.05,
         vjp_call, vjp_step = _split(_timeit(lambda: vjp(1), budget),
                                     _timeit(lambda: vjp(m), budget), m)
         params = [[p for p in b.parameters() if p.requires_grad] for b in blks]
-        recs: list[list[tuple]] = [[record(k) for k in range(m)]]
-
-        def full(n: int) -> None:
-            r = recs[0][:n]
-            torch.autograd.grad([o for _, o in r], [i for i, _ in r]
-                                + [p for ps in params[:n] for p in ps], lams[:n])
-
-        def timed_full(n: int) -> float:
-            best = math.inf
-            for _ in range(5):  # each call frees its graphs: re-record untimed
-                recs[0] = [record(k) for k in range(n)]
-                t0 = time.perf_counter()
-                full(n)
-                best = min(best, time.perf_counter() - t0)
-            return best
-
-        full_call, full_step = _split(timed_full(1), timed_full(m), m)
+        full_call, full_step = _full_vjp_costs(record, params, lams)
         c_sum = _timeit(lambda: vec_sum(1.0, us[0], -1.0, us[1]), budget)
         opt_call, opt = _split(_timeit(_update(params[:1]), budget),
                                _timeit(_update(params), budget), m)

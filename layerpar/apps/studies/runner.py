@@ -550,8 +550,37 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
         raise ValueError(f"`timeout_per_run` must be a finite number > 0, got "
                          f"{timeout_per_run!r}")
     runs = expand_grid(grid)
-    # everything that can be refused is refused here, before any measurement: the
-    # folders, the CSV and the worker logs a resume reads and extends, the ping-pong cache
+    existing, todo, logged = _resumable_runs(runs, out_csv, out_dir, plots)
+    result = StudyResult(rows=[], fit=perfmodel.NO_FIT,
+                         csv_path=out_csv, skipped=len(runs) - len(todo))
+    bar = Progress(len(todo), "study", enabled=progress, stream=stream, lines=True,
+                   clock=True, interval=0.0)
+    if todo:
+        bar.update(0, "serial baselines and step costs")
+        serial, costs = _baselines_and_costs(existing, todo, serial_threads)
+        bar.update(0, "ping-pong")  # also at one rank: the model's extrapolation needs it
+        pp = run_pingpong(out_dir / "pingpong.json", quick=quick_pingpong)
+        link = {"alpha": float(pp.get("alpha_s", 0.0)),
+                "beta": float(pp.get("beta_Bps", math.inf))}
+        n_done = 0
+        for ranks in sorted({int(r["ranks"]) for r in todo}):
+            group = [r for r in todo if int(r["ranks"]) == ranks]
+            _run_group(ranks, group, out_csv, out_dir, logged[ranks], serial,
+                       {k: replace(c, **link) for k, c in costs.items()},
+                       timeout_per_run, bar, n_done, result)
+            n_done += len(group)
+            bar.update(n_done, f"ranks={ranks} done")
+    bar.close()
+    _fit_and_write(result, out_csv, out_dir, plots, map_ranks, map_layers)
+    return result
+
+
+def _resumable_runs(runs: list[dict[str, Any]], out_csv: Path, out_dir: Path, plots: bool
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[int, int]]:
+    """(the rows already in `out_csv`, the runs still to do, the complete lines of each
+    rank count's worker log), after refusing, before any measurement, everything that
+    can be refused: the folders, the CSV and the worker logs a resume reads and
+    extends, the ping-pong cache."""
     check_output_dir(out_dir, "out_dir", ("model.json", "pingpong.json"))
     check_output_dir(out_csv.parent, "out_csv", (out_csv.name,))
     existing = [_typed(r) for r in read_rows(out_csv)]
@@ -562,73 +591,82 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
               for ranks in {int(r["ranks"]) for r in todo}}
     if todo:
         _read_pingpong(out_dir / "pingpong.json")
-    result = StudyResult(rows=[], fit=perfmodel.NO_FIT,
-                         csv_path=out_csv, skipped=len(runs) - len(todo))
+    return existing, todo, logged
+
+
+def _baselines_and_costs(existing: list[dict[str, Any]], todo: list[dict[str, Any]],
+                         serial_threads: Optional[Sequence[int]]
+                         ) -> tuple[dict[tuple, dict[str, Any]], dict[tuple, perfmodel.Costs]]:
+    """The serial baseline of every run to do (reusing those measured before, in
+    `existing`) and the step costs of the performance model, each measured once per
+    distinct setting."""
+    serial: dict[tuple, dict[str, Any]] = {}
+    for r in existing:  # reuse baselines measured before
+        if math.isfinite(_num(r, "serial_seconds_per_batch")):
+            serial.setdefault(_key(r, _SERIAL_KEY), {
+                c: r[c] for c in ("serial_seconds_per_batch", "serial_threads",
+                                  "serial_variant", "serial_loss")})
+    costs: dict[tuple, perfmodel.Costs] = {}
+    for r in todo:
+        sk, ck = _key(r, _SERIAL_KEY), _key(r, _COST_KEY)
+        if sk not in serial:
+            serial[sk] = serial_baseline(r, serial_threads)
+        if ck not in costs:
+            costs[ck] = perfmodel.measure_costs(r, int(r["threads"]))
+    return serial, costs
+
+
+def _run_group(ranks: int, group: list[dict[str, Any]], out_csv: Path, out_dir: Path,
+               start: int, serial: dict[tuple, dict[str, Any]],
+               costs: dict[tuple, perfmodel.Costs], timeout_per_run: float,
+               bar: Progress, n_done: int, result: StudyResult) -> None:
+    """One launch: the runs of `group` (all at `ranks` ranks) in one MPI job, each
+    finished run's row appended to `out_csv`, failures listed in `result`.  `start`:
+    the complete lines of the worker log before this launch; `n_done`: runs finished
+    before it (for the progress bar)."""
+    jsonl = out_dir / f"worker-{ranks}.jsonl"
+    cfg_path = out_dir / f"worker-{ranks}.json"
+    write_text(cfg_path, json.dumps({"out": str(jsonl), "runs": [
+        {k: v for k, v in r.items() if k not in ("ranks", "scaling")}
+        for r in group]}, indent=1))
+    threads = max(int(r["threads"]) for r in group)
+    seen = [0]
+
+    def poll() -> None:
+        n = (sum(1 for _ in jsonl.open()) - start) if jsonl.exists() else 0
+        if n != seen[0]:
+            seen[0] = n
+            bar.update(n_done + n, f"ranks={ranks}")
+
+    bar.update(n_done, f"launching {len(group)} run(s) on {ranks} rank(s)")
+    job = _launch(ranks, ["layerpar.apps.studies.worker", f"@{cfg_path}"],
+                  timeout_per_run * len(group) + 60, threads, poll)
+    result.launched += len(group)
+    # the workers append each line whole (`files.append_line`), so these are the
+    # complete results of this launch, one per finished run, in the group's order
+    got = read_jsonl(jsonl, _JSONL_RECOVERY)[start:]
     cores = available_cores()
-    bar = Progress(len(todo), "study", enabled=progress, stream=stream, lines=True,
-                   clock=True, interval=0.0)
-    if todo:
-        bar.update(0, "serial baselines and step costs")
-        serial: dict[tuple, dict[str, Any]] = {}
-        for r in existing:  # reuse baselines measured before
-            if math.isfinite(_num(r, "serial_seconds_per_batch")):
-                serial.setdefault(_key(r, _SERIAL_KEY), {
-                    c: r[c] for c in ("serial_seconds_per_batch", "serial_threads",
-                                      "serial_variant", "serial_loss")})
-        costs: dict[tuple, perfmodel.Costs] = {}
-        for r in todo:
-            sk, ck = _key(r, _SERIAL_KEY), _key(r, _COST_KEY)
-            if sk not in serial:
-                serial[sk] = serial_baseline(r, serial_threads)
-            if ck not in costs:
-                costs[ck] = perfmodel.measure_costs(r, int(r["threads"]))
-        bar.update(0, "ping-pong")  # also at one rank: the model's extrapolation needs it
-        pp = run_pingpong(out_dir / "pingpong.json", quick=quick_pingpong)
-        alpha = float(pp.get("alpha_s", 0.0))
-        beta = float(pp.get("beta_Bps", math.inf))
-        n_done = 0
-        for ranks in sorted({int(r["ranks"]) for r in todo}):
-            group = [r for r in todo if int(r["ranks"]) == ranks]
-            jsonl = out_dir / f"worker-{ranks}.jsonl"
-            start = logged[ranks]  # complete lines of earlier launches (checked above)
-            cfg_path = out_dir / f"worker-{ranks}.json"
-            write_text(cfg_path, json.dumps({"out": str(jsonl), "runs": [
-                {k: v for k, v in r.items() if k not in ("ranks", "scaling")}
-                for r in group]}, indent=1))
-            threads = max(int(r["threads"]) for r in group)
-            seen = [0]
+    for raw, run in zip(got, group):
+        if "error" in raw:
+            result.failed.append(f"ranks={ranks} layers={run['layers']}: "
+                                 f"{raw['error']}")
+            continue
+        raw["scaling"] = run["scaling"]
+        row = _finish_row(raw, serial[_key(run, _SERIAL_KEY)],
+                          costs[_key(run, _COST_KEY)], cores)
+        _append_row(out_csv, row)
+    if job.returncode != 0 or job.timed_out:
+        result.failed.append(
+            f"ranks={ranks}: mpiexec exit {job.returncode}"
+            f"{' (timed out, killed)' if job.timed_out else ''}: "
+            f"{job.stderr.strip()[-1500:]}")
 
-            def poll(jsonl: Path = jsonl, start: int = start, seen: list = seen,
-                     ranks: int = ranks, base: int = n_done) -> None:
-                n = (sum(1 for _ in jsonl.open()) - start) if jsonl.exists() else 0
-                if n != seen[0]:
-                    seen[0] = n
-                    bar.update(base + n, f"ranks={ranks}")
 
-            bar.update(n_done, f"launching {len(group)} run(s) on {ranks} rank(s)")
-            job = _launch(ranks, ["layerpar.apps.studies.worker", f"@{cfg_path}"],
-                          timeout_per_run * len(group) + 60, threads, poll)
-            result.launched += len(group)
-            # the workers append each line whole (`files.append_line`), so these are the
-            # complete results of this launch, one per finished run, in the group's order
-            got = read_jsonl(jsonl, _JSONL_RECOVERY)[start:]
-            for raw, run in zip(got, group):
-                if "error" in raw:
-                    result.failed.append(f"ranks={ranks} layers={run['layers']}: "
-                                         f"{raw['error']}")
-                    continue
-                raw["scaling"] = run["scaling"]
-                c = replace(costs[_key(run, _COST_KEY)], alpha=alpha, beta=beta)
-                row = _finish_row(raw, serial[_key(run, _SERIAL_KEY)], c, cores)
-                _append_row(out_csv, row)
-            if job.returncode != 0 or job.timed_out:
-                result.failed.append(
-                    f"ranks={ranks}: mpiexec exit {job.returncode}"
-                    f"{' (timed out, killed)' if job.timed_out else ''}: "
-                    f"{job.stderr.strip()[-1500:]}")
-            n_done += len(group)
-            bar.update(n_done, f"ranks={ranks} done")
-    bar.close()
+def _fit_and_write(result: StudyResult, out_csv: Path, out_dir: Path, plots: bool,
+                   map_ranks: Sequence[int], map_layers: Sequence[int]) -> None:
+    """Fit the performance model to every row of `out_csv` (this study's and earlier
+    ones), rewrite the CSV with the model's columns, write model.json and the plots,
+    and fill `result` with the rows, the fit and the files."""
     rows = [_typed(r) for r in read_rows(out_csv)]
     f, summary = _apply_model(rows)
     result.fit, result.summary, result.rows = f, summary, rows
@@ -643,4 +681,3 @@ def run_study(grid: dict[str, Any], out_csv: Union[str, Path], *,
 
             result.files += plot_all(result.rows, out_dir, f, map_ranks=map_ranks,
                                      map_layers=map_layers)
-    return result
