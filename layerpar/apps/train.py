@@ -386,7 +386,8 @@ def _tune(run: _Run) -> None:
     (online: small nets time their exact settings on the training's steps)."""
     if not run.config.auto:
         return
-    assert isinstance(run.model, LayerParallel)
+    if not hasattr(run.model, "tune"):
+        raise RuntimeError("--auto built a model that cannot tune (expected options='auto')")
     x0, y0 = _first_batch(run.loader)
     device = run.config.device
     with run.clock:
