@@ -47,7 +47,7 @@ from ..parallel.timing import SpanTimer
 from . import data
 from .arguments import AUTO_CHOOSES, add_arguments
 from .loop import Batches, Progress, adam, available_cores, train_steps
-from .nets import PROBLEMS, RECIPES, Recipe, problem_name, problem_net
+from .nets import PROBLEMS, RECIPES, Recipe, problem_name, problem_net, recipe_for
 
 __all__ = [
     "MODELS",
@@ -333,7 +333,7 @@ def train(
     Returns a `TrainResult` (its fields say what each figure means).
     """
     model_name = problem_name(model_name)
-    recipe = RECIPES[model_name]
+    recipe = recipe_for(model_name, arch)
     if not isinstance(serial, bool):
         raise TypeError(f"`serial` must be a bool, got {type(serial).__name__}")
     if not isinstance(compile, bool):
@@ -431,7 +431,7 @@ def train(
                              f"`data_parallel`={data_parallel}")
 
     x_train, y_train, x_val, y_val = load_data(model_name, seed, dtype)
-    n_fine = RECIPES[model_name].n_layers if n_layers is None else n_layers
+    n_fine = recipe.n_layers if n_layers is None else n_layers
     if nested and (n_fine % 2 ** nested or n_fine // 2 ** nested < max(1, size // max(
             data_parallel, 1)) and not serial):
         raise ValueError(f"`nested`={nested}: the net's {n_fine} layers must halve "
@@ -1139,7 +1139,7 @@ def check_problem(args: argparse.Namespace, problem: str, ranks: int) -> None:
     if arch is not None and arch not in ARCHITECTURES[problem]:
         raise ValueError(f"`--model` must be one of {list(ARCHITECTURES[problem])} for "
                          f"{problem}, got {arch!r}")
-    layers = getattr(args, "layers", None) or RECIPES[problem].n_layers
+    layers = getattr(args, "layers", None) or recipe_for(problem, arch).n_layers
     nested = max(0, getattr(args, "nested", 0) or 0)
     if nested and (layers % 2 ** nested or layers // 2 ** nested < ranks):
         raise ValueError(f"`--nested` {nested}: {problem}'s {layers} layers must halve "
