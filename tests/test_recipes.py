@@ -38,7 +38,8 @@ def test_each_architecture_has_its_recipe() -> None:
 
 def test_train_takes_the_architectures_recipe() -> None:
     """``--model resnet`` parses, and the checks that read the net's depth read the
-    resnet's (its recipe's 128 layers halve 7 times, the dense net's 256 eight)."""
+    resnet's (its recipe's 128 layers halve 7 times, the dense net's 256 eight; 129
+    ranks are too many for 128 layers, not for 256)."""
     from layerpar.apps import cli
 
     args = cli.parse_args(["train", "mnist1d", "--model", "prenorm", "--serial"])
@@ -47,6 +48,8 @@ def test_train_takes_the_architectures_recipe() -> None:
     k = layers.bit_length()  # one halving more than the depth allows
     with pytest.raises(ValueError, match=f"mnist1d's {layers} layers"):
         cli.parse_args(["train", "mnist1d", "--model", "resnet", "--nested", str(k)])
+    with pytest.raises(ValueError, match=f"`--np` must be <= {layers}, the number of "):
+        cli.parse_args(["train", "mnist1d", "--model", "resnet", "--np", str(layers + 1)])
     with pytest.raises(ValueError, match="`--model` must be one of"):
         cli.parse_args(["train", "peaks", "--model", "prenorm"])
 

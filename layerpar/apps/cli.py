@@ -149,7 +149,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse and check the command line; ValueError names the option of a bad value."""
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        from .train import RECIPES, check_arguments, check_engine_built, check_problem
+        from .recipes import recipe_for
+        from .train import check_arguments, check_engine_built, check_problem
 
         if args.np < 1:
             raise ValueError(f"`--np` must be >= 1, got {args.np}")
@@ -168,7 +169,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         check_net_size(args)
         ranks = 1 if args.serial else nprocs // args.data_parallel
         check_problem(args, args.model, ranks)
-        layers = args.layers or RECIPES[args.model].n_layers
+        recipe = recipe_for(args.model, args.arch)  # the architecture's own
+        layers = args.layers or recipe.n_layers
         per = args.np // args.data_parallel
         nested = max(0, args.nested)
         if per > layers and not args.serial and not launched():  # once, not on N ranks
@@ -178,7 +180,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              f"of {args.model} (each rank needs at least one), got {per}")
         if args.engine == "xbraid" and not args.serial:
             _check_xbraid_run(args, layers, ranks, nested)
-        batch = args.batch_size or RECIPES[args.model].batch_size
+        batch = args.batch_size or recipe.batch_size
         if batch % args.data_parallel:
             raise ValueError(f"the batch size {batch} must be divisible by "
                              f"`--data-parallel` {args.data_parallel}")
@@ -232,14 +234,17 @@ def check_net_size(args: argparse.Namespace) -> None:
     fit in this machine's memory: one line naming the options, not minutes of building
     layers and then an allocator's traceback (values already in range:
     `check_arguments`)."""
-    from .recipes import ARCHITECTURES, RECIPES
+    from .recipes import ARCHITECTURES, recipe_for
 
     if args.layers is None and getattr(args, "width", None) is None:
         return  # the problem's own size
-    recipe = RECIPES[args.model]
+    archs = ARCHITECTURES[args.model]  # (an architecture it lacks: `check_problem`)
+    arch = args.arch if args.arch in archs else archs[0]
+    recipe = recipe_for(args.model, arch)
     n, w = args.layers or recipe.n_layers, args.width or recipe.width
-    arch = args.arch or ARCHITECTURES[args.model][0]
-    per_layer = w * w * (9 if arch == "conv" else 1) + w  # 3x3 bounds a 3-tap conv too
+    # weights of a layer in units of w^2: 3x3 bounds a 3-tap conv; the resnet's widest
+    # segment has 4w channels (3 taps); a pre-norm block has two w x w maps
+    per_layer = w * w * {"conv": 9, "resnet": 48, "prenorm": 2}.get(arch, 1) + w
     need = n * (per_layer * (8 if args.float64 else 4) * 4 + 2048)  # + a module's own
     fits_in_memory(need, f"`--layers` {n} x `--width` {w}: the net",
                    "parameters, gradients and Adam's state")
