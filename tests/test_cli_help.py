@@ -45,15 +45,23 @@ def _train_help() -> str:
 
 
 def test_train_help_shows_each_problems_defaults() -> None:
+    """One row per (problem, recipe): every architecture of every problem appears once,
+    beside the recipe it trains with."""
     text = _train_help()
     assert recipes.RECIPES is nets.RECIPES  # the table reads what training uses
-    rows = {line.split()[0]: line.split() for line in text.splitlines()
-            if line.split() and line.split()[0] in nets.PROBLEMS and len(line.split()) == 8}
-    assert set(rows) == set(nets.PROBLEMS), text
-    for name, r in nets.RECIPES.items():
-        assert rows[name][1:] == ["|".join(nets.ARCHITECTURES[name]), str(r.epochs),
-                                  str(r.batch_size), f"{r.lr:g}", str(r.n_layers),
-                                  str(r.width), f"{r.t_final:g}"], rows[name]
+    rows = {(line.split()[0], arch): line.split() for line in text.splitlines()
+            if line.split() and line.split()[0] in nets.PROBLEMS and len(line.split()) == 8
+            for arch in line.split()[1].split("|")}
+    assert set(rows) == {(p, a) for p in nets.PROBLEMS for a in nets.ARCHITECTURES[p]}, text
+    for (name, arch), row in rows.items():
+        r = recipes.recipe_for(name, arch)
+        assert row[2:] == [str(r.epochs), str(r.batch_size), f"{r.lr:g}", str(r.n_layers),
+                           str(r.width), f"{r.t_final:g}"], row
+    # the problem's default architecture leads its first row
+    for name in nets.PROBLEMS:
+        first = next(line.split() for line in text.splitlines()
+                     if line.split()[:1] == [name] and len(line.split()) == 8)
+        assert first[1].split("|")[0] == nets.ARCHITECTURES[name][0], first
 
 
 def test_train_help_shows_the_mgrit_defaults() -> None:

@@ -19,7 +19,7 @@ from ..defaults import (
     MIN_COSINE,
     TRAINING,
 )
-from .recipes import ARCHITECTURES, PROBLEMS, RECIPES
+from .recipes import ARCHITECTURES, PROBLEMS, recipe_groups
 
 __all__ = ["AUTO_CHOOSES", "add_arguments", "problem_defaults"]
 
@@ -29,18 +29,24 @@ _PER_PROBLEM = "per problem, listed below"
 
 def problem_defaults(problems: tuple[str, ...] = PROBLEMS) -> str:
     """The defaults each problem trains with when no option overrides them (its
-    `Recipe` and architectures): the table under ``layerpar train --help``."""
+    recipes and architectures): the table under ``layerpar train --help``, one row per
+    recipe (architectures that share one share its row, the default's row first)."""
     head = ("problem", "--model", "--epochs", "--batch-size", "--lr", "--layers", "--width",
             "--t-final")
     rows = [head]
     for name in problems:
-        r = RECIPES[name]
-        rows.append((name, "|".join(ARCHITECTURES[name]), str(r.epochs), str(r.batch_size),
-                     f"{r.lr:g}", str(r.n_layers), str(r.width), f"{r.t_final:g}"))
+        for archs, r in recipe_groups(name):
+            rows.append((name, "|".join(archs), str(r.epochs), str(r.batch_size),
+                         f"{r.lr:g}", str(r.n_layers), str(r.width), f"{r.t_final:g}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
-    return ("defaults per problem (an option given overrides its column; --model: the "
-            "first)\n" + "\n".join("  " + line for line in lines))
+    return ("defaults per problem and architecture (an option given overrides its column; "
+            "--model: the first row's first)\n" + "\n".join("  " + line for line in lines))
+
+
+#: every architecture of any problem (``--model``; `check_problem` refuses one the
+#: problem lacks)
+_ARCHS = tuple(dict.fromkeys(a for archs in ARCHITECTURES.values() for a in archs))
 
 
 class _Given(argparse.Action):
@@ -140,16 +146,18 @@ def add_arguments(parser: argparse.ArgumentParser,
                         f"inexact and exact gradients (default {MIN_COSINE:g}; --auto's "
                         "measured bound implies its own: sqrt(1 - error^2))")
     n = parser.add_argument_group("network, device and stopping")
-    n.add_argument("--model", dest="arch", default=None, choices=("dense", "conv"),
-                   help=f"architecture (mnist1d: dense or conv; default: {_PER_PROBLEM})")
+    n.add_argument("--model", dest="arch", default=None, choices=_ARCHS,
+                   help=f"architecture (mnist1d: {', '.join(ARCHITECTURES['mnist1d'])}; "
+                        f"each with its own recipe where the table below lists one; "
+                        f"default: {_PER_PROBLEM})")
     n.add_argument("--layers", type=int, default=None, metavar="N",
                    help=f"residual layers (default: {_PER_PROBLEM})")
     n.add_argument("--width", type=int, default=None, metavar="W",
-                   help=f"width: features (dense) or channels (conv) (default: "
-                        f"{_PER_PROBLEM})")
+                   help=f"width: features (dense, prenorm) or channels (conv; resnet: of "
+                        f"its first segment) (default: {_PER_PROBLEM})")
     n.add_argument("--t-final", type=float, default=None, metavar="T",
-                   help=f"final time of the ODE (step size = T / layers; default: "
-                        f"{_PER_PROBLEM})")
+                   help=f"final time of the ODE (of each segment; step size = T / "
+                        f"layers per segment; default: {_PER_PROBLEM})")
     n.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     n.add_argument("--target-acc", type=float, default=None, metavar="A",
                    help="stop once the validation accuracy reaches A (in (0, 1]); the "

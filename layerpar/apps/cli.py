@@ -207,14 +207,17 @@ def check_net_size(args: argparse.Namespace) -> None:
     fit in this machine's memory: one line naming the options, not minutes of building
     layers and then an allocator's traceback (values already in range:
     `check_arguments`)."""
-    from .recipes import ARCHITECTURES, RECIPES
+    from .recipes import ARCHITECTURES, recipe_for
 
     if args.layers is None and getattr(args, "width", None) is None:
         return  # the problem's own size
-    recipe = RECIPES[args.model]
+    archs = ARCHITECTURES[args.model]  # (an architecture it lacks is named elsewhere)
+    arch = args.arch if args.arch in archs else archs[0]
+    recipe = recipe_for(args.model, arch)
     n, w = args.layers or recipe.n_layers, args.width or recipe.width
-    arch = args.arch or ARCHITECTURES[args.model][0]
-    per_layer = w * w * (9 if arch == "conv" else 1) + w  # 3x3 bounds a 3-tap conv too
+    # weights of a layer in units of w^2: 3x3 bounds a 3-tap conv; the resnet's widest
+    # segment has 4w channels (3 taps); a pre-norm block has two w x w maps
+    per_layer = w * w * {"conv": 9, "resnet": 48, "prenorm": 2}.get(arch, 1) + w
     need = n * (per_layer * (8 if args.float64 else 4) * 4 + 2048)  # + a module's own
     fits_in_memory(need, f"`--layers` {n} x `--width` {w}: the net",
                    "parameters, gradients and Adam's state")

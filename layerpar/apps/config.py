@@ -28,7 +28,7 @@ from ..mgrit.xbraid import ENGINES
 from ..ode.rng import MAX_SEED
 from ..parallel.adaptive import AccuracyPolicy, as_policy
 from .arguments import AUTO_CHOOSES
-from .nets import ARCHITECTURES, RECIPES, problem_name
+from .nets import ARCHITECTURES, problem_name, recipe_for
 
 __all__ = ["DEVICES", "SYNCS", "TrainConfig"]
 
@@ -187,7 +187,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         model = problem_name(self.model)
-        recipe = RECIPES[model]
+        # the architecture's own recipe (a wrong `arch` is named by the checks below)
+        recipe = recipe_for(model, self.arch if self.arch in ARCHITECTURES[model] else None)
         self._types()
         lr_given = self.lr is not None
         optimizer = self.optimizer
@@ -360,7 +361,10 @@ class TrainConfig:
     @property
     def layers(self) -> int:
         """Residual layers of the final net."""
-        return RECIPES[self.model].n_layers if self.n_layers is None else self.n_layers
+        if self.n_layers is not None:
+            return self.n_layers
+        return recipe_for(self.model, self.arch if self.arch in ARCHITECTURES[self.model]
+                          else None).n_layers
 
     @property
     def engine_name(self) -> str:

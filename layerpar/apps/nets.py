@@ -27,10 +27,11 @@ from .._checks import positive_int
 from ..ode import blocks
 from ..ode.net import ODENet, Segment
 from . import data
-from .recipes import ARCHITECTURES, PROBLEMS, RECIPES, Recipe
+from .recipes import ARCHITECTURES, PROBLEMS, RECIPES, Recipe, recipe_for
 
-__all__ = ["ARCHITECTURES", "PROBLEMS", "RECIPES", "Recipe", "SYNTHETIC_MODELS", "problem_net",
-           "sequential_twin", "synthetic_input_shape", "synthetic_net"]
+__all__ = ["ARCHITECTURES", "PROBLEMS", "RECIPES", "Recipe", "SYNTHETIC_MODELS",
+           "mnist1d_prenorm", "mnist1d_resnet", "problem_net", "recipe_for", "sequential_twin",
+           "synthetic_input_shape", "synthetic_net"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -55,24 +56,26 @@ def problem_net(model_name: str, n_layers: Optional[int] = None,
     mnist1d, arch "dense": Linear(40, w) -> n layers u <- u + h tanh(K u + b) on
     [0, 1] -> Linear(w, 10) (w = 32, n = 256); arch "conv": the signal as one channel
     -> Conv1d(1, c, 5) -> n layers u <- u + h relu(conv1d_3(u)) on [0, 1] ->
-    Linear(40 c, 10).  `arch` (default: the problem's first in `ARCHITECTURES`) and
-    `t_final` (default: the recipe's) override the recipe.
+    Linear(40 c, 10); arch "resnet": `mnist1d_resnet`; arch "prenorm": `mnist1d_prenorm`.
+    `arch` (default: the problem's first in `ARCHITECTURES`) chooses the recipe
+    (`layerpar.apps.recipes.recipe_for`) whose n, w and T apply where `n_layers`, `width`
+    and `t_final` are None.
     Seed the global generator first (``torch.manual_seed``) to build the same network
     on every rank.
     """
-    recipe = RECIPES[problem_name(model_name)]
-    n = recipe.n_layers if n_layers is None else positive_int("n_layers", n_layers)
-    w = recipe.width if width is None else positive_int("width", width)
-    archs = ARCHITECTURES[model_name]
-    arch = archs[0] if arch is None else arch
-    if arch not in archs:
-        raise ValueError(f"`arch` must be one of {list(archs)} for {model_name}, got "
-                         f"{arch!r}")
-    t = recipe.t_final if t_final is None else t_final
+    arch = ARCHITECTURES[problem_name(model_name)][0] if arch is None else arch
+    r = recipe_for(model_name, arch)
+    n = r.n_layers if n_layers is None else positive_int("n_layers", n_layers)
+    w = r.width if width is None else positive_int("width", width)
+    t = r.t_final if t_final is None else t_final
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not (
             math.isfinite(t) and t > 0):
         raise ValueError(f"`t_final` must be a positive finite number, got {t!r}")
     t = float(t)
+    if model_name == "mnist1d" and arch == "resnet":
+        return mnist1d_resnet(n, w, t)
+    if model_name == "mnist1d" and arch == "prenorm":
+        return mnist1d_prenorm(n, w, t)
     if model_name == "mnist1d" and arch == "dense":
         return ODENet(open=nn.Linear(data.MNIST1D_LENGTH, w),
                       steps=lambda k: blocks.Dense(w, activation="tanh"),
@@ -97,6 +100,58 @@ def problem_net(model_name: str, n_layers: Optional[int] = None,
         nn.Flatten(),
         nn.Linear(w * 4 * 4, 10),
     ])
+
+
+#: segments of the MNIST-1D ResNet: each halves the signal's length and doubles the
+#: channels of the one before
+RESNET_SEGMENTS = 3
+
+
+def mnist1d_resnet(n_layers: int, width: int, t_final: float) -> ODENet:
+    """The convolutional ODE-ResNet of MNIST-1D: `n_layers` residual layers in three
+    segments (as even as they divide: 128 -> 43, 43, 42).
+
+    The signal as one channel -> Conv1d(1, c, 5) -> BN -> ReLU -> segment of
+    u <- u + h relu(BN(conv1d_3(u))) at c channels, length 40 -> Conv1d(c, 2c, 3,
+    stride 2) -> BN -> ReLU -> segment at 2c, length 20 -> the same to 4c, length 10
+    -> segment -> global average pooling -> Linear(4c, 10); c = `width`, every segment
+    on [0, `t_final`].  The downsampling convolutions are plain layers between the
+    segments, so each segment keeps one state shape, as an ODE needs.
+    """
+    n = positive_int("n_layers", n_layers)
+    c = positive_int("width", width)
+    if n < RESNET_SEGMENTS:
+        raise ValueError(f"`n_layers` must be >= {RESNET_SEGMENTS} for the resnet (one "
+                         f"layer per segment at least), got {n}")
+    sizes = [n // RESNET_SEGMENTS + (k < n % RESNET_SEGMENTS) for k in range(RESNET_SEGMENTS)]
+    layers: list[nn.Module] = [nn.Unflatten(1, (1, data.MNIST1D_LENGTH)),
+                               nn.Conv1d(1, c, 5, padding=2, bias=False),
+                               nn.BatchNorm1d(c), nn.ReLU()]
+    ch = c
+    for k, size in enumerate(sizes):
+        if k:
+            layers += [nn.Conv1d(ch, 2 * ch, 3, stride=2, padding=1, bias=False),
+                       nn.BatchNorm1d(2 * ch), nn.ReLU()]
+            ch *= 2
+
+        def block(i: int, ch: int = ch) -> nn.Module:
+            return blocks.Conv1d(ch, activation="relu", batch_norm=True)
+
+        layers.append(Segment(block, size, t_final))
+    layers += [nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(ch, data.MNIST1D_CLASSES)]
+    return ODENet(layers=layers)
+
+
+def mnist1d_prenorm(n_layers: int, width: int, t_final: float) -> ODENet:
+    """The dense pre-norm ODE-ResNet of MNIST-1D: Linear(40, w) -> `n_layers` layers
+    u <- u + h W2 gelu(W1 LayerNorm(u)) on [0, `t_final`] (`blocks.PreNorm`, hidden
+    width w) -> LayerNorm(w) -> Linear(w, 10)."""
+    n = positive_int("n_layers", n_layers)
+    w = positive_int("width", width)
+    return ODENet(open=nn.Linear(data.MNIST1D_LENGTH, w),
+                  steps=lambda k: blocks.PreNorm(w), n_steps=n, t_final=t_final,
+                  close=nn.Sequential(nn.LayerNorm(w),
+                                      nn.Linear(w, data.MNIST1D_CLASSES)))
 
 
 # ------------------------------------------------------------------------------------------

@@ -61,11 +61,11 @@ def serial_threads(problem: str, n_layers: Optional[int] = None,
 
     from .data import splits
     from .loop import adam, train_step
-    from .nets import RECIPES, problem_net
+    from .nets import problem_net, recipe_for
 
     dtype = torch.float32 if dtype is None else dtype
     x, y, _, _ = splits(problem, dtype=dtype)
-    batch = batch_size or RECIPES[problem].batch_size
+    batch = batch_size or recipe_for(problem, arch).batch_size
     xb, yb = x[:batch], y[:batch]
     rng = torch.get_rng_state()
 
@@ -87,7 +87,7 @@ def best_threads(case: Any, batches: int = 4) -> tuple[int, dict[int, float], in
     ``train_args()``, the arguments of ``layerpar train``), and the steps of one epoch."""
     from .arguments import add_arguments
     from .data import splits
-    from .nets import RECIPES
+    from .nets import recipe_for
     from .parsing import OneLineParser
 
     p = OneLineParser()
@@ -96,7 +96,7 @@ def best_threads(case: Any, batches: int = 4) -> tuple[int, dict[int, float], in
     a = p.parse_args(case.train_args())
     best, per = serial_threads(case.problem, a.layers, a.width, arch=a.arch,
                                t_final=a.t_final, batch_size=a.batch_size, batches=batches)
-    batch = a.batch_size or RECIPES[case.problem].batch_size
+    batch = a.batch_size or recipe_for(case.problem, a.arch).batch_size
     return best, per, -(-len(splits(case.problem)[0]) // batch)
 
 

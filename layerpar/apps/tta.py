@@ -16,11 +16,14 @@ evaluation).  The target is serial's best validation accuracy minus half a point
 each method's seconds and epochs to the target, final accuracy and chosen settings
 are reported.
 
-Cases (the issue's): (a) MNIST-1D dense ODE-net, 1,024 layers, width 32, t_final 1;
-(b) MNIST-1D conv ODE-net, 256 layers, 16 channels; (c) digits; (d) Peaks, as
-bundled.  Writes ``tta.csv`` (every epoch), ``summary.csv`` (one row per method),
-``tta.png`` (accuracy against seconds, one line per method) and ``README.md``
-(the table and the exact command) under ``--out``.
+Cases: (a) MNIST-1D dense ODE-net, 1,024 layers, width 32, t_final 1; (b) MNIST-1D
+conv ODE-net, 256 layers, 16 channels (both latency-bound, at low accuracy); (c)
+digits; (d) Peaks, as bundled; (e) MNIST-1D convolutional ResNet, 128 layers, and (f)
+MNIST-1D pre-norm dense ResNet, 256 layers x 128, each at its recipe's whole budget
+(the accurate cases: ``--cases e,f``; not in the default set, which they would
+lengthen by most of an hour on a small CPU).  Writes ``tta.csv`` (every epoch),
+``summary.csv`` (one row per method), ``tta.png`` (accuracy against seconds, one line
+per method) and ``README.md`` (the table and the exact command) under ``--out``.
 
 Each training runs in a process of its own (`worker`, the serial one with
 ``OMP_NUM_THREADS`` set to the chosen count, the parallel one under mpiexec with one
@@ -75,6 +78,13 @@ CASES: dict[str, Case] = {
               ("--model", "conv", "--layers", "256", "--width", "16", "--t-final", "1")),
     "c": Case("c", "digits", "digits (bundled: conv, 8 layers)", 8),
     "d": Case("d", "peaks", "Peaks (bundled: 32 layers x 8, T=5)", 20),
+    # the accurate cases: each ResNet at its whole recipe (`layerpar.apps.recipes`)
+    "e": Case("e", "mnist1d", "MNIST-1D conv ResNet, 128 layers (16/32/64 ch, BN), T=2",
+              6, ("--model", "resnet", "--layers", "128", "--width", "16", "--t-final", "2",
+                  "--batch-size", "128", "--lr", "0.003")),
+    "f": Case("f", "mnist1d", "MNIST-1D pre-norm ResNet, 256 layers x 128, T=16", 10,
+              ("--model", "prenorm", "--layers", "256", "--width", "128", "--t-final", "16",
+               "--batch-size", "128", "--lr", "0.001")),
 }
 #: the same cases shrunk, to check the pipeline (not a measurement of time to accuracy:
 #: too short for anything to converge).  Its trainings are short, so starting their
@@ -87,6 +97,12 @@ SMOKE: dict[str, Case] = {
               ("--model", "conv", "--layers", "32", "--width", "8", "--t-final", "1")),
     "c": Case("c", "digits", "digits (smoke: 2 epochs)", 2),
     "d": Case("d", "peaks", "Peaks (smoke: 2 epochs)", 2),
+    "e": Case("e", "mnist1d", "MNIST-1D conv ResNet, 12 layers x 4 ch (smoke)", 1,
+              ("--model", "resnet", "--layers", "12", "--width", "4", "--t-final", "2",
+               "--batch-size", "128", "--lr", "0.003")),
+    "f": Case("f", "mnist1d", "MNIST-1D pre-norm ResNet, 32 layers x 16 (smoke)", 1,
+              ("--model", "prenorm", "--layers", "32", "--width", "16", "--t-final", "16",
+               "--batch-size", "128", "--lr", "0.001")),
 }
 
 

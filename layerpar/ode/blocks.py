@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from .._checks import boolean, positive_int
 
-__all__ = ["ACTIVATIONS", "get_activation", "Dense", "Conv", "Conv1d", "Transformer"]
+__all__ = ["ACTIVATIONS", "get_activation", "Dense", "Conv", "Conv1d", "PreNorm",
+           "Transformer"]
 
 
 def _identity(x: Tensor) -> Tensor:
@@ -238,21 +239,71 @@ class Transformer(nn.Module):
     def extra_repr(self) -> str:
         return f"heads={self.heads}, activation={self.activation!r}, causal={self.causal}"
 class Conv1d(nn.Module):
-    """F(u) = act(conv1d(u)) on signals [batch, channels, length]: a shape-preserving
-    1-D convolution (stride 1, "same" padding), e.g. for MNIST-1D."""
+    """F(u) = act(BN(conv1d(u))) on signals [batch, channels, length]: a shape-preserving
+    1-D convolution (stride 1, "same" padding), e.g. for MNIST-1D.
+
+    ``batch_norm`` adds a ``BatchNorm1d`` after the convolution (as `Conv` does);
+    ``bias`` defaults to ``not batch_norm`` (a bias before batch norm is redundant).
+    """
 
     def __init__(self, channels: int, kernel_size: int = 3, activation: str = "relu",
-                 bias: bool = True) -> None:
+                 bias: bool | None = None, batch_norm: bool = False) -> None:
         super().__init__()
         channels = positive_int("channels", channels)
         kernel_size = positive_int("kernel_size", kernel_size)
+        batch_norm = boolean("batch_norm", batch_norm)
+        bias = not batch_norm if bias is None else boolean("bias", bias)
         self._act = get_activation(activation)
         self.activation = activation
-        self.conv = nn.Conv1d(channels, channels, kernel_size, padding="same",
-                              bias=boolean("bias", bias))
+        self.conv = nn.Conv1d(channels, channels, kernel_size, padding="same", bias=bias)
+        self.bn = nn.BatchNorm1d(channels) if batch_norm else None
 
     def forward(self, u: Tensor) -> Tensor:
-        return self._act(self.conv(u))
+        v = self.conv(u)
+        if self.bn is not None:
+            v = self.bn(v)
+        return self._act(v)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"
+
+
+class PreNorm(nn.Module):
+    """F(u) = W2 act(W1 LayerNorm(u) + b1) + b2 on vectors of length ``width``: the
+    pre-norm residual branch (the normalisation inside the branch, the state itself
+    never normalised), with a hidden layer of ``hidden`` features (default ``width``).
+
+    Layer norm keeps each layer's input at unit scale however the state grows, so a
+    deep stack of these trains where plain ``Dense`` steps of the same depth stall.
+    """
+
+    def __init__(self, width: int, hidden: Optional[int] = None,
+                 activation: str = "gelu") -> None:
+        super().__init__()
+        width = positive_int("width", width)
+        hidden = width if hidden is None else positive_int("hidden", hidden)
+        self._act = get_activation(activation)
+        self.activation = activation
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, u: Tensor) -> Tensor:
+        return self.fc2(self._act(self.fc1(self.norm(u))))
+
+    def forward_batched(self, params: dict[str, Tensor], buffers: dict[str, Tensor],
+                        u: Tensor) -> Tensor:
+        """F for n layers at once: ``params`` stacked along a leading layer dimension,
+        ``u`` of shape [n, batch, width]; the norm's affine map and each linear map one
+        batched operation (layer-parallel cycles)."""
+        d = u.shape[-1]
+        v = torch.addcmul(params["norm.bias"].unsqueeze(1),
+                          F.layer_norm(u, (d,), eps=self.norm.eps),
+                          params["norm.weight"].unsqueeze(1))
+        v = torch.baddbmm(params["fc1.bias"].unsqueeze(1), v,
+                          params["fc1.weight"].transpose(1, 2))
+        return torch.baddbmm(params["fc2.bias"].unsqueeze(1), self._act(v),
+                             params["fc2.weight"].transpose(1, 2))
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
