@@ -83,7 +83,6 @@ class SegmentRunner:
         self.n = n = seg.n_steps
         self.coarsening = coarsening
         rank = transport.rank
-        self.part = plan.forward
         self.bounds = list(plan.forward.bounds)
         self.owned = plan.layers(rank)
         self.times = [seg.time(i) for i in range(n + 1)]
