@@ -4,55 +4,35 @@ With injection a coarse step evaluates the block at the start of its interval, a
 for a rank's first coarse interval that block may belong to the left neighbour (with
 "average" coarsening, any block the interval spans).  Such blocks are copied once
 and refreshed from their owners at every forward pass.  The adjoint's coarse steps
-start at the rank's own layers, so it needs no foreign state.
+start at the rank's own layers, so it needs no foreign state.  Which blocks each
+rank keeps, and from whom, is the plan's (`SegmentPlan.ghosts`).
 """
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
 
-from ..mgrit.grid import Partition, reversed_bounds
-from ..mgrit.options import MGRITOptions
 from ..ode.net import Segment
 from .move import move
 
-__all__ = ["Ghosts", "needed_layers"]
+if TYPE_CHECKING:
+    from .plan import SegmentPlan
+
+__all__ = ["Ghosts"]
 
 _GHOST_TAG = 31001
 
 
-def needed_layers(n: int, size: int, rank: int, fwd: MGRITOptions, bwd: MGRITOptions,
-                  coarsening: str) -> set[int]:
-    """Layers whose blocks this rank's coarse steps use (owned or not), from the forward
-    partition and the adjoint's reversed one."""
-    need: set[int] = set()
-    part = Partition.build(n, size, fwd)
-    for lv in part.levels[1:]:
-        for j in part.level_range(lv.index, rank):
-            if j >= 1:
-                a, b = (j - 1) * lv.stride, j * lv.stride
-                need.update([a] if coarsening == "injection" else range(a, b))
-    rpart = Partition.build(n, size, bwd)
-    rpart = Partition(n, size, tuple(reversed_bounds(list(part.bounds))), rpart.levels)
-    for lv in rpart.levels[1:]:
-        for m in rpart.level_range(lv.index, size - 1 - rank):
-            if m >= 1:
-                a, b = n - m * lv.stride, n - (m - 1) * lv.stride
-                need.update([a] if coarsening == "injection" else range(a, b))
-    return need
-
-
 class Ghosts:
     """This rank's ghost copies of one segment's foreign blocks, and the traffic that
-    refreshes them (the same plan on every rank)."""
+    refreshes them: `plan`'s ghosts of this rank, and its ghost sends (the same on
+    every rank)."""
 
-    def __init__(self, seg: Segment, part: Partition, rank: int,
-                 need: Callable[[int], set[int]]) -> None:
+    def __init__(self, seg: Segment, plan: SegmentPlan, rank: int) -> None:
         self.seg = seg
-        owned = part.steps(rank)
-        self.layers = sorted(need(rank) - set(owned))
+        self.layers = [k for k, _ in plan.ghosts[rank]]
         self.blocks: dict[int, nn.Module] = {}
         for k in self.layers:  # not submodules: train()/eval() is passed on per pass
             ghost = copy.deepcopy(seg.blocks[k])
@@ -60,12 +40,7 @@ class Ghosts:
                 p.requires_grad_(False)
             self.blocks[k] = ghost
         # (layer, owner, needer) for every rank
-        self.plan = [(k, part.owner(k + 1), q) for q in range(part.n_ranks)
-                     for k in sorted(need(q)) if k not in part.steps(q)]
-
-    def plan_owner(self, k: int) -> int:
-        """The rank owning layer k (from the plan)."""
-        return next(owner for layer, owner, _ in self.plan if layer == k)
+        self.sends = plan.ghost_sends()
 
     def set_training(self, training: bool) -> None:
         for blk in self.blocks.values():
@@ -79,10 +54,10 @@ class Ghosts:
 
     def sync(self, transport: Any) -> None:
         """Send owned blocks' current parameters to the ranks that keep ghosts of them."""
-        if not self.plan:
+        if not self.sends:
             return
         me = transport.group_rank
         move(transport, [(owner, needer, self.seg.blocks[k] if owner == me else
                           self.blocks.get(k))
-                         for k, owner, needer in self.plan],
+                         for k, owner, needer in self.sends],
              tag=_GHOST_TAG, what="a layer's parameters (a ghost block)")

@@ -42,7 +42,7 @@ from .direct import direct_backward_started
 from .grads import GradDelivery
 from .grid import ProcessGrid
 from .move import Like, move
-from .plan import Plan
+from .plan import Plan, SegmentPlan
 from .replicas import GradAverager
 from .runner import SegmentRunner
 from .sharing import SharedParams
@@ -312,28 +312,24 @@ class LayerParallel(nn.Module):
         self.check_inputs = check_inputs
         self.coarsening = coarsening
         size, rank = self.transport.size, self.transport.rank
-        self._layers_meta: list[tuple[str, Any]] = []
+        # the placement, built once: the runners, ghosts and passes read it
+        self._plan = Plan.build(net, size, options, backward_options, coarsening)
         shards: list[nn.Module] = []
         self._runners: dict[int, SegmentRunner] = {}
-        first_seg = min(k for k, _ in net.segments)
         # direct passes (one rank, sequential forward and adjoint: see _forward_direct)
         direct_ok = size == 1 and self._averager is None and engine == "native"
-        seg_index = 0
-        for k, layer in enumerate(net.layers):
-            if isinstance(layer, Segment):
-                runner = SegmentRunner(layer, seg_index, self.transport, options,
+        for k, (layer, item) in enumerate(zip(net.layers, self._plan.items)):
+            if isinstance(item, SegmentPlan):
+                runner = SegmentRunner(layer, item, self.transport, options,
                                         backward_options, coarsening, batched,
                                         engine=engine, direct_ok=direct_ok)
                 runner.averager = self._averager
                 runner.replicas = self._data_transport
                 self._runners[k] = runner
                 shards.append(_SegmentShard(layer, runner.owned))
-                self._layers_meta.append(("segment", seg_index))
-                seg_index += 1
             else:
-                owner = 0 if k < first_seg else size - 1
+                owner = item[2]
                 shards.append(layer if owner == rank else _Remote(owner))
-                self._layers_meta.append(("plain", owner))
         self.layers = nn.ModuleList(shards)
         # parameters several layers use (one block for every step; tied weights):
         # every use's gradient summed, over the ranks too (`sharing`)
@@ -376,16 +372,9 @@ class LayerParallel(nn.Module):
     def _layer_owners(self, net: ODENet) -> list[tuple[str, nn.Module, int]]:
         """(name, module, owner rank) of every layer of the whole net, a segment's
         blocks one by one (the same on every rank)."""
-        out: list[tuple[str, nn.Module, int]] = []
-        for k, layer in enumerate(net.layers):
-            kind, info = self._layers_meta[k]
-            if kind == "plain":
-                out.append((f"layers.{k}", layer, info))
-                continue
-            part = self._runners[k].part
-            out.extend((f"layers.{k}.blocks.{n}", layer.blocks[n], q)
-                       for q in range(self.size) for n in part.steps(q))
-        return out
+        return [(f"layers.{k}", net.layers[k], q) if n is None else
+                (f"layers.{k}.blocks.{n}", net.layers[k].blocks[n], q)
+                for k, n, q in self._plan.placements()]
 
     @property
     def last_forward(self) -> list[MGRITResult]:
@@ -412,9 +401,9 @@ class LayerParallel(nn.Module):
     @property
     def plan(self) -> Plan:
         """Where everything runs: per segment, the layers and level points of each rank,
-        the ghost blocks and the states that cross ranks (`Plan`; print it)."""
-        return Plan.build(self._whole.net, self.size, self.options, self.backward_options,
-                          self.coarsening)
+        the ghost blocks and the states that cross ranks (`Plan`; print it).  Built
+        once, at construction: the model's runners and passes run this placement."""
+        return self._plan
 
     @property
     def cycle_paths(self) -> list[dict[tuple, Any]]:
@@ -432,7 +421,7 @@ class LayerParallel(nn.Module):
     @property
     def layer_kinds(self) -> list[tuple[str, int]]:
         """Per layer of the net: ("segment", segment index) or ("plain", owner rank)."""
-        return list(self._layers_meta)
+        return list(self._plan.kinds)
 
     @property
     def batch(self) -> int:
@@ -708,7 +697,7 @@ class LayerParallel(nn.Module):
             metas.append(got)
             return got
 
-        for k, (kind, info) in enumerate(self._layers_meta):
+        for k, (kind, info) in enumerate(self._plan.kinds):
             if kind == "plain":
                 owner = info
                 if owner != holder:
@@ -808,8 +797,8 @@ class LayerParallel(nn.Module):
         seg_shapes = list(ctx.shapes)
         g_meta = (tuple(gy.shape), gy.dtype)  # shape of g wherever it travels
         self.last_backward = []
-        for k in reversed(range(len(self._layers_meta))):
-            kind, info = self._layers_meta[k]
+        for k in reversed(range(len(self._plan.kinds))):
+            kind, info = self._plan.kinds[k]
             if kind == "plain":
                 owner = info
                 if owner != holder:

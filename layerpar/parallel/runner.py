@@ -1,8 +1,8 @@
 """One Segment on one rank: what it owns, its one propagator, and its two solves.
 
 The runner holds what does not change from pass to pass: the rank's share of the
-placement (`plan.py`: owned layers, partition, ghosts), the one propagator Φ over
-the blocks it evaluates (`layerpar.ode.propagator`), the choice between vectorised
+placement (its `SegmentPlan`: owned layers, partitions, ghosts), the one propagator
+Φ over the blocks it evaluates (`layerpar.ode.propagator`), the choice between vectorised
 and per-step cycles, and the forward and adjoint engine sessions.  What one pass
 needs lives elsewhere: the pass's records on its tape (`tape.py`, owned by the
 autograd context), the pass's state in the callback objects that step it
@@ -18,7 +18,6 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ..mgrit.grid import Partition, build_levels, reversed_bounds
 from ..mgrit.options import MGRITOptions
 from ..mgrit.result import MGRITResult
 from ..mgrit.session import EngineSession
@@ -43,7 +42,8 @@ from .batched import (
 from .bn_dropout import batch_norms, layer_function
 from .direct import DirectApp
 from .forward import ForwardApp
-from .ghosts import Ghosts, needed_layers
+from .ghosts import Ghosts
+from .plan import SegmentPlan
 from .sharing import shares_parameters
 from .tape import Tape, autocast_as, autocast_dtype
 from .timing import best_seconds
@@ -68,27 +68,27 @@ class PathChoice:
 class SegmentRunner:
     """One Segment on one rank: ownership, ghosts, the propagator, the two engines.
 
+    plan: the segment's part of the model's `Plan` (built from the same `fwd`, `bwd`,
+        `coarsening` and the transport's size): partitions, levels, ghosts.
     direct_ok: direct passes are possible here (one rank, no replicas, the native
         engine); the runner then runs them where its solves are sequential both ways
         (`direct`; `forward_direct`, see `direct.py`), and always for exact propagation.
     """
 
-    def __init__(self, seg: Segment, seg_index: int, transport: Any, fwd: MGRITOptions,
+    def __init__(self, seg: Segment, plan: SegmentPlan, transport: Any, fwd: MGRITOptions,
                  bwd: MGRITOptions, coarsening: str, batched: Union[bool, str] = "auto",
                  engine: str = "native", direct_ok: bool = False) -> None:
-        self.seg_index = seg_index
+        self.plan = plan
+        self.seg_index = plan.index
         self.n = n = seg.n_steps
         self.coarsening = coarsening
-        size, rank = transport.size, transport.rank
-        # the partition, its levels and the ghost needs: computed once, here
-        self.part = Partition.build(n, size, fwd)
-        self.bounds = list(self.part.bounds)
-        self.owned = self.part.steps(rank)
+        rank = transport.rank
+        self.bounds = list(plan.forward.bounds)
+        self.owned = plan.layers(rank)
         self.times = [seg.time(i) for i in range(n + 1)]
         self.scheme = seg.scheme
         # blocks this rank evaluates: its own, plus ghosts of its neighbours' layers
-        self.ghosts = Ghosts(seg, self.part, rank,
-                             lambda q: needed_layers(n, size, q, fwd, bwd, coarsening))
+        self.ghosts = Ghosts(seg, plan, rank)
         self.blocks: dict[int, nn.Module] = {k: seg.blocks[k] for k in self.owned}
         self.blocks.update(self.ghosts.blocks)
         # one parameter tensor serves several of this rank's layers (one block module
@@ -105,8 +105,8 @@ class SegmentRunner:
         self._trainable_names: dict[tuple, frozenset[str]] = {}  # per record's layers
         self.refresh_trainable()
         self.bn = {k: batch_norms(blk) for k, blk in self.blocks.items()}
-        self.sequential_adjoint = len(build_levels(n, bwd)) == 1
-        self.sequential_forward = len(build_levels(n, fwd)) == 1
+        self.sequential_adjoint = len(plan.adjoint.levels) == 1
+        self.sequential_forward = len(plan.forward.levels) == 1
         # vectorised steps (batched.py): for MGRIT in both directions (either parameter
         # coarsening); sequential solves have nothing to batch
         # `vectorised`: the segment's BatchedBlocks where its blocks allow them; `bb`: the
@@ -165,7 +165,7 @@ class SegmentRunner:
                                  self.bounds, fapp, fwd, what=f"forward MGRIT {name}",
                                  defer_norms=defer_f, engine=engine)
         bsession = EngineSession(self.n, seg.t_start, seg.t_final, self.rtransport,
-                                 reversed_bounds(self.bounds), bapp, bwd,
+                                 self.plan.adjoint.bounds, bapp, bwd,
                                  what=f"backward MGRIT {name}", defer_norms=defer_b,
                                  engine=engine)
         fapp.deferred = fsession.deferred
