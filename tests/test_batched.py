@@ -503,3 +503,31 @@ def test_gradient_rows_are_reused_only_where_nothing_holds_them() -> None:
         assert torch.equal(held, want)  # not overwritten: new rows were made
         assert step() is g()  # and those are reused, nothing holding them
         del held
+
+
+_ATTR_BLOCK = """
+import functools, sys, torch
+from torch import nn
+from layerpar.parallel.batched import structure
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.act = functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.1)
+        self.gen = torch.Generator()
+    def forward(self, u):
+        return self.act(self.lin(u))
+print(repr(structure(Block())))
+"""
+
+
+def test_structure_is_the_same_in_every_process() -> None:
+    """A pure block holding an object whose repr has a memory address (a
+    `functools.partial` activation, an unused `torch.Generator`) digests alike in two
+    processes: identical nets on two ranks were refused as a structure mismatch."""
+    import subprocess
+    import sys
+
+    got = [subprocess.run([sys.executable, "-c", _ATTR_BLOCK], capture_output=True,
+                          text=True, check=True).stdout for _ in range(2)]
+    assert got[0] == got[1] and "0x7" not in got[0] and "negative_slope" in got[0]

@@ -31,7 +31,9 @@ warning naming the block.
 """
 from __future__ import annotations
 
+import functools
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -315,12 +317,21 @@ def output_message(block: nn.Module, layer: int, segment: Optional[int], u: Tens
     return None
 
 
+#: a memory address in a repr (``<... at 0x7f...>``): it differs per process
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
 def _describe(value: Any) -> str:
     """A plain attribute as text that is the same in every process: functions and
-    classes by qualified name (their default repr holds a memory address)."""
+    classes by qualified name, other objects by their repr with any memory address
+    left out (a `functools.partial`, a `torch.Generator`: the default repr of many
+    objects holds one, and identical nets on two ranks would read as different)."""
     if callable(value) and hasattr(value, "__qualname__"):
         return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
-    return repr(value)
+    if isinstance(value, functools.partial):
+        return f"partial({_describe(value.func)}, {[_describe(a) for a in value.args]}, " \
+            f"{ {k: _describe(v) for k, v in sorted(value.keywords.items())} })"
+    return _ADDRESS.sub("0x", repr(value))
 
 
 #: `structure` per module while `same_structures` is active (id -> (module, structure))
