@@ -75,3 +75,70 @@ def test_checker_sees_relative_nested_and_dynamic_imports():
     assert {"layerpar.apps.train", "layerpar.cli.main", "layerpar.studies.runner",
             "layerpar.parallel.model"} <= set(mods)
     assert not _is_app("layerpar.parallel.model") and not _is_app("layerpar.clip")
+
+
+PARALLEL = ROOT / "parallel"
+#: the policies above the model (`layerpar.parallel.auto.Auto` drives them), which the
+#: model's own module never imports
+ABOVE_THE_MODEL = ("autotune", "adaptive", "auto")
+
+
+def _parallel_graph() -> dict[str, set[str]]:
+    """Module of `layerpar/parallel/` -> the sibling modules it imports, counting every
+    import statement: module level, inside functions and under ``TYPE_CHECKING``."""
+    mods = {p.stem for p in PARALLEL.glob("*.py")} - {"__init__"}
+    graph = {}
+    for m in sorted(mods):
+        got = imported_modules((PARALLEL / f"{m}.py").read_text(), "layerpar.parallel")
+        graph[m] = {g.split(".")[2] for g in got if g.startswith("layerpar.parallel.")
+                    and g.count(".") >= 2 and g.split(".")[2] in mods} - {m}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of `graph` (its modules in order, the first repeated at the end), or []."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def walk(m: str) -> list[str]:
+        path.append(m)
+        for d in sorted(graph[m]):
+            if d in path:
+                return path[path.index(d):] + [d]
+            if d not in done:
+                got = walk(d)
+                if got:
+                    return got
+        path.pop()
+        done.add(m)
+        return []
+
+    for m in sorted(graph):
+        if m not in done:
+            got = walk(m)
+            if got:
+                return got
+    return []
+
+
+def test_parallel_has_no_import_cycle():
+    """Imports inside `layerpar/parallel/` point one way, type-only and function-level
+    imports included, and the model imports none of the policies above it."""
+    graph = _parallel_graph()
+    assert len(graph) > 20 and "runner" in graph["model"]  # the walk sees the package
+    cycle = _cycle(graph)
+    assert not cycle, "import cycle in layerpar/parallel: " + " -> ".join(cycle)
+    above = sorted(graph["model"] & set(ABOVE_THE_MODEL))
+    assert not above, f"model.py imports the policies above it: {above}"
+
+
+def test_the_cycle_check_counts_type_only_and_nested_imports():
+    src = ("from typing import TYPE_CHECKING\n"
+           "if TYPE_CHECKING:\n"
+           "    from .model import LayerParallel\n"
+           "def f():\n"
+           "    from .auto import Auto\n")
+    mods = imported_modules(src, "layerpar.parallel")
+    assert {"layerpar.parallel.model", "layerpar.parallel.auto"} <= set(mods)
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) == []

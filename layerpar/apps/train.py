@@ -40,7 +40,7 @@ from ..mgrit.xbraid import BUILD_HINT, ENGINES, xbraid_available
 from ..ode.net import ODENet
 from ..ode.refine import refine
 from ..ode.rng import MAX_SEED
-from ..parallel import DASO, AutoCapturedStep, LayerParallel, Lion, ProcessGrid, SlowLink
+from ..parallel import DASO, Auto, AutoCapturedStep, LayerParallel, Lion, ProcessGrid, SlowLink
 from ..parallel.adaptive import AccuracyPolicy, as_policy
 from ..parallel.autotune import auto_policy
 from ..parallel.timing import SpanTimer
@@ -478,7 +478,7 @@ def train(
     to_device = None if device == "cpu" else (lambda t: t.to(device, non_blocking=True))
     shard = grid.shard if grid is not None else to_device
     x_val, y_val = x_val.to(device), y_val.to(device)
-    clock = _Clock(model if isinstance(model, LayerParallel) else None, device)
+    clock = _Clock(model if isinstance(model, (LayerParallel, Auto)) else None, device)
     time_to_target: Optional[float] = None
     epochs_to_target: Optional[int] = None
     stop = stopped_by_budget = False
@@ -490,7 +490,7 @@ def train(
     # epoch's 300); `gc.freeze` moves objects to a permanent generation, collects nothing
     gc.freeze()
     if auto:  # tune on the first batch, with the training loss; the time counts
-        assert isinstance(model, LayerParallel)
+        assert isinstance(model, (LayerParallel, Auto))
         x0, y0 = _first_batch(loader)
         with clock:
             # (online: small nets time their exact settings on the training's steps)
@@ -506,8 +506,8 @@ def train(
     stages.append((n_fine, epochs))
     for stage, (layers, stage_epochs) in enumerate(stages):
         if stage:  # nested iteration: the trained net, refined, goes on training
-            model = (refine(model, 2) if isinstance(model, (ODENet, LayerParallel))
-                     else model)
+            model = (model.refine(2) if isinstance(model, Auto) else refine(model, 2)
+                     if isinstance(model, (ODENet, LayerParallel)) else model)
         # this rank's parameters; a captured step reads the learning rate from a tensor
         if optimizer == "lion":
             opt: torch.optim.Optimizer = Lion(model.parameters(), lr=lr)
@@ -516,7 +516,7 @@ def train(
         else:
             opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(lr, device=device),
                                    capturable=True)
-        if grid is not None and isinstance(model, LayerParallel):
+        if grid is not None and isinstance(model, (LayerParallel, Auto)):
             grid.sync.attach(model, opt)
         steps_here = stage_epochs * len(loader)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps_here)
@@ -631,9 +631,9 @@ def train(
         gc.unfreeze()  # what this training froze is the collector's again
     sys.setrecursionlimit(recursion)
     last = history[-1]
-    tuner = model.tuner if isinstance(model, LayerParallel) else None
+    tuner = model.tuner if isinstance(model, (LayerParallel, Auto)) else None
     sync_figures: dict[str, Any] = {}
-    if grid is not None and isinstance(model, LayerParallel) and model.averager is not None:
+    if grid is not None and isinstance(model, (LayerParallel, Auto)) and model.averager is not None:
         sync_figures["allreduce_ms_per_batch"] = (1000.0 * model.averager.total_seconds
                                                   / total_steps)
     if grid is not None:
@@ -691,7 +691,7 @@ def _auto_check_note(model: Any, batch: int, got: Any) -> Optional[str]:
     """Under auto, for a check (at `batch`, measuring `got`) outside the bound it was
     held to: the bound, and what auto did about it (`AutoTuner.last_check`); else
     None."""
-    tuner = model.tuner if isinstance(model, LayerParallel) else None
+    tuner = model.tuner if isinstance(model, (LayerParallel, Auto)) else None
     last = None if tuner is None else tuner.last_check
     if last is None or last[0] != batch:
         return None
@@ -757,7 +757,7 @@ def _levels_note(model: Any, fwd: MGRITOptions) -> Optional[str]:
     has two or more): segments too short to coarsen, whose solves are then exact
     propagation, which the summary names without saying why.  (Fewer levels than
     asked, but two or more, is MGRIT's ordinary cap: `MGRITOptions.min_coarse`.)"""
-    if fwd.max_levels <= 1 or not isinstance(model, LayerParallel):
+    if fwd.max_levels <= 1 or not isinstance(model, (LayerParallel, Auto)):
         return None
     got = [(s.n_steps, len(s.forward.levels)) for s in model.plan.segments]
     if not got or any(k > 1 for _, k in got):
@@ -825,7 +825,8 @@ class _Clock:
     (no host synchronisation per step), so the work they queued ends inside the span
     it belongs to, not in the evaluation after it."""
 
-    def __init__(self, model: Optional[LayerParallel], device: str = "cpu") -> None:
+    def __init__(self, model: Optional[Union[LayerParallel, Auto]], device: str = "cpu"
+                 ) -> None:
         self.model, self.seconds, self._t0 = model, 0.0, None
         self.cuda = torch.device(device).type == "cuda"
 

@@ -42,8 +42,12 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
+from torch import Tensor
+
 from .._checks import boolean, finite_in, positive_float, positive_int
 from ..defaults import MAX_REL_ERROR, MIN_COSINE
+from ..mgrit.errors import DivergenceError
 from ..mgrit.options import MGRITOptions
 
 if TYPE_CHECKING:
@@ -352,9 +356,50 @@ class AccuracyController:
         return f"{mode}{check}, {len(self.log)} change(s)"
 
 
-def apply_iterations(model: LayerParallel) -> None:
+def apply_iterations(model: LayerParallel, ctl: AccuracyController) -> None:
     """Give the model's segment solves the controller's iteration counts."""
-    ctl = model.accuracy
-    assert ctl is not None
     fwd, bwd = ctl.options(model.options, model.backward_options)
     model.set_iterations(fwd.max_iter, bwd.max_iter)
+
+
+def forward_adaptive(model: LayerParallel, ctl: AccuracyController, x: Tensor) -> Tensor:
+    """A forward pass of `model` under adaptive accuracy: MGRIT with the controller's
+    iteration counts, or exact propagation (`LayerParallel.exact`); a pass that stalls
+    or diverges is recomputed exactly, in the same batch."""
+    batch = model.batch + 1
+    if ctl.exact and not ctl.exact_for_cost and batch % ctl.policy.probe_every == 0:
+        # after a stall: is MGRIT usable again?
+        apply_iterations(model, ctl)
+        try:
+            with torch.no_grad():
+                model(x)
+            why = ctl.stalled(model.last_forward)
+        except DivergenceError as exc:
+            why = str(exc)
+        if why is None:
+            ctl.to_mgrit(batch, "a probe's forward residual shrinks again")
+        else:
+            model.batch -= 1  # the probe was not a batch of its own
+    if ctl.exact:
+        return _forward_exact(model, x)
+    apply_iterations(model, ctl)
+    try:
+        y = model(x)
+    except DivergenceError as exc:
+        ctl.to_exact(model.batch, str(exc).split(":")[0])
+        return _forward_exact(model, x, again=True)
+    why = ctl.stalled(model.last_forward)
+    if why is not None:
+        ctl.to_exact(model.batch, why)
+        del y
+        return _forward_exact(model, x, again=True)
+    return y
+
+
+def _forward_exact(model: LayerParallel, x: Tensor, again: bool = False) -> Tensor:
+    """This batch with exact propagation; `again`: the batch's MGRIT pass was
+    dropped, so the batch is not counted twice."""
+    if again:
+        model.batch -= 1
+    with model.exact():
+        return model(x)

@@ -1127,7 +1127,7 @@ class AutoTuner:
             self.chosen = kept.pop(cand, None) or ReplicatedSerial(model, split=cand.split)
         else:
             self.chosen = _build(model, cand, None if cand.exact else self.bound)
-            self.chosen._batch = self.batches  # (numbered as the training's batches)
+            self.chosen.batch = self.batches  # (numbered as the training's batches)
             ctl = self.chosen.accuracy
             if ctl is not None and ctl.costs is not None:  # the tuning's timings count
                 exact = next(m for m in got.table if m.candidate.exact)
@@ -1267,7 +1267,7 @@ class AutoTuner:
         twin = self.chosen if self.plain is None and not isinstance(
             self.chosen, ReplicatedSerial) else None
         if twin is not None:  # its batches numbered as the training's (its log, checks)
-            twin._batch = self.batches - 1 if train else self.batches
+            twin.batch = self.batches - 1 if train else self.batches
         net = self.plain
         if net is not None:  # one rank, serial autograd: the net itself
             if net.training is not model.training:
@@ -1278,7 +1278,7 @@ class AutoTuner:
                                          else None)
         out = self.chosen(x)
         if twin is not None and not train:
-            twin._batch = self.batches  # (an evaluation pass is no training batch)
+            twin.batch = self.batches  # (an evaluation pass is no training batch)
         return out
 
     def _first_backward(self, model: LayerParallel, x: Tensor, batch: int,
@@ -1310,7 +1310,7 @@ class AutoTuner:
         if self.chosen is not None:
             self.chosen.training = True
             if not isinstance(self.chosen, ReplicatedSerial):
-                self.chosen._batch = self.batches  # (a LayerParallel twin)
+                self.chosen.batch = self.batches  # (a LayerParallel twin)
 
     def check(self, model: LayerParallel, x: Tensor, y: Any,
               loss_fn: Callable[[Tensor, Any], Tensor]) -> GradientCheck:

@@ -3,20 +3,20 @@ optimizer state keyed by parameter name, gathered on every rank, and loaded back
 any number of ranks (or into the serial `ODENet`)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from ..mgrit.errors import RemoteError
 
-if TYPE_CHECKING:
-    from .model import LayerParallel
+#: a `LayerParallel` (the model): not imported, as the model imports this module
+_Model = Any
 
 __all__ = ["gather_optimizer_state", "gather_state_dict", "load_optimizer_state"]
 
 
-def gather_state_dict(model: LayerParallel) -> dict[str, Tensor]:
+def gather_state_dict(model: _Model) -> dict[str, Tensor]:
     """The whole network's state dict (loads into the serial `ODENet`), on every rank."""
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if model.size == 1:
@@ -27,7 +27,7 @@ def gather_state_dict(model: LayerParallel) -> dict[str, Tensor]:
         merged.update(part)
     return dict(sorted(merged.items(), key=lambda kv: _name_order(kv[0])))
 
-def _optimizer_names(model: LayerParallel, optimizer: Any, what: str) -> dict[int, list[str]]:
+def _optimizer_names(model: _Model, optimizer: Any, what: str) -> dict[int, list[str]]:
     """id(parameter) -> every name it has in this rank's part of `model` (several for a
     parameter that several layers share), for every tensor `optimizer` holds; a
     ValueError when one is not a parameter of this rank's part of `model`."""
@@ -48,7 +48,7 @@ def _optimizer_names(model: LayerParallel, optimizer: Any, what: str) -> dict[in
     return names
 
 
-def gather_optimizer_state(model: LayerParallel,
+def gather_optimizer_state(model: _Model,
                            optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer state of the whole network, keyed by parameter name, on every
     rank (collective).  `load_optimizer_state` restores it on any number of ranks.
@@ -92,7 +92,7 @@ def gather_optimizer_state(model: LayerParallel,
     return merged
 
 
-def load_optimizer_state(model: LayerParallel, optimizer: torch.optim.Optimizer,
+def load_optimizer_state(model: _Model, optimizer: torch.optim.Optimizer,
                          state: dict[str, Any]) -> None:
     """Load a state from `gather_optimizer_state` into this rank's optimizer (local:
     no message)."""

@@ -34,9 +34,7 @@ from ..ode.net import ODENet, Segment
 from ..ode.rng import DROPOUT_TYPES as _DROPOUT
 from ..ode.rng import draw_seed, plain_rng
 from . import checkpoint
-from .adaptive import AccuracyController, apply_iterations, as_policy
 from .agree import Agreed, check_xbraid, layer_key, same_values, values_fingerprint
-from .autotune import AutoAccuracy, AutoTuner, auto_policy
 from .bn_dropout import batch_norms
 from .direct import direct_backward_started
 from .grads import GradDelivery
@@ -95,6 +93,18 @@ class _GridsTimeout:
 
 _GRIDS_TIMEOUT: Any = _GridsTimeout()
 
+#: what ``LayerParallel(net, comm, "auto")`` and ``accuracy=`` build: the policy above
+#: the model (`layerpar.parallel.auto.Auto`), which registers itself when imported (the
+#: model never imports the policies above it)
+_ABOVE: Optional[Callable[..., Any]] = None
+
+
+def register_above(builder: Callable[..., Any]) -> None:
+    """Set what ``LayerParallel(..., "auto")`` and ``LayerParallel(...,
+    accuracy=...)`` build instead of a bare model (`layerpar.parallel.auto.Auto`)."""
+    global _ABOVE
+    _ABOVE = builder
+
 
 class LayerParallel(nn.Module):
     """Run an `ODENet` layer-parallel over the ranks of `comm` with MGRIT.
@@ -106,10 +116,15 @@ class LayerParallel(nn.Module):
         for one rank.
     options / backward_options: `MGRITOptions` of the forward and adjoint solves
         (`final_fc_relax` is always on: the final sweep records states and gradients).
-        ``options="auto"`` (with no `backward_options`): settings chosen by
-        measurement on the first batch (`layerpar.parallel.autotune`; `tune` runs it
-        with the caller's loss), then watched by the adaptive policy (`accuracy`, or
-        the default bound).
+        ``options="auto"`` (with no `backward_options`) builds a
+        `layerpar.parallel.auto.Auto` instead, the policy above the model: settings
+        chosen by measurement on the first batch (`layerpar.parallel.autotune`), then
+        watched by the adaptive policy (`accuracy`, or the default bound).
+    accuracy: an `AccuracyPolicy` (or True) builds an `Auto` too: adaptive iteration
+        counts on these options (`layerpar.parallel.adaptive`).  The model itself runs
+        one setting; None here.
+    above: what the `Auto` building this model asks every rank to agree on (its
+        settings' key, and the error it refuses them with, if any).
     coarsening: parameter coarsening on coarse levels, "injection" or "average".
     state_dict: optional whole-network state dict to load before distributing.
     batched: "auto" (default with the native engine): at the first pass for each input
@@ -171,6 +186,18 @@ class LayerParallel(nn.Module):
     `torch.autograd.grad`, `backward(inputs=...)` and frozen parameters.
     """
 
+    def __new__(cls, net: Any = None, comm: Any = None, options: Any = None,
+                *args: Any, **kwargs: Any) -> Any:
+        """``options="auto"`` or an `accuracy` policy: the `Auto` above a model of
+        these settings (a thin constructor of it), else a model."""
+        if (isinstance(options, str) and options == "auto") or \
+                kwargs.get("accuracy") not in (None, False):
+            if _ABOVE is None:  # (`layerpar.parallel` imports it)
+                raise RuntimeError("options='auto' and `accuracy` need "
+                                   "layerpar.parallel.auto imported")
+            return _ABOVE(net, comm, options, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, net: Union[ODENet, Callable[[], ODENet]], comm: Any = None,
                  options: Optional[MGRITOptions] = None,
                  backward_options: Optional[MGRITOptions] = None, *,
@@ -179,7 +206,9 @@ class LayerParallel(nn.Module):
                  batched: Union[bool, str, None] = None, check_finite: bool = True,
                  timeout: Any = _GRIDS_TIMEOUT, check_inputs: int = 10,
                  grid: Optional[ProcessGrid] = None, accuracy: Any = None,
-                 engine: str = "native") -> None:
+                 engine: str = "native",
+                 above: Optional[tuple[dict[str, Any], Optional[BaseException]]] = None
+                 ) -> None:
         super().__init__()
         if grid is not None:
             if not isinstance(grid, ProcessGrid):
@@ -201,20 +230,14 @@ class LayerParallel(nn.Module):
         if timeout is _GRIDS_TIMEOUT:
             timeout = DEFAULT_TIMEOUT
         self.grid = grid
-        auto = isinstance(options, str) and options == "auto"
-        auto_err = None
-        if auto:
-            if backward_options is not None:
-                auto_err = TypeError("`backward_options` must be None with "
-                                     "options='auto' (both are chosen by measurement)")
-            options = None
+        above_key, err = ({"accuracy": None, "auto": False}, None) if above is None \
+            else above
         options = MGRITOptions(max_levels=1) if options is None else options
         backward_options = options if backward_options is None else backward_options
-        err: Optional[BaseException] = auto_err
         key: Any = None
         try:
-            if auto_err is not None:
-                raise auto_err
+            if err is not None:
+                raise err
             if not isinstance(net, ODENet):
                 if not callable(net):
                     raise TypeError(f"`net` must be an ODENet or a factory returning one, got "
@@ -238,12 +261,6 @@ class LayerParallel(nn.Module):
             timeout = check_timeout(timeout)
             nonneg_int("check_inputs", check_inputs)
             check_engine(engine)
-            if auto and engine != "native":
-                # (before the engine's own checks: this holds whether or not it was built)
-                raise ValueError(f"`engine`={engine!r} with options='auto': auto's "
-                                 "candidates (batched cycles, replicated serial) run on "
-                                 "layerpar's own engine; leave `engine` unset, or give "
-                                 "MGRITOptions for engine='xbraid'")
             if batched is None:
                 batched = "auto" if engine == "native" else False
             if not (isinstance(batched, bool) or batched == "auto"):
@@ -252,18 +269,9 @@ class LayerParallel(nn.Module):
             if not isinstance(check_finite, bool):
                 raise TypeError(f"`check_finite` must be a bool, got "
                                 f"{type(check_finite).__name__}")
-            policy = as_policy(accuracy)
-            if grid is not None and grid.data > 1 and (auto or policy is not None):
-                # each replica would decide from its own batches and clocks: replicas
-                # that chose different iteration counts, paths or exact propagation
-                # could not average their gradients (different buckets hang)
-                what = "options='auto'" if auto else "`accuracy`"
-                raise ValueError(
-                    f"{what} cannot be used with data replicas (the grid has data="
-                    f"{grid.data}): it decides from each replica's own batches and "
-                    "timings, and replicas that decided differently could not average "
-                    "their gradients. Tune on a grid with data=1 (or `layerpar train "
-                    "--auto`) and give the chosen MGRITOptions here")
+            if accuracy not in (None, False):  # (`__new__` builds an Auto for it)
+                raise TypeError("`accuracy` needs the policy above the model: build "
+                                "`layerpar.parallel.auto.Auto`")
             if coarsening not in COARSENINGS:
                 raise ValueError(f"`coarsening` must be one of {COARSENINGS}, got "
                                  f"{coarsening!r}")
@@ -276,14 +284,13 @@ class LayerParallel(nn.Module):
                         f"{self.transport.size} ranks: each rank needs at least one layer")
             if engine == "xbraid":
                 check_xbraid(self.transport, net, options, backward_options, batched,
-                              grid is not None, policy)
+                              grid is not None, None)
             key = {**{f"options.{k}": v for k, v in options.key().items()},
                    **{f"backward_options.{k}": v for k, v in backward_options.key().items()},
                    "coarsening": coarsening, "batched": batched, "check_finite": check_finite,
                    "engine": engine,
                    "timeout": timeout, "check_inputs": check_inputs,
-                   **({"accuracy": None} if policy is None else policy.key()),
-                   "auto": auto,
+                   **above_key,
                    **{name: v for k, m in enumerate(net.layers)
                       for name, v in layer_key(k, m).items()}}
         except Exception as exc:  # noqa: BLE001 - re-raised identically on every rank
@@ -359,19 +366,11 @@ class LayerParallel(nn.Module):
                              "check_inputs": check_inputs}
         self._has_dropout = \
             any(isinstance(m, _DROPOUT) for m in net.modules())
+        #: per segment, what the last forward / backward pass's solves reached
         self.last_forward: list[MGRITResult] = []
         self.last_backward: list[MGRITResult] = []
-        # adaptive accuracy (see layerpar.parallel.adaptive); the policy was agreed
-        self.accuracy: Optional[AccuracyController] = None if policy is None else \
-            AccuracyController(policy, options.max_iter, backward_options.max_iter)
-        self._checking = False  # inside check_gradients: no adaptive dispatch
+        self._checking = False  # inside `checking()`: a gradient check's passes
         self._exact_pass = False  # inside `exact()`: passes run exact propagation
-        # options="auto": the settings chosen by measurement run on a twin (`like`)
-        self._auto: Optional[AutoTuner] = None
-        if auto:
-            self._auto = AutoTuner(auto_policy(policy))
-            # the chosen setting's controller, and an answer for every setting
-            self.accuracy = AutoAccuracy(self._auto)  # type: ignore[assignment]
 
     def _layer_owners(self, net: ODENet) -> list[tuple[str, nn.Module, int]]:
         """(name, module, owner rank) of every layer of the whole net, a segment's
@@ -386,28 +385,6 @@ class LayerParallel(nn.Module):
             out.extend((f"layers.{k}.blocks.{n}", layer.blocks[n], q)
                        for q in range(self.size) for n in part.steps(q))
         return out
-
-    @property
-    def last_forward(self) -> list[MGRITResult]:
-        """Per segment, what the last forward pass's solves reached."""
-        if self._auto is not None and self._auto.chosen is not None:
-            return self._auto.chosen.last_forward
-        return self._last_fwd
-
-    @last_forward.setter
-    def last_forward(self, value: list[MGRITResult]) -> None:
-        self._last_fwd = value
-
-    @property
-    def last_backward(self) -> list[MGRITResult]:
-        """Per segment, what the last backward pass's adjoint solves reached."""
-        if self._auto is not None and self._auto.chosen is not None:
-            return self._auto.chosen.last_backward
-        return self._last_bwd
-
-    @last_backward.setter
-    def last_backward(self, value: list[MGRITResult]) -> None:
-        self._last_bwd = value
 
     @property
     def plan(self) -> Plan:
@@ -436,8 +413,14 @@ class LayerParallel(nn.Module):
 
     @property
     def batch(self) -> int:
-        """Forward passes run so far (named in errors and timeouts)."""
+        """Forward passes run so far (named in errors and timeouts); a policy above
+        the model sets it back where it drops a pass (adaptive accuracy's recomputed
+        batches, auto's batch numbering)."""
         return self._batch
+
+    @batch.setter
+    def batch(self, value: int) -> None:
+        self._batch = value
 
     @property
     def has_dropout(self) -> bool:
@@ -457,11 +440,10 @@ class LayerParallel(nn.Module):
         `last_seconds`, `total_seconds`, bytes), None without a data dimension."""
         return self._averager
 
-    @property
-    def tuner(self) -> Optional[AutoTuner]:
-        """The auto-tuner of ``options="auto"`` (its `results`: candidate tables and
-        choices), None otherwise."""
-        return self._auto
+    #: the tuner and the adaptive controller of the policy above a model (`Auto`'s);
+    #: a model alone runs its one setting
+    tuner: None = None
+    accuracy: None = None
 
     @property
     def runners(self) -> list[SegmentRunner]:
@@ -471,8 +453,9 @@ class LayerParallel(nn.Module):
 
     @contextlib.contextmanager
     def checking(self) -> Iterator[None]:
-        """Passes inside are a gradient check's: no adaptive or auto dispatch, and the
-        batch counter is put back afterwards (they are not training batches)."""
+        """Passes inside are a gradient check's: the batch counter is put back
+        afterwards and batch norms' statistics are not averaged over the replicas
+        (they are not training batches)."""
         checking, self._checking = self._checking, True
         batch = self._batch
         try:
@@ -504,8 +487,7 @@ class LayerParallel(nn.Module):
         """Passes run inside (and their backward passes, wherever those run) use exact
         propagation: sequential solves both ways, as with ``max_levels=1``, on this
         model's own plan, ranks, communicator and parameters; at one rank in direct
-        mode (plain serial autograd).  Adaptive accuracy and ``options="auto"`` stand
-        aside.  Collective like any pass."""
+        mode (plain serial autograd).  Collective like any pass."""
         prev, self._exact_pass = self._exact_pass, True
         try:
             yield
@@ -573,7 +555,7 @@ class LayerParallel(nn.Module):
             return fn()
         except DivergenceError as exc:
             grid = self.grid
-            if grid is None or grid.data == 1 or self.accuracy is not None:
+            if grid is None or grid.data == 1:
                 raise  # the layer group's ranks all see it (adaptive accuracy recovers)
             # the other replicas hold other data and would wait for this one's gradients
             first = grid.data_rank * grid.layers
@@ -863,56 +845,7 @@ class LayerParallel(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Layer-parallel forward pass; pass the same `x` on every rank."""
-        if self._exact_pass:
-            return self._forward_once(x)
-        if self._auto is not None and not self._checking:
-            return self._auto.forward(self, x)
-        if self.accuracy is not None and not self._checking:
-            return self._forward_adaptive(x)
         return self._forward_once(x)
-
-    def _forward_adaptive(self, x: Tensor) -> Tensor:
-        """A forward pass under adaptive accuracy (`layerpar.parallel.adaptive`): MGRIT
-        with the controller's iteration counts, or exact propagation (`exact`); a
-        pass that stalls or diverges is recomputed exactly, in the same batch."""
-        ctl = self.accuracy
-        assert ctl is not None
-        batch = self._batch + 1
-        if ctl.exact and not ctl.exact_for_cost and batch % ctl.policy.probe_every == 0:
-            # after a stall: is MGRIT usable again?
-            apply_iterations(self)
-            try:
-                with torch.no_grad():
-                    self._forward_once(x)
-                why = ctl.stalled(self.last_forward)
-            except DivergenceError as exc:
-                why = str(exc)
-            if why is None:
-                ctl.to_mgrit(batch, "a probe's forward residual shrinks again")
-            else:
-                self._batch -= 1  # the probe was not a batch of its own
-        if ctl.exact:
-            return self._forward_exact(x)
-        apply_iterations(self)
-        try:
-            y = self._forward_once(x)
-        except DivergenceError as exc:
-            ctl.to_exact(self._batch, str(exc).split(":")[0])
-            return self._forward_exact(x, again=True)
-        why = ctl.stalled(self.last_forward)
-        if why is not None:
-            ctl.to_exact(self._batch, why)
-            del y
-            return self._forward_exact(x, again=True)
-        return y
-
-    def _forward_exact(self, x: Tensor, again: bool = False) -> Tensor:
-        """This batch with exact propagation (`exact`); `again`: the batch's MGRIT
-        pass was dropped, so the batch is not counted twice."""
-        if again:
-            self._batch -= 1
-        with self.exact():
-            return self._forward_once(x)
 
     def _forward_once(self, x: Tensor) -> Tensor:
         if self._closed:
@@ -1002,40 +935,10 @@ class LayerParallel(nn.Module):
         input and parameter gradients, per segment and in all, the cosine, and the
         inexact solves' iterations and residuals), identical on every rank.
         """
-        if self._auto is not None and self._auto.chosen is not None and not self._checking:
-            return self._auto.check(self, x, y, loss_fn)
-        got = self.measure_gradients(x, y, loss_fn)
-        if self.accuracy is not None:
-            self.accuracy.observe_check(self._batch, got)
-        return got
-
-    def measure_gradients(self, x: Tensor, y: Any,
-                          loss_fn: Callable[[Tensor, Any], Tensor]) -> Any:
-        """`check_gradients` of this model as its adaptive controller runs it, without
-        the controller observing the result (auto confirms a check outside its bound
-        before anything changes)."""
-        from .accuracy import check_gradients
+        from .accuracy import check_gradients  # (a measurement: it imports no model)
 
         with self.checking():
-            if self.accuracy is not None and self._auto is None:
-                apply_iterations(self)  # measure MGRIT as the controller runs it
             return check_gradients(self, x, y, loss_fn)
-
-    def tune(self, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
-             steps: Optional[int] = None, online: bool = False) -> Any:
-        """With ``options="auto"``: measure the candidate settings on this batch with
-        this loss and choose (collective; see `layerpar.parallel.autotune`; `steps`,
-        the training steps to come, bounds the tuning's time).  Returns the
-        `TuneResult` (candidate table and choice), identical on every rank.
-
-        online: the passes that follow are training steps (forward, backward,
-        optimizer step), so with `steps` given the exact replicated settings may be
-        timed on those steps rather than on passes of their own; then None is
-        returned, and the result lands in ``tuner.results`` once they decided
-        (`layerpar.parallel.autotune.AutoTuner.tune`)."""
-        if self._auto is None:
-            raise RuntimeError("tune() needs a LayerParallel built with options='auto'")
-        return self._auto.tune(self, x, y, loss_fn, steps, online)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> Tensor:
@@ -1153,13 +1056,10 @@ class LayerParallel(nn.Module):
 
     def _apply(self, fn: Callable, recurse: bool = True) -> LayerParallel:
         """`.to()`, `.double()`, `.cuda()` ... also reach the ghost blocks, which are not
-        submodules (they hold no trainable parameters of this rank), and under
-        ``options="auto"`` every setting the tuner holds (`AutoTuner.apply`)."""
+        submodules (they hold no trainable parameters of this rank)."""
         super()._apply(fn, recurse)
         for runner in self._runners.values():
             runner.ghosts.apply(fn)
-        if getattr(self, "_auto", None) is not None:
-            self._auto.apply(fn)
         return self
 
     def close(self) -> None:
@@ -1170,8 +1070,6 @@ class LayerParallel(nn.Module):
         (MPI has a limited number of communicators).  The model cannot run afterwards.
         """
         self._closed = True
-        if self._auto is not None:
-            self._auto.close()
         self.transport.close()
         if self._agreements is not None:
             self._agreements.close()
