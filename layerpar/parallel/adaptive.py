@@ -1,7 +1,8 @@
 """Adaptive accuracy: MGRIT iteration counts managed against a bound on gradient error.
 
-`LayerParallel(..., accuracy=AccuracyPolicy())` (or ``accuracy=True``) hands the
-forward and adjoint iteration counts to an `AccuracyController`:
+`LayerParallel(..., accuracy=AccuracyPolicy())` (or ``accuracy=True``) builds an `Auto`
+(`layerpar.parallel.auto`), the policy above the model, which hands the model's forward
+and adjoint iteration counts to an `AccuracyController` (`forward_adaptive`):
 
 - **Measured gradient error.**  Each `check_gradients` result (the training loop runs
   one every `check_every` batches; `layerpar train --adaptive` does) is compared with
@@ -14,7 +15,7 @@ forward and adjoint iteration counts to an `AccuracyController`:
   iteration >= `stall_factor`) or becomes non-finite switches the model to *exact
   propagation*, and the batch is recomputed exactly (a rate needs two measured
   residuals, see `AccuracyPolicy.stall_factor`): a sequential solve on the same
-  ranks and plan (`LayerParallel.exact`, a mode of the same model), with the same parameter
+  ranks and plan (`LayerParallel.exact`, on the same model), with the same parameter
   tensors, so the optimizer and its state carry on unchanged.  The same happens when
   the iteration counts would exceed `max_iters`.
 - **Cost.**  A gradient check also times the inexact and the exact pass (the slowest

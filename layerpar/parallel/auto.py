@@ -68,7 +68,8 @@ class Auto:
     """A `LayerParallel` under a policy: auto-tuned settings (``options="auto"``) or
     adaptive accuracy on fixed MGRIT options (`policy`).  Collective like the model.
 
-    net: an `ODENet` or a factory returning one (as `LayerParallel` takes it).
+    net: an `ODENet` or a factory returning one (as `LayerParallel` takes it), or a
+        `LayerParallel` built already (then only `options="auto"` or `policy`).
     comm, settings: as `LayerParallel` takes them (``grid=``, ``timeout=``, ...).
     options: "auto" (default): tuned by measurement on the first training batch (or
         by `tune`); or `MGRITOptions` run under the adaptive `policy`.
@@ -97,8 +98,17 @@ class Auto:
         except Exception as exc:  # noqa: BLE001 - agreed by the model's constructor
             err = exc
         key = {**({"accuracy": None} if pol is None else pol.key()), "auto": tune}
-        self.model = LayerParallel(net, comm, None if tune else options, backward_options,
-                                   above=(key, err), **settings)
+        if isinstance(net, LayerParallel):  # a model built already: its settings stand
+            if err is None and (comm is not None or settings or backward_options is not None
+                                or not (tune or options is None)):
+                err = TypeError("with a LayerParallel, pass only `options='auto'` or a "
+                                "`policy` (its other settings are the model's)")
+            world = net.transport if net.grid is None else net.grid.world
+            world.agree(key, err, "Auto settings (auto, accuracy)")
+            self.model = net
+        else:
+            self.model = LayerParallel(net, comm, None if tune else options,
+                                       backward_options, above=(key, err), **settings)
         self.tuner: Optional[AutoTuner] = None
         self.accuracy: Any
         if tune:
