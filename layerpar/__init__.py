@@ -1,11 +1,11 @@
 """layerpar: layer-parallel training of deep residual networks with MGRIT.
 
 The library: `layerpar.mgrit` (MGRIT options, `solve`, transports), `layerpar.ode` (the
-serial `ODENet` oracle, blocks, refinement), `layerpar.parallel` (`LayerParallel`,
-`ProcessGrid`) and `layerpar._native` (the C engine).  The applications built on it,
-everything a user runs (the ``layerpar`` command, training, the benchmarks of
-``python -m layerpar.bench``, the studies, the job launcher), live in `layerpar.apps`;
-the library never imports them.
+serial `ODENet` oracle, blocks, refinement), `layerpar.parallel` (`LayerParallel`;
+`Auto`, the policy above it; `ProcessGrid`) and `layerpar._native` (the C engine).  The
+applications built on it, everything a user runs (the ``layerpar`` command, training,
+the benchmarks of ``python -m layerpar.bench``, the studies, the job launcher), live in
+`layerpar.apps`; the library never imports them.
 
 The public names are imported lazily, so ``import layerpar.ode`` (the serial
 oracle) never loads the native engine or MPI.
@@ -15,12 +15,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ConvergenceError", "DivergenceError", "EngineError", "LayerParallel", "MGRITError",
-           "MGRITOptions", "MGRITResult", "ODENet", "ProcessGrid", "RankLostError",
+__all__ = ["Auto", "ConvergenceError", "DivergenceError", "EngineError", "LayerParallel",
+           "MGRITError", "MGRITOptions", "MGRITResult", "ODENet", "ProcessGrid", "RankLostError",
            "RankMismatchError", "RemoteError", "mgrit", "ode", "parallel", "solve"]
 __version__ = "0.1.0"
 
 _WHERE = {
+    "Auto": "layerpar.parallel",
     "LayerParallel": "layerpar.parallel",
     "ProcessGrid": "layerpar.parallel",
     "MGRITOptions": "layerpar.mgrit.options",

@@ -121,7 +121,7 @@ def test_captured_twin_runs_the_setting_of_the_moment(
     assert fixed_settings(model)[1] == MGRITOptions(max_levels=1, tol=0.0)
     ctl.exact = False
     # a re-tuning chooses anew (a new chosen setting): captured again
-    model._auto.tune(model, x, y, CE)
+    model.tuner.tune(model.model, x, y, CE)
     assert model.tuner.chosen is not chosen
     assert step.refresh(x, y) and step.captures == 4
     step.close()

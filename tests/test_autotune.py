@@ -127,7 +127,7 @@ def test_serial_choice_at_one_rank_runs_the_net_itself(monkeypatch: pytest.Monke
     model = LayerParallel(net, None, "auto", accuracy=AccuracyPolicy(max_rel_error=1e-6))
     got = model.tune(x, y, loss)
     assert got.choice.candidate.exact and got.choice.candidate.name(1) == "serial autograd"
-    assert model._auto.plain is net
+    assert model.tuner.plain is net
 
     def refused(*args: Any) -> None:
         raise AssertionError("a layer-parallel pass ran")
@@ -151,9 +151,9 @@ def test_serial_choice_at_one_rank_runs_the_net_itself(monkeypatch: pytest.Monke
     model(x)
     assert net.training
     chosen, fwd, bwd = fixed_settings(model)
-    assert chosen is model._auto.chosen and fwd.max_levels == bwd.max_levels == 1
+    assert chosen is model.tuner.chosen and fwd.max_levels == bwd.max_levels == 1
     model.close()
-    assert model._auto.plain is None
+    assert model.tuner.plain is None
 
 
 def test_within_the_bound_picks_mgrit_and_watches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,25 +171,25 @@ def test_within_the_bound_picks_mgrit_and_watches(monkeypatch: pytest.MonkeyPatc
     # the bound tightens below the chosen setting's error: the next gradient check
     # finds it outside; nothing changes until the check after confirms it (one batch's
     # error is a noisy estimate), which is due after check_every batches
-    model._auto.policy = AccuracyPolicy(max_rel_error=c.rel_error / 2)
+    model.tuner.policy = AccuracyPolicy(max_rel_error=c.rel_error / 2)
     ctl = model.accuracy
     iters = (ctl.fwd_iters, ctl.bwd_iters)
     got = model.check_gradients(x, y, torch.nn.functional.cross_entropy)
     assert got.param_grad_error == c.rel_error  # the chosen setting, measured again
-    assert len(model._auto.results) == 1 and model._auto.unconfirmed
+    assert len(model.tuner.results) == 1 and model.tuner.unconfirmed
     assert model.accuracy is ctl and (ctl.fwd_iters, ctl.bwd_iters) == iters
     assert ctl.check_due(ctl.policy.check_every) and not ctl.log
     # ... and then tunes again, on that batch
     got = model.check_gradients(x, y, torch.nn.functional.cross_entropy)
-    assert len(model._auto.results) == 2, model._auto.results[-1].lines()
-    assert not model._auto.unconfirmed
-    again = model._auto.results[1].choice
+    assert len(model.tuner.results) == 2, model.tuner.results[-1].lines()
+    assert not model.tuner.unconfirmed
+    again = model.tuner.results[1].choice
     assert again.within and again.rel_error <= c.rel_error / 2
     assert again.candidate != c.candidate
     # the re-tuning timed only candidates the first did not: pass times depend on the
     # machine and the shapes, not the weights; the errors were all measured again
-    first = {m.candidate: m.seconds for m in model._auto.results[0].table}
-    second = model._auto.results[1]
+    first = {m.candidate: m.seconds for m in model.tuner.results[0].table}
+    second = model.tuner.results[1]
     assert second.reused == sum(m.candidate in first for m in second.table) >= 2
     assert all(m.seconds == first[m.candidate] for m in second.table if m.candidate in first)
     # every candidate faster than the choice had its error measured (one as fast is
@@ -216,8 +216,8 @@ def test_retuning_reuses_timings_and_the_remaining_budget(
     n_first = len(calls)
     for _ in range(10):
         model(x)
-    model._auto.tune(model, x, y, torch.nn.functional.cross_entropy)
-    assert len(calls) == n_first and model._auto.results[1].reused >= 2
+    model.tuner.tune(model.model, x, y, torch.nn.functional.cross_entropy)
+    assert len(calls) == n_first and model.tuner.results[1].reused >= 2
     assert seen == [1000, 990]
     model.close()
 
@@ -441,7 +441,7 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
     _fixed_cost(monkeypatch)
     net, x, y = _stiff_batch(1.0)
     model = LayerParallel(net, None, "auto")
-    assert model._auto.policy.noise_fraction == at.NOISE_FRACTION
+    assert model.tuner.policy.noise_fraction == at.NOISE_FRACTION
     got = model.tune(x, y, torch.nn.functional.cross_entropy)
     noise = at.gradient_noise(model, x, y, torch.nn.functional.cross_entropy)
     assert got.noise == noise
@@ -461,7 +461,7 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
     every = ctl.policy.check_every
     assert ctl.backoff == 2
     exact = min(m.seconds for m in got.table if m.candidate.exact)
-    share = model._auto._noise_share()
+    share = model.tuner._noise_share()
     assert ctl.min_every == at._check_interval(got.choice.seconds, exact, share) == \
         math.ceil((got.choice.seconds + exact * (1 + share))
                   / (at.CHECK_SHARE * got.choice.seconds))
@@ -472,13 +472,13 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
     # a later check measures the noise again (on another batch here) and holds the
     # chosen setting to that bound (forced: this batch's noise pins the bound at the
     # cap, which is re-measured every few checks only, see the next test)
-    model._auto.noise = None
+    model.tuner.noise = None
     x2 = x.flip(0)
     model.check_gradients(x2, y.flip(0), torch.nn.functional.cross_entropy)
     noise2 = at.gradient_noise(model, x2, y.flip(0), torch.nn.functional.cross_entropy)
-    assert model._auto.remeasured.max_rel_error == min(at.NOISE_CAP,
+    assert model.tuner.remeasured.max_rel_error == min(at.NOISE_CAP,
                                                        at.NOISE_FRACTION * noise2)
-    assert model.accuracy.policy is model._auto.remeasured
+    assert model.accuracy.policy is model.tuner.remeasured
     model.close()
     explicit = AccuracyPolicy(max_rel_error=1e-6, max_iters=1)  # 1/1 iterations only
     model = LayerParallel(net, None, "auto", accuracy=explicit)
@@ -618,7 +618,7 @@ def test_pinned_bound_measures_the_noise_every_few_checks(
     net, x, y = _stiff_batch(1.0)
     model = LayerParallel(net, None, "auto")
     model.tune(x, y, torch.nn.functional.cross_entropy)
-    auto = model._auto
+    auto = model.tuner
     assert model.accuracy is not None, auto.results[-1].lines()
     calls: list[float] = []
     noise = at.gradient_noise
@@ -820,7 +820,7 @@ def test_average_coarsening_is_tried_after_the_ladder(monkeypatch: pytest.Monkey
     assert not inj.within and inj.rel_error > 4 * c.rel_error, got.lines()
     assert "avg" in c.candidate.name()
     assert model.coarsening == "injection"  # the model's own is unchanged; the twin's:
-    assert model._auto.chosen.coarsening == "average"
+    assert model.tuner.chosen.coarsening == "average"
     out = model(x)  # trains through it: a pass of the chosen twin
     out.sum().backward()
     model.close()
@@ -841,7 +841,7 @@ def test_one_check_outside_the_bound_changes_nothing(monkeypatch: pytest.MonkeyP
     loss = torch.nn.functional.cross_entropy
     model = LayerParallel(net, None, "auto", accuracy=AccuracyPolicy(max_rel_error=0.05))
     c = model.tune(x, y, loss).choice
-    auto, ctl = model._auto, model.accuracy
+    auto, ctl = model.tuner, model.accuracy
     auto.policy = AccuracyPolicy(max_rel_error=c.rel_error / 2)
     model.check_gradients(x, y, loss)
     assert auto.unconfirmed and ctl.min_every == 0 and ctl.backoff == 1

@@ -36,7 +36,15 @@ from torch import Tensor, nn
 from ..mgrit.options import MGRITOptions
 from ..mgrit.xbraid import BUILD_HINT, xbraid_available
 from ..ode.refine import refine
-from ..parallel import DASO, AutoCapturedStep, LayerParallel, Lion, ProcessGrid, SlowLink
+from ..parallel import (
+    DASO,
+    Auto,
+    AutoCapturedStep,
+    LayerParallel,
+    Lion,
+    ProcessGrid,
+    SlowLink,
+)
 from ..parallel.timing import SpanTimer
 from . import data
 from .arguments import add_arguments
@@ -254,7 +262,8 @@ def train(model_name: str, *, comm: Any = None, config: Optional[TrainConfig] = 
         _tune(run)
         for stage, (layers, stage_epochs) in enumerate(run.stages):
             if stage:  # nested iteration: the trained net, refined, goes on training
-                run.model = refine(run.model, 2)
+                run.model = run.model.refine(2) if isinstance(run.model, Auto) \
+                    else refine(run.model, 2)
             opt, schedule, captured = _stage(run, stage_epochs)
             for epoch in range(1, stage_epochs + 1):
                 _epoch(run, layers, f"epoch {epoch}/{stage_epochs}", opt, schedule,
@@ -377,7 +386,7 @@ def _build(config: TrainConfig, comm: Any, rank: int, size: int) -> _Run:
     return _Run(config=c, rank=rank, size=size, net=net, model=model, grid=grid,
                 loader=loader, shard=grid.shard if grid is not None else to_device,
                 x_val=x_val.to(c.device), y_val=y_val.to(c.device),
-                clock=_Clock(model if isinstance(model, LayerParallel) else None, c.device),
+                clock=_Clock(model if isinstance(model, (LayerParallel, Auto)) else None, c.device),
                 step_mode=step_mode, check_every=check_every, fwd=fwd, stages=stages)
 
 
@@ -406,7 +415,7 @@ def _stage(run: _Run, epochs: int) -> tuple[torch.optim.Optimizer, Any, Any]:
     else:  # a captured step reads the learning rate from a tensor
         opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(c.lr, device=c.device),
                                capturable=True)
-    if run.grid is not None and isinstance(model, LayerParallel):
+    if run.grid is not None and isinstance(model, (LayerParallel, Auto)):
         run.grid.sync.attach(model, opt)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs * len(run.loader))
     captured: Any = None
@@ -547,9 +556,9 @@ def _result(run: _Run) -> TrainResult:
     """What the training did, from its state."""
     c, model, grid = run.config, run.model, run.grid
     last = run.history[-1]
-    tuner = model.tuner if isinstance(model, LayerParallel) else None
+    tuner = model.tuner if isinstance(model, (LayerParallel, Auto)) else None
     sync_figures: dict[str, Any] = {}
-    if grid is not None and isinstance(model, LayerParallel) and model.averager is not None:
+    if grid is not None and isinstance(model, (LayerParallel, Auto)) and model.averager is not None:
         sync_figures["allreduce_ms_per_batch"] = (1000.0 * model.averager.total_seconds
                                                   / run.total_steps)
     if grid is not None:
@@ -613,7 +622,7 @@ def _auto_check_note(model: Any, batch: int, got: Any) -> Optional[str]:
     """Under auto, for a check (at `batch`, measuring `got`) outside the bound it was
     held to: the bound, and what auto did about it (`AutoTuner.last_check`); else
     None."""
-    tuner = model.tuner if isinstance(model, LayerParallel) else None
+    tuner = model.tuner if isinstance(model, (LayerParallel, Auto)) else None
     last = None if tuner is None else tuner.last_check
     if last is None or last[0] != batch:
         return None
@@ -679,7 +688,7 @@ def _levels_note(model: Any, fwd: MGRITOptions) -> Optional[str]:
     has two or more): segments too short to coarsen, whose solves are then exact
     propagation, which the summary names without saying why.  (Fewer levels than
     asked, but two or more, is MGRIT's ordinary cap: `MGRITOptions.min_coarse`.)"""
-    if fwd.max_levels <= 1 or not isinstance(model, LayerParallel):
+    if fwd.max_levels <= 1 or not isinstance(model, (LayerParallel, Auto)):
         return None
     got = [(s.n_steps, len(s.forward.levels)) for s in model.plan.segments]
     if not got or any(k > 1 for _, k in got):
@@ -747,7 +756,8 @@ class _Clock:
     (no host synchronisation per step), so the work they queued ends inside the span
     it belongs to, not in the evaluation after it."""
 
-    def __init__(self, model: Optional[LayerParallel], device: str = "cpu") -> None:
+    def __init__(self, model: Optional[Union[LayerParallel, Auto]], device: str = "cpu"
+                 ) -> None:
         self.model, self.seconds, self._t0 = model, 0.0, None
         self.cuda = torch.device(device).type == "cuda"
 

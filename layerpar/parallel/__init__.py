@@ -1,9 +1,13 @@
 """`LayerParallel`: an `ODENet` distributed over the ranks of a communicator.
 
-model.py      LayerParallel (the nn.Module) and its autograd Function: the pass over
-              plain layers and segments, gradients out; exact propagation as a mode
-              (`exact()`) and narrow hooks for the helper modules (`like`, ...)
+model.py      LayerParallel (the nn.Module) and its autograd Function: one fixed setting,
+              the pass over plain layers and segments, gradients out; a narrow seam
+              for the policy above it (`exact()`, `set_iterations`, `like`, ...)
+auto.py       Auto: the policy above the model (auto-tuning, adaptive accuracy), called
+              like the model; ``LayerParallel(..., "auto")`` and ``accuracy=`` build one
 agree.py      what ranks must agree on before a pass (digests, fingerprints, refusals)
+passes.py     one pass: the forward over plain layers and segments, the backward in
+              reverse, direct mode's forward onto the caller's graph
 plan.py       Plan: which rank owns which layers on each level, ghosts, sends (printable)
 runner.py     one segment on one rank: its share of the plan, its one propagator (Φ,
               `layerpar.ode.propagator`), its two engine sessions, and the choice of
@@ -25,8 +29,9 @@ grid.py       ProcessGrid: data replicas x layer ranks over one communicator
 replicas.py   gradients averaged over the replicas (bucketed, overlapped reductions)
 checkpoint.py state dicts and optimizer state gathered, loaded on any rank count
 accuracy.py   check_gradients: the inexact gradient against the exact one, measured
+              (a measurement: it imports no model)
 adaptive.py   adaptive accuracy: iteration counts against a bound on gradient error
-autotune.py   options="auto": candidates timed, gradient error against a measured bound
+autotune.py   Auto's tuning: candidates timed, gradient error against a measured bound
 replicated.py every rank runs the whole net serially: auto's step aside at P > 1 ranks
 refine.py     nested iteration on a LayerParallel (refinement in depth, in place)
 sync.py       how replicas stay in step: all-reduce, DASO, Lion Cub; bytes; slow link
@@ -38,6 +43,7 @@ lion.py       the Lion optimizer
 # would be charged to whichever setting ran first (auto's timings, time to target).
 import torch.fx.experimental.symbolic_shapes  # noqa: F401, E402
 
+from .auto import Auto
 from .baselines import DataParallelNet, PipelineNet, TrainingMethod
 from .capture import AutoCapturedStep, CapturedStep, capture_step
 from .grid import ProcessGrid
@@ -46,6 +52,6 @@ from .model import LayerParallel
 from .plan import Plan
 from .sync import DASO, AllReduce, LionCub, SlowLink, SyncStrategy
 
-__all__ = ["DASO", "AllReduce", "AutoCapturedStep", "CapturedStep", "LayerParallel", "Lion",
+__all__ = ["DASO", "AllReduce", "Auto", "AutoCapturedStep", "CapturedStep", "LayerParallel", "Lion",
            "LionCub", "Plan", "ProcessGrid", "SlowLink", "SyncStrategy", "capture_step"]
 __all__ += ["DataParallelNet", "PipelineNet", "TrainingMethod"]  # baselines/

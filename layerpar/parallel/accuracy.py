@@ -33,7 +33,9 @@ from .tape import input_leaf
 
 if TYPE_CHECKING:
     from ..mgrit.result import MGRITResult
-    from .model import LayerParallel
+
+#: a `LayerParallel` (the model measured): not imported, as the model imports this module
+_Model = Any
 
 __all__ = ["ExactReference", "GradientCheck", "check_gradients", "exact_reference"]
 
@@ -110,7 +112,7 @@ class GradientCheck:
                 f"(res {res(self.bwd_residuals)})")
 
 
-def _grads(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
+def _grads(model: _Model, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
            params: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """(output, loss, input gradient, parameter gradients) of one batch, by
     `torch.autograd.grad` (no `.grad` is touched); unused parameters get zeros."""
@@ -149,7 +151,7 @@ class ExactReference:
     seconds: float
 
 
-def _check_params(model: LayerParallel) -> tuple[list[Tensor], dict[int, Optional[int]]]:
+def _check_params(model: _Model) -> tuple[list[Tensor], dict[int, Optional[int]]]:
     """This rank's trainable parameters (its own layers) and the segment each belongs
     to (None: a plain layer)."""
     params: list[Tensor] = []
@@ -168,7 +170,7 @@ class _Restore:
     last solve statistics.  `rng()` puts the generators back alone (so that two
     passes draw the same dropout masks); leaving the `with` puts back everything."""
 
-    def __init__(self, model: LayerParallel) -> None:
+    def __init__(self, model: _Model) -> None:
         self.model = model
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self._rng = torch.get_rng_state()
@@ -196,7 +198,7 @@ class _Restore:
         self.model.last_forward, self.model.last_backward = self._stats
 
 
-def _exact(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
+def _exact(model: _Model, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
            params: list[Tensor]) -> ExactReference:
     t0 = time.perf_counter()
     with model.exact():
@@ -205,7 +207,7 @@ def _exact(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, A
                           time.perf_counter() - t0)
 
 
-def exact_reference(model: LayerParallel, x: Tensor, y: Any,
+def exact_reference(model: _Model, x: Tensor, y: Any,
                     loss_fn: Callable[[Tensor, Any], Tensor]) -> ExactReference:
     """The exact pass `check_gradients` compares with, run once (collective) for
     several checks of this batch at these parameter values (models sharing the
@@ -240,7 +242,7 @@ def _final(stats: list[MGRITResult]) -> tuple[tuple[int, ...], tuple[Optional[fl
     return iters, res
 
 
-def _check_arguments(model: LayerParallel, x: Any, y: Any, loss_fn: Any) -> None:
+def _check_arguments(model: _Model, x: Any, y: Any, loss_fn: Any) -> None:
     if model.closed:
         raise RuntimeError("this LayerParallel was closed; check_gradients needs a model "
                            "that can still run")
@@ -258,7 +260,7 @@ def _check_arguments(model: LayerParallel, x: Any, y: Any, loss_fn: Any) -> None
                         f"{type(loss_fn).__name__}")
 
 
-def check_gradients(model: LayerParallel, x: Tensor, y: Any,
+def check_gradients(model: _Model, x: Tensor, y: Any,
                     loss_fn: Callable[[Tensor, Any], Tensor], *,
                     reference: Optional[ExactReference] = None) -> GradientCheck:
     """Compare one batch's inexact gradient with the exact one (collective).

@@ -1,7 +1,8 @@
 """Adaptive accuracy: MGRIT iteration counts managed against a bound on gradient error.
 
-`LayerParallel(..., accuracy=AccuracyPolicy())` (or ``accuracy=True``) hands the
-forward and adjoint iteration counts to an `AccuracyController`:
+`LayerParallel(..., accuracy=AccuracyPolicy())` (or ``accuracy=True``) builds an `Auto`
+(`layerpar.parallel.auto`), the policy above the model, which hands the model's forward
+and adjoint iteration counts to an `AccuracyController` (`forward_adaptive`):
 
 - **Measured gradient error.**  Each `check_gradients` result (the training loop runs
   one every `check_every` batches; `layerpar train --adaptive` does) is compared with
@@ -14,7 +15,7 @@ forward and adjoint iteration counts to an `AccuracyController`:
   iteration >= `stall_factor`) or becomes non-finite switches the model to *exact
   propagation*, and the batch is recomputed exactly (a rate needs two measured
   residuals, see `AccuracyPolicy.stall_factor`): a sequential solve on the same
-  ranks and plan (`LayerParallel.exact`, a mode of the same model), with the same parameter
+  ranks and plan (`LayerParallel.exact`, on the same model), with the same parameter
   tensors, so the optimizer and its state carry on unchanged.  The same happens when
   the iteration counts would exceed `max_iters`.
 - **Cost.**  A gradient check also times the inexact and the exact pass (the slowest
@@ -42,8 +43,12 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
+from torch import Tensor
+
 from .._checks import boolean, finite_in, positive_float, positive_int
 from ..defaults import MAX_REL_ERROR, MIN_COSINE
+from ..mgrit.errors import DivergenceError
 from ..mgrit.options import MGRITOptions
 
 if TYPE_CHECKING:
@@ -352,9 +357,50 @@ class AccuracyController:
         return f"{mode}{check}, {len(self.log)} change(s)"
 
 
-def apply_iterations(model: LayerParallel) -> None:
+def apply_iterations(model: LayerParallel, ctl: AccuracyController) -> None:
     """Give the model's segment solves the controller's iteration counts."""
-    ctl = model.accuracy
-    assert ctl is not None
     fwd, bwd = ctl.options(model.options, model.backward_options)
     model.set_iterations(fwd.max_iter, bwd.max_iter)
+
+
+def forward_adaptive(model: LayerParallel, ctl: AccuracyController, x: Tensor) -> Tensor:
+    """A forward pass of `model` under adaptive accuracy: MGRIT with the controller's
+    iteration counts, or exact propagation (`LayerParallel.exact`); a pass that stalls
+    or diverges is recomputed exactly, in the same batch."""
+    batch = model.batch + 1
+    if ctl.exact and not ctl.exact_for_cost and batch % ctl.policy.probe_every == 0:
+        # after a stall: is MGRIT usable again?
+        apply_iterations(model, ctl)
+        try:
+            with torch.no_grad():
+                model(x)
+            why = ctl.stalled(model.last_forward)
+        except DivergenceError as exc:
+            why = str(exc)
+        if why is None:
+            ctl.to_mgrit(batch, "a probe's forward residual shrinks again")
+        else:
+            model.batch -= 1  # the probe was not a batch of its own
+    if ctl.exact:
+        return _forward_exact(model, x)
+    apply_iterations(model, ctl)
+    try:
+        y = model(x)
+    except DivergenceError as exc:
+        ctl.to_exact(model.batch, str(exc).split(":")[0])
+        return _forward_exact(model, x, again=True)
+    why = ctl.stalled(model.last_forward)
+    if why is not None:
+        ctl.to_exact(model.batch, why)
+        del y
+        return _forward_exact(model, x, again=True)
+    return y
+
+
+def _forward_exact(model: LayerParallel, x: Tensor, again: bool = False) -> Tensor:
+    """This batch with exact propagation; `again`: the batch's MGRIT pass was
+    dropped, so the batch is not counted twice."""
+    if again:
+        model.batch -= 1
+    with model.exact():
+        return model(x)

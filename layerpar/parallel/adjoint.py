@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from itertools import chain, compress
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -30,8 +30,8 @@ from .batched import (
 from .sharing import add
 from .tape import Tape
 
-if TYPE_CHECKING:
-    from .runner import SegmentRunner
+#: a `layerpar.parallel.runner.SegmentRunner`: not imported, as the runner imports this module
+_Runner = Any
 
 __all__ = ["AdjointApp"]
 
@@ -101,7 +101,7 @@ class AdjointApp(StateOps):
     grid, a coarse step on coarse levels), linearised at the forward state u_{N-m_b}.
     """
 
-    def __init__(self, runner: SegmentRunner, sequential: bool) -> None:
+    def __init__(self, runner: _Runner, sequential: bool) -> None:
         self.r = runner
         self.sequential = sequential  # the adjoint solve has one level (chain_vjp)
         self.deferred: Optional[list[Tensor]] = None  # see ForwardApp

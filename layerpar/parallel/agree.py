@@ -23,6 +23,7 @@ from ..mgrit.xbraid import (
     xbraid_refusal,
 )
 from ..ode.net import ODENet, Segment
+from ..ode.rng import draw_seed
 from .batched import structure
 
 __all__ = ["Agreed", "check_xbraid", "fingerprint", "layer_key", "same_values",
@@ -116,3 +117,95 @@ def check_xbraid(transport: Transport, net: ODENet, options: MGRITOptions,
         why = layer_partition_refusal(seg.n_steps, transport.size)
         if why is not None:
             raise ValueError(why)
+
+
+#: a `LayerParallel` (the model whose pass is agreed on): not imported, as the model
+#: imports this module
+LayerParallel = Any
+
+
+def agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
+    """One collective per forward pass, before any other message: every rank has the
+    same input shape, dtype, training and grad mode, and every rank takes the same
+    path.  A pass records for the backward if any rank has something to
+    differentiate (its input or a trainable parameter), so a rank whose own
+    parameters are all frozen still joins the backward; the input's gradient is
+    sent back if any rank wants it.  Also brings rank 0's dropout seed."""
+    grad_mode = torch.is_grad_enabled()
+    x_rg = bool(x.requires_grad)
+    p_rg = any(p.requires_grad for p in model._param_list)  # type: ignore[union-attr]
+    # drawn on every rank (rank 0's is used): each rank's global generator then
+    # advances as serial `ODENet.forward` advances it, and the ranks' generators
+    # stay in step (a DataLoader shuffling from them gives every rank the same batches)
+    seed = draw_seed() if model.training and model._has_dropout else None
+    key = (tuple(x.shape), str(x.dtype), model.training, grad_mode)
+    if model._agreements is not None:
+        return agree_on_grid(model, x, key, x_rg, p_rg, seed)
+    if model.size == 1:
+        return Agreed(grad_mode and (x_rg or p_rg), x_rg, seed)
+    probe = values_fingerprint(x) if model._batch <= model.check_inputs else None
+    got = model.guard(lambda: model.transport.allgather_object(
+        (key, x_rg, p_rg, seed, probe), "the forward pass's agreement on the input"))
+    keys = [g[0] for g in got]
+    if any(k != keys[0] for k in keys):
+        raise RankMismatchError(f"the input differs between ranks (shape, dtype, "
+                                f"training, grad mode): {keys}")
+    same_values([g[4] for g in got], "the input `x`", "pass the same batch on every "
+                 "rank (only rank 0's is used)")
+    any_x = any(g[1] for g in got)
+    return Agreed(grad_mode and (any_x or any(g[2] for g in got)), any_x, got[0][3])
+
+
+def agree_on_grid(model: LayerParallel, x: Tensor, key: tuple, x_rg: bool, p_rg: bool,
+                   seed: Optional[int]) -> Agreed:
+    """`_agree` on a grid with replicas: one collective over the whole grid, each
+    process checking every group from it, so a mismatch raises alike everywhere.
+    Replicas hold other samples of the same shapes, and take the same kind of pass
+    (exact propagation hands its gradients to the replicas' averaging layer by
+    layer, MGRIT's batched records several layers at a time, and the reductions
+    must pair up bucket by bucket); the ranks of a replica hold the same input.
+    (Checked per group before, a mismatch inside one replica raised on some ranks
+    and left the others waiting out the timeout, and a rank that skipped a
+    backward() was found only by the timeout.)"""
+    assert model.grid is not None and model._agreements is not None
+    probe = values_fingerprint(x) if model.size > 1 and \
+        model._batch <= model.check_inputs else None
+    model._agreements.set_context(f"batch {model._batch}, forward pass")
+    got = model.guard(lambda: model._agreements.allgather_object(
+        (key, model._exact_pass, x_rg, p_rg, seed, probe),
+        "the forward pass's agreement on the input (whole grid)"))
+    layers = model.grid.layers
+    replicas = [got[d * layers:(d + 1) * layers] for d in range(model.grid.data)]
+
+    def what(k: tuple) -> str:
+        return f"shape {k[0]}, dtype {k[1]}, training={k[2]}, grad mode={k[3]}"
+
+    for d, group in enumerate(replicas):  # the ranks of one replica: the same batch
+        if any(g[0] != group[0][0] for g in group):
+            detail = "; ".join(f"rank {d * layers + q} has {what(g[0])}"
+                               for q, g in enumerate(group))
+            raise RankMismatchError(
+                f"the input differs between the ranks of data replica {d}: {detail}. "
+                "Every rank of a replica must pass the same batch (only its first "
+                "rank's is used)")
+    if any(group[0][0] != got[0][0] for group in replicas):
+        detail = "; ".join(f"replica {d} has {what(group[0][0])}"
+                           for d, group in enumerate(replicas))
+        raise RankMismatchError(
+            f"the input differs between data replicas: {detail}. Every replica must "
+            "pass batches of the same shape (use ProcessGrid.sampler, drop_last=True, "
+            "and the same per-replica batch size)")
+    if any(g[1] != got[0][1] for g in got):
+        exact = sorted({q // layers for q, g in enumerate(got) if g[1]})
+        raise RankMismatchError(
+            f"data replica(s) {exact} run this pass with exact propagation and the "
+            "others with MGRIT: the replicas' gradients could not be averaged "
+            "(`model.exact()` on some replicas only)")
+    for d, group in enumerate(replicas):
+        same_values([g[5] for g in group], f"the input `x` of data replica {d}",
+                    "pass the same batch on every rank of a replica (only its first "
+                    "rank's is used)")
+    mine = replicas[model.grid.data_rank]
+    # every replica records alike (their gradients are averaged pass by pass)
+    record = key[3] and any(g[2] or g[3] for g in got)
+    return Agreed(record, any(g[2] for g in mine), mine[0][4])

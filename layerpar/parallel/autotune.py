@@ -1,103 +1,45 @@
-"""MGRIT settings chosen by measurement: ``LayerParallel(..., options="auto")``.
+"""MGRIT settings chosen by measurement: the tuning of ``Auto`` (``options="auto"``).
 
-How inexact MGRIT's gradients are depends on the network (its stiffness), and how
-fast a setting runs depends on the machine, so neither can be fixed in advance.
-`tune` measures both on the user's own net and batch, on these ranks:
+How inexact MGRIT's gradients are depends on the network, and how fast a setting runs
+depends on the machine, so `tune` measures both on the user's own net and batch, on
+these ranks (docs/guide/accuracy.md says why each step is as it is):
 
-1. At several ranks **replicated serial** (`layerpar.parallel.replicated`: every
-   rank runs the whole net with plain autograd, its own layers' real parameters,
-   the others' refreshed from their owners) is timed first, refresh included: it is
-   exact, costs nothing to set up, and at P > 1 ranks is usually faster than exact
-   propagation, a pipeline of one micro-batch.  Where the net has no batch norm,
-   also with the **batch split**: each rank runs the whole net on its share of the
-   rows and one all-reduce sums the gradients (the batch's gradient, to round-off),
-   which pays where a pass's arithmetic, not its operations' launch, is the cost.
-   Then **exact propagation**
-   (``max_levels=1`` both ways; at one rank plain serial autograd, the net's own
-   forward through the same modules, timed and run as such; skipped where the budget
-   has no room for it,
-   `EXACT_SETUP` plus its passes, so a small net's tuning costs a few passes).
-   Both are within any bound; the faster is the time to beat.
-2. **MGRIT candidates**, cheapest first: levels and coarsening factor from
-   `STRUCTURES` (those whose sequential coarsest grid outweighs a rank's fine work
-   last, `order_structures`), each at the iteration counts of `ITERATIONS`
-   (forward/adjoint), batched cycles.  A candidate is timed (one untimed pass, then
-   `repeats` passes; the fastest of them, the least disturbed by other load, on the
-   slowest rank; two within `AGREE` of each other end it early; a first pass above
-   `GIVE_UP` times the time to beat ends it there); if it is no faster than the best
-   candidate found so far it is dropped (more iterations would only cost more), else
-   its gradient error is measured with `check_gradients` against exact propagation
-   (one exact pass of the batch, run for the first candidate checked, serves them
-   all: `exact_reference`).
-   The first iteration counts within the bound end that structure's ladder.  A
-   re-tuning that knows every structure's pass time visits them fastest first.  After
-   the ladder, where the model's coarse levels use injection, structures whose first
-   counts (1/1) were timed but outside the bound are tried, fastest first, with
-   **"average" coarsening** (coarse steps evaluate the mean of the spanned layers'
-   parameters, `layerpar.ode.coarsening`; vectorised too, a few % more per pass), as
-   long as they may beat the best found.  A candidate, not a default: on case a of
-   issue 20 it was 40x more accurate than injection at initialisation (relative error
-   0.003 against 0.13, 3 levels, cf 8, 1/1) and 10x less after 480-660 batches of
-   training (1.78-2.14 against 0.20-0.23, 3 and 4 levels, cf 4).
+1. The exact settings: replicated serial (`layerpar.parallel.replicated`; at P > 1
+   ranks), with the batch split where the net has no batch norm, and exact
+   propagation (``max_levels=1`` both ways; at one rank serial autograd, the net's own
+   forward), unless the budget has no room for it (`EXACT_SETUP` plus its passes).
+   The fastest is the time to beat.
+2. MGRIT candidates, cheapest first: (levels, cfactor) from `STRUCTURES` in the order
+   of `order_structures`, each at the iteration counts of `ITERATIONS`, batched.  A
+   candidate is timed (`_time_passes`); one no faster than the best found is dropped,
+   else its gradient error is measured with `check_gradients` against the batch's one
+   exact pass (`exact_reference`).  The first counts within the bound end a
+   structure's ladder.  Then, where the model's coarse levels use injection,
+   structures outside the bound at 1/1 are tried with "average" coarsening, as long as
+   they may beat the best found; then the best with per-step cycles.
+3. The bound: an `AccuracyPolicy` with `min_cosine` / `max_rel_error` as given, or by
+   default (`noise_fraction` = `NOISE_FRACTION`) measured: `gradient_noise` estimates
+   the batch gradient's relative sampling error from its two halves, and a candidate
+   may have that fraction of it (capped at `NOISE_CAP`).
+4. With the training steps to come known, no new candidate is measured once the tuning
+   took `BUDGET` of their expected time (`_Tuning.over`).
+5. `choose`: the fastest within the bound; where no MGRIT setting is both within it
+   and faster than the exact settings, the faster exact one, and why.
 
-   **The bound.**  Given explicitly (`AccuracyPolicy` with `min_cosine` /
-   `max_rel_error`: the cosine and relative error of the parameter gradient), it is
-   used as given.  By default (``noise_fraction`` set, `NOISE_FRACTION` = 0.5) it is
-   *measured*: minibatch SGD already trains with a gradient that is off by its
-   sampling error, so `gradient_noise` estimates that error on the user's own batch
-   (exact gradients of its two halves; ``|g1 - g2| / |g1 + g2|`` is the relative
-   sampling error of the full batch's gradient), and a candidate is accepted where
-   its gradient error is at most half of it (capped at `NOISE_CAP`).  Why half: if
-   MGRIT's error were independent of the sampling error, the two would add in
-   quadrature, and the gradient's total error would grow by at most
-   sqrt(1 + 0.5^2) - 1 = 12 %, what a batch 20 % smaller costs.  MGRIT's error is
-   not random (the same net gives the same error), so the factor is a margin kept
-   below the noise, not an equivalence; the adaptive policy keeps checking it.
-3. The best MGRIT candidate is also timed with per-step (unbatched) cycles.
-4. Given the number of training steps to come (``layerpar train`` gives it), the
-   tuning stops measuring new candidates once it has taken `BUDGET` (5 %) of their
-   expected time (steps x an exact pass), so a small net is not swamped by it.
-5. The choice is the fastest candidate within the bound.  Where none of MGRIT's is
-   both within the bound and faster than the exact settings, auto picks the faster
-   of exact propagation and replicated serial (serial autograd at one rank) and
-   says why.
+`AutoTuner` keeps the results and runs the choice: a twin of the model (`LayerParallel
+.like`: same ranks, same parameter tensors) under the adaptive policy, or a
+`ReplicatedSerial`, or exact propagation (or, at one rank, the net itself:
+`plain_serial`).  Online (`AutoTuner.tune` with ``online=True``) the exact replicated
+settings may be timed on the training's own steps (`_Trial`).  Without a `tune` call
+the first training pass runs exactly and its backward tunes with the loss's gradient
+at the output (`_output_gradient_loss`).  A gradient check outside the bound, confirmed
+by the next, tunes again (at most `max_retunes` times); checks are spread to take about
+`CHECK_SHARE` of the training (`_check_interval`).  Under auto, ``auto.accuracy`` is an
+`AutoAccuracy`: the running setting's controller, and an answer for every setting.
 
-**Online** (``tune(..., online=True)``, what ``layerpar train --auto`` asks for, as
-it trains with the passes that follow): where replicated serial can run, the first
-tuning times the exact replicated settings on the training's own steps instead of on
-passes of their own (`_Trial`): replicated serial trains the first steps; once one is
-timed, either the budget has room for the rest (exact propagation's setup and
-passes), and the tuning above runs then on the first batch, or the two replicated
-settings train a few steps each in turn and the faster is kept.  Their steps are
-exact, so a small net's tuning costs no pass that does not train.
-
-**Without a `tune` call** (a user's own loop): the first training pass runs exact
-propagation, and once its backward is over the tuning runs on that batch with the
-training's own loss as the backward revealed it, its gradient at the output
-(`_output_gradient_loss`: the loss's gradients to first order).  The first gradient
-check is then due at once (`AutoAccuracy.check_due`) and holds the choice to the bound
-on the loss itself, tuning again at once where it is outside.  Batches are numbered
-as the training counts them (training passes from 1; evaluation passes count for
-none), in the tunings' results, the chosen setting's controller and the checks.
-Under auto, ``model.accuracy`` is an `AutoAccuracy`: the running setting's adaptive
-controller where it has one, and an answer for every setting (an exact one has
-nothing to check), so the adaptive check loop works whatever auto chose.
-
-Every rank decides alike: times are the slowest rank's (one small exchange per
-candidate) and gradient checks are reduced over ranks, so the table, and the
-choice taken from it by `choose`, are identical on every rank.  The table and the
-choice are kept in `AutoTuner.results` (and logged by ``layerpar train --auto``).
-What tuning costs (`TuneResult.seconds`) happens inside the first training step and
-counts in every time a training loop reports.
-
-After tuning, the chosen setting runs as a twin of the model (`LayerParallel.like`:
-same ranks, same parameter tensors) under the existing adaptive policy
-(`layerpar.parallel.adaptive`), which keeps watching the gradient error.  A gradient
-check that finds the error outside the bound tunes again on that batch (at most
-`max_retunes` times).  An exact choice has nothing to watch.  The checks back off
-while within the bound (`CHECK_BACKOFF`), and are spread so that they take about
-`CHECK_SHARE` of the training's time: a check costs an exact pass, which can be
-several times the chosen setting's.
+Every rank decides alike: times are the slowest rank's and gradient checks are reduced
+over ranks, so the table and the choice are identical on every rank.  The tuning's
+time (`TuneResult.seconds`) counts in every time a training loop reports.
 """
 from __future__ import annotations
 
@@ -135,7 +77,7 @@ STRUCTURES: tuple[tuple[int, int], ...] = ((2, 4), (3, 4), (4, 4), (3, 8), (2, 8
 #: (forward, adjoint) iteration counts tried on each structure, cheapest first
 ITERATIONS: tuple[tuple[int, int], ...] = ((1, 1), (2, 1), (2, 2), (3, 2))
 #: the default, measured bound: a candidate's relative gradient error may be this
-#: fraction of the batch gradient's measured sampling error (module docstring)
+#: fraction of the batch gradient's measured sampling error (docs/guide/accuracy.md: why)
 NOISE_FRACTION = 0.5
 #: ... but never more than this relative error, however noisy the batch: the largest
 #: error training is known to tolerate here (issue 20: MNIST-1D dense, 1,024 layers,
@@ -635,205 +577,251 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
                      step_seconds)
 
 
+class _Tuning:
+    """One run of `tune`: its state (the table so far, the time to beat, the budget,
+    the bound) and its steps, in the order `_tune` takes them: the exact settings
+    (`time_exact`), the MGRIT ladder (`ladder`), then the choice (`result`)."""
+
+    def __init__(self, model: LayerParallel, x: Tensor, y: Any,
+                 loss_fn: Callable[[Tensor, Any], Tensor], policy: AccuracyPolicy,
+                 repeats: int, batch: int, steps: Optional[int],
+                 known: Optional[dict[Candidate, float]],
+                 built: Optional[dict[Candidate, ReplicatedSerial]],
+                 step_seconds: Optional[float]) -> None:
+        self.t_start = time.perf_counter()
+        self.model, self.x, self.y, self.loss_fn = model, x, y, loss_fn
+        self.policy, self.repeats, self.batch, self.steps = policy, repeats, batch, steps
+        self.built = {} if built is None else built
+        self.known = {} if known is None else known
+        self.step_seconds = step_seconds
+        self.reused = 0
+        self.kept: dict[Candidate, ReplicatedSerial] = {}  # timed, warm: the chosen one is used
+        self.ranks = model.size
+        self.rng = torch.get_rng_state()
+        self.table: list[Measurement] = []
+        self.best_t = math.inf  # the time to beat
+        self.limit: Optional[float] = None
+        self.unit = math.nan  # what the budget counts a training step as (`per_step`)
+        self.best: Optional[Candidate] = None
+        self.stopped = False
+        self.bound: Optional[AccuracyPolicy] = None if policy.noise_fraction is not None \
+            else policy
+        self.noise: Optional[float] = None
+        self.note = ("" if self.bound is None else
+                     f"given: relative error <= {policy.max_rel_error:g}, "
+                     f"cosine >= {policy.min_cosine:g}")
+        self.exact: list[ExactReference] = []  # the batch's exact pass, run for the first check
+
+    def per_step(self) -> float:
+        """What the budget counts a training step as: the time to beat (the fastest
+        exact setting's pass), or the trial's measured step where that is longer."""
+        return max(self.best_t, self.step_seconds or 0.0)
+
+    def replicated(self, cand: Candidate) -> float:
+        """A replicated setting's pass time (refresh included): known, or timed on a
+        new instance, kept warm for `AutoTuner.tune` to run if it is chosen."""
+        if cand in self.known:
+            self.reused += 1
+            t = self.known[cand]
+        else:
+            rep = self.built.pop(cand, None)
+            warm = rep is not None  # (it trained steps of this shape: no warm-up pass)
+            rep = rep or ReplicatedSerial(self.model, split=cand.split)
+            rep.training = self.model.training
+            try:
+                t = _time_passes(self.model, rep, self.x, self.y, self.loss_fn, self.repeats,
+                                 warm=warm)
+            except BaseException:
+                rep.close()
+                raise
+            self.kept[cand] = rep
+        self.table.append(Measurement(cand, t, 0.0, 1.0, True))
+        return t
+
+    def over(self, ahead: float = 0.0) -> bool:
+        """Whether the budget is spent (or would be, after `ahead` more seconds)."""
+        if self.limit is None:
+            return False
+        spent = time.perf_counter() - self.t_start + ahead
+        return max(self.model.transport.allgather_object(spent, "the auto-tuning's clock")) \
+            > self.limit
+
+    def time_exact(self) -> None:
+        """Replicated serial (with the batch split where it can) and exact propagation
+        timed: the time to beat, and the budget counted from it."""
+        model, x, repeats, known, steps = self.model, self.x, self.repeats, self.known, \
+            self.steps
+        if supported(model) is None:  # replicated serial
+            self.best_t = self.replicated(Candidate(1, replicated=True))
+            self.unit = self.per_step()
+            self.limit = None if steps is None else BUDGET * self.unit * steps
+        split = Candidate(1, replicated=True, split=True)  # rows shared over the ranks
+        if split_supported(model) is None and x.shape[0] >= self.ranks and (
+                split in known or not self.over((repeats + 1) * self.best_t)):
+            self.best_t = min(self.best_t, self.replicated(split))
+        if self.step_seconds is None and Candidate(1) not in known and \
+                self.over(EXACT_SETUP + (repeats + 1) * self.best_t):
+            self.stopped = True  # a small net: the budget has no room for exact propagation
+            return
+        if Candidate(1) in known:
+            t_exact = known[Candidate(1)]
+            self.reused += 1
+        elif _serial_alone(model):  # serial autograd: the net itself, as it will run
+            t_exact = _time_passes(model, model.whole_net, x, self.y, self.loss_fn, repeats)
+        else:
+            with model.exact():  # exact propagation on the model itself
+                t_exact = _time_passes(model, model, x, self.y, self.loss_fn, repeats)
+        self.table.insert(0, Measurement(Candidate(1), t_exact, 0.0, 1.0, True))
+        self.best_t = min(self.best_t, t_exact)
+        if steps is not None:
+            self.unit = self.per_step()
+            self.limit = BUDGET * self.unit * steps
+
+    def held_to(self) -> AccuracyPolicy:
+        """The bound, measured on this batch the first time a candidate needs it."""
+        if self.bound is not None:
+            return self.bound
+        policy = self.policy
+        torch.set_rng_state(self.rng)
+        self.noise = noise = gradient_noise(self.model, self.x, self.y, self.loss_fn)
+        if noise is None:
+            self.bound = replace(policy, noise_fraction=None)
+            why = ("no targets (tuned on a forward pass whose backward never came, "
+                   "with a surrogate loss: call tune(x, y, loss_fn) to tune on the "
+                   "training's own)"
+                   if self.y is NO_TARGETS else
+                   "the gradient noise could not be measured on this batch")
+            self.note = (f"{why}, so the default: relative error <= "
+                         f"{self.bound.max_rel_error:g}, cosine >= {self.bound.min_cosine:g}")
+        else:
+            assert policy.noise_fraction is not None
+            self.bound = policy.measured(noise, NOISE_CAP)
+            self.note = (f"measured: the batch gradient's relative sampling error is "
+                         f"{noise:.3g} (exact gradients of the two half batches); a "
+                         f"candidate may have {policy.noise_fraction:g} x that = relative "
+                         f"error <= {self.bound.max_rel_error:.3g}"
+                         + (f" (capped at {NOISE_CAP:g})" if policy.noise_fraction * noise
+                            > NOISE_CAP else ""))
+        return self.bound
+
+    def measure(self, cand: Candidate) -> Measurement:
+        """An MGRIT candidate's pass time and, where it beats the best found, its
+        gradient error against the batch's exact pass."""
+        model, x, y, loss_fn = self.model, self.x, self.y, self.loss_fn
+        t = self.known.get(cand)
+        if t is not None:
+            self.reused += 1
+            if t >= self.best_t:
+                return Measurement(cand, t)
+        twin = _build(model, cand, None)
+        try:
+            if t is None:
+                t = _time_passes(model, twin, x, y, loss_fn, self.repeats, self.best_t)
+            if t >= self.best_t:
+                return Measurement(cand, t)
+            limit_ = self.held_to()
+            torch.set_rng_state(self.rng)
+            if not self.exact:
+                self.exact.append(exact_reference(model, x, y, loss_fn))
+            check = check_gradients(twin, x, y, loss_fn, reference=self.exact[0])
+            return Measurement(cand, t, check.param_grad_error, check.cosine,
+                               _within(check, limit_))
+        finally:
+            _drop(twin)
+
+    def _found(self, m: Measurement) -> None:
+        self.best, self.best_t = m.candidate, m.seconds
+
+    def ladder(self) -> None:
+        """The MGRIT candidates: per structure, iteration counts cheapest first (the
+        first within the bound ends the structure's ladder); then "average"
+        coarsening on the structures outside the bound at the first counts; then the
+        best with per-step cycles."""
+        missed: list[Measurement] = []  # first iteration counts timed, outside the bound
+        structures = _structures(self.model)
+        known = self.known
+        if all(Candidate(levels, cf) in known for levels, cf in structures):
+            # a re-tuning with every structure's pass time known: fastest first, so that
+            # the first within the bound ends the search (every later one is slower,
+            # dropped without a check), rather than a slow accurate one taking the
+            # budget first
+            structures.sort(key=lambda lc: known[Candidate(*lc)])
+        for levels, cf in structures:
+            if self.stopped:
+                break
+            for fi, bi in ITERATIONS:
+                if max(fi, bi) > self.policy.max_iters:
+                    break
+                if self.over():
+                    self.stopped = True
+                    break
+                m = self.measure(Candidate(levels, cf, fi, bi))
+                self.table.append(m)
+                if m.rel_error is None:  # slower than what we have: more iterations won't help
+                    break
+                if m.within:
+                    self._found(m)
+                    break
+                if (fi, bi) == ITERATIONS[0]:
+                    missed.append(m)
+        if _average_possible(self.model):
+            # structures timed at the first counts but outside the bound, with averaged
+            # coarse levels (a few % more per pass; sometimes far more accurate,
+            # sometimes far less): after the ladder, so that they never take its budget,
+            # and only where they may beat the best found (their time is that of
+            # injection's + 10 %)
+            for m in sorted(missed, key=lambda m: m.seconds):
+                if self.stopped or m.seconds * 1.1 >= self.best_t:
+                    break
+                if self.over():
+                    self.stopped = True
+                    break
+                got = self.measure(replace(m.candidate, coarsening="average"))
+                self.table.append(got)
+                if got.within:
+                    self._found(got)
+                    break
+        if self.best is not None and not (self.stopped or self.over()):
+            # the same with per-step cycles
+            self.table.append(self.measure(replace(self.best, batched=False)))
+
+    def result(self, loss_note: str) -> TuneResult:
+        """The choice from the table, and what the tuning measured (collective)."""
+        torch.set_rng_state(self.rng)
+        for rep in self.built.values():  # (built, not timed: not kept)
+            rep.close()
+        choice, reason = choose(self.table, self.ranks)
+        if self.stopped:
+            reason += (f" (tuning stopped after {len(self.table)} candidates: it may take "
+                       f"{100 * BUDGET:g}% of the expected training time, {self.steps} "
+                       f"steps x {1e3 * self.unit:.1f} ms)")
+        spent = time.perf_counter() - self.t_start
+        spent = max(self.model.transport.allgather_object(spent, "the auto-tuning's duration"))
+        note = self.note
+        if self.bound is None:
+            note = (f"to be measured ({self.policy.noise_fraction:g} x the batch's gradient "
+                    "noise); no MGRIT candidate needed it")
+        return TuneResult(self.table, choice, reason, spent, self.ranks, self.batch,
+                          self.noise, self.bound, loss_note + note, self.reused,
+                          kept=self.kept)
+
+
 def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
           policy: AccuracyPolicy, repeats: int, batch: int, steps: Optional[int],
           known: Optional[dict[Candidate, float]],
           built: Optional[dict[Candidate, ReplicatedSerial]],
           step_seconds: Optional[float] = None) -> TuneResult:
-    t_start = time.perf_counter()
-    built = {} if built is None else built
-    known = {} if known is None else known
-    reused = 0
-    kept: dict[Candidate, ReplicatedSerial] = {}  # timed, warm: the chosen one is used
-    ranks = model.size
-    rng = torch.get_rng_state()
-    table: list[Measurement] = []
-    best_t = math.inf  # the time to beat
-    limit: Optional[float] = None
-    unit = math.nan  # what the budget counts a training step as (`per_step`)
-
-    def per_step() -> float:
-        """What the budget counts a training step as: the time to beat (the fastest
-        exact setting's pass), or the trial's measured step where that is longer."""
-        return max(best_t, step_seconds or 0.0)
-
-    def replicated(cand: Candidate) -> float:
-        """A replicated setting's pass time (refresh included): known, or timed on a
-        new instance, kept warm for `AutoTuner.tune` to run if it is chosen."""
-        nonlocal reused
-        if cand in known:
-            reused += 1
-            t = known[cand]
-        else:
-            rep = built.pop(cand, None)
-            warm = rep is not None  # (it trained steps of this shape: no warm-up pass)
-            rep = rep or ReplicatedSerial(model, split=cand.split)
-            rep.training = model.training
-            try:
-                t = _time_passes(model, rep, x, y, loss_fn, repeats, warm=warm)
-            except BaseException:
-                rep.close()
-                raise
-            kept[cand] = rep
-        table.append(Measurement(cand, t, 0.0, 1.0, True))
-        return t
-
-    if supported(model) is None:  # replicated serial
-        best_t = replicated(Candidate(1, replicated=True))
-        unit = per_step()
-        limit = None if steps is None else BUDGET * unit * steps
-    best: Optional[Candidate] = None
-    stopped = False
-    bound: Optional[AccuracyPolicy] = None if policy.noise_fraction is not None else policy
-    noise: Optional[float] = None
-    note = ("" if bound is None else f"given: relative error <= {policy.max_rel_error:g}, "
-            f"cosine >= {policy.min_cosine:g}")
+    run = _Tuning(model, x, y, loss_fn, policy, repeats, batch, steps, known, built,
+                  step_seconds)
+    run.time_exact()
     # (no tune() call: the first training pass's backward revealed the loss)
     loss_note = ("the gradients are the training loss's to first order, from its "
                  "gradient at the first training pass's output (tuned at its backward; "
                  "the first gradient check, due at once, holds the choice to the bound "
                  "on the loss itself, and tunes again where it is outside); "
                  if loss_fn is _output_gradient_loss else "")
-
-    def over(ahead: float = 0.0) -> bool:
-        """Whether the budget is spent (or would be, after `ahead` more seconds)."""
-        if limit is None:
-            return False
-        spent = time.perf_counter() - t_start + ahead
-        return max(model.transport.allgather_object(spent, "the auto-tuning's clock")) \
-            > limit
-
-    split = Candidate(1, replicated=True, split=True)  # rows shared over the ranks
-    if split_supported(model) is None and x.shape[0] >= ranks and (
-            split in known or not over((repeats + 1) * best_t)):
-        best_t = min(best_t, replicated(split))
-    if step_seconds is None and Candidate(1) not in known and \
-            over(EXACT_SETUP + (repeats + 1) * best_t):
-        stopped = True  # a small net: the budget has no room for exact propagation
-    else:
-        if Candidate(1) in known:
-            t_exact = known[Candidate(1)]
-            reused += 1
-        elif _serial_alone(model):  # serial autograd: the net itself, as it will run
-            t_exact = _time_passes(model, model.whole_net, x, y, loss_fn, repeats)
-        else:
-            with model.exact():  # exact propagation on the model itself
-                t_exact = _time_passes(model, model, x, y, loss_fn, repeats)
-        table.insert(0, Measurement(Candidate(1), t_exact, 0.0, 1.0, True))
-        best_t = min(best_t, t_exact)
-        if steps is not None:
-            unit = per_step()
-            limit = BUDGET * unit * steps
-
-    def held_to() -> AccuracyPolicy:
-        """The bound, measured on this batch the first time a candidate needs it."""
-        nonlocal bound, noise, note
-        if bound is None:
-            torch.set_rng_state(rng)
-            noise = gradient_noise(model, x, y, loss_fn)
-            if noise is None:
-                bound = replace(policy, noise_fraction=None)
-                why = ("no targets (tuned on a forward pass whose backward never came, "
-                       "with a surrogate loss: call tune(x, y, loss_fn) to tune on the "
-                       "training's own)"
-                       if y is NO_TARGETS else
-                       "the gradient noise could not be measured on this batch")
-                note = (f"{why}, so the default: relative error <= "
-                        f"{bound.max_rel_error:g}, cosine >= {bound.min_cosine:g}")
-            else:
-                bound = policy.measured(noise, NOISE_CAP)
-                note = (f"measured: the batch gradient's relative sampling error is "
-                        f"{noise:.3g} (exact gradients of the two half batches); a "
-                        f"candidate may have {policy.noise_fraction:g} x that = relative "
-                        f"error <= {bound.max_rel_error:.3g}"
-                        + (f" (capped at {NOISE_CAP:g})" if policy.noise_fraction * noise
-                           > NOISE_CAP else ""))
-        return bound
-
-    exact: list[ExactReference] = []  # the batch's exact pass, run for the first check
-
-    def measure(cand: Candidate) -> Measurement:
-        nonlocal reused
-        t = known.get(cand)
-        if t is not None:
-            reused += 1
-            if t >= best_t:
-                return Measurement(cand, t)
-        twin = _build(model, cand, None)
-        try:
-            if t is None:
-                t = _time_passes(model, twin, x, y, loss_fn, repeats, best_t)
-            if t >= best_t:
-                return Measurement(cand, t)
-            limit_ = held_to()
-            torch.set_rng_state(rng)
-            if not exact:
-                exact.append(exact_reference(model, x, y, loss_fn))
-            check = check_gradients(twin, x, y, loss_fn, reference=exact[0])
-            return Measurement(cand, t, check.param_grad_error, check.cosine,
-                               _within(check, limit_))
-        finally:
-            _drop(twin)
-
-    missed: list[Measurement] = []  # first iteration counts timed, outside the bound
-    structures = _structures(model)
-    if all(Candidate(levels, cf) in known for levels, cf in structures):
-        # a re-tuning with every structure's pass time known: fastest first, so that the
-        # first within the bound ends the search (every later one is slower, dropped
-        # without a check), rather than a slow accurate one taking the budget first
-        structures.sort(key=lambda lc: known[Candidate(*lc)])
-    for levels, cf in structures:
-        if stopped:
-            break
-        for fi, bi in ITERATIONS:
-            if max(fi, bi) > policy.max_iters:
-                break
-            if over():
-                stopped = True
-                break
-            m = measure(Candidate(levels, cf, fi, bi))
-            table.append(m)
-            if m.rel_error is None:  # slower than what we have: more iterations won't help
-                break
-            if m.within:
-                best, best_t = m.candidate, m.seconds
-                break
-            if (fi, bi) == ITERATIONS[0]:
-                missed.append(m)
-    if _average_possible(model):
-        # structures timed at the first counts but outside the bound, with averaged
-        # coarse levels (a few % more per pass; sometimes far more accurate, sometimes
-        # far less): after the ladder, so that they never take its budget, and only
-        # where they may beat the best found (their time is that of injection's + 10 %)
-        for m in sorted(missed, key=lambda m: m.seconds):
-            if stopped or m.seconds * 1.1 >= best_t:
-                break
-            if over():
-                stopped = True
-                break
-            got = measure(replace(m.candidate, coarsening="average"))
-            table.append(got)
-            if got.within:
-                best, best_t = got.candidate, got.seconds
-                break
-    if best is not None and not (stopped or over()):  # the same with per-step cycles
-        table.append(measure(replace(best, batched=False)))
-    torch.set_rng_state(rng)
-    for rep in built.values():  # (built, not timed: not kept)
-        rep.close()
-    choice, reason = choose(table, ranks)
-    if stopped:
-        reason += (f" (tuning stopped after {len(table)} candidates: it may take "
-                   f"{100 * BUDGET:g}% of the expected training time, {steps} steps x "
-                   f"{1e3 * unit:.1f} ms)")
-    spent = time.perf_counter() - t_start
-    spent = max(model.transport.allgather_object(spent, "the auto-tuning's duration"))
-    if bound is None:
-        note = (f"to be measured ({policy.noise_fraction:g} x the batch's gradient noise)"
-                "; no MGRIT candidate needed it")
-    note = loss_note + note
-    return TuneResult(table, choice, reason, spent, ranks, batch, noise, bound, note, reused,
-                      kept=kept)
+    run.ladder()
+    return run.result(loss_note)
 
 
 def _check_interval(pass_s: float, exact_s: float, noise_share: float,
@@ -1127,7 +1115,7 @@ class AutoTuner:
             self.chosen = kept.pop(cand, None) or ReplicatedSerial(model, split=cand.split)
         else:
             self.chosen = _build(model, cand, None if cand.exact else self.bound)
-            self.chosen._batch = self.batches  # (numbered as the training's batches)
+            self.chosen.batch = self.batches  # (numbered as the training's batches)
             ctl = self.chosen.accuracy
             if ctl is not None and ctl.costs is not None:  # the tuning's timings count
                 exact = next(m for m in got.table if m.candidate.exact)
@@ -1267,7 +1255,7 @@ class AutoTuner:
         twin = self.chosen if self.plain is None and not isinstance(
             self.chosen, ReplicatedSerial) else None
         if twin is not None:  # its batches numbered as the training's (its log, checks)
-            twin._batch = self.batches - 1 if train else self.batches
+            twin.batch = self.batches - 1 if train else self.batches
         net = self.plain
         if net is not None:  # one rank, serial autograd: the net itself
             if net.training is not model.training:
@@ -1278,7 +1266,7 @@ class AutoTuner:
                                          else None)
         out = self.chosen(x)
         if twin is not None and not train:
-            twin._batch = self.batches  # (an evaluation pass is no training batch)
+            twin.batch = self.batches  # (an evaluation pass is no training batch)
         return out
 
     def _first_backward(self, model: LayerParallel, x: Tensor, batch: int,
@@ -1310,7 +1298,7 @@ class AutoTuner:
         if self.chosen is not None:
             self.chosen.training = True
             if not isinstance(self.chosen, ReplicatedSerial):
-                self.chosen._batch = self.batches  # (a LayerParallel twin)
+                self.chosen.batch = self.batches  # (a LayerParallel twin)
 
     def check(self, model: LayerParallel, x: Tensor, y: Any,
               loss_fn: Callable[[Tensor, Any], Tensor]) -> GradientCheck:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from .._checks import positive_int
 from ..mgrit.options import MGRITOptions
+from .auto import Auto
 from .model import LayerParallel
 
 __all__ = ["AutoCapturedStep", "CapturedStep", "capture_step"]
@@ -119,7 +120,7 @@ def capture_step(model: LayerParallel, optimizer: torch.optim.Optimizer,
     return CapturedStep(graph, sx, sy, loss)
 
 
-def fixed_settings(model: LayerParallel) -> tuple[LayerParallel, MGRITOptions, MGRITOptions]:
+def fixed_settings(model: Auto) -> tuple[Any, MGRITOptions, MGRITOptions]:
     """What an auto-tuned `model` runs now, as fixed settings: (the tuner's chosen
     setting, forward options, adjoint options), with the adaptive controller's
     iteration counts, or exact propagation (one level) where it switched to exact.
@@ -130,10 +131,10 @@ def fixed_settings(model: LayerParallel) -> tuple[LayerParallel, MGRITOptions, M
         raise ValueError("`model` has no tuned auto settings: build it with "
                          "options='auto' and call model.tune(x, y, loss_fn) first")
     chosen = tuner.chosen
-    if not isinstance(chosen, LayerParallel):
+    if not isinstance(chosen, (LayerParallel, Auto)):
         raise ValueError(f"auto chose {type(chosen).__name__}, which runs on several ranks "
                          "and cannot be captured")
-    ctl = chosen.accuracy
+    ctl = chosen.accuracy  # (an Auto's: the chosen setting's adaptive controller)
     if ctl is None:
         fwd, bwd = chosen.options, chosen.backward_options
     elif ctl.exact:
@@ -172,10 +173,10 @@ class AutoCapturedStep:
 
     capture: the function that captures (`capture_step`; tests give another)."""
 
-    def __init__(self, model: LayerParallel, optimizer: torch.optim.Optimizer,
+    def __init__(self, model: Auto, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[[Tensor, Any], Tensor], x: Tensor, y: Tensor,
                  warmup: int = 3, capture: Callable[..., Any] = capture_step) -> None:
-        if not isinstance(model, LayerParallel) or model.tuner is None:
+        if not isinstance(model, Auto) or model.tuner is None:
             raise TypeError("`model` must be a LayerParallel built with options='auto'")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.warmup, self._capture = warmup, capture
@@ -187,7 +188,7 @@ class AutoCapturedStep:
         self.x = x  # the shape a replay takes (a short last batch runs eagerly)
         self.refresh(x, y)
 
-    def _settings(self) -> tuple[LayerParallel, MGRITOptions, MGRITOptions, tuple]:
+    def _settings(self) -> tuple[Any, MGRITOptions, MGRITOptions, tuple]:
         chosen, fwd, bwd = fixed_settings(self.model)
         return chosen, fwd, bwd, (id(chosen), fwd, bwd)
 

@@ -3,20 +3,22 @@ optimizer state keyed by parameter name, gathered on every rank, and loaded back
 any number of ranks (or into the serial `ODENet`)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+import math
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from ..mgrit.errors import RemoteError
 
-if TYPE_CHECKING:
-    from .model import LayerParallel
+#: a `LayerParallel` (the model): not imported, as the model imports this module
+_Model = Any
 
 __all__ = ["gather_optimizer_state", "gather_state_dict", "load_optimizer_state"]
 
 
-def gather_state_dict(model: LayerParallel) -> dict[str, Tensor]:
+def gather_state_dict(model: _Model) -> dict[str, Tensor]:
     """The whole network's state dict (loads into the serial `ODENet`), on every rank."""
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if model.size == 1:
@@ -27,7 +29,7 @@ def gather_state_dict(model: LayerParallel) -> dict[str, Tensor]:
         merged.update(part)
     return dict(sorted(merged.items(), key=lambda kv: _name_order(kv[0])))
 
-def _optimizer_names(model: LayerParallel, optimizer: Any, what: str) -> dict[int, list[str]]:
+def _optimizer_names(model: _Model, optimizer: Any, what: str) -> dict[int, list[str]]:
     """id(parameter) -> every name it has in this rank's part of `model` (several for a
     parameter that several layers share), for every tensor `optimizer` holds; a
     ValueError when one is not a parameter of this rank's part of `model`."""
@@ -48,7 +50,7 @@ def _optimizer_names(model: LayerParallel, optimizer: Any, what: str) -> dict[in
     return names
 
 
-def gather_optimizer_state(model: LayerParallel,
+def gather_optimizer_state(model: _Model,
                            optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer state of the whole network, keyed by parameter name, on every
     rank (collective).  `load_optimizer_state` restores it on any number of ranks.
@@ -92,7 +94,7 @@ def gather_optimizer_state(model: LayerParallel,
     return merged
 
 
-def load_optimizer_state(model: LayerParallel, optimizer: torch.optim.Optimizer,
+def load_optimizer_state(model: _Model, optimizer: torch.optim.Optimizer,
                          state: dict[str, Any]) -> None:
     """Load a state from `gather_optimizer_state` into this rank's optimizer (local:
     no message)."""
@@ -123,6 +125,74 @@ def load_optimizer_state(model: LayerParallel, optimizer: torch.optim.Optimizer,
     for g_local, g_saved in zip(local["param_groups"], state["param_groups"]):
         groups.append({**g_saved, "params": g_local["params"]})
     optimizer.load_state_dict({"state": new_state, "param_groups": groups})
+
+
+def clip_grad_norm(model: _Model, max_norm: float, norm_type: float = 2.0,
+                   error_if_nonfinite: bool = False) -> Tensor:
+    """`LayerParallel.clip_grad_norm_`: the whole network's gradient norm, the ranks'
+    parts summed in rank order (the same on every rank), every gradient scaled by
+    ``max_norm / total`` where the total exceeds it (collective)."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or \
+            not max_norm >= 0:  # (NaN fails the comparison)
+        raise ValueError(f"`max_norm` must be a number >= 0, got {max_norm!r}")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or \
+            not norm_type > 0:
+        raise ValueError(f"`norm_type` must be a number > 0 (or inf), got {norm_type!r}")
+    p = float(norm_type)
+    params = [q for q in model.parameters() if q.grad is not None]
+    local = 0.0
+    # a parameter whose layers lie on several ranks has the same gradient on each:
+    # counted once, on the first of them
+    counted = params if model._shared is None else \
+        [q for q in params if model._shared.counts_here(q, model.rank)]
+    if counted:
+        part = float(torch.nn.utils.get_total_norm([q.grad for q in counted], p))
+        local = part if p == float("inf") else part ** p
+    parts = [local] if model.size == 1 else model.guard(
+        lambda: model.transport.allgather_object(local, "clip_grad_norm_"))
+    total = max(parts) if p == float("inf") else sum(parts) ** (1.0 / p)
+    if error_if_nonfinite and not math.isfinite(total):
+        raise RuntimeError(f"the total norm of order {p:g} of the gradients is "
+                           f"{total}, so it cannot be clipped (error_if_nonfinite)")
+    norm = torch.tensor(total, dtype=torch.float64)
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def check_state_dict(model: _Model, mine: dict[str, Any], state_dict: Any,
+                     strict: bool) -> list[str]:
+    """`LayerParallel.load_state_dict`'s checks, before anything is loaded: a whole
+    network's dict checked against the whole net (alike on every rank), a dict of this
+    rank's keys against `mine` (this rank's own state dict).  Returns the unexpected
+    keys (those of no layer)."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"`state_dict` must be a mapping of names to tensors, got "
+                        f"{type(state_dict).__name__}")
+    # checked first, against this rank's part or the whole net's (torch's own
+    # load copies what it can before it raises)
+    whole = mine if all(k in mine for k in state_dict) else \
+        model.whole_net.state_dict(keep_vars=True)
+    unexpected = [k for k in state_dict if k not in whole]
+    errors = []
+    if strict and unexpected:
+        errors.append("Unexpected key(s) in state_dict (no layer of this network has "
+                      "them): " + ", ".join(f'"{k}"' for k in unexpected))
+    if strict:
+        missing = [k for k in whole if k not in state_dict]
+        if missing:
+            errors.append("Missing key(s) in state_dict: "
+                          + ", ".join(f'"{k}"' for k in missing))
+    for k, v in state_dict.items():
+        want = whole.get(k)
+        if want is not None and isinstance(v, Tensor) and v.shape != want.shape:
+            errors.append(f"size mismatch for {k}: copying a param with shape "
+                          f"{v.shape} from checkpoint, the shape in current model is "
+                          f"{want.shape}.")
+    if errors:
+        raise RuntimeError("Error(s) in loading state_dict for LayerParallel:\n\t"
+                           + "\n\t".join(errors))
+    return unexpected
 
 
 def _name_order(name: str) -> tuple:

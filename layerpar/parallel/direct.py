@@ -9,7 +9,7 @@ between (that cost ~4.5 us per parameter per backward pass).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -18,8 +18,8 @@ from ..mgrit.errors import DivergenceError
 from ..mgrit.result import MGRITResult
 from .forward import ForwardApp
 
-if TYPE_CHECKING:
-    from .model import LayerParallel
+#: a `LayerParallel` (the model in direct mode): not imported, as the model imports this module
+_Model = Any
 
 __all__ = ["DirectApp", "direct_backward_started"]
 
@@ -79,7 +79,7 @@ class DirectApp(ForwardApp):
         return outs
 
 
-def direct_backward_started(model: LayerParallel, gy: Tensor) -> None:
+def direct_backward_started(model: _Model, gy: Tensor) -> None:
     """Hook on the direct-mode output: the same check and report as the adjoint solve
     (a sequential solve: one iteration, no residuals, no communication).  The timings
     are zeros, not measurements: PyTorch's engine runs this backward."""

@@ -8,7 +8,7 @@ pass it runs (`begin` ... `end`), nothing between passes.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -16,8 +16,8 @@ from torch import Tensor
 from .batched import BatchedBlocks, StateOps, as_tensor, as_tensors, stack_rows, unstack_rows
 from .tape import BatchRecord, Tape
 
-if TYPE_CHECKING:
-    from .runner import SegmentRunner
+#: a `layerpar.parallel.runner.SegmentRunner`: not imported, as the runner imports this module
+_Runner = Any
 
 __all__ = ["ForwardApp"]
 
@@ -25,7 +25,7 @@ __all__ = ["ForwardApp"]
 class ForwardApp(StateOps):
     """Engine callbacks of a segment's forward solve on this rank."""
 
-    def __init__(self, runner: SegmentRunner) -> None:
+    def __init__(self, runner: _Runner) -> None:
         self.r = runner
         # the session's list of this solve's local residual norms (device scalars),
         # when norms are deferred; None otherwise

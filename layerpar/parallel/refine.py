@@ -11,15 +11,15 @@ traffic stay per rank as the net grows.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..mgrit.grid import Partition
 from ..ode.net import Segment
 from ..ode.refine import INTERPOLATIONS, refine
 from .move import move
 
-if TYPE_CHECKING:
-    from .model import LayerParallel
+#: a `LayerParallel` (the model refined): not imported, as the model imports this module
+_Model = Any
 
 __all__ = ["refine_parallel"]
 
@@ -35,11 +35,12 @@ def _needed(n: int, size: int, q: int, factor: int, linear: bool) -> set[int]:
     return need
 
 
-def refine_parallel(model: LayerParallel, factor: int = 2,
-                    interpolation: str = "constant") -> LayerParallel:
+def refine_parallel(model: _Model, factor: int = 2, interpolation: str = "constant",
+                    **settings: Any) -> Any:
     """A new LayerParallel over the same ranks (or grid) whose segments have `factor`
     times the layers, with parameters interpolated in time as `layerpar.ode.refine`
-    does; options and settings are the model's.  Collective; `model` is unchanged."""
+    does; options and settings are the model's, but for `settings` (`LayerParallel.like`:
+    `Auto.refine` gives its ``accuracy``).  Collective; `model` is unchanged."""
     from .._checks import positive_int
 
     factor = positive_int("factor", factor)
@@ -63,5 +64,4 @@ def refine_parallel(model: LayerParallel, factor: int = 2,
                   for a in sorted(_needed(n, size, q, factor, linear))],
              tag=_REFINE_TAG, what="a layer's parameters (refinement)")
     fine = refine(net, factor, interpolation)
-    kw = {} if model.accuracy is None else {"accuracy": model.accuracy.policy}
-    return model.like(fine, **kw)
+    return model.like(fine, **settings)

@@ -414,6 +414,16 @@ class SegmentRunner:
                 stats = session.drive(lazy_history=not self.check_finite)
                 out = as_tensor(session.state(self.n)) if self.transport.rank == 0 else None
                 grads = app.gradients(extra)
+        except RuntimeError as exc:
+            if "donated buffer" not in str(exc):
+                raise
+            raise ValueError(
+                f"segment {self.seg_index}: a torch.compile'd block gave up its saved "
+                "tensors after one backward (torch's donated buffers), but the adjoint "
+                "solve differentiates each recorded step more than once. Compile the "
+                "whole net or the block's inner modules instead, or set "
+                "torch._functorch.config.donated_buffer = False before compiling"
+            ) from exc
         finally:
             app.end()
             tape.__init__()  # consumed: drop the records and their graphs

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -64,8 +64,8 @@ from ..mgrit.transport import Pending, Transport, guarded, make_transport
 from .lion import Lion
 from .replicas import GradAverager
 
-if TYPE_CHECKING:
-    from .grid import ProcessGrid
+#: a `layerpar.parallel.grid.ProcessGrid`: not imported, as the grid imports this module
+_Grid = Any
 
 __all__ = ["DASO", "AllReduce", "LionCub", "SlowLink", "SyncStrategy", "make_sync",
            "SYNCS"]
@@ -237,7 +237,7 @@ class SyncStrategy:
     name = "abstract"
 
     def __init__(self) -> None:
-        self.grid: Optional[ProcessGrid] = None
+        self.grid: Optional[_Grid] = None
         self.batch = 0  # optimizer steps taken
         self.model: Any = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -250,7 +250,7 @@ class SyncStrategy:
         """What must agree between processes."""
         return {"sync": self.name}
 
-    def setup(self, grid: ProcessGrid) -> None:
+    def setup(self, grid: _Grid) -> None:
         """Build this strategy's transports over `grid` (collective)."""
         self.grid = grid
         if grid.data > 1:
@@ -467,7 +467,7 @@ class DASO(SyncStrategy):
                 "local_weight": self.local_weight, "global_dtype": str(self.global_dtype),
                 "merge": self.merge}
 
-    def setup(self, grid: ProcessGrid) -> None:
+    def setup(self, grid: _Grid) -> None:
         super().setup(grid)
         node_comm, glob_comm, self.leader = grid.node_split()
         # one node: the node's gradient average is the global one; nothing to exchange
