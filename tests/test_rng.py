@@ -62,6 +62,19 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
     # nothing to time in an empty batch: the tuning waits for one with samples
     assert all(r["tuned"] is False for r in results["empty batch, auto"])
     assert results["compiled blocks"] == [{"built": True}] * ranks
+    for r in results["dropout modules in eval"]:  # no seed drawn, as serial draws none
+        assert r["same as serial"] and r["generator as serial's"], r
+        assert r["params"] <= F64.converged, r
+    for r in results["hooked parameter"]:
+        assert r["post hooks per parameter"] == 1.0, r
+        assert "has a tensor hook (`register_hook`)" in r.get("error", ""), r
+    if ranks > 1:
+        for r in results["random plain layer"]:
+            assert "plain layer 0 (_FunctionalDropout) draws random numbers" in \
+                r.get("error", ""), r
+        masks = results["replicas' masks"]
+        assert masks[0]["output"] != masks[1]["output"], "replicas drew the same masks"
+        assert all(r["state"] == masks[0]["state"] for r in masks), masks
 
 
 def test_one_rank() -> None:

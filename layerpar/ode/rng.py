@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["DROPOUT_TYPES", "MAX_SEED", "PLAIN", "needs_rng", "layer_rng", "plain_rng",
+__all__ = ["DROPOUT_TYPES", "MAX_SEED", "PLAIN", "REPLICA", "needs_rng", "layer_rng", "plain_rng",
            "draw_seed", "mix_seed"]
 
 #: Module types whose forward draws from the global generator.
@@ -36,6 +36,9 @@ _MASK64 = (1 << 64) - 1
 #: The first key of a plain (non-Segment) layer's generator, ``layer_rng(seed, PLAIN, k)``
 #: for layer k of an `ODENet`: a Segment's layers use their segment index (>= 0) there.
 PLAIN = -1
+#: The first key of a data replica's pass seed, ``mix_seed(seed, REPLICA, d)`` for
+#: replica d of a process grid: each replica draws masks of its own.
+REPLICA = -2
 #: The largest seed torch's generators accept (``torch.manual_seed`` takes 64 bits; a
 #: larger int fails deep inside torch as "Overflow when unpacking long long").
 MAX_SEED = _MASK64

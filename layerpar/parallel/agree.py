@@ -23,7 +23,7 @@ from ..mgrit.xbraid import (
     xbraid_refusal,
 )
 from ..ode.net import ODENet, Segment
-from ..ode.rng import draw_seed
+from ..ode.rng import REPLICA, draw_seed, mix_seed
 from .batched import structure
 
 __all__ = ["Agreed", "check_xbraid", "fingerprint", "layer_key", "same_values",
@@ -137,7 +137,7 @@ def agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     # drawn on every rank (rank 0's is used): each rank's global generator then
     # advances as serial `ODENet.forward` advances it, and the ranks' generators
     # stay in step (a DataLoader shuffling from them gives every rank the same batches)
-    seed = draw_seed() if model.training and model._has_dropout else None
+    seed = draw_seed() if model.needs_seed else None
     key = (tuple(x.shape), str(x.dtype), model.training, grad_mode)
     if model._agreements is not None:
         return agree_on_grid(model, x, key, x_rg, p_rg, seed)
@@ -208,4 +208,10 @@ def agree_on_grid(model: LayerParallel, x: Tensor, key: tuple, x_rg: bool, p_rg:
     mine = replicas[model.grid.data_rank]
     # every replica records alike (their gradients are averaged pass by pass)
     record = key[3] and any(g[2] or g[3] for g in got)
-    return Agreed(record, any(g[2] for g in mine), mine[0][4])
+    # each replica's masks its own (its rows are other samples): the seed mixed with
+    # the replica's index, so the replicas' dropout noise is independent, as a serial
+    # net's over the global batch (not the same masks row for row)
+    seed = mine[0][4]
+    if seed is not None:
+        seed = mix_seed(seed, REPLICA, model.grid.data_rank)
+    return Agreed(record, any(g[2] for g in mine), seed)

@@ -33,7 +33,7 @@ from ..ode.net import ODENet, Segment
 from ..ode.rng import DROPOUT_TYPES as _DROPOUT
 from . import checkpoint
 from .agree import Agreed, agree_pass, check_xbraid, layer_key
-from .grads import GradDelivery
+from .grads import GradDelivery, refuse_tensor_hooks
 from .grid import ProcessGrid
 from .passes import backward_pass, forward_direct, forward_pass, refuse_after_failure
 from .plan import Plan, SegmentPlan
@@ -379,8 +379,10 @@ class LayerParallel(nn.Module):
                              "engine": engine,
                              "check_finite": check_finite, "timeout": timeout,
                              "check_inputs": check_inputs}
-        self._has_dropout = \
-            any(isinstance(m, _DROPOUT) for m in net.modules())
+        # the net's dropout modules, every rank's (a pass draws a seed where serial
+        # `ODENet.forward` would: in training mode, some dropout module training)
+        self._dropouts = [m for m in net.modules() if isinstance(m, _DROPOUT)]
+        self._has_dropout = bool(self._dropouts)
         #: per segment, what the last forward / backward pass's solves reached
         self.last_forward: list[MGRITResult] = []
         self.last_backward: list[MGRITResult] = []
@@ -429,6 +431,21 @@ class LayerParallel(nn.Module):
     @batch.setter
     def batch(self, value: int) -> None:
         self._batch = value
+
+    @property
+    def needs_seed(self) -> bool:
+        """Whether this pass draws a dropout seed: as serial `ODENet.forward_seed`
+        decides, in training mode with some dropout module of the net in training
+        mode (one switched off by its own ``eval()`` draws nothing)."""
+        return self.training and any(m.training for m in self._dropouts)
+
+    def train(self, mode: bool = True) -> LayerParallel:
+        """`nn.Module.train`, on the whole net too: its other ranks' layers are not this
+        model's submodules, and every rank reads their dropout modules' modes alike
+        (`needs_seed`)."""
+        super().train(mode)
+        self._whole.net.train(mode)
+        return self
 
     @property
     def has_dropout(self) -> bool:
@@ -579,6 +596,7 @@ class LayerParallel(nn.Module):
         if self._direct_exact if self._exact_pass else self._direct:
             return forward_direct(self, x, agreed.seed)
         params = [p for p in self._param_list if p.requires_grad]
+        self.guard(lambda: refuse_tensor_hooks(params, self))
         if not params and not x.requires_grad:
             # nothing to differentiate here, but other ranks do: the output must still
             # carry a graph so that this rank's backward() joins theirs

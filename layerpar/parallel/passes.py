@@ -112,9 +112,22 @@ def forward_pass(model: LayerParallel, ctx: PassRecord, x: Tensor, record: bool,
                         h = model.layers[k](h)
                     continue
                 prev = ctx.plain.get(k - 1) if record else None
+                # a plain layer runs on its owner alone: randomness of its own (not a
+                # dropout module's, which `plain_rng` keys) would advance that rank's
+                # generator only, and the ranks' generators would fall out of step
+                before = torch.get_rng_state() if size > 1 and \
+                    model.batch <= model.check_inputs else None
                 with plain_rng(seed, k, model.layers[k]):
                     rec = PlainRecord(model.layers[k], h, record,  # type: ignore[arg-type]
                                        prev)
+                if before is not None and not torch.equal(before, torch.get_rng_state()):
+                    raise ValueError(
+                        f"plain layer {k} ({type(model.layers[k]).__name__}) draws random "
+                        "numbers outside torch.nn's dropout modules (F.dropout, "
+                        "torch.rand...): it runs on one rank, whose generator alone would "
+                        "advance, and the ranks' generators (a shuffling DataLoader's) "
+                        "would fall out of step. Use an nn.Dropout module, or draw from a "
+                        "torch.Generator of the layer's own")
                 ctx.plain[k] = rec
                 h = rec.y.detach()
         else:

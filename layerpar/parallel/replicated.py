@@ -50,6 +50,7 @@ from torch.autograd.variable import Variable
 
 from ..mgrit.options import MGRITOptions
 from ..ode.rng import DROPOUT_TYPES
+from .grads import refuse_tensor_hooks
 
 if TYPE_CHECKING:
     from .model import LayerParallel
@@ -417,6 +418,7 @@ class ReplicatedSerial:
             # (no trainable parameter of its own but some elsewhere: the anchor makes
             # this rank's backward run, and join the others' all-reduce)
             own = self._own or ([self._anchor] if self._trainable else [])
+            refuse_tensor_hooks(self._own, self.model)
             return _SplitBatch.apply(self, torch.is_grad_enabled(), x, *own)
         out = self.net(x)
         if not out.requires_grad and torch.is_grad_enabled():

@@ -20,6 +20,7 @@ rank 1's, ...]}.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import sys
 import warnings
@@ -216,6 +217,95 @@ def compiled_blocks(comm: Any) -> dict[str, Any]:
     return {"built": True}
 
 
+# --- dropout switched off by its own eval(), randomness in a plain layer, tensor hooks ----
+
+def dropout_modules_in_eval(comm: Any) -> dict[str, Any]:
+    """The model trains, its dropout modules were put in eval mode one by one: serial
+    draws no seed then, and neither may layerpar (the shuffling loader's order and the
+    generator after three epochs as serial's)."""
+    serial = _dropout_net()
+    for m in serial.modules():
+        if isinstance(m, nn.Dropout):
+            m.eval()
+    model = layerpar.LayerParallel(copy.deepcopy(serial), comm, CONVERGED, check_inputs=2)
+    want, want_state = _epochs(serial)
+    got, got_state = _epochs(model)
+    full = model.gather_state_dict()
+    ref = serial.state_dict()
+    model.close()
+    return {"same as serial": got == want,
+            "generator as serial's": bool(torch.equal(got_state, want_state)),
+            "params": max(rel(full[k], ref[k]) for k in ref)}
+
+
+class _FunctionalDropout(nn.Module):
+    """An opening layer drawing its own randomness (`F.dropout`, no dropout module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(self.linear(x), 0.3, self.training)
+
+
+def random_plain_layer(comm: Any) -> dict[str, Any]:
+    """At 2+ ranks the opening layer runs on rank 0 alone: its own randomness would
+    advance rank 0's generator only.  Refused by name (every rank stops)."""
+    torch.manual_seed(3)
+    net = layerpar.ODENet(open=_FunctionalDropout(), steps=lambda k: blocks.Dense(4),
+                          n_steps=8, close=nn.Linear(4, 5)).double()
+    model = layerpar.LayerParallel(net, comm, CONVERGED)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    try:
+        model(x)
+        return {"ran": True}
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def hooked_parameter(comm: Any) -> dict[str, Any]:
+    """A tensor hook on a block's parameter: layer-parallel passes would run it twice
+    per backward; refused by name.  A post-accumulate-grad hook runs once."""
+    torch.manual_seed(4)
+    serial = layerpar.ODENet(open=nn.Linear(3, 4), steps=lambda k: blocks.Dense(4),
+                             n_steps=8, close=nn.Linear(4, 5)).double()
+    model = layerpar.LayerParallel(copy.deepcopy(serial), comm, CONVERGED)
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 5, (6,))
+    out: dict[str, Any] = {}
+    calls: list[int] = []
+    posts = [p.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+             for p in model.parameters()]
+    ce(model(x), y).backward()
+    out["post hooks per parameter"] = len(calls) / max(1, len(posts))
+    for h in posts:
+        h.remove()
+    for p in model.parameters():
+        p.register_hook(lambda g: 0.5 * g)
+    try:
+        ce(model(x), y).backward()
+        out["ran"] = True
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def replicas_draw_their_own_masks(comm: Any) -> dict[str, Any]:
+    """A 2 x 1 grid (two data replicas of one layer rank), dropout in the blocks, the
+    same input on both replicas: the outputs differ (each replica its own masks),
+    and the ranks' generators stay in step."""
+    torch.manual_seed(6)
+    net = _dropout_net()
+    grid = layerpar.ProcessGrid(comm, data=comm.Get_size(), layers=1)
+    model = layerpar.LayerParallel(net, grid=grid)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    y = model(x)
+    state = torch.get_rng_state()
+    model.close()
+    return {"output": y.detach().flatten().tolist(),
+            "state": hashlib.sha1(state.numpy().tobytes()).hexdigest()}
+
+
 def run_all(comm: Any) -> dict[str, Any]:
     direct = comm is None or comm.Get_size() == 1
     cases = {
@@ -227,6 +317,11 @@ def run_all(comm: Any) -> dict[str, Any]:
         "empty batch, MGRIT": lambda: empty_batch(comm, CONVERGED),
         "empty batch, auto": lambda: empty_batch(comm, "auto"),
         "compiled blocks": lambda: compiled_blocks(comm),
+        "dropout modules in eval": lambda: dropout_modules_in_eval(comm),
+        "hooked parameter": lambda: hooked_parameter(comm),
+        **({} if direct else {
+            "random plain layer": lambda: random_plain_layer(comm),
+            "replicas' masks": lambda: replicas_draw_their_own_masks(comm)}),
     }
     return {name: case() for name, case in cases.items()}
 
