@@ -421,7 +421,7 @@ class SegmentRunner:
                 f"segment {self.seg_index}: a torch.compile'd block gave up its saved "
                 "tensors after one backward (torch's donated buffers), but the adjoint "
                 "solve differentiates each recorded step more than once. Compile the "
-                "whole net or the block's inner modules instead, or set "
+                "block's inner modules instead (its dropout outside them), or set "
                 "torch._functorch.config.donated_buffer = False before compiling"
             ) from exc
         finally:
