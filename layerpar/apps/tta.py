@@ -447,8 +447,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where both methods train (cuda: one GPU, use --np 1)")
     p.add_argument("--compiled-serial", action="store_true",
-                   help="also train serial compiled by torch.compile (issue 20's third "
-                        "serial baseline on a GPU; its compilation counts in its time)")
+                   help="also train serial compiled by torch.compile (a third serial "
+                        "baseline, for GPUs; its compilation counts in its time)")
     p.add_argument("--seeds", default="0",
                    help="one comparison per seed (data split, initial weights, batch "
                         "order: ``layerpar train --seed``), comma-separated (default 0)")

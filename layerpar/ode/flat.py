@@ -7,7 +7,7 @@ on for every name the blocks share.  Nothing changes for a user or an optimizer:
 their storage is shared.  A layer-parallel pass then reads the parameters of layers
 a, a + d, a + 2d, ... (a vectorised MGRIT step) as a strided view of those rows
 (`rows`) instead of stacking copies of them: on the 1,024-layer dense MNIST-1D net at
-2 ranks the stacking took about 2 ms of a 75 ms training step (issue 20).
+2 ranks the stacking took about 2 ms of a 75 ms training step.
 
 The layout is made where nobody can yet hold the old storage: when a `Segment` builds
 its blocks, and again right after `.to()`, `.double()` and the like have replaced it

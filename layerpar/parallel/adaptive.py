@@ -62,8 +62,8 @@ __all__ = ["AccuracyController", "AccuracyEvent", "AccuracyPolicy", "CostWindow"
 #: a check whose error is within 1/`FAR` of the bound (both cosine and relative error)
 #: lets the interval between checks grow `FAR_BACKOFF` times past `check_backoff` (when
 #: that is above 1): far from its bound an error does not reach it within a few
-#: intervals (e.g. issue 20's case a at initialisation, 1/1 iterations with "average"
-#: coarsening: 0.003 against a bound of 0.2), and each check costs an exact pass
+#: intervals (e.g. the 1,024-layer dense MNIST-1D net at initialisation, 1/1 iterations
+#: with "average" coarsening: 0.003 against a bound of 0.2), and each check costs an exact pass
 FAR = 16
 FAR_BACKOFF = 4
 

@@ -290,10 +290,10 @@ class AdjointApp(StateOps):
         whether its rows are in the reverse order of `pairs`).
 
         The adjoint visits a record's rows last to first, so its states arrive in the
-        reverse of the record's order: each batched step of an F-sweep flipped its
-        input to the record's order and its result back (two copies of the whole batch,
-        16 a training step of case a at one rank, issue 20).  Now a result in the
-        record's order is handed on as reversed `Row`s, and states that are exactly
+        reverse of the record's order; flipping each batched step's input to the
+        record's order and its result back would copy the whole batch twice (16 copies
+        a training step of the 1,024-layer dense net at one rank).  Instead a result in
+        the record's order is handed on as reversed `Row`s, and states that are exactly
         one tensor's rows last to first are taken as that tensor, in the record's
         order: along a sweep, nothing is flipped."""
         base = _reversed_rows(lams)
@@ -571,7 +571,7 @@ class AdjointApp(StateOps):
         where nothing but this cache holds them any more (the user zeroed the `.grad`s
         to None, as `zero_grad()` does, and kept no view of them): the (id, row) pairs
         to deliver, without making 2 x 512 row views and pairs anew every pass (about
-        1.5 ms of a 75 ms step at 1,024 layers x 32, 2 ranks; issue 20).  None where
+        1.5 ms of a 75 ms step at 1,024 layers x 32, 2 ranks).  None where
         they cannot be: a row, its base or a view of them held (their values must
         stay), other layers, shapes or trainable flags, another dtype or device."""
         got = self.row_cache.get(k)

@@ -164,9 +164,9 @@ def agree_on_grid(model: LayerParallel, x: Tensor, key: tuple, x_rg: bool, p_rg:
     (exact propagation hands its gradients to the replicas' averaging layer by
     layer, MGRIT's batched records several layers at a time, and the reductions
     must pair up bucket by bucket); the ranks of a replica hold the same input.
-    (Checked per group before, a mismatch inside one replica raised on some ranks
-    and left the others waiting out the timeout, and a rank that skipped a
-    backward() was found only by the timeout.)"""
+    (A check per group would raise a mismatch inside one replica on some ranks and
+    leave the others waiting out the timeout, and would find a rank that skipped a
+    backward() only by the timeout.)"""
     assert model.grid is not None and model._agreements is not None
     probe = values_fingerprint(x) if model.size > 1 and \
         model._batch <= model.check_inputs else None

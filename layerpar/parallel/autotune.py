@@ -80,7 +80,7 @@ ITERATIONS: tuple[tuple[int, int], ...] = ((1, 1), (2, 1), (2, 2), (3, 2))
 #: fraction of the batch gradient's measured sampling error (docs/guide/accuracy.md: why)
 NOISE_FRACTION = 0.5
 #: ... but never more than this relative error, however noisy the batch: the largest
-#: error training is known to tolerate here (issue 20: MNIST-1D dense, 1,024 layers,
+#: error training is known to tolerate here (MNIST-1D dense, 1,024 layers x 32,
 #: 1/1 iterations with errors 0.13-0.17 tracked serial's accuracy within 0.5 points)
 NOISE_CAP = 0.2
 
@@ -94,8 +94,8 @@ CHECK_BACKOFF = 8
 #: chosen setting's pass and an exact pass (and, when the noise is measured again,
 #: two exact half-batch passes), so where exact propagation is much slower than the
 #: chosen setting the checks are spread out further than `CHECK_BACKOFF` alone would
-#: (case a of issue 20: a check took 0.26-0.37 s against a 63 ms pass, and 26 checks
-#: took 13 % of the training; tuning's share, `BUDGET`, is 5 %)
+#: (on the 1,024-layer dense MNIST-1D net a check took 0.26-0.37 s against a 63 ms
+#: pass, and 26 checks took 13 % of the training; tuning's share, `BUDGET`, is 5 %)
 CHECK_SHARE = 0.03
 
 #: a check re-measures the batch's gradient noise (two exact half-batch passes, as
@@ -365,7 +365,7 @@ GIVE_UP = 3.0
 AGREE = 0.03
 #: a candidate whose first timed pass takes this many times the time to beat is not
 #: timed further: it is slower (run-to-run spread on a quiet machine is ~3 %), and more
-#: passes of it only cost (about 1 s per candidate on case b's conv net, issue 20)
+#: passes of it only cost (about 1 s per candidate on the 256-layer MNIST-1D conv net)
 SLOWER = 1.2
 
 
@@ -382,8 +382,8 @@ def _time_passes(model: LayerParallel, m: LayerParallel, x: Tensor, y: Any,
     untimed pass replaces it.
     An untimed pass above `GIVE_UP` x `bound` ends the timing there, as does a first
     timed pass above `SLOWER` x `bound`, unless the untimed pass was within `SLOWER`
-    x `bound`: then that timed pass was disturbed (on the 2-core machine, case a's
-    fastest setting once took 95 ms for a pass of 47-53 ms and was dropped), and the
+    x `bound`: then that timed pass was disturbed (on the 2-core machine, the 1,024-layer
+    dense net's fastest setting once took 95 ms for a pass of 47-53 ms and was dropped), and the
     timing ends only if the next one is no faster; two timed passes within `AGREE` of
     each other on every rank end it early (a third would not move the minimum by
     more)."""
@@ -508,7 +508,7 @@ def plain_serial(model: LayerParallel, chosen: Any) -> Optional[ODENet]:
     autograd through the same modules, but go through the layer-parallel machinery
     on the way (the engine's sequential solve, the finiteness checks, the pass's
     bookkeeping): about 0.15 ms a pass, 4 % of a digits step, which left ``--auto``
-    at 1.10-1.15x serial's time to target there (issue 20, ``--np 1``).  `chosen`
+    at 1.10-1.15x serial's time to target there (``layerpar.bench tta --np 1``).  `chosen`
     stays the setting (a CUDA graph captures it: `AutoCapturedStep`); its reported
     solves are one level, one iteration, as a direct pass reports them."""
     from ..mgrit.result import MGRITResult
@@ -533,8 +533,8 @@ def _drop(twin: Optional[LayerParallel]) -> None:
 #: the share of the expected training time (steps x an exact pass) the tuning may take
 BUDGET = 0.05
 #: seconds that setting up exact propagation and its first pass take beyond the passes
-#: themselves (measured with the former exact twin, 2-core CPU, 2 ranks: ~0.5 s on an
-#: 8-layer net; exact mode now reuses the model, so this is an upper bound); exact
+#: themselves (~0.5 s on an 8-layer net, 2-core CPU, 2 ranks, measured building a
+#: separate exact model; exact mode reuses the model, so this is an upper bound); exact
 #: propagation is timed only where the budget has room for this and its passes
 EXACT_SETUP = 0.5
 
@@ -1211,7 +1211,7 @@ class AutoTuner:
 
     def _record(self, model: LayerParallel, got: TuneResult) -> None:
         """Keep a tuning's result, and log its table and choice (logger ``layerpar``,
-        INFO, rank 0): `options="auto"` in a user's own loop said nothing otherwise
+        INFO, rank 0), so that `options="auto"` in a user's own loop reports its choice
         (``layerpar train`` prints `log`)."""
         self.results.append(got)
         if model.rank == 0 and _log.isEnabledFor(logging.INFO):
@@ -1336,8 +1336,8 @@ class AutoTuner:
         bound = self.bound
         if not _within(got, bound) and not self.unconfirmed and not provisional and \
                 len(self.results) <= self.max_retunes:
-            # one batch's error is a noisy estimate of the setting's (case a: 0.115 to
-            # 0.21 from check to check): nothing changes before the next check, due
+            # one batch's error is a noisy estimate of the setting's (1,024-layer dense
+            # net: 0.115 to 0.21 from check to check): nothing changes before the next check, due
             # after `check_every` batches, finds it outside the bound too
             self.unconfirmed = True
             ctl.backoff, ctl.min_every = 1, 0

@@ -203,9 +203,9 @@ def batched_sum(alpha: float, xs: list[Tensor], beta: float, ys: list[Tensor]) -
 
 def _operand(states: list) -> Tensor:
     """`stack_rows` of one side of a sum, except that one tensor repeated (the engine's
-    zero state, e.g. every C-point's initial guess: 4 lists of 128 a pass of case a at
-    one rank, each stacked into 2 MB) is broadcast, not copied: the sum reads it and
-    writes a new tensor."""
+    zero state, e.g. every C-point's initial guess: 4 lists of 128 a pass of the
+    1,024-layer dense net at one rank, each stacked into 2 MB) is broadcast, not
+    copied: the sum reads it and writes a new tensor."""
     first = states[0]
     if type(first) is not Row and all(h is first for h in states):
         return first.expand(len(states), *first.shape)
@@ -342,7 +342,7 @@ _STRUCTURES: Optional[dict[int, tuple[nn.Module, tuple]]] = None
 def same_structures() -> Iterator[None]:
     """Within it, `structure` is computed once per module: for a stretch of code that
     builds several models over the same modules without changing them (the
-    auto-tuning builds one per candidate: on case a's 1,024 layers the structures
+    auto-tuning builds one per candidate: on the 1,024-layer dense net the structures
     took about half of each 64 ms build).  Nested uses share the outer cache."""
     global _STRUCTURES
     outer = _STRUCTURES

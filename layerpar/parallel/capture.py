@@ -16,8 +16,8 @@ synchronisation; each of these is checked first and refused with a clear error.
 An auto-tuned model (``options="auto"``) changes its settings between batches (a
 check outside the bound tunes again; the adaptive controller moves the iteration
 counts), so its setting of the moment is captured instead, `AutoCapturedStep`, and
-captured again after a check that changed it.  On one H200, case a of issue 20 (dense
-1,024 x 32) trained at 8.6 ms per captured step of L3 cf8 1/1, against 38.3 ms per
+captured again after a check that changed it.  On one H200, the MNIST-1D dense net
+(1,024 x 32) trained at 8.6 ms per captured step of L3 cf8 1/1, against 38.3 ms per
 eager step of the setting auto chose there (L4 cf4; docs/tta/gpu/).
 """
 from __future__ import annotations
@@ -231,7 +231,7 @@ class AutoCapturedStep:
         the tuner before a gradient check: checks run eagerly, and their interval is
         set for them to take `autotune.CHECK_SHARE` of the training's time, which is
         this step's, several times shorter than the eager pass the tuning timed (on
-        the H200, case a's L3 cf8 1/1: a 27.4 ms eager pass, an 8.6 ms captured
+        the H200, the 1,024-layer dense net's L3 cf8 1/1: a 27.4 ms eager pass, an 8.6 ms captured
         step).  None (nothing replayed yet) changes nothing."""
         tuner = self.model.tuner
         if seconds is not None and self.captured and tuner is not None:

@@ -113,7 +113,7 @@ def _transports(comm: Any, grid: Optional[ProcessGrid], timeout: Any
         world: Transport = grid.world
         # the per-pass agreements, over the whole grid where it has replicas
         agreements = grid.whole() if data is not None else None
-        if timeout is _GRIDS_TIMEOUT:  # (a grid's timeout was silently overridden)
+        if timeout is _GRIDS_TIMEOUT:  # (none passed: the grid's own timeout holds)
             timeout = grid.timeout
     else:
         transport = make_transport(comm)

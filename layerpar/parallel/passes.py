@@ -64,9 +64,9 @@ def broadcast(model: LayerParallel, t: Optional[Tensor], root: int, shape: tuple
 def refuse_after_failure(model: LayerParallel) -> None:
     """Refuse a pass once a pass of this model failed on any rank (at 2+ ranks): its
     messages may still be in flight, and the next pass would read them.  Every rank
-    raises this (the one that failed too), with the first failure named; before,
-    each later call raised the old error again as `RemoteError`, on the failing
-    rank naming that rank itself, which read as a new failure."""
+    raises this (the one that failed too), with the first failure named, so no
+    later call re-raises the old error as a `RemoteError` that, on the failing rank,
+    would name that rank itself and read as a new failure."""
     if model.size == 1 and model._agreements is None:
         return
     for t in (model.transport, model._data_transport, model._agreements):

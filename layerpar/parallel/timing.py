@@ -49,7 +49,7 @@ class SpanTimer:
     """Summed duration of spans of work (`start` ... `stop`), read without waiting at
     each span.  On a CUDA device each span is a pair of CUDA events recorded on the
     current stream, so a training loop of captured replays never waits for the GPU to
-    time its steps (``_captured_steps`` used to synchronise twice per step); `total`
+    time its steps (a synchronisation per span would stall each replay); `total`
     waits once, for the last span.  Elsewhere the spans are `time.perf_counter`
     intervals, the same code path (and what the tests run)."""
 

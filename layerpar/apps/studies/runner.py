@@ -369,8 +369,8 @@ def _refuse_foreign(out_dir: Path, resumed: bool, plots: bool, ranks: set[int]) 
     """Refuse (`StudyFileError`) before any measurement where `out_dir` holds a file of
     a name the study writes whole (the model's summary, each launch's run list, the
     plots) that the study did not write: a person's file is never replaced.  Plots
-    without the marker (`plots.PNG_MARKER`, written since 2026-11-26) are the study's
-    where it resumes (`resumed`: its CSV, checked by `read_rows`, is there)."""
+    without the marker (`plots.PNG_MARKER`; an older layerpar's plots lack it) are the
+    study's where it resumes (`resumed`: its CSV, checked by `read_rows`, is there)."""
     from .files import refuse_foreign
     from .plots import PLOT_NAMES, PNG_MARKER
 
