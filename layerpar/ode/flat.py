@@ -38,8 +38,8 @@ def _column(named: Sequence[Mapping[str, Tensor]], name: str) -> Optional[list[T
     if isinstance(t0, nn.parameter.UninitializedParameter) or t0.numel() == 0 or \
             t0.layout != torch.strided or len({id(t) for t in col}) < len(col):
         return None
-    if any(t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None)
-           for t in col):
+    if any(t is not None and (t._backward_hooks or getattr(
+            t, "_post_accumulate_grad_hooks", None)) for t in col):
         return None  # swapping a tensor would drop the hooks a user put on it
     if any(t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device or  # type: ignore[union-attr]
            isinstance(t, nn.parameter.UninitializedParameter) for t in col):

@@ -138,20 +138,26 @@ def agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     # advances as serial `ODENet.forward` advances it, and the ranks' generators
     # stay in step (a DataLoader shuffling from them gives every rank the same batches)
     seed = draw_seed() if model.needs_seed else None
-    key = (tuple(x.shape), str(x.dtype), model.training, grad_mode)
+    dev = x.device.type
+    cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    key = (tuple(x.shape), str(x.dtype), model.training, grad_mode, str(cast))
     if model._agreements is not None:
         return agree_on_grid(model, x, key, x_rg, p_rg, seed)
     if model.size == 1:
         return Agreed(grad_mode and (x_rg or p_rg), x_rg, seed)
     probe = values_fingerprint(x) if model._batch <= model.check_inputs else None
+    shared = model._shared
+    flags = None if shared is None else shared.flags(model.rank)
     got = model.guard(lambda: model.transport.allgather_object(
-        (key, x_rg, p_rg, seed, probe), "the forward pass's agreement on the input"))
+        (key, x_rg, p_rg, seed, probe, flags), "the forward pass's agreement on the input"))
     keys = [g[0] for g in got]
     if any(k != keys[0] for k in keys):
         raise RankMismatchError(f"the input differs between ranks (shape, dtype, "
                                 f"training, grad mode): {keys}")
     same_values([g[4] for g in got], "the input `x`", "pass the same batch on every "
                  "rank (only rank 0's is used)")
+    if flags is not None:
+        shared.check_flags([g[5] for g in got])  # type: ignore[union-attr]
     any_x = any(g[1] for g in got)
     return Agreed(grad_mode and (any_x or any(g[2] for g in got)), any_x, got[0][3])
 
@@ -171,8 +177,9 @@ def agree_on_grid(model: LayerParallel, x: Tensor, key: tuple, x_rg: bool, p_rg:
     probe = values_fingerprint(x) if model.size > 1 and \
         model._batch <= model.check_inputs else None
     model._agreements.set_context(f"batch {model._batch}, forward pass")
+    flags = None if model._shared is None else model._shared.flags(model.rank)
     got = model.guard(lambda: model._agreements.allgather_object(
-        (key, model._exact_pass, x_rg, p_rg, seed, probe),
+        (key, model._exact_pass, x_rg, p_rg, seed, probe, flags),
         "the forward pass's agreement on the input (whole grid)"))
     layers = model.grid.layers
     replicas = [got[d * layers:(d + 1) * layers] for d in range(model.grid.data)]
@@ -206,6 +213,8 @@ def agree_on_grid(model: LayerParallel, x: Tensor, key: tuple, x_rg: bool, p_rg:
                     "pass the same batch on every rank of a replica (only its first "
                     "rank's is used)")
     mine = replicas[model.grid.data_rank]
+    if flags is not None:
+        model._shared.check_flags([g[6] for g in mine])  # type: ignore[union-attr]
     # every replica records alike (their gradients are averaged pass by pass)
     record = key[3] and any(g[2] or g[3] for g in got)
     # each replica's masks its own (its rows are other samples): the seed mixed with

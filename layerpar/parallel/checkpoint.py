@@ -195,5 +195,24 @@ def check_state_dict(model: _Model, mine: dict[str, Any], state_dict: Any,
     return unexpected
 
 
+def this_ranks_part(model: _Model, state_dict: Any, mine: dict[str, Any]) -> dict:
+    """What this rank loads from `state_dict`: its own keys, and for a tensor the whole
+    net holds under several names (a shared block, tied weights) the value of the last
+    of its names present, in the whole net's order (the one serial `load_state_dict`
+    leaves in it), under each of this rank's names for it: a dict that keeps one name
+    per tensor, or tied names with other values, loads as into the serial net."""
+    out = {k: v for k, v in state_dict.items() if k in mine}
+    names_of: dict[int, list[str]] = {}
+    for n, t in model.whole_net.state_dict(keep_vars=True).items():
+        names_of.setdefault(id(t), []).append(n)
+    for names in names_of.values():
+        given = [n for n in names if n in state_dict]
+        if len(names) > 1 and given:
+            for n in names:
+                if n in mine:
+                    out[n] = state_dict[given[-1]]
+    return out
+
+
 def _name_order(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else -1 for p in name.split("."))

@@ -39,7 +39,7 @@ from .passes import backward_pass, forward_direct, forward_pass, refuse_after_fa
 from .plan import Plan, SegmentPlan
 from .replicas import GradAverager
 from .runner import SegmentRunner
-from .sharing import SharedParams
+from .sharing import SharedParams, shared_key
 from .tape import PassRecord
 
 
@@ -195,7 +195,13 @@ def _agreed_settings(world: Transport, transport: Transport, net: Any, options: 
                "timeout": timeout, "check_inputs": check_inputs,
                **above_key,
                **{name: v for k, m in enumerate(net.layers)
-                  for name, v in layer_key(k, m).items()}}
+                  for name, v in layer_key(k, m).items()},
+               # which layers share a parameter (a net tied on some ranks only)
+               "shared": shared_key(
+                   [(f"layers.{k}.blocks.{n}", b, 0) for k, seg in net.segments
+                    for n, b in enumerate(seg.blocks)]
+                   + [(f"layers.{k}", m, 0) for k, m in enumerate(net.layers)
+                      if not isinstance(m, Segment)])}
     except Exception as exc:  # noqa: BLE001 - re-raised identically on every rank
         err = exc
     world.agree(key, err, "LayerParallel settings (options, coarsening, layers; "
@@ -670,10 +676,18 @@ class LayerParallel(nn.Module):
                 "the ODENet with assign=True before building the LayerParallel")
         mine = self.state_dict(keep_vars=True)
         unexpected = checkpoint.check_state_dict(self, mine, state_dict, strict)
-        got = super().load_state_dict({k: v for k, v in state_dict.items() if k in mine},
+        got = super().load_state_dict(checkpoint.this_ranks_part(self, state_dict, mine),
                                       strict)
         got.unexpected_keys.extend(unexpected)
         return got
+
+    def __deepcopy__(self, memo: dict) -> LayerParallel:
+        raise TypeError(
+            "a LayerParallel cannot be deep-copied: it holds a communicator and its "
+            "layers live on several ranks. For an average of the weights (EMA), keep "
+            "copies of this rank's parameters (`[p.detach().clone() for p in "
+            "model.parameters()]`) or of `model.gather_state_dict()`; for a second "
+            "model, build one (`model.like()`)")
 
     def gather_state_dict(self) -> dict[str, Tensor]:
         """The whole network's state dict (loads into the serial `ODENet`), on every rank

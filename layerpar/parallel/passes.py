@@ -85,7 +85,10 @@ def forward_pass(model: LayerParallel, ctx: PassRecord, x: Tensor, record: bool,
     rank; with `record`, what the backward pass needs is kept in `ctx`."""
     size, rank = model.size, model.rank
     last = size - 1
-    key = (tuple(x.shape), str(x.dtype), model.training, record)
+    # activation shapes and dtypes follow from the input's and the autocast state
+    dev = x.device.type
+    cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    key = (tuple(x.shape), str(x.dtype), model.training, record, str(cast))
     h: Optional[Tensor] = x if rank == 0 else None
     holder = 0  # rank holding the current activation
     model.last_forward = []

@@ -23,7 +23,34 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["SharedParams", "shares_parameters"]
+from ..mgrit.errors import RankMismatchError
+
+__all__ = ["SharedParams", "shared_key", "shares_parameters"]
+
+
+def shared_key(layers: Sequence[tuple[str, nn.Module, int]]) -> list[tuple[str, ...]]:
+    """Which layers share a parameter or a module with running statistics: the names of
+    each group of layers using one (agreed between ranks at construction: a net tied
+    on one rank only is refused there).  Raises `ValueError` for a batch norm with
+    running statistics that several layers use: the passes evaluate a layer more than
+    once per batch (relaxation, coarse levels, the adjoint), so its statistics would
+    count other updates than serial's."""
+    users: dict[int, list[str]] = {}
+    for name, module, _ in layers:
+        for p in module.parameters():
+            users.setdefault(id(p), []).append(name)
+        for m in module.modules():
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+                users.setdefault(id(m), []).append(name)
+                seen = users[id(m)]
+                if len(seen) > 1:
+                    raise ValueError(
+                        f"{type(m).__name__} with running statistics is used by several "
+                        f"layers ({seen[0]}, {seen[1]}, ...): layer-parallel passes "
+                        "evaluate a layer more than once per batch, so its running "
+                        "statistics would not be serial's. Give each layer its own "
+                        "batch norm, or track_running_stats=False")
+    return sorted(tuple(v) for v in users.values() if len(v) > 1)
 
 
 def shares_parameters(blocks: Iterable[nn.Module]) -> bool:
@@ -67,6 +94,29 @@ class SharedParams:
                     got[2].append(owner)
         shared = {i: v for i, v in found.items() if len(v[1]) > 1}
         return cls(shared) if shared else None
+
+    def flags(self, rank: int) -> Optional[tuple[Optional[bool], ...]]:
+        """Per cross-rank shared parameter, whether `rank`'s copy requires grad (None
+        where `rank` holds none); None without such parameters."""
+        if not self.cross:
+            return None
+        return tuple(p.requires_grad if rank in ranks else None for p, ranks in self.cross)
+
+    def check_flags(self, per_rank: Sequence[Any]) -> None:
+        """Refuse a pass in which the ranks holding a shared parameter disagree on
+        whether it trains (`flags` of every rank, in rank order): one rank froze its
+        copy, the others would go on stepping theirs, and the copies would part."""
+        if not self.cross:
+            return
+        for i, (p, ranks) in enumerate(self.cross):
+            got = {q: per_rank[q][i] for q in sorted(ranks)}
+            if len(set(got.values())) > 1:
+                names = ", ".join(sorted(set(self.uses[id(p)][1])))
+                raise RankMismatchError(
+                    f"a parameter that layers on several ranks use ({names}) requires "
+                    f"grad on some of them and not on others ({got}): freeze or unfreeze "
+                    "it on every rank that holds it (each lists it under its own layers' "
+                    "names in named_parameters())")
 
     def counts_here(self, p: Tensor, rank: int) -> bool:
         """Whether `rank` counts `p` in a whole-net sum over the ranks' parameters (a
