@@ -44,3 +44,10 @@ def test_autocast_state_may_change_between_passes() -> None:
             "torch.bfloat16/torch.bfloat16", "torch.float16/torch.float16",
             "torch.float32/torch.float32"], line
         assert all(float(p.split(":")[1]) == 0.0 for p in parts), line
+
+
+@pytest.mark.mpi
+def test_two_forwards_one_backward_under_auto_with_a_tied_weight() -> None:
+    for line in _lines("two-forwards-auto"):
+        err = float(re.match(r"two forwards (\S+)", line).group(1))
+        assert err <= 1e-12, line

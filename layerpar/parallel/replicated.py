@@ -310,7 +310,13 @@ class ReplicatedSerial:
                     if r == self.rank:
                         continue
                     for t, v in zip(ts, _views(recv[r], ts)):
-                        if id(t) in real or t.device.type != "cpu":
+                        if id(t) in real:
+                            # a tensor this rank holds too (layers of several ranks
+                            # share it): its copies are kept equal by the summed
+                            # gradient, and writing the owner's values into it in
+                            # place would break a pass still waiting for its backward
+                            continue
+                        if t.device.type != "cpu":
                             copies.append(t.detach())
                             views.append(v)
                         else:

@@ -10,6 +10,9 @@ Run: mpiexec -n 2 python -m mpi4py tests/workers/lp_shared_edges.py CASE
 - `tied-on-one-rank`: a net tied on rank 0 only: refused at construction.
 - `shared-bn`: one batch norm with running statistics in every step: refused.
 - `deepcopy`: `copy.deepcopy(model)` says why it cannot be done.
+- `two-forwards-auto`: under ``options="auto"`` (replicated serial on this tiny net),
+  two forwards and one backward with a tied weight: serial's gradients (the refresh
+  between the passes wrote into the tied tensor a pending backward had saved).
 - `autocast-switch`: a bfloat16-autocast pass, then a float16 one, then a plain one, on
   the same input shape: outputs equal serial's in each.
 """
@@ -89,6 +92,20 @@ def main(case: str) -> None:
     elif case == "deepcopy":
         model = LayerParallel(tied(), comm, EXACT)
         say("error " + error_of(lambda: copy.deepcopy(model)))
+    elif case == "two-forwards-auto":
+        serial = tied()
+        model = LayerParallel(copy.deepcopy(serial), comm, "auto")
+        mse = torch.nn.functional.mse_loss
+        g = torch.Generator().manual_seed(1)
+        a, b, ya, yb = (torch.randn(4, 4, generator=g, dtype=torch.float64)
+                        for _ in range(4))
+        model.tune(a, ya, mse)
+        (mse(model(a), ya) + mse(model(b), yb)).backward()
+        (mse(serial(a), ya) + mse(serial(b), yb)).backward()
+        want = dict(serial.named_parameters(remove_duplicate=False))
+        err = max(float((p.grad - want[n].grad).norm() / want[n].grad.norm())
+                  for n, p in model.named_parameters(remove_duplicate=False))
+        say(f"two forwards {err:.3e}")
     elif case == "autocast-switch":
         torch.manual_seed(0)
         serial = ODENet(torch.nn.Linear(4, 4), lambda k: Dense(4), 8, 2.0,
