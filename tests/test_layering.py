@@ -278,3 +278,11 @@ def test_the_model_imports_no_policy_above_it():
                    if m.rpartition(".")[2] in ABOVE_THE_MODEL)
     assert "layerpar.parallel.runner" in graph["layerpar.parallel.model"]
     assert not above, f"model.py imports the policies above it: {above}"
+
+
+def test_layer_parallel_stays_small():
+    """`LayerParallel` runs one setting and offers a narrow seam: at most 500 lines
+    (the passes, agreements, checkpoints and policies above it live in their modules)."""
+    tree = ast.parse((ROOT / "parallel" / "model.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LayerParallel")
+    assert cls.end_lineno - cls.lineno + 1 <= 500

@@ -195,6 +195,24 @@ def check_state_dict(model: _Model, mine: dict[str, Any], state_dict: Any,
     return unexpected
 
 
+#: why `LayerParallel.load_state_dict` refuses ``assign=True``: layerpar holds this
+#: rank's parameter tensors beyond the modules (the solvers' per-layer lists, stacked
+#: views, shared parameters' reductions, auto's replicated copies), which would go on
+#: using and training the old tensors
+ASSIGN_REFUSED = (
+    "LayerParallel.load_state_dict does not support `assign=True`: layerpar holds this "
+    "rank's parameter tensors in its solvers, vectorised steps and gradient reductions, "
+    "which would go on using and training the old tensors. Load with assign=False (the "
+    "values are copied into the parameters layerpar and your optimizer hold), or load "
+    "the state into the ODENet with assign=True before building the LayerParallel")
+#: why a LayerParallel cannot be deep-copied
+DEEPCOPY_REFUSED = (
+    "a LayerParallel cannot be deep-copied: it holds a communicator and its layers live "
+    "on several ranks. For an average of the weights (EMA), keep copies of this rank's "
+    "parameters (`[p.detach().clone() for p in model.parameters()]`) or of "
+    "`model.gather_state_dict()`; for a second model, build one (`model.like()`)")
+
+
 def this_ranks_part(model: _Model, state_dict: Any, mine: dict[str, Any]) -> dict:
     """What this rank loads from `state_dict`: its own keys, and for a tensor the whole
     net holds under several names (a shared block, tied weights) the value of the last

@@ -651,29 +651,12 @@ class LayerParallel(nn.Module):
                         assign: bool = False) -> Any:
         """`nn.Module.load_state_dict`, which also takes the whole network's state dict
         (`gather_state_dict`, or the serial `ODENet`'s) on any number of ranks: each
-        rank loads its own part.  Not collective, yet a whole-network dict is checked
-        whole on every rank (each holds the whole net's names and shapes): a key of no
-        layer, a wrong shape anywhere, and with `strict` a key missing anywhere raise
-        alike on every rank, before anything is loaded.  A dict of this rank's keys
-        only (its own ``state_dict()``) is this rank's part and is checked as such.
-
-        assign: refused (`ValueError`).  layerpar holds this rank's parameter tensors
-        beyond the modules (the segment solvers' per-layer lists, vectorised steps'
-        stacked views, shared parameters' reductions, auto's candidates and
-        replicated copies): new tensors put in the modules would be used by some of
-        these and not by others, and the old ones would keep training.  Load with the
-        default ``assign=False`` (the values are copied into the tensors layerpar and
-        the optimizer hold), or load into the `ODENet` with ``assign=True`` before
-        building the LayerParallel.
-        """
+        rank loads its own part (`checkpoint.this_ranks_part`).  Not collective, yet a
+        whole-network dict is checked whole on every rank before anything loads
+        (`checkpoint.check_state_dict`), so a bad one raises alike everywhere.
+        assign: refused (`checkpoint.ASSIGN_REFUSED` says why)."""
         if assign:
-            raise ValueError(
-                "LayerParallel.load_state_dict does not support `assign=True`: layerpar "
-                "holds this rank's parameter tensors in its solvers, vectorised steps and "
-                "gradient reductions, which would go on using and training the old "
-                "tensors. Load with assign=False (the values are copied into the "
-                "parameters layerpar and your optimizer hold), or load the state into "
-                "the ODENet with assign=True before building the LayerParallel")
+            raise ValueError(checkpoint.ASSIGN_REFUSED)
         mine = self.state_dict(keep_vars=True)
         unexpected = checkpoint.check_state_dict(self, mine, state_dict, strict)
         got = super().load_state_dict(checkpoint.this_ranks_part(self, state_dict, mine),
@@ -682,12 +665,7 @@ class LayerParallel(nn.Module):
         return got
 
     def __deepcopy__(self, memo: dict) -> LayerParallel:
-        raise TypeError(
-            "a LayerParallel cannot be deep-copied: it holds a communicator and its "
-            "layers live on several ranks. For an average of the weights (EMA), keep "
-            "copies of this rank's parameters (`[p.detach().clone() for p in "
-            "model.parameters()]`) or of `model.gather_state_dict()`; for a second "
-            "model, build one (`model.like()`)")
+        raise TypeError(checkpoint.DEEPCOPY_REFUSED)
 
     def gather_state_dict(self) -> dict[str, Tensor]:
         """The whole network's state dict (loads into the serial `ODENet`), on every rank
