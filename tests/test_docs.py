@@ -130,3 +130,18 @@ def test_mentioned_paths_exist(page: Path) -> None:
         if "://" not in target and not (page.parent / target).exists():
             missing.append(target)
     assert not missing, f"{page.relative_to(ROOT)} mentions paths that do not exist: {missing}"
+
+
+def test_every_readme_figure_is_in_a_result_file() -> None:
+    """A figure README states (a number with a unit: ms, s, %, ×, x) is one a file
+    under docs/results/ shows, so no claim outlives the run that measured it.  Code
+    blocks (commands, example output) are left out; so are one-digit integers
+    ("2 ranks", "3 levels"), which are settings, not measurements."""
+    text = re.sub(r"```.*?```", "", (ROOT / "README.md").read_text(), flags=re.S)
+    figures = set(re.findall(r"(\d[\d,]*\.\d+|\d{2,}[\d,]*)\s*(?:ms|s\b|%|×|x\b)", text))
+    assert len(figures) > 10  # the pattern still finds README's figures
+    results = [p for p in (ROOT / "docs" / "results").rglob("*")
+               if p.is_file() and p.suffix in (".md", ".txt", ".csv", ".json")]
+    corpus = "\n".join(p.read_text(errors="ignore") for p in results).replace(",", "")
+    missing = sorted(f for f in figures if f.replace(",", "") not in corpus)
+    assert not missing, f"README states figures no file under docs/results/ shows: {missing}"
