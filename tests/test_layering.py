@@ -246,7 +246,7 @@ def test_no_function_longer_than_the_limit() -> None:
 # ------------------------------------------------------------------------------------------
 #: the packages with no `assert` statement: a guard raises an error that says what broke
 #: (an assert vanishes under ``python -O``); narrowing a type is written out
-NO_ASSERTS = ("apps", "mgrit", "ode", "_native")
+NO_ASSERTS = ("apps", "mgrit", "ode", "_native", "parallel")
 #: the files of those packages that still hold asserts, to be rewritten (the list may
 #: only shrink: a listed file without asserts fails the test)
 ASSERTS_TO_REPLACE: frozenset[str] = frozenset()

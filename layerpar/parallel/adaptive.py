@@ -137,7 +137,8 @@ class AccuracyPolicy:
         `noise_fraction` x `noise` (the batch gradient's relative sampling error), at
         most `cap`; the cosine bound is the one that relative error implies
         (an error e leaves a cosine of at least sqrt(1 - e^2)), so it adds nothing."""
-        assert self.noise_fraction is not None
+        if self.noise_fraction is None:
+            raise RuntimeError("a measured bound needs `noise_fraction` set")
         err = min(cap, self.noise_fraction * noise)
         err = max(err, 1e-12)
         return replace(self, max_rel_error=err,
@@ -292,7 +293,8 @@ class AccuracyController:
         p = self.policy
         cos, err = check.cos, check.error
         bad = not (cos >= p.min_cosine and err <= p.max_rel_error)
-        assert self.costs is not None
+        if self.costs is None:
+            raise RuntimeError("the accuracy controller has no cost window (not started)")
         self.costs.add(check.inexact_seconds, check.exact_seconds)
         verdict = self.costs.verdict()  # medians over a window, with a margin
         cost = self.costs.describe()

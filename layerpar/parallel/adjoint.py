@@ -373,7 +373,8 @@ class AdjointApp(StateOps):
             if out is None:
                 out = torch.empty_like(lam)
             self._scatter(out, ks, dx, rows)  # type: ignore[arg-type]
-        assert out is not None
+        if out is None:
+            raise RuntimeError("the adjoint pass produced no output")
         return out, False
 
     def _plan(self, to: list[int], frm: list[int], device: torch.device
@@ -514,7 +515,8 @@ class AdjointApp(StateOps):
         (`BatchedBlocks.column`).  Frozen parameters get none; a shared parameter's
         further uses go to `extra` (`gradients`)."""
         bb = self.bb
-        assert bb is not None
+        if bb is None:
+            raise RuntimeError("the batched adjoint has no batched blocks (no batched path)")
         recs = [r for r in self.tape.brecords if r.grads]
         out: dict[int, Tensor] = {}
         if not recs:

@@ -173,7 +173,8 @@ def agree_on_grid(model: LayerParallel, x: Tensor, key: tuple, x_rg: bool, p_rg:
     (A check per group would raise a mismatch inside one replica on some ranks and
     leave the others waiting out the timeout, and would find a rank that skipped a
     backward() only by the timeout.)"""
-    assert model.grid is not None and model._agreements is not None
+    if model.grid is None or model._agreements is None:
+        raise RuntimeError("the model has no grid or agreements to check against (not set up)")
     probe = values_fingerprint(x) if model.size > 1 and \
         model._batch <= model.check_inputs else None
     model._agreements.set_context(f"batch {model._batch}, forward pass")

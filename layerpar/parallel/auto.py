@@ -116,7 +116,8 @@ class Auto:
             # the chosen setting's controller, and an answer for every setting
             self.accuracy = AutoAccuracy(self.tuner)
         else:
-            assert pol is not None
+            if pol is None:
+                raise RuntimeError("an untuned Auto model needs an accuracy policy")
             m = self.model
             self.accuracy = AccuracyController(pol, m.options.max_iter,
                                                m.backward_options.max_iter)

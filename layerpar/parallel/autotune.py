@@ -275,7 +275,8 @@ def choose(table: list[Measurement], ranks: int, unit: str = "pass"
     rep = min((m for m in table if m.candidate.replicated), default=None,
               key=lambda m: (m.seconds, table.index(m)))
     exact = next((m for m in table if m.candidate.exact and not m.candidate.replicated), rep)
-    assert exact is not None, "the table holds no exact setting"
+    if exact is None:
+        raise RuntimeError("the table holds no exact setting")
     ok = [m for m in table if m.within]
     best = min(ok, key=lambda m: (m.seconds, table.index(m)))
     what = "serial autograd" if ranks == 1 else "exact propagation"
@@ -694,7 +695,8 @@ class _Tuning:
             self.note = (f"{why}, so the default: relative error <= "
                          f"{self.bound.max_rel_error:g}, cosine >= {self.bound.min_cosine:g}")
         else:
-            assert policy.noise_fraction is not None
+            if policy.noise_fraction is None:
+                raise RuntimeError("a measured bound needs the policy's `noise_fraction` set")
             self.bound = policy.measured(noise, NOISE_CAP)
             self.note = (f"measured: the batch gradient's relative sampling error is "
                          f"{noise:.3g} (exact gradients of the two half batches); a "
@@ -1154,7 +1156,8 @@ class AutoTuner:
         """At a forward during the trial: the previous training step's time, and what
         it decides (collective: every rank runs the same forwards)."""
         tr = self.trial
-        assert tr is not None
+        if tr is None:
+            raise RuntimeError("the tuner times a trial step with no trial running")
         now = time.perf_counter()
         if not (model.training and torch.is_grad_enabled()):
             tr.last = None  # an evaluation pass: the interval across it is no step
@@ -1178,7 +1181,8 @@ class AutoTuner:
             got = self.tune(model, tr.x, tr.y, tr.loss_fn, built=tr.kept,
                             trial=(tr.steps_run - 1, t, tr.steps), batch=tr.batch,
                             step_seconds=t)
-            assert got is not None
+            if got is None:
+                raise RuntimeError("the trial's tune() chose no setting")
             return
         ts = tr.times
         if not (len(ts) >= self.repeats or len(ts) == 2 and abs(ts[1] - ts[0]) <=
@@ -1248,7 +1252,8 @@ class AutoTuner:
             # no backward came (or none can): the loss is unknown
             self.awaiting = False
             self.tune(model, x, NO_TARGETS, _surrogate_loss)
-        assert self.chosen is not None
+        if self.chosen is None:
+            raise RuntimeError("the tuner has chosen no setting")
         self.chosen.training = model.training
         if train:
             self.batches += 1
@@ -1311,7 +1316,8 @@ class AutoTuner:
         new bound; where the last measurement left the bound pinned at its cap with
         room to spare, only every few checks (`noise_due`: it costs as much as the
         check)."""
-        assert self.chosen is not None
+        if self.chosen is None:
+            raise RuntimeError("the tuner has chosen no setting to check")
         ctl = self.chosen.accuracy
         # a choice made on the loss's gradient at the output (no `tune` call) is checked
         # on the loss itself at once, against the bound it was chosen by, and tuned

@@ -246,7 +246,8 @@ class AutoCapturedStep:
         """One training step on (`x`, `y`): a replay where a graph of this shape is
         captured, else eagerly through the auto model.  Returns the loss tensor."""
         tuner = self.model.tuner
-        assert tuner is not None
+        if tuner is None:
+            raise RuntimeError("a captured step needs an auto-tuned model (its tuner is None)")
         if self._step is not None and x.shape == self.x.shape:
             loss = self._step(x, y)
             tuner.count_captured()

@@ -137,7 +137,8 @@ class ForwardApp(StateOps):
         and the stacked parameters are leaves, so the adjoint gets the stacked parameter
         gradients in one autograd call.  Returns the detached output."""
         bb = self.bb
-        assert bb is not None
+        if bb is None:
+            raise RuntimeError("the batched forward has no batched blocks (no batched path)")
         tape = self.tape
         layers = tuple(a for a, _ in pairs)
         with torch.enable_grad():

@@ -208,7 +208,8 @@ def _agreed_settings(world: Transport, transport: Transport, net: Any, options: 
                          "`layers.k.structure` is a digest of layer k's structure: "
                          "module types, parameter shapes, attributes such as the "
                          "activation)")
-    assert isinstance(net, ODENet)
+    if not isinstance(net, ODENet):
+        raise TypeError(f"`net` must build an ODENet, got {type(net).__name__}")
     return net, options, backward_options, batched, timeout
 
 
@@ -324,7 +325,8 @@ class LayerParallel(nn.Module):
             state_dict=state_dict, batched=batched, check_finite=check_finite,
             timeout=timeout, check_inputs=check_inputs, grid=grid, accuracy=accuracy,
             engine=engine, above=above)
-        assert isinstance(net, ODENet)
+        if not isinstance(net, ODENet):
+            raise TypeError(f"`net` must build an ODENet, got {type(net).__name__}")
         self.options = options
         self.backward_options = backward_options
         self.transport.timeout = timeout

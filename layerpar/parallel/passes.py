@@ -45,7 +45,8 @@ def _meta(model: LayerParallel, t: Optional[Tensor], root: int
           ) -> tuple[tuple[int, ...], torch.dtype]:
     """The shape and dtype of `t`, held on rank `root`, on every rank."""
     if model.size == 1:
-        assert t is not None
+        if t is None:
+            raise RuntimeError("a one-rank model: its only rank must hold `t`, got None")
         return tuple(t.shape), t.dtype
     return model.transport.bcast_object(None if t is None else (tuple(t.shape), t.dtype),
                                        root=root)
@@ -55,7 +56,8 @@ def broadcast(model: LayerParallel, t: Optional[Tensor], root: int, shape: tuple
               dtype: torch.dtype, device: torch.device) -> Tensor:
     """`t`, held on rank `root`, on every rank (the output, or the input's gradient)."""
     if model.size == 1:
-        assert t is not None
+        if t is None:
+            raise RuntimeError("a one-rank model: its only rank must hold `t`, got None")
         return t
     return model.transport.bcast_tensor(t, root, shape, dtype, device,
                                        "the broadcast output or input gradient")
@@ -147,7 +149,8 @@ def forward_pass(model: LayerParallel, ctx: PassRecord, x: Tensor, record: bool,
                 runner.ghosts.sync(model.transport)
             tape = runner.new_tape(record and not ctx.direct, seed)
             if ctx.direct:
-                assert h is not None
+                if h is None:
+                    raise RuntimeError("a direct pass has no input on this rank")
                 h, stats = runner.forward_direct(h, tape, check_shapes=cached is None,
                                                  exact=ctx.exact)
             else:
@@ -289,7 +292,8 @@ def average_running_stats(model: LayerParallel) -> None:
     if not model._running_stats:
         return
     averager = model._stats_averager
-    assert averager is not None
+    if averager is None:
+        raise RuntimeError("running statistics to average but no averager")
     # averaged in copies, which then become the buffers: a pass still waiting for
     # its backward (two forwards, one backward) saved the old ones in its graph
     copies = [getattr(m, name).clone() for m, name in model._running_stats]

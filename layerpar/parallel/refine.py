@@ -55,7 +55,9 @@ def refine_parallel(model: _Model, factor: int = 2, interpolation: str = "consta
     net = copy.deepcopy(model.whole_net)
     for sp in model.plan.segments:
         seg = net.layers[sp.position]
-        assert isinstance(seg, Segment)
+        if not isinstance(seg, Segment):
+            raise TypeError(f"layer {sp.position} of the plan must be a Segment, got "
+                            f"{type(seg).__name__}")
         n = seg.n_steps
         part = sp.forward
         # every rank lists the same moves: coarse layer a from the rank computing

@@ -263,7 +263,9 @@ class ReplicatedSerial:
         if fn is not None:
             self.net._apply(fn)
         rep = _named_tensors(self.net)
-        assert [n for n, _ in rep] == [n for n, _ in named]
+        if [n for n, _ in rep] != [n for n, _ in named]:
+            raise RuntimeError("the private copy of the net names its tensors differently "
+                               "from the net")
         if hasattr(self.net, "forward_seed") and not any(
                 isinstance(m, DROPOUT_TYPES) for m in self.net.modules()):
             # no dropout in the private copy, ever (nothing adds modules to it): its

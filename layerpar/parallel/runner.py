@@ -379,13 +379,14 @@ class SegmentRunner:
         """Direct mode (one rank, sequential solves; see `direct.py`): the sweep is
         recorded onto `u0`'s own graph; returns u_N with its graph, and the stats."""
         app, _, session, _ = self._mode(exact)
-        assert isinstance(app, DirectApp), "internal: a direct pass on a runner that " \
-            "cannot run one"
+        if not isinstance(app, DirectApp):
+            raise RuntimeError("internal: a direct pass on a runner that cannot run one")
         self.transport.set_template(u0)
         # sequential solves have nothing to batch (the runner's own pass still notes
         # its path, None, in `paths`)
         self.bb = None if exact else self.use_path(u0)
-        assert self.bb is None
+        if self.bb is not None:
+            raise RuntimeError("internal: a direct pass was given a batched path")
         app.begin(tape, u0, u0, None, check_shapes)
         app.begin_direct(u0)
         try:
@@ -393,7 +394,8 @@ class SegmentRunner:
             out = app.out
         finally:
             app.end()
-        assert out is not None
+        if out is None:
+            raise RuntimeError("the direct pass produced no output")
         return out, stats
 
     def backward(self, lam_n: Optional[Tensor], like: Tensor, tape: Tape,

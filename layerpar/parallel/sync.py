@@ -257,7 +257,9 @@ class SyncStrategy:
             self.data = self._metered(grid.data_comm, grid.data_node_count() > 1)
 
     def _metered(self, comm: Any, internode: bool) -> Optional[Metered]:
-        assert self.grid is not None
+        if self.grid is None:
+            raise RuntimeError(f"the {self.name} strategy is not attached to a grid (call "
+                               "setup first)")
         if comm is None:
             return None
         t = make_transport(comm, errors=self.grid.errors, timeout=self.grid.timeout)
@@ -289,7 +291,9 @@ class SyncStrategy:
         return [p for p in self.model.parameters()] if self.model is not None else []
 
     def _after_step(self) -> None:
-        assert self.grid is not None
+        if self.grid is None:
+            raise RuntimeError(f"the {self.name} strategy is not attached to a grid (call "
+                               "setup first)")
         guarded(self.grid.world, self.after_step)
 
     def after_step(self) -> None:
@@ -326,7 +330,9 @@ class SyncStrategy:
         if not isinstance(state, dict) or state.get("sync") != self.name:
             raise ValueError(f"`state` must be a {self.name} strategy's state_dict(), got "
                              f"{state.get('sync') if isinstance(state, dict) else state!r}")
-        assert self.grid is not None
+        if self.grid is None:
+            raise RuntimeError(f"the {self.name} strategy is not attached to a grid (call "
+                               "setup first)")
         rep = state["replicas"][self.grid.data_rank % len(state["replicas"])]
         sd = rep["model"]
         with torch.no_grad():
@@ -513,7 +519,9 @@ class DASO(SyncStrategy):
         the end.  Averaging the parameters alone left each replica its own Adam
         moments, and identical gradients gave different updates (replicas 2-3e-2
         apart at the end of a run; with SGD they were equal)."""
-        assert self.optimizer is not None and self.data is not None
+        if self.optimizer is None or self.data is None:
+            raise RuntimeError(f"the {self.name} strategy averages optimizer state without an "
+                               "optimizer or a data group (call setup and attach first)")
         states = [t for p in self._params()
                   for t in self.optimizer.state.get(p, {}).values()
                   if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
@@ -559,7 +567,9 @@ class DASO(SyncStrategy):
         pend = self.pending
         if pend is not None and pend["handle"] is not None:
             pend["handle"].wait()
-            assert self.glob is not None
+            if self.glob is None:
+                raise RuntimeError("DASO waits on a global reduction without a global group "
+                                   "(call setup first)")
             parts = pend["flat"]
             acc = torch.float64 if parts.dtype == torch.float64 else torch.float32
             if self.ref is None:  # the first exchange: parameters (a fresh average)
@@ -581,7 +591,8 @@ class DASO(SyncStrategy):
     def _finish(self, advance: bool = True) -> None:
         self._wait()
         pend, self.pending = self.pending, None
-        assert pend is not None
+        if pend is None:
+            raise RuntimeError("DASO finishes a reduction that was never started")
         params = self._params()
         with torch.no_grad():
             if pend["avg"] is not None:
@@ -613,7 +624,9 @@ class DASO(SyncStrategy):
 
     def _extra_state(self) -> dict[str, Any]:
         self._wait()
-        assert self.grid is not None and self.model is not None
+        if self.grid is None or self.model is None:
+            raise RuntimeError(f"the {self.name} strategy is not set up and attached (call "
+                               "setup and attach first)")
         names = [n for n, _ in self.model.named_parameters()]
 
         def named(flat: Optional[Tensor]) -> Optional[dict[str, Tensor]]:
@@ -656,7 +669,9 @@ class DASO(SyncStrategy):
         # without them (saved under merge="weighted") merges by replacing
         sent, p_sent = pend.get("p_sent"), None
         if sent and self.merge == "progress":
-            assert self.grid is not None
+            if self.grid is None:
+                raise RuntimeError(f"the {self.name} strategy is not attached to a grid (call "
+                                   "setup first)")
             p_sent = _flat([sent[self.grid.data_rank % len(sent)][n]
                             for n, _ in self.model.named_parameters()])
         self.pending = {"due": int(pend["due"]), "S": int(pend["S"]), "handle": None,
@@ -766,11 +781,14 @@ class LionCub(SyncStrategy):
         return self
 
     def _vote(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
-        assert self.grid is not None
+        if self.grid is None:
+            raise RuntimeError(f"the {self.name} strategy is not attached to a grid (call "
+                               "setup first)")
         guarded(self.grid.world, lambda: self._vote_here(pairs))
 
     def _vote_here(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
-        assert self.data is not None
+        if self.data is None:
+            raise RuntimeError("LionCub votes without a data-parallel group (call setup first)")
         signs = [u for _, u in pairs]
         # torch.sign(NaN) is 0: a NaN would vanish from the update, so look at the grads
         if not _all_finite(p.grad for p, _ in pairs):
@@ -792,7 +810,9 @@ class LionCub(SyncStrategy):
         self.batch += 1
         if self.data is None or not self.momentum_every or self.batch % self.momentum_every:
             return
-        assert self.optimizer is not None
+        if self.optimizer is None:
+            raise RuntimeError("LionCub averages momenta without an optimizer (call attach "
+                               "first)")
         moms = [self.optimizer.state[p]["exp_avg"] for p in self._params()
                 if "exp_avg" in self.optimizer.state.get(p, {})]
         if not moms:

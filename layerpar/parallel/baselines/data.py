@@ -82,7 +82,8 @@ class DataParallelNet(TrainingMethod):
         except Exception as exc:  # noqa: BLE001 - raised alike on every rank by agree
             err = exc
         self.transport.agree(key, err, "DataParallelNet settings (engine, layers)")
-        assert isinstance(net, ODENet)
+        if not isinstance(net, ODENet):
+            raise TypeError(f"`net` must build an ODENet, got {type(net).__name__}")
         self.transport.timeout = timeout
         self.net = net
         self.engine = engine

@@ -194,7 +194,9 @@ class _Stage(nn.Module):
                 self.layers[str(k)] = layer
                 self._run.append((layer, None, -1))
             else:
-                assert isinstance(layer, Segment)
+                if not isinstance(layer, Segment):
+                    raise TypeError(f"a split layer must be a Segment, got "
+                                    f"{type(layer).__name__}")
                 rng = range(*steps)
                 self.layers[str(k)] = _Piece(layer, rng)
                 self._run.append((layer, rng, seg_index[k]))
@@ -204,7 +206,9 @@ class _Stage(nn.Module):
             if steps is None:
                 x = layer(x)
             else:
-                assert isinstance(layer, Segment)
+                if not isinstance(layer, Segment):
+                    raise TypeError(f"a split layer must be a Segment, got "
+                                    f"{type(layer).__name__}")
                 for n in steps:
                     x = layer.step(x, n, n + 1, segment_index=j)
         return x
@@ -262,7 +266,8 @@ class PipelineNet(TrainingMethod):
             err = exc
         self.transport.agree(key, err, "PipelineNet settings (schedule, microbatches, "
                              "stages_per_rank, layers)")
-        assert isinstance(net, ODENet)
+        if not isinstance(net, ODENet):
+            raise TypeError(f"`net` must build an ODENet, got {type(net).__name__}")
         self.transport.timeout = timeout
         self.net = net
         self._built: dict[tuple, Any] = {}  # (input shape, dtype, m) -> torch schedule
@@ -325,7 +330,8 @@ class PipelineNet(TrainingMethod):
         return cls(stages[0] if single else stages, self.microbatches, loss_fn=self._loss)
 
     def _loss(self, out: Tensor, target: Any) -> Tensor:
-        assert self._loss_fn is not None
+        if self._loss_fn is None:
+            raise RuntimeError("PipelineNet has no loss function to apply")
         return self._loss_fn(out, target)
 
     def _holds(self, stage: int) -> bool:
