@@ -13,14 +13,16 @@ tensors) or that has hooks gets its gradient through the engine as usual.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterable, Iterator
 from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["GradDelivery", "refuse_tensor_hooks"]
+__all__ = ["GradDelivery", "hooks_held"]
 
 
 #: every live `GradDelivery`: models share parameters (auto's candidates and its chosen
@@ -84,20 +86,20 @@ class GradDelivery:
         return out
 
 
-def refuse_tensor_hooks(params: list[Tensor], module: torch.nn.Module) -> None:
-    """A `ValueError` naming the first of `params` (of `module`) with a tensor hook
-    (``p.register_hook``): the layer-parallel passes compute a parameter's gradient
-    inside their own autograd calls, where its hooks run, and hand it on through the
-    pass's autograd node, where they run again; serial autograd runs them once.
-    Post-accumulate-grad hooks run once, where the gradient is accumulated."""
-    hooked = next((p for p in params if p._backward_hooks), None)
-    if hooked is None:
-        return
-    name = next((n for n, p in module.named_parameters() if p is hooked), "a parameter")
-    raise ValueError(
-        f"parameter {name!r} has a tensor hook (`register_hook`): layer-parallel passes "
-        "would run it more than once per backward pass (inside their adjoint solve and "
-        "again when handing the gradient on), unlike serial autograd. Use "
-        "`register_post_accumulate_grad_hook` (it runs once, on the accumulated "
-        "gradient), a hook on the module's output, or one rank with max_levels=1 "
-        "(direct mode: plain autograd)")
+
+@contextlib.contextmanager
+def hooks_held(params: Iterable[Tensor]) -> Iterator[None]:
+    """Inside, the tensor hooks (``p.register_hook``) of `params` are held back (their
+    dict emptied, then refilled): the passes compute a parameter's gradient inside
+    autograd calls of their own, where its hooks would run, and then hand it to the
+    parameter through the pass's autograd node, where they run: once, on the whole
+    gradient, as in serial autograd."""
+    held = [(p._backward_hooks, dict(p._backward_hooks)) for p in params
+            if p._backward_hooks]
+    for hooks, _ in held:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, saved in held:
+            hooks.update(saved)

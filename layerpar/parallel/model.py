@@ -33,7 +33,7 @@ from ..ode.net import ODENet, Segment
 from ..ode.rng import DROPOUT_TYPES as _DROPOUT
 from . import checkpoint
 from .agree import Agreed, agree_pass, check_xbraid, layer_key
-from .grads import GradDelivery, refuse_tensor_hooks
+from .grads import GradDelivery
 from .grid import ProcessGrid
 from .passes import backward_pass, forward_direct, forward_pass, refuse_after_failure
 from .plan import Plan, SegmentPlan
@@ -604,7 +604,6 @@ class LayerParallel(nn.Module):
         if self._direct_exact if self._exact_pass else self._direct:
             return forward_direct(self, x, agreed.seed)
         params = [p for p in self._param_list if p.requires_grad]
-        self.guard(lambda: refuse_tensor_hooks(params, self))
         if not params and not x.requires_grad:
             # nothing to differentiate here, but other ranks do: the output must still
             # carry a graph so that this rank's backward() joins theirs

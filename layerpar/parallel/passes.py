@@ -19,6 +19,7 @@ from ..ode.rng import plain_rng
 from .agree import same_values, values_fingerprint
 from .bn_dropout import batch_norms
 from .direct import direct_backward_started
+from .grads import hooks_held
 from .move import Like, move
 from .sharing import add as add_grads
 from .sharing import finish as finish_grads
@@ -237,8 +238,9 @@ def backward_pass(model: LayerParallel, ctx: PassRecord, gy: Tensor
                     # the last layer of a group: back-propagate the whole group
                     head = rec.head
                     wrt = [head.x] if head.x.requires_grad else []  # (not token ids)
-                    outs = torch.autograd.grad(rec.y, [*wrt, *rec.group_params], g,
-                                               allow_unused=True)
+                    with hooks_held(rec.group_params):  # run once, when handed on
+                        outs = torch.autograd.grad(rec.y, [*wrt, *rec.group_params], g,
+                                                   allow_unused=True)
                     g, outs = (outs[0], outs) if wrt else (None, (None, *outs))
                     if model._averager is not None:
                         model._averager.add(outs[1:])

@@ -50,7 +50,7 @@ from torch.autograd.variable import Variable
 
 from ..mgrit.options import MGRITOptions
 from ..ode.rng import DROPOUT_TYPES
-from .grads import refuse_tensor_hooks
+from .grads import hooks_held
 
 if TYPE_CHECKING:
     from .model import LayerParallel
@@ -157,9 +157,10 @@ def _grad(out: Tensor, wrt: list[Tensor], g: Tensor) -> tuple[Optional[Tensor], 
     the same arguments since torch 1.9), without the Python argument handling that
     costs ~50 us a call with 19 inputs.  A torch without that private entry point
     gets `torch.autograd.grad` itself."""
-    if _ENGINE is None:
-        return torch.autograd.grad(out, wrt, g, allow_unused=True)
-    return _ENGINE.run_backward((out,), (g,), False, False, tuple(wrt), True, False)
+    with hooks_held(wrt):  # run once, where the split's node hands them on
+        if _ENGINE is None:
+            return torch.autograd.grad(out, wrt, g, allow_unused=True)
+        return _ENGINE.run_backward((out,), (g,), False, False, tuple(wrt), True, False)
 
 
 _ENGINE = getattr(Variable, "_execution_engine", None)
@@ -426,7 +427,6 @@ class ReplicatedSerial:
             # (no trainable parameter of its own but some elsewhere: the anchor makes
             # this rank's backward run, and join the others' all-reduce)
             own = self._own or ([self._anchor] if self._trainable else [])
-            refuse_tensor_hooks(self._own, self.model)
             return _SplitBatch.apply(self, torch.is_grad_enabled(), x, *own)
         out = self.net(x)
         if not out.requires_grad and torch.is_grad_enabled():

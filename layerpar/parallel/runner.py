@@ -43,6 +43,7 @@ from .bn_dropout import batch_norms, layer_function
 from .direct import DirectApp
 from .forward import ForwardApp
 from .ghosts import Ghosts
+from .grads import hooks_held
 from .plan import SegmentPlan
 from .sharing import shares_parameters
 from .tape import Tape, autocast_as, autocast_dtype
@@ -412,7 +413,10 @@ class SegmentRunner:
         app.begin(tape, lam_n if lam_n is not None else like, like)
         try:
             # the steps recomputed here run in the dtypes the forward's ran in
-            with autocast_as(like.device, tape.autocast):
+            # the parameters' own hooks run once, where the pass hands their gradients
+            # on (`grads.hooks_held`), not inside the adjoint's autograd calls too
+            with autocast_as(like.device, tape.autocast), hooks_held(
+                    p for ps in self.layer_params.values() for p in ps):
                 stats = session.drive(lazy_history=not self.check_finite)
                 out = as_tensor(session.state(self.n)) if self.transport.rank == 0 else None
                 grads = app.gradients(extra)

@@ -264,13 +264,14 @@ def random_plain_layer(comm: Any) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def hooked_parameter(comm: Any) -> dict[str, Any]:
-    """A tensor hook on a block's parameter: layer-parallel passes would run it twice
-    per backward; refused by name.  A post-accumulate-grad hook runs once."""
+def hooked_parameter(comm: Any, options: Any = CONVERGED) -> dict[str, Any]:
+    """Hooks on the parameters run once per backward, as in serial autograd: a
+    post-accumulate-grad hook (counted), and a tensor hook scaling the gradient by 0.5
+    (the gradients against the serial net's with the same hooks)."""
     torch.manual_seed(4)
     serial = layerpar.ODENet(open=nn.Linear(3, 4), steps=lambda k: blocks.Dense(4),
                              n_steps=8, close=nn.Linear(4, 5)).double()
-    model = layerpar.LayerParallel(copy.deepcopy(serial), comm, CONVERGED)
+    model = layerpar.LayerParallel(copy.deepcopy(serial), comm, options)
     x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 5, (6,))
     out: dict[str, Any] = {}
     calls: list[int] = []
@@ -280,13 +281,13 @@ def hooked_parameter(comm: Any) -> dict[str, Any]:
     out["post hooks per parameter"] = len(calls) / max(1, len(posts))
     for h in posts:
         h.remove()
-    for p in model.parameters():
-        p.register_hook(lambda g: 0.5 * g)
-    try:
-        ce(model(x), y).backward()
-        out["ran"] = True
-    except Exception as exc:  # noqa: BLE001 - reported for the test to read
-        out["error"] = f"{type(exc).__name__}: {exc}"
+    model.zero_grad()
+    for m in (serial, model):
+        for p in m.parameters():
+            p.register_hook(lambda g: 0.5 * g)
+        ce(m(x), y).backward()
+    out["grads"] = _grad_error(model, serial)
+    model.close()
     return out
 
 
@@ -319,6 +320,8 @@ def run_all(comm: Any) -> dict[str, Any]:
         "compiled blocks": lambda: compiled_blocks(comm),
         "dropout modules in eval": lambda: dropout_modules_in_eval(comm),
         "hooked parameter": lambda: hooked_parameter(comm),
+        "hooked parameter, per-step": lambda: hooked_parameter(
+            comm, MGRITOptions(max_levels=1)),
         **({} if direct else {
             "random plain layer": lambda: random_plain_layer(comm),
             "replicas' masks": lambda: replicas_draw_their_own_masks(comm)}),
