@@ -216,3 +216,11 @@ if __name__ == "__main__":
         tune()
     else:
         raise SystemExit(f"unknown case {what}")
+    import gc
+
+    gc.collect()  # the refused models' groups and threads go before the process group
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # under torchrun, or a pipeline's group under mpiexec
+        dist.barrier()
+        dist.destroy_process_group()
