@@ -153,7 +153,7 @@ def agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     keys = [g[0] for g in got]
     if any(k != keys[0] for k in keys):
         raise RankMismatchError(f"the input differs between ranks (shape, dtype, "
-                                f"training, grad mode): {keys}")
+                                f"training, grad mode, autocast dtype): {keys}")
     same_values([g[4] for g in got], "the input `x`", "pass the same batch on every "
                  "rank (only rank 0's is used)")
     if flags is not None:
@@ -186,7 +186,8 @@ def agree_on_grid(model: LayerParallel, x: Tensor, key: tuple, x_rg: bool, p_rg:
     replicas = [got[d * layers:(d + 1) * layers] for d in range(model.grid.data)]
 
     def what(k: tuple) -> str:
-        return f"shape {k[0]}, dtype {k[1]}, training={k[2]}, grad mode={k[3]}"
+        return (f"shape {k[0]}, dtype {k[1]}, training={k[2]}, grad mode={k[3]}, "
+                f"autocast={k[4]}")
 
     for d, group in enumerate(replicas):  # the ranks of one replica: the same batch
         if any(g[0] != group[0][0] for g in group):
