@@ -17,13 +17,15 @@ from typing import Any
 
 __all__ = ["Auto", "ConvergenceError", "DivergenceError", "EngineError", "LayerParallel",
            "MGRITError", "MGRITOptions", "MGRITResult", "ODENet", "ProcessGrid", "RankLostError",
-           "RankMismatchError", "RemoteError", "mgrit", "ode", "parallel", "solve"]
+           "RankMismatchError", "RemoteError", "choose_method", "mgrit", "ode", "parallel",
+           "solve"]
 __version__ = "0.1.0"
 
 _WHERE = {
     "Auto": "layerpar.parallel",
     "LayerParallel": "layerpar.parallel",
     "ProcessGrid": "layerpar.parallel",
+    "choose_method": "layerpar.parallel",
     "MGRITOptions": "layerpar.mgrit.options",
     "MGRITResult": "layerpar.mgrit.result",
     "solve": "layerpar.mgrit.solve",

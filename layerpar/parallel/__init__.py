@@ -33,6 +33,8 @@ accuracy.py   check_gradients: the inexact gradient against the exact one, measu
 adaptive.py   adaptive accuracy: iteration counts against a bound on gradient error
 autotune.py   Auto's tuning: candidates timed, gradient error against a measured bound
 replicated.py every rank runs the whole net serially: auto's step aside at P > 1 ranks
+choose.py     choose_method: layer-parallel, data-parallel and pipelined training timed on
+              the user's batch, the fastest kept (above the model and the baselines)
 refine.py     nested iteration on a LayerParallel (refinement in depth, in place)
 sync.py       how replicas stay in step: all-reduce, DASO, Lion Cub; bytes; slow link
 lion.py       the Lion optimizer
@@ -46,6 +48,7 @@ import torch.fx.experimental.symbolic_shapes  # noqa: F401, E402
 from .auto import Auto
 from .baselines import DataParallelNet, PipelineNet, TrainingMethod
 from .capture import AutoCapturedStep, CapturedStep, capture_step
+from .choose import choose_method
 from .grid import ProcessGrid
 from .lion import Lion
 from .model import LayerParallel
@@ -55,3 +58,4 @@ from .sync import DASO, AllReduce, LionCub, SlowLink, SyncStrategy
 __all__ = ["DASO", "AllReduce", "Auto", "AutoCapturedStep", "CapturedStep", "LayerParallel", "Lion",
            "LionCub", "Plan", "ProcessGrid", "SlowLink", "SyncStrategy", "capture_step"]
 __all__ += ["DataParallelNet", "PipelineNet", "TrainingMethod"]  # baselines/
+__all__ += ["choose_method"]

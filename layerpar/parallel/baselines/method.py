@@ -109,6 +109,24 @@ class TrainingMethod(ABC):
         """This rank's trainable parameters under their names in the serial net."""
         raise NotImplementedError
 
+    def module(self) -> nn.Module:
+        """What runs this rank's passes (the net, or the `LayerParallel`): `train` and
+        `eval` set its mode."""
+        net = getattr(self, "net", None)
+        if not isinstance(net, nn.Module):
+            raise NotImplementedError(f"{type(self).__name__} has no module")
+        return net
+
+    def train(self, mode: bool = True) -> TrainingMethod:
+        """Training mode (or evaluation mode, False) for the modules, as
+        `nn.Module.train` sets it: batch norm's statistics, dropout."""
+        self.module().train(mode)
+        return self
+
+    def eval(self) -> TrainingMethod:
+        """Evaluation mode (`train(False)`)."""
+        return self.train(False)
+
     # -- helpers for subclasses ------------------------------------------------------------
     def _zero_grad(self) -> None:
         for p in self.parameters():
@@ -214,6 +232,9 @@ class LayerParallelMethod(TrainingMethod):
     def eval_forward(self, x: Tensor) -> Tensor:
         with torch.no_grad():
             return self.model(x)
+
+    def module(self) -> nn.Module:
+        return self.model  # type: ignore[no-any-return]
 
     def gather_state_dict(self) -> dict[str, Tensor]:
         return self.model.gather_state_dict()

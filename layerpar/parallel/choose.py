@@ -1,0 +1,261 @@
+"""Choosing the parallelism: every way of training the net at this rank count, timed
+on the user's own batch, and the fastest kept.
+
+A user with P ranks and a deep ResNet can split the layers in time (`LayerParallel`,
+MGRIT, with its own settings chosen by `Auto`), split the batch (`DataParallelNet`)
+or split the layers into a pipeline (`PipelineNet`, each schedule at the micro-batch
+count that runs fastest).  `choose_method` builds each candidate from a copy of the
+same net, runs one warm-up `train_step` and `steps` timed ones on the given batch,
+and keeps the candidate whose slowest rank's median step is shortest.  The times are
+gathered from every rank before anything is decided, so every rank keeps the same
+candidate; the others are closed.  The table, the choice and the reason are in the
+returned method's `choice` (`Choice.lines`).
+
+Only candidates whose gradients are the serial net's take part (``exact=True``, the
+default): a batch split or micro-batches give batch norm the statistics of a share
+of the batch, and dropout would draw each rank's masks from its own generator, so
+with batch norm the pipeline runs one micro-batch and the batch split stands aside,
+and with dropout both stand aside (`LayerParallel` reproduces serial dropout).  The
+table says why a candidate stood aside.  ``exact=False`` admits them, as a user of
+DistributedDataParallel accepts them.
+
+The timing steps leave no trace: the parameters are not stepped, `.grad` is cleared,
+and the chosen method's buffers (batch norm's running statistics) are restored to
+their values before the timing.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..mgrit.transport import make_transport
+from ..ode.net import ODENet
+from ..ode.rng import DROPOUT_TYPES
+from .baselines import DataParallelNet, LayerParallelMethod, PipelineNet, TrainingMethod
+from .baselines.method import LossFn, as_net
+
+__all__ = ["METHOD_NAMES", "Choice", "Trial", "choose_method"]
+
+#: the methods `choose_method` may time, in the order it times them
+METHOD_NAMES = ("layerparallel", "data", "pipeline")
+#: the pipeline schedules timed by default (one stage per rank: the ones that run on
+#: any net; the looped and zero-bubble ones are given by name)
+DEFAULT_SCHEDULES = ("gpipe", "1f1b")
+_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+#: (candidate's name, its measured seconds per step) -> the seconds the decision uses;
+#: the identity unless a test makes one candidate's clock the fastest
+Timer = Callable[[str, float], float]
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One candidate: its name, its seconds per step (the slowest rank's median; None:
+    it stood aside or was refused) and a note (its setting, or why not)."""
+
+    name: str
+    seconds: Optional[float]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What `choose_method` measured and kept, identical on every rank."""
+
+    ranks: int
+    steps: int
+    trials: tuple[Trial, ...]
+    chosen: str
+    calibration_seconds: float
+    """Wall seconds the whole choice took on this rank (building and timing every
+    candidate): training time spent before the first training step."""
+
+    @property
+    def reason(self) -> str:
+        """Why the chosen candidate won, in one phrase."""
+        timed = sorted((t for t in self.trials if t.seconds is not None),
+                       key=lambda t: t.seconds)  # type: ignore[arg-type, return-value]
+        if len(timed) < 2:
+            return "the only candidate that runs here"
+        best, nxt = timed[0], timed[1]
+        return (f"fastest per step ({best.seconds / nxt.seconds:.2f}x the next, "  # type: ignore[operator]
+                f"{nxt.name})")
+
+    def lines(self) -> list[str]:
+        """The table and the choice as text lines (what ``layerpar train --auto``
+        prints)."""
+        out = [f"auto (parallelism): {len(self.trials)} candidates at {self.ranks} ranks, "
+               f"seconds per step (slowest rank, median of {self.steps}; choosing took "
+               f"{self.calibration_seconds:.1f} s):"]
+        for t in self.trials:
+            got = "—" if t.seconds is None else f"{1000 * t.seconds:9.1f} ms"
+            mark = " <- chosen" if t.name == self.chosen else ""
+            out.append(f"  {t.name:34s} {got:>12s}{mark}" + (f"   ({t.note})" if t.note else ""))
+        out.append(f"auto (parallelism): trains with {self.chosen}: {self.reason}")
+        return out
+
+
+def _median_step(method: TrainingMethod, x: Tensor, y: Any, loss_fn: LossFn,
+                 steps: int) -> float:
+    """One warm-up `train_step` and `steps` timed ones; this rank's median seconds.
+    `.grad` is cleared after."""
+    method.train_step(x, y, loss_fn)
+    own = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        method.train_step(x, y, loss_fn)
+        own.append(time.perf_counter() - t0)
+    for p in method.parameters():
+        p.grad = None
+    return statistics.median(own)
+
+
+def _stands_aside(net: ODENet, method: str, exact: bool) -> tuple[Optional[str], bool]:
+    """(why `method` stands aside for `net`, or None; whether it must run one
+    micro-batch): the batch split and the pipeline's micro-batches change what batch
+    norm and dropout compute."""
+    if not exact or method == "layerparallel":
+        return None, False
+    mods = list(net.modules())
+    if any(isinstance(m, DROPOUT_TYPES) and m.p > 0 for m in mods):
+        return ("dropout: each rank would draw its own masks, not the serial net's "
+                "(exact=False admits it)"), False
+    if any(isinstance(m, _BN) for m in mods):
+        if method == "data":
+            return ("batch norm: each rank's statistics would be its share's, not the "
+                    "batch's (exact=False admits it)"), False
+        return None, True
+    return None, False
+
+
+def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor, y: Any,
+                  loss_fn: LossFn, *, methods: Sequence[str] = METHOD_NAMES,
+                  steps: int = 3, exact: bool = True,
+                  layerparallel: Optional[dict[str, Any]] = None,
+                  schedules: Sequence[str] = DEFAULT_SCHEDULES,
+                  microbatches: Sequence[int] = (1, 2, 4, 8),
+                  timer: Optional[Timer] = None) -> TrainingMethod:
+    """The fastest way of training `net` on the ranks of `comm`, measured on the batch
+    (`x`, `y`) with `loss_fn` (collective: call it on every rank with the same
+    arguments and batch).  Returns the chosen `TrainingMethod`, holding a copy of
+    `net` in `net`'s state, with ``.choice`` (a `Choice`) set; build the optimizer over
+    its ``parameters()``.
+
+    methods: which of "layerparallel", "data", "pipeline" to time.
+    layerparallel: `LayerParallel`'s keyword arguments for its candidate (default
+        ``options="auto"``: its own setting chosen by `Auto`, tuned on this batch, held
+        to its bound on the gradient error).
+    schedules, microbatches: the pipeline schedules timed, each at its fastest count
+        among `microbatches` (`PipelineNet.tune_microbatches`).
+    exact: only candidates whose gradients are the serial net's (see the module).
+    timer: maps a candidate's name and measured seconds to the seconds the decision
+        uses (default: the measurement).
+    """
+    t_start = time.perf_counter()
+    transport = make_transport(comm)
+    err: Optional[BaseException] = None
+    try:
+        base = as_net(net)
+        bad = [m for m in methods if m not in METHOD_NAMES]
+        if bad or not methods:
+            raise ValueError(f"`methods` must name some of {list(METHOD_NAMES)}, got "
+                             f"{list(methods)}")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
+    except Exception as exc:  # noqa: BLE001 - raised alike on every rank by agree
+        err = exc
+    transport.agree({"methods": list(methods), "steps": steps, "exact": exact,
+                     "schedules": list(schedules), "microbatches": list(microbatches)},
+                    err, "choose_method's arguments (methods, steps, exact, schedules, "
+                    "microbatches)")
+    timer = timer or (lambda name, s: s)
+    pristine = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    trials: list[Trial] = []
+    held: dict[str, tuple[TrainingMethod, float]] = {}
+
+    def fresh() -> ODENet:
+        copy_ = copy.deepcopy(base)
+        copy_.load_state_dict(pristine)
+        return copy_
+
+    def measure(name: str, method: TrainingMethod, note: str, seconds: Optional[float] = None
+                ) -> None:
+        own = _median_step(method, x, y, loss_fn, steps) if seconds is None else seconds
+        s = max(transport.allgather_object(timer(name, own), "choose_method's timings"))
+        trials.append(Trial(name, s, note))
+        held[name] = (method, s)
+
+    for what in methods:
+        why, one_micro = _stands_aside(base, what, exact)
+        if why is not None:
+            trials.append(Trial(what, None, why))
+            continue
+        try:
+            if what == "layerparallel":
+                kw = {"options": "auto", **(layerparallel or {})}
+                lp = LayerParallelMethod(fresh(), comm, **kw)
+                if kw["options"] == "auto":
+                    lp.model.tune(x, y, loss_fn)
+                    setting = lp.model.tuner.choice_name(transport.size)
+                else:
+                    setting = str(kw["options"])
+                measure("layerparallel", lp, f"auto's setting: {setting}")
+            elif what == "data":
+                engine = "ddp" if transport.backend in ("gloo", "nccl") else "allreduce"
+                measure("data", DataParallelNet(fresh(), comm, engine=engine),
+                        f"batch split, gradients averaged ({engine})")
+            else:
+                counts = (1,) if one_micro else tuple(microbatches)
+                for sched in schedules:
+                    # built at the largest count (torch refuses 1F1B with fewer
+                    # micro-batches than stages); the count is then measured
+                    pipe = PipelineNet(fresh(), comm, schedule=sched,
+                                       microbatches=max(counts))
+                    try:
+                        per = pipe.tune_microbatches(x, y, loss_fn, counts, repeats=steps)
+                    except ValueError as exc:  # no count suits (raised alike)
+                        trials.append(Trial(f"pipeline {sched}", None, str(exc)))
+                        pipe.close()
+                        continue
+                    tried = ", ".join(f"m={m}: {1000 * s:.1f} ms" for m, s in per.items())
+                    note = f"micro-batches by measurement ({tried})" + (
+                        "; one micro-batch: batch norm" if one_micro else "")
+                    measure(f"pipeline {sched} m={pipe.microbatches}", pipe, note,
+                            per[pipe.microbatches])
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            # refusals raised alike on every rank by the methods' own agreements
+            trials.append(Trial(what, None, f"refused: {exc}"))
+    if not held:
+        raise ValueError("no candidate of `methods` runs this net here: " + "; ".join(
+            f"{t.name}: {t.note}" for t in trials))
+    chosen = min(held, key=lambda n: (held[n][1], n))
+    for name, (method, _) in held.items():
+        if name != chosen:
+            method.close()
+    method = held[chosen][0]
+    _restore_buffers(method, pristine)
+    method.choice = Choice(transport.size, steps, tuple(trials), chosen,  # type: ignore[attr-defined]
+                           time.perf_counter() - t_start)
+    transport.close()
+    return method
+
+
+def _restore_buffers(method: TrainingMethod, pristine: dict[str, Tensor]) -> None:
+    """Put back the buffers (batch norm's running statistics, its batch counters) the
+    timing steps moved, in the tensors the chosen method computes with."""
+    net = method.model.whole_net if isinstance(method, LayerParallelMethod) else \
+        getattr(method, "net", None)
+    if not isinstance(net, nn.Module):
+        return
+    with torch.no_grad():
+        for name, buf in net.named_buffers():
+            saved = pristine.get(name)
+            if saved is not None and saved.shape == buf.shape:
+                buf.copy_(saved)

@@ -1,0 +1,62 @@
+"""`choose_method`: layer-parallel, data-parallel and pipelined training timed on the
+user's batch, the fastest kept, alike on every rank (`workers/lp_choose.py`).
+
+Each candidate is made the fastest by its clock in turn and must be the one returned,
+on every rank, at 1, 2 and 4 ranks; the returned method then trains as the serial net
+does (float64).  Ranks whose clocks disagree still keep one candidate; with batch norm
+the batch split stands aside and the pipeline runs one micro-batch, and the timing
+steps leave the running statistics as they were; bad arguments fail alike.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mpi_util import describe, rank_lines, run_mpi
+
+WORKER = Path(__file__).parent / "workers" / "lp_choose.py"
+
+
+def _run(case: str, ranks: int) -> dict[int, list[str]]:
+    proc = run_mpi(WORKER, ranks, case, timeout=300)
+    assert proc.returncode == 0, describe(proc)
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == list(range(ranks)), describe(proc)
+    assert all(got[-1] == "DONE" for got in lines.values()), describe(proc)
+    return lines
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_each_method_is_picked_when_its_clock_is_fastest(ranks: int) -> None:
+    lines = _run("pick", ranks)
+    kinds = {"layerparallel": "LayerParallelMethod", "data": "DataParallelNet",
+             "pipeline": "PipelineNet"}
+    for r, got in lines.items():
+        for name, cls in kinds.items():
+            chose = [ln for ln in got if ln.startswith(f"CASE pick/{name} CHOSE")]
+            assert len(chose) == 1 and chose[0].split()[3].startswith(name) and \
+                chose[0].endswith(cls), (r, got)
+            ok = [ln for ln in got if ln.startswith(f"CASE pick/{name} OK")]
+            assert ok, (r, got)
+    assert len({tuple(g) for g in lines.values()}) == 1  # every rank alike
+
+
+@pytest.mark.mpi
+def test_ranks_whose_clocks_disagree_keep_one_method() -> None:
+    lines = _run("disagree", 2)
+    assert lines[0] == lines[1] and lines[0][0].startswith("CASE disagree CHOSE ")
+
+
+@pytest.mark.mpi
+def test_batch_norm_keeps_the_serial_statistics() -> None:
+    for got in _run("bn", 2).values():
+        assert "CASE bn DATA None True" in got, got
+        assert "CASE bn CHOSE pipeline_gpipe_m=1" in got, got
+        assert any(ln.startswith("CASE bn OK") for ln in got), got
+
+
+@pytest.mark.mpi
+def test_bad_arguments_fail_alike() -> None:
+    for got in _run("refusal", 2).values():
+        assert got[0] == "CASE refusal RAISED True", got

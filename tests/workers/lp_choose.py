@@ -1,0 +1,137 @@
+"""Worker: `choose_method` keeps the candidate whose clock is fastest, alike on every
+rank, and the method it returns trains as the serial net does.
+
+Usage: lp_choose.py CASE.  Cases:
+
+- ``pick``: for each of "layerparallel", "data", "pipeline", a timer makes that
+  candidate's clock the fastest (the others' slower, by a different amount on each
+  rank); prints ``RANK <r> CASE pick/<forced> CHOSE <name> <class>``, then trains two
+  Adam steps with the chosen method and prints ``RANK <r> CASE pick/<forced> OK
+  <error>`` against the serial net's two steps (float64, same initial weights).
+- ``disagree``: each rank's timer says another candidate is fastest; the choice is
+  printed (it must be the same on every rank).
+- ``bn``: a net with batch norm, the pipeline made fastest: the batch split stands
+  aside (printed), the pipeline runs one micro-batch, and after two steps the weights
+  and running statistics equal serial training's.
+- ``refusal``: an unknown method name raises the same ValueError on every rank.
+"""
+import copy
+import sys
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import layerpar
+from layerpar.ode import blocks
+from layerpar.parallel import choose_method
+from layerpar.parallel.baselines import SerialMethod
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
+from tolerances import F64, SOLVER_TOL  # noqa: E402
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+torch.set_num_threads(1)
+B, WIDTH = 8, 4
+loss_fn = nn.functional.cross_entropy
+
+
+def say(text: str) -> None:
+    sys.stdout.write(f"RANK {rank} {text}\n")
+    sys.stdout.flush()
+
+
+def dense_net(bn: bool = False) -> layerpar.ODENet:
+    torch.manual_seed(0)
+    opening = nn.Sequential(nn.Linear(3, WIDTH), nn.BatchNorm1d(WIDTH)) if bn else \
+        nn.Linear(3, WIDTH)
+    return layerpar.ODENet(open=opening, steps=lambda k: blocks.Dense(WIDTH), n_steps=8,
+                           close=nn.Linear(WIDTH, 5)).double()
+
+
+def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + k)
+    return (torch.randn(B, 3, generator=g, dtype=torch.float64),
+            torch.randint(0, 5, (B,), generator=g))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / max(float(b.norm()), 1e-300))
+
+
+def trains_as_serial(method, net: layerpar.ODENet) -> float:
+    """Two Adam steps with `method` and with the serial net; the largest relative
+    difference between the gathered state dicts (parameters and buffers)."""
+    serial = SerialMethod(copy.deepcopy(net))
+    for m in (method, serial):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        m.train()
+        for k in range(2):
+            x, y = batch(k)
+            m.train_step(x, y, loss_fn)
+            opt.step()
+    got, want = method.gather_state_dict(), serial.gather_state_dict()
+    if set(got) != set(want):
+        return float("inf")
+    return max(rel(got[k].double(), want[k].double()) for k in want)
+
+
+def forced(name: str):
+    """A timer: `name`'s candidate takes 1 ms, the others 1 s plus a rank's share."""
+    return lambda cand, s: 1e-3 if cand.split()[0] == name else 1.0 + 0.1 * rank
+
+
+#: the layer-parallel candidate converged (its gradients then equal serial's to the
+#: solver's tolerance; auto's own setting is held only to its error bound)
+CONVERGED = {"options": layerpar.MGRITOptions(max_levels=2, cfactor=2, tol=SOLVER_TOL,
+                                              max_iter=50)}
+
+
+def case_pick() -> None:
+    for name in ("layerparallel", "data", "pipeline"):
+        net = dense_net()
+        x, y = batch(0)
+        m = choose_method(net, comm, x, y, loss_fn, steps=1, microbatches=(1, 2),
+                          layerparallel=CONVERGED, timer=forced(name))
+        say(f"CASE pick/{name} CHOSE {m.choice.chosen.replace(' ', '_')} "
+            f"{type(m).__name__}")
+        err = trains_as_serial(m, net)
+        tol = F64.converged if name == "layerparallel" else F64.roundoff
+        say(f"CASE pick/{name} {'OK' if err <= tol else 'FAIL'} {err:.3e}")
+        m.close()
+
+
+def case_disagree() -> None:
+    mine = ("data", "pipeline")[rank % 2]
+    x, y = batch(0)
+    m = choose_method(dense_net(), comm, x, y, loss_fn, steps=1, microbatches=(2,),
+                      timer=forced(mine))
+    say(f"CASE disagree CHOSE {m.choice.chosen.replace(' ', '_')}")
+    m.close()
+
+
+def case_bn() -> None:
+    net = dense_net(bn=True)
+    x, y = batch(0)
+    m = choose_method(net, comm, x, y, loss_fn, steps=1, timer=forced("pipeline"))
+    data = [t for t in m.choice.trials if t.name == "data"][0]
+    say(f"CASE bn DATA {data.seconds} {'batch norm' in data.note}")
+    say(f"CASE bn CHOSE {m.choice.chosen.replace(' ', '_')}")
+    err = trains_as_serial(m, net)
+    say(f"CASE bn {'OK' if err <= F64.roundoff else 'FAIL'} {err:.3e}")
+    m.close()
+
+
+def case_refusal() -> None:
+    x, y = batch(0)
+    try:
+        choose_method(dense_net(), comm, x, y, loss_fn, methods=["nope"])
+    except ValueError as exc:
+        say(f"CASE refusal RAISED {'`methods`' in str(exc)}")
+
+
+{"pick": case_pick, "disagree": case_disagree, "bn": case_bn,
+ "refusal": case_refusal}[sys.argv[1]]()
+say("DONE")
