@@ -60,6 +60,11 @@ class _Given(argparse.Action):
         namespace.given = {*getattr(namespace, "given", ()), option_string}
 
 
+#: ``--method``'s choices (`layerpar.parallel.choose.METHOD_NAMES`) and ``--schedule``'s
+#: (`layerpar.parallel.baselines.SCHEDULES`), written here so that help imports no torch
+METHOD_CHOICES = ("layerparallel", "data", "pipeline")
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zero-bubble", "zbv")
+
 #: the options whose settings ``--auto`` chooses itself (refused beside it)
 AUTO_CHOOSES = ("--levels", "--cfactor", "--fwd-iters", "--bwd-iters", "--tol", "--nrelax",
                 "--engine")
@@ -137,6 +142,18 @@ def add_arguments(parser: argparse.ArgumentParser,
                         "and gradient error of a few candidates; the fastest within the "
                         "bound, exact/serial where nothing parallel pays), then watched "
                         "by the adaptive policy")
+    a.add_argument("--method", default=None, choices=METHOD_CHOICES,
+                   help="how the ranks share the work: layerparallel (MGRIT, the "
+                        "default), data (the batch split, gradients averaged) or pipeline "
+                        "(torch.distributed.pipelining); with --auto on several ranks the "
+                        "three are timed on the first batch and the fastest trains, or "
+                        "only the one named here")
+    a.add_argument("--schedule", default=None, choices=SCHEDULE_CHOICES,
+                   help="pipeline schedule (default: the fastest of gpipe and 1f1b, "
+                        "measured)")
+    a.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="pipeline micro-batches per batch (default: the fastest of 1, 2, "
+                        "4, 8, measured)")
     a.add_argument("--max-grad-error", type=float, default=None, metavar="E",
                    help="the bound of --adaptive and --auto: largest relative gradient "
                         f"error (default {MAX_REL_ERROR:g}; --auto by default measures its "

@@ -27,7 +27,7 @@ from ..mgrit.transport import DEFAULT_TIMEOUT
 from ..mgrit.xbraid import ENGINES
 from ..ode.rng import MAX_SEED
 from ..parallel.adaptive import AccuracyPolicy, as_policy
-from .arguments import AUTO_CHOOSES
+from .arguments import AUTO_CHOOSES, METHOD_CHOICES, SCHEDULE_CHOICES
 from .nets import ARCHITECTURES, problem_name, recipe_for
 
 __all__ = ["DEVICES", "SYNCS", "TrainConfig"]
@@ -116,6 +116,15 @@ class TrainConfig:
     threads: Union[None, int, str] = _opt("--threads")
     """Torch threads: a count, "best" (the count whose serial batch is fastest here,
     measured at start: `layerpar.apps.threads.serial_threads`), or None (as they are)."""
+    method: Optional[str] = _opt("--method")
+    """"layerparallel", "data" or "pipeline" (`layerpar.parallel.baselines`); None:
+    layer-parallel, or under `auto` on several ranks the fastest of the three
+    (`layerpar.parallel.choose_method`); with `auto`, a method given is the only one
+    timed."""
+    schedule: Optional[str] = _opt("--schedule")
+    """The pipeline's schedule (None: the fastest of "gpipe" and "1f1b", measured)."""
+    microbatches: Optional[int] = _opt("--microbatches")
+    """The pipeline's micro-batches per batch (None: the fastest count, measured)."""
     spelling: str = field(default=KEYWORDS, compare=False, repr=False)
     """How the messages name options: "keywords" (``check_every``) or "argv"
     (``--check-every``); set by `from_args`."""
@@ -180,7 +189,8 @@ class TrainConfig:
             target_acc=get("target_acc"), time_budget=get("time_budget"),
             sync=get("sync", "allreduce"), nodes=get("nodes"),
             optimizer=get("optimizer"), slow_link=get("slow_link"),
-            compile=get("compile", False),
+            compile=get("compile", False), method=get("method"),
+            schedule=get("schedule"), microbatches=get("microbatches"),
             threads=args.threads if get("threads") is not None else "best"
             if args.serial and not os.environ.get("OMP_NUM_THREADS") else None,
             spelling=ARGV, given=given)
@@ -249,7 +259,7 @@ class TrainConfig:
                              ("seed", 0, MAX_SEED), ("check_every", 0, None),
                              ("nested", 0, None), ("nested_epochs", 1, None),
                              ("n_layers", 1, ENGINE_INT_MAX), ("width", 1, ENGINE_INT_MAX),
-                             ("data_parallel", 1, None)):
+                             ("data_parallel", 1, None), ("microbatches", 1, None)):
             self._int(name, r.get(name, getattr(self, name)), lo, hi)
         nodes = self.nodes
         if nodes is not None and (not _number(nodes) or nodes < 1 or self.data_parallel % nodes):
@@ -273,6 +283,8 @@ class TrainConfig:
         for name, value, choices in (("engine", self.engine, (None, *ENGINES)),
                                      ("device", self.device, DEVICES),
                                      ("sync", self.sync, SYNCS),
+                                     ("method", self.method, (None, *METHOD_CHOICES)),
+                                     ("schedule", self.schedule, (None, *SCHEDULE_CHOICES)),
                                      ("optimizer", r["optimizer"], ("adam", "lion")),
                                      ("arch", self.arch,
                                       (None, *ARCHITECTURES[r["model"]]))):
@@ -311,6 +323,7 @@ class TrainConfig:
         if auto and self.check_every:
             raise ValueError(f"{f('check_every')} with {f('auto')}: auto spreads its own "
                              "gradient checks (about 3 % of the training's time)")
+        self._method_conflicts()
         if self.compile and not self.serial:
             raise ValueError(f"{f('compile')} compiles the serial net with torch.compile: "
                              f"give {f('serial')} (a layer-parallel step is captured on "
@@ -336,6 +349,30 @@ class TrainConfig:
                     raise ValueError(f"{f(name)} acts between data replicas: give "
                                      f"{f('data_parallel')} R > 1")
 
+    def _method_conflicts(self) -> None:
+        """What `method`, `schedule` and `microbatches` allow beside them."""
+        f, method = self.flag, self.method
+        pipeline_may = method == "pipeline" or (method is None and self.auto is not False)
+        for name in ("schedule", "microbatches"):
+            if getattr(self, name) is not None and not pipeline_may:
+                raise ValueError(f"{f(name)} sets the pipeline: give "
+                                 f"{self.said('method', 'pipeline', True)} (or {f('auto')})")
+        if method is None or method == "layerparallel":
+            return
+        if self.serial:
+            raise ValueError(f"{self.said('method', method, True)} with {f('serial')}: the "
+                             "serial net runs on one process; give one or the other")
+        for name, given in (("fwd", self.fwd is not None), ("engine", self.engine is not None),
+                            ("adaptive", self.adaptive is not False),
+                            ("check_every", self.check_every > 0), ("nested", self.nested > 0),
+                            ("data_parallel", self.data_parallel > 1)):
+            if given:
+                raise ValueError(f"{f(name)} acts on layer-parallel training, not on "
+                                 f"{self.said('method', method, True)}")
+        if self.device != "cpu":
+            raise ValueError(f"{self.said('method', method, True)} runs its process group "
+                             f"on gloo, CPU tensors: not with {self.said('device', self.device)}")
+
     def check_processes(self, size: int, processes: Optional[str] = None) -> None:
         """What the configuration asks of `size` processes (ValueError naming the
         option): `data_parallel` divides them and the batch, and `nested` halvings leave
@@ -348,6 +385,9 @@ class TrainConfig:
                              "of N/R ranks)")
         if self.batch_size % self.data_parallel:
             raise ValueError(f"the batch size {self.batch_size} must be divisible by {dp}")
+        if self.method in ("data", "pipeline") and size < 2:
+            raise ValueError(f"{self.said('method', self.method, True)} shares the work "
+                             f"among processes: {processes} are too few (give 2 or more)")
         ranks = 1 if self.serial else size // self.data_parallel
         layers = self.layers
         k = self.nested

@@ -27,6 +27,8 @@ from typing import Any, Callable, Optional, TextIO, Union
 import torch
 from torch import Tensor, nn
 
+from ..parallel.baselines.method import TrainingMethod
+
 __all__ = ["Batches", "Progress", "SolveSummary", "Step", "available_cores", "summarize",
            "train_step", "train_steps"]
 
@@ -73,7 +75,7 @@ class Step:
     """
 
     loss: Tensor
-    output: Tensor
+    output: Optional[Tensor]
     target: Tensor
     seconds: float
     forward_seconds: float
@@ -108,7 +110,7 @@ def adam(params: Iterable[Tensor], lr: Any = 1e-3, **kwargs: Any) -> torch.optim
     return torch.optim.Adam(params, lr=lr, **kwargs)
 
 
-def train_step(model: nn.Module, x: Tensor, y: Tensor,
+def train_step(model: Union[nn.Module, TrainingMethod], x: Tensor, y: Tensor,
                optimizer: Optional[Any] = None, *, scheduler: Optional[Any] = None,
                loss_fn: LossFn = nn.functional.cross_entropy) -> Step:
     """One optimisation step of `model` on the batch (x, y).
@@ -119,6 +121,8 @@ def train_step(model: nn.Module, x: Tensor, y: Tensor,
     Adds no tensor operation and no host synchronisation of its own beyond detaching
     the loss, so it can be counted (`layerpar.apps.opcount`) and captured in a CUDA graph.
     """
+    if isinstance(model, TrainingMethod):
+        return _method_step(model, x, y, optimizer, scheduler, loss_fn)
     t0 = time.perf_counter()
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
@@ -136,7 +140,23 @@ def train_step(model: nn.Module, x: Tensor, y: Tensor,
                 x)
 
 
-def train_steps(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]],
+def _method_step(method: TrainingMethod, x: Tensor, y: Tensor, optimizer: Optional[Any],
+                 scheduler: Optional[Any], loss_fn: LossFn) -> Step:
+    """`train_step` through a `TrainingMethod`'s own ``train_step`` (data parallelism, a
+    pipeline): it sets the gradients and returns the whole batch's loss; the output
+    stays where the method computed it (None here)."""
+    t0 = time.perf_counter()
+    loss = method.train_step(x, y, loss_fn)
+    t1 = time.perf_counter()
+    if optimizer is not None:
+        optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    t2 = time.perf_counter()
+    return Step(torch.tensor(loss), None, y, t2 - t0, t1 - t0, t2 - t1, input=x)
+
+
+def train_steps(model: Union[nn.Module, TrainingMethod], batches: Iterable[tuple[Tensor, Tensor]],
                 optimizer: Optional[Any] = None, *, scheduler: Optional[Any] = None,
                 loss_fn: LossFn = nn.functional.cross_entropy,
                 shard: Optional[Callable[[Tensor], Tensor]] = None,

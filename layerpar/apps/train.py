@@ -45,6 +45,8 @@ from ..parallel import (
     ProcessGrid,
     SlowLink,
 )
+from ..parallel.baselines import DataParallelNet, LayerParallelMethod, PipelineNet, TrainingMethod
+from ..parallel.choose import DEFAULT_SCHEDULES, METHOD_NAMES, choose_method
 from ..parallel.timing import SpanTimer
 from . import data
 from .arguments import add_arguments
@@ -185,6 +187,9 @@ class TrainResult:
     """``auto``'s candidate tables and choices."""
     auto_choice: Optional[str]
     """Name of ``auto``'s last choice (None: not tuned)."""
+    method: str = "layerparallel"
+    """What trained: "serial", "layerparallel", "data" or the pipeline by schedule and
+    micro-batches ("pipeline 1f1b m=4")."""
     # -- data-parallel figures (None without a `ProcessGrid`) --
     allreduce_ms_per_batch: Optional[float] = None
     """Milliseconds per batch spent averaging gradients across replicas."""
@@ -315,6 +320,12 @@ class _Run:
     time_to_target: Optional[float] = None
     epochs_to_target: Optional[int] = None
     captured: Any = None
+    comm: Any = None
+    choose: Optional[dict[str, Any]] = None
+    """`choose_method`'s arguments where the method is chosen by measurement (under
+    auto on several ranks, or a pipeline without its schedule or micro-batches)."""
+    choice: Any = None
+    """`choose_method`'s `Choice` once made."""
 
 
 def _set_threads(config: TrainConfig) -> Optional[str]:
@@ -359,8 +370,16 @@ def _build(config: TrainConfig, comm: Any, rank: int, size: int) -> _Run:
     stages = [(c.layers // 2 ** k, c.nested_epochs) for k in range(c.nested, 0, -1)]
     stages.append((c.layers, c.epochs))
     grid: Optional[ProcessGrid] = None
-    if c.serial:
-        model: nn.Module = torch.compile(net) if c.compile else net
+    choose = _method_choice(c, size, policy)
+    if choose is not None:
+        model: nn.Module | TrainingMethod = net  # replaced by the chosen method (`_tune`)
+    elif c.method == "data":
+        model = DataParallelNet(net, comm, timeout=c.timeout)
+    elif c.method == "pipeline":
+        model = PipelineNet(net, comm, schedule=c.schedule, microbatches=c.microbatches,
+                            timeout=c.timeout)
+    elif c.serial:
+        model = torch.compile(net) if c.compile else net
         if c.compile:
             step_mode = "compiled (torch.compile; its compilation counts in the time)"
     elif c.data_parallel > 1 or not (comm is None or hasattr(comm, "Split_type")):
@@ -383,17 +402,49 @@ def _build(config: TrainConfig, comm: Any, rank: int, size: int) -> _Run:
     loader = Batches(x_train.to(home), y_train.to(home), batch_size=c.batch_size,
                      generator=torch.Generator().manual_seed(c.seed))
     to_device = None if c.device == "cpu" else (lambda t: t.to(c.device, non_blocking=True))
-    return _Run(config=c, rank=rank, size=size, net=net, model=model, grid=grid,
-                loader=loader, shard=grid.shard if grid is not None else to_device,
+    return _Run(config=c, rank=rank, size=size, net=net, model=model,  # type: ignore[arg-type]
+                grid=grid, loader=loader,
+                shard=grid.shard if grid is not None else to_device,
                 x_val=x_val.to(c.device), y_val=y_val.to(c.device),
-                clock=_Clock(model if isinstance(model, (LayerParallel, Auto)) else None, c.device),
-                step_mode=step_mode, check_every=check_every, fwd=fwd, stages=stages)
+                clock=_Clock(model if isinstance(model, (LayerParallel, Auto, TrainingMethod))
+                             else None, c.device),
+                step_mode=step_mode, check_every=check_every, fwd=fwd, stages=stages,
+                comm=comm, choose=choose)
+
+
+def _method_choice(c: TrainConfig, size: int, policy: Any) -> Optional[dict[str, Any]]:
+    """`choose_method`'s arguments where the run chooses its method by measurement
+    (else None): under auto on several ranks of one communicator on the CPU (every
+    method, or the one `method` names), and for a pipeline not given both its
+    schedule and micro-batches."""
+    pipeline = {"schedules": (c.schedule,) if c.schedule else DEFAULT_SCHEDULES,
+                "microbatches": (c.microbatches,) if c.microbatches else (1, 2, 4, 8)}
+    if c.method == "pipeline" and not c.auto:
+        if c.schedule is not None and c.microbatches is not None:
+            return None
+        return {"methods": ("pipeline",), **pipeline}
+    if not c.auto or c.serial or size < 2 or c.device != "cpu" or c.data_parallel > 1:
+        return None
+    return {"methods": (c.method,) if c.method else METHOD_NAMES, **pipeline,
+            "layerparallel": {"options": "auto", "accuracy": policy, "timeout": c.timeout}}
 
 
 def _tune(run: _Run) -> None:
     """Under auto: tune on the first batch, with the training loss; the time counts
-    (online: small nets time their exact settings on the training's steps)."""
-    if not run.config.auto:
+    (online: small nets time their exact settings on the training's steps).  Where
+    the method is chosen by measurement (`_method_choice`), that choice is made here,
+    on the same batch, and a chosen `LayerParallel` trains under its own auto."""
+    if run.choose is not None:
+        x0, y0 = _first_batch(run.loader)
+        with run.clock:
+            chosen = choose_method(run.net, run.comm, x0, y0, nn.functional.cross_entropy,
+                                   **run.choose)
+        run.choice = chosen.choice  # type: ignore[attr-defined]
+        run.model = chosen.model if isinstance(chosen, LayerParallelMethod) else \
+            chosen  # type: ignore[assignment]
+        run.clock.model = run.model  # type: ignore[assignment]
+        return
+    if not run.config.auto or isinstance(run.model, TrainingMethod):
         return
     if not hasattr(run.model, "tune"):
         raise RuntimeError("--auto built a model that cannot tune (expected options='auto')")
@@ -572,11 +623,16 @@ def _result(run: _Run) -> TrainResult:
         captured.close()
     fwd, bwd = c.mgrit_options()
     ctl = getattr(model, "accuracy", None)
+    method = _method_name(run)
+    mgrit = not c.serial and method == "layerparallel"
+    auto_log = [] if run.choice is None else run.choice.lines()
+    if tuner is not None:
+        auto_log += tuner.log(run.size)
     return TrainResult(
         model=c.model, serial=c.serial, ranks=1 if c.serial else run.size,
         data_parallel=1 if c.serial else c.data_parallel, epochs=c.epochs,
         batch_size=c.batch_size, lr=c.lr, seed=c.seed, dtype=str(c.dtype),
-        fwd=None if c.serial else fwd, bwd=None if c.serial else bwd,
+        fwd=fwd if mgrit else None, bwd=bwd if mgrit else None,
         val_acc=last["val_acc"], val_loss=last["val_loss"],
         train_loss=last["train_loss"], train_acc=last["train_acc"],
         ms_per_batch=1000.0 * run.step_time / run.total_steps,
@@ -589,11 +645,22 @@ def _result(run: _Run) -> TrainResult:
         device=c.device, step_mode=step_mode, arch=c.arch, t_final=c.t_final,
         train_seconds=run.clock.seconds, target_acc=c.target_acc,
         time_to_target=run.time_to_target, epochs_to_target=run.epochs_to_target,
-        auto=c.auto is not False, auto_log=[] if tuner is None else tuner.log(run.size),
-        auto_choice=None if tuner is None else tuner.choice_name(run.size),
+        auto=c.auto is not False, auto_log=auto_log, method=method,
+        auto_choice=tuner.choice_name(run.size) if tuner is not None else
+        None if run.choice is None else run.choice.chosen,
         sync=c.sync, optimizer=c.optimizer, exact_steps=last["exact_steps"],
         exact_kind=last["exact_kind"], last_epoch_steps=last["steps"],
         stopped_by_budget=run.stopped_by_budget, **sync_figures)
+
+
+def _method_name(run: _Run) -> str:
+    """What trained, by name (`TrainResult.method`)."""
+    if run.config.serial:
+        return "serial"
+    m = run.model
+    if isinstance(m, PipelineNet):
+        return f"pipeline {m.schedule} m={m.microbatches}"
+    return "data" if isinstance(m, DataParallelNet) else "layerparallel"
 
 
 def _report(run: _Run, result: TrainResult) -> None:
@@ -608,7 +675,8 @@ def _report(run: _Run, result: TrainResult) -> None:
         lines.append(last_check_line(run.checks[-1]))
     if run.grid is not None and run.grid.data > 1:
         lines.append(_replicas_note(run.grid, result))
-    levels = None if c.serial or c.auto else _levels_note(run.model, run.fwd)
+    levels = None if c.serial or c.auto or result.method != "layerparallel" else \
+        _levels_note(run.model, run.fwd)
     if levels is not None:
         lines.append(levels)
     lines += _summary_notes(result, c.time_budget, len(run.loader),
@@ -862,11 +930,11 @@ def _replica_totals(grid: ProcessGrid, losses: list[float], correct: int,
     return mean, sum(v[1] for v in per.values()), sum(v[2] for v in per.values())
 
 
-def _evaluate(model: nn.Module, x: Tensor, y: Tensor) -> tuple[float, float]:
+def _evaluate(model: Union[nn.Module, TrainingMethod], x: Tensor, y: Tensor) -> tuple[float, float]:
     """(loss, accuracy) on a validation set: eval mode, no graph, on every rank."""
     model.eval()
     with torch.no_grad():
-        out = model(x)
+        out = model.eval_forward(x) if isinstance(model, TrainingMethod) else model(x)
     model.train()
     loss = nn.functional.cross_entropy(out, y).item()
     return loss, float((out.argmax(1) == y).double().mean())
@@ -921,8 +989,11 @@ def format_summary(result: Union[TrainResult, Mapping[str, Any]]) -> str:
     data = get("data_parallel", 1)
     if get("sync_bytes") is not None and data > 1:
         parts.append(f"sync_bytes {get('sync_bytes'):.0f}")
+    method = get("method", "layerparallel")
     if get("serial"):
         parts.append("serial")
+    elif method not in (None, "layerparallel"):
+        parts.append(f"method {method}")
     elif get("fwd_iters") is None and get("exact_kind"):  # no step ran MGRIT
         parts.append(f"exact ({get('exact_kind')})")
     else:
@@ -940,7 +1011,7 @@ def format_summary(result: Union[TrainResult, Mapping[str, Any]]) -> str:
 _SUMMARY = re.compile(
     r"^(?P<model>\w+): val_acc (?P<val_acc>[\d.]+) \| train_loss (?P<train_loss>[\d.naif]+)"
     r" \| (?P<ms_per_batch>[\d.]+) ms/batch(?: \| sync_bytes (?P<sync_bytes>\d+))?"
-    r" \| (?:(?P<serial>serial)|exact \((?P<exact>[^)]*)\)|fwd iters "
+    r" \| (?:(?P<serial>serial)|method (?P<method>[^|]+?)|exact \((?P<exact>[^)]*)\)|fwd iters "
     r"(?P<fwd_iters>[\d.]+|n/a) \(res (?P<fwd_res>\S+)\) \| bwd iters (?P<bwd_iters>[\d.]+|n/a) "
     r"\(res (?P<bwd_res>\S+)\)) \| ranks (?P<ranks>\d+)(?: \(data (?P<data>\d+)\))?"
     r"(?: \| time_to_target (?P<ttt>not reached|[\d.]+))?$")
@@ -966,7 +1037,8 @@ def parse_summary(text: str) -> dict[str, Any]:
                     else float(g["ttt"]), "target_reached": g["ttt"] not in
                     (None, "not reached"),
                     "sync_bytes": int(g["sync_bytes"]) if g["sync_bytes"] else None,
-                    "exact_kind": g["exact"]}
+                    "exact_kind": g["exact"],
+                    "method": "serial" if g["serial"] else g["method"] or "layerparallel"}
     raise ValueError(f"`text` holds no training summary line: {text[-500:]!r}")
 
 

@@ -124,7 +124,7 @@ def _stands_aside(net: ODENet, method: str, exact: bool) -> tuple[Optional[str],
     if not exact or method == "layerparallel":
         return None, False
     mods = list(net.modules())
-    if any(isinstance(m, DROPOUT_TYPES) and m.p > 0 for m in mods):
+    if any(isinstance(m, DROPOUT_TYPES) and float(getattr(m, "p", 0.0)) > 0 for m in mods):
         return ("dropout: each rank would draw its own masks, not the serial net's "
                 "(exact=False admits it)"), False
     if any(isinstance(m, _BN) for m in mods):
