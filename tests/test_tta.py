@@ -22,36 +22,42 @@ def test_tta_tiny(tmp_path: Path) -> None:
     lines: list[str] = []
     # the thread-count probe (best_threads) is left out here: the smoke run has it
     runs, target, per = tta.run_case(case, 2, timeout=120, say=lines.append,
-                                     probe=(1, {1: 0.01}, 10))
-    serial, auto = runs
+                                     probe=(1, {1: 0.01}, 10), methods=("mgrit", "auto"))
+    serial, mgrit, auto = runs
     assert serial.ranks == 1 and auto.ranks == 2 and serial.threads == 1
+    assert [r.kind for r in runs] == ["serial", "mgrit", "auto"]
     # the printed estimate counts each training's start-up, measured here now: within
-    # a factor 3 of what the two runs took (it assumed 3 s a run: under load a fifth)
+    # a factor 3 of what the runs took (it assumed 3 s a run: under load a fifth)
     launch = (tta.launch_seconds(case, 1, 120), tta.launch_seconds(case, 2, 120))
     steps = serial.history[0].get("steps") or 10
     est = tta.expected_seconds(case, serial.history[0]["train_seconds"] / steps, steps,
-                               (1, 1), launch)
-    walls = serial.wall_seconds + auto.wall_seconds
+                               (1, 2), launch)
+    walls = sum(r.wall_seconds for r in runs)
     assert est > walls / 3, (est, walls, launch)
     assert target == pytest.approx(serial.best_acc - 0.005)
     for r in runs:
         assert len(r.history) == 1 and 0 < r.history[0]["train_seconds"] < r.wall_seconds
     # exact propagation computes what serial training computes: the same accuracy
+    assert mgrit.final_acc == pytest.approx(serial.final_acc, abs=0.01)
+    assert any(line.startswith("auto: chose ") for line in mgrit.log), mgrit.log
+    # `--auto --method layerparallel` tunes online: this net's budget has no room for
+    # the full tuning, so its replicated settings were timed on the training's own steps
+    assert any("timed on the training's own" in line for line in mgrit.log), mgrit.log
+    # `--auto` times every method first and says which trains
+    assert any(line.startswith("auto (parallelism): trains with ") for line in auto.log), \
+        auto.log
     assert auto.final_acc == pytest.approx(serial.final_acc, abs=0.01)
-    assert any(line.startswith("auto: chose ") for line in auto.log), auto.log
-    # `layerpar train --auto` tunes online: this net's budget has no room for the full
-    # tuning, so its replicated settings were timed on the training's own steps
-    assert any("timed on the training's own" in line for line in auto.log), auto.log
     assert serial.to_target(target)[1] == 1
     tta._write(tmp_path, [(case, runs, target)], "python -m layerpar.bench tta (test)",
                True, "0")
     rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
-    assert [r["method"] for r in rows] == [serial.method, auto.method]
-    assert rows[0]["time_vs_serial"] == "1.00" and rows[1]["settings"] == auto.settings
+    assert [r["method"] for r in rows] == [r.method for r in runs]
+    assert rows[0]["time_vs_serial"] == "1.00" and rows[2]["settings"] == auto.settings
+    assert rows[0]["time_vs_best_alternative"] == "1.00"
     text = (tmp_path / "README.md").read_text()
     assert "SMOKE RUN" in text and "| t | 0 | serial" in text
     assert (tmp_path / "tta.png").stat().st_size > 0
-    assert len(list(csv.DictReader(open(tmp_path / "tta.csv")))) == 2
+    assert len(list(csv.DictReader(open(tmp_path / "tta.csv")))) == 3
 
 
 @pytest.mark.parametrize("argv,flag", [(["--cases", "z"], "--cases"),
@@ -289,3 +295,28 @@ def test_the_estimate_counts_each_trainings_start_up() -> None:
     train = 1.1 * 0.01 * 50 * 2
     assert tta.expected_seconds(case, 0.01, 50, (1, 2), (4.0, 7.0)) == \
         pytest.approx(3 * train + 4.0 + 2 * 7.0)
+
+
+@pytest.mark.mpi
+def test_versus_smoke(tmp_path: Path) -> None:
+    """``python -m layerpar.bench versus --smoke`` on one case: serial, data
+    parallelism, the best pipeline, layer-parallel at auto's setting and auto each
+    train, and the table compares every one with the best alternative."""
+    if mpiexec_path() is None:
+        pytest.skip("no mpiexec")
+    assert bench.main(["versus", "--smoke", "--cases", "d", "--no-compiled-serial",
+                       "--out", str(tmp_path), "--timeout", "300"]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
+    assert [r["method"].split(" (")[0] for r in rows] == [
+        "serial", "data parallel", "pipeline", "layer-parallel", "auto"], rows
+    assert all(r["ranks"] == ("1" if i == 0 else "2") for i, r in enumerate(rows))
+    assert rows[1]["settings"] == "data" and rows[2]["settings"].startswith("pipeline ")
+    text = (tmp_path / "README.md").read_text()
+    assert text.startswith(tta.TITLES["versus"][0]) and "time_vs_best_alternative" in text
+    assert "auto (parallelism): trains with " in text
+
+
+def test_versus_bad_methods(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["versus", "--methods", "data,nope"])
+    assert exc.value.code == 2 and "`--methods`" in capsys.readouterr().err

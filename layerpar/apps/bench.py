@@ -6,6 +6,7 @@
     python -m layerpar.bench grid [--np 4] [--csv PATH]     # data x layer (layerpar.apps.gridbench)
     python -m layerpar.bench engines [--quick] [--csv PATH] # native engine vs XBraid
     python -m layerpar.bench tta [--smoke] [--cases a,b,c,d] # time to accuracy (layerpar.apps.tta)
+    python -m layerpar.bench versus [--smoke] [--cases ...]  # against data, pipeline parallelism
     python -m layerpar.bench sync [--csv PATH]              # replica sync (layerpar.apps.syncbench)
     python -m layerpar.bench paths [--csv PATH]             # batched vs per-step cycles
     mpiexec -n 2 python -m mpi4py -m layerpar.bench        # the same at 2 ranks
@@ -390,7 +391,8 @@ def subcommands() -> dict[str, Callable[[list[str]], int]]:
     from . import gpubench, gridbench, opcount, pathbench, syncbench, tta
 
     return {"ops": opcount.main, "gpu": gpubench.main, "paths": pathbench.main,
-            "engines": _engines_main, "tta": tta.main, "grid": gridbench.main,
+            "engines": _engines_main, "tta": tta.main, "versus": tta.versus_main,
+            "grid": gridbench.main,
             "sync": syncbench.main}
 
 

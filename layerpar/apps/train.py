@@ -416,14 +416,16 @@ def _method_choice(c: TrainConfig, size: int, policy: Any) -> Optional[dict[str,
     """`choose_method`'s arguments where the run chooses its method by measurement
     (else None): under auto on several ranks of one communicator on the CPU (every
     method, or the one `method` names), and for a pipeline not given both its
-    schedule and micro-batches."""
+    schedule and micro-batches.  Auto on one method that is layer-parallel is
+    `LayerParallel`'s own auto (`_tune`)."""
     pipeline = {"schedules": (c.schedule,) if c.schedule else DEFAULT_SCHEDULES,
                 "microbatches": (c.microbatches,) if c.microbatches else (1, 2, 4, 8)}
     if c.method == "pipeline" and not c.auto:
         if c.schedule is not None and c.microbatches is not None:
             return None
         return {"methods": ("pipeline",), **pipeline}
-    if not c.auto or c.serial or size < 2 or c.device != "cpu" or c.data_parallel > 1:
+    if not c.auto or c.serial or size < 2 or c.device != "cpu" or c.data_parallel > 1 \
+            or c.method == "layerparallel":  # (auto's own tuning, online)
         return None
     return {"methods": (c.method,) if c.method else METHOD_NAMES, **pipeline,
             "layerparallel": {"options": "auto", "accuracy": policy, "timeout": c.timeout}}
@@ -438,6 +440,7 @@ def _tune(run: _Run) -> None:
         x0, y0 = _first_batch(run.loader)
         with run.clock:
             chosen = choose_method(run.net, run.comm, x0, y0, nn.functional.cross_entropy,
+                                   steps_to_come=run.config.epochs * len(run.loader),
                                    **run.choose)
         run.choice = chosen.choice  # type: ignore[attr-defined]
         run.model = chosen.model if isinstance(chosen, LayerParallelMethod) else \

@@ -31,6 +31,7 @@ thread per rank), so neither inherits the other's state.
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -118,6 +119,7 @@ class Run:
     wall_seconds: float
     log: list[str] = field(default_factory=list)
     serial: bool = False  # a serial baseline (the first one sets the target)
+    kind: str = "serial"  # "serial", or the `METHODS` name of a parallel run
 
     @property
     def best_acc(self) -> float:
@@ -149,7 +151,8 @@ def worker(argv: list[str]) -> int:
     res = train_from_arguments(args.model, args, comm)
     if comm is None or comm.Get_rank() == 0:
         keep = {k: getattr(res, k) for k in ("history", "auto_log", "auto_choice", "accuracy_log",
-                                    "ranks", "summary", "step_mode", "train_seconds")}
+                                    "ranks", "summary", "step_mode", "train_seconds",
+                                    "method")}
         keep["history"] = [{k: v for k, v in r.items() if isinstance(v, (int, float, str))
                             or v is None} for r in res.history]
         keep["threads"] = __import__("torch").get_num_threads()
@@ -181,10 +184,22 @@ def _launch(case: Case, extra: list[str], nprocs: int, threads: int,
         return json.loads(Path(out).read_text()), wall
 
 
+#: the parallel methods a comparison may train at P ranks: name -> (``layerpar train``
+#: options, the label of its row).  "auto" is ``--auto`` (it chooses among the others);
+#: "mgrit" is layer-parallel at auto's own setting (``--auto --method layerparallel``)
+METHODS: dict[str, tuple[tuple[str, ...], str]] = {
+    "data": (("--method", "data"), "data parallel"),
+    "pipeline": (("--method", "pipeline"), "pipeline (best schedule)"),
+    "mgrit": (("--auto", "--method", "layerparallel"), "layer-parallel (auto's setting)"),
+    "auto": (("--auto",), "auto"),
+}
+
 #: where a run writes without ``--out``: a folder git ignores (``/out/`` in .gitignore), so
 #: that running the benchmark in a checkout leaves it clean; a run meant to be committed
 #: names its folder (``make bench-tta``: docs/results/tta/np2)
 OUT = {"run": "out/tta/latest", "smoke": "out/tta/smoke"}
+#: ``versus``'s (``make bench-versus``: docs/results/versus/np2)
+OUT_VERSUS = {"run": "out/versus/latest", "smoke": "out/versus/smoke"}
 
 
 def launch_seconds(case: Case, nprocs: int, timeout: Optional[float] = None) -> float:
@@ -220,7 +235,8 @@ SERIAL_CAPTURED: tuple[str, ...] = ("--levels", "1", "--tol", "0")
 def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any = print,
              probe: Optional[tuple[int, dict[int, float], int]] = None,
              device: str = "cpu", bounds: tuple[Optional[float], ...] = (None,),
-             compiled: bool = False) -> tuple[list[Run], float, dict[int, float]]:
+             compiled: bool = False, methods: tuple[str, ...] = ("auto",)
+             ) -> tuple[list[Run], float, dict[int, float]]:
     """Serial (best thread count) and ``--auto`` at `nprocs` ranks on `case`, once per
     gradient-error bound in `bounds` (``--max-grad-error``; None: the default bound):
     the runs, the target accuracy and the serial step time per thread count (`probe`:
@@ -229,6 +245,7 @@ def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any 
     target's run) and captured in one CUDA graph per step (`SERIAL_CAPTURED`).
     `compiled`: serial once more, the net compiled by ``torch.compile`` (``--serial
     --compile``: its compilation counts in its time).
+    `methods`: the parallel runs (`METHODS`; "auto" once per bound).
     Threads: serial runs at the probe's best count; ``--auto`` at one rank too (one
     process, the same cores: its serial candidate is then the serial baseline), at
     several ranks one per rank (the ranks share the cores)."""
@@ -262,15 +279,20 @@ def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any 
                             got["history"], "serial autograd, torch.compile", wall,
                             serial=True))
             say(f"[{case.key}]   serial, compiled: {got['summary']} ({wall:.0f} s wall)")
-    for bound in bounds:
+    plan = [(m, b) for m in methods for b in (bounds if m == "auto" else (None,))]
+    for method, bound in plan:
         extra = [] if bound is None else ["--max-grad-error", repr(bound)]
-        got, wall = _launch(case, ["--auto", *dev, *extra], nprocs, auto_threads, timeout)
-        name = f"auto ({nprocs} ranks" + ("" if bound is None else f", err<={bound:g}") + ")"
-        settings = got["auto_choice"] or "?"
+        options, label = METHODS[method]
+        got, wall = _launch(case, [*options, *dev, *extra], nprocs, auto_threads, timeout)
+        name = f"{label} ({nprocs} ranks" + ("" if bound is None else f", err<={bound:g}") \
+            + ")"
+        settings = got["auto_choice"] or got.get("method") or "?"
+        if method == "auto" and got.get("method") not in (None, "layerparallel"):
+            settings = f"{got['method']} (chosen by auto)"
         if device != "cpu":  # captured (how often) or eager, and why
             settings += f", {got.get('step_mode', '?')}"
         runs.append(Run(name, nprocs, auto_threads, got["history"], settings, wall,
-                        got["auto_log"] + got["accuracy_log"]))
+                        got["auto_log"] + got["accuracy_log"], kind=method))
         say(f"[{case.key}]   {name}: {got['summary']} ({wall:.0f} s wall)")
         for line in got["auto_log"] + got["accuracy_log"]:
             say(f"[{case.key}]     {line}")
@@ -304,31 +326,40 @@ def _over_seeds(rows: list[list[Any]], head: list[str]) -> list[str]:
 
 TITLE = "# Time to accuracy (`python -m layerpar.bench tta`)"  # README's first line
 PNG_MARKER = "layerpar.bench tta"  # in the plot's metadata
+#: per benchmark this module runs: README's first line and the plot's metadata marker
+TITLES = {"tta": (TITLE, PNG_MARKER),
+          "versus": ("# Against data and pipeline parallelism (`python -m layerpar.bench "
+                     "versus`)", "layerpar.bench versus")}
+#: the alternatives a user would pick instead of layer-parallel training (a row's
+#: `time_vs_best_alternative` is over the fastest of them to the target)
+ALTERNATIVES = ("serial", "data", "pipeline")
 CSV_HEADS = {"tta.csv": "case,seed,method,", "summary.csv": "case,seed,label,method,"}
 
 
-def check_outputs(out: Path) -> None:
+def check_outputs(out: Path, bench: str = "tta") -> None:
     """Refuse (`StudyFileError`, a ValueError) before anything trains when ``--out``
     cannot be written or holds a file of this benchmark's names that it did not write
     (a README a person wrote is never replaced: ``docs/results/tta/README.md`` is the status
     table, next to the runs' own folders)."""
     from .studies.files import check_output_dir, first_line, refuse_foreign
 
+    title, marker = TITLES[bench]
     check_output_dir(out, "--out", ("tta.csv", "summary.csv", "tta.png", "README.md"))
     readme = out / "README.md"
     # a folder of this benchmark's: its plots too (those written before the marker)
-    ours = readme.exists() and first_line(readme.read_bytes()) == TITLE
-    owned = {"README.md": lambda b: first_line(b) == TITLE,
+    ours = readme.exists() and first_line(readme.read_bytes()) == title
+    owned = {"README.md": lambda b: first_line(b) == title,
              **{name: (lambda b, h=head: first_line(b).startswith(h))
                 for name, head in CSV_HEADS.items()},
-             "tta.png": lambda b: ours or PNG_MARKER.encode() in b}
+             "tta.png": lambda b: ours or marker.encode() in b}
     refuse_foreign(out, owned, "this benchmark")
 
 
 def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str,
-           smoke: bool, load: str, device: str = "cpu") -> None:
+           smoke: bool, load: str, device: str = "cpu", bench: str = "tta") -> None:
     import torch
 
+    title, marker = TITLES[bench]
     gpu_name = torch.cuda.get_device_name() if device == "cuda" else ""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "tta.csv", "w", newline="") as fh:
@@ -347,6 +378,9 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
         reached = [t for t in (r.to_target(target)[0] for r in runs if r.serial)
                    if t is not None]
         best_s = min(reached) if reached else None
+        alt = [t for t in (r.to_target(target)[0] for r in runs if r.kind in ALTERNATIVES)
+               if t is not None]
+        best_alt = min(alt) if alt else None
 
         def ratio(s: Optional[float], base: Optional[float]) -> str:
             return "" if s is None or not base else f"{s / base:.2f}"
@@ -357,11 +391,11 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
                          f"{target:.4f}", "" if s is None else f"{s:.2f}",
                          "" if e is None else str(e), f"{r.final_acc:.4f}",
                          f"{r.best_acc:.4f}", ratio(s, serial_s), ratio(s, best_s),
-                         r.settings])
+                         ratio(s, best_alt), f"{_ms_per_batch(r):.1f}", r.settings])
     head = ["case", "seed", "label", "method", "ranks", "threads", "target",
             "seconds_to_target",
             "epochs_to_target", "final_acc", "best_acc", "time_vs_serial",
-            "time_vs_best_serial", "settings"]
+            "time_vs_best_serial", "time_vs_best_alternative", "ms_per_batch", "settings"]
     with open(out / "summary.csv", "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(head)
@@ -387,16 +421,16 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
             fig.suptitle("SMOKE RUN on a shared, loaded machine: not a measurement",
                          color="red", fontsize=9)
         fig.tight_layout()
-        fig.savefig(out / "tta.png", dpi=110, metadata={"Software": PNG_MARKER})
+        fig.savefig(out / "tta.png", dpi=110, metadata={"Software": marker})
         plt.close(fig)
     except ImportError:
         pass
-    md = [TITLE, ""]
+    md = [title, ""]
     if smoke:
         md += ["**SMOKE RUN** (`--smoke`: every case shrunk: fewer layers, 1-2 epochs) on a "
                "shared 2-core machine under load from other jobs "
                f"(load average {load}). It checks the pipeline; its figures are not "
-               "a measurement of time to accuracy. The full run is `make bench-tta`.", ""]
+               "a measurement of time to accuracy. The full run is `make bench-{bench}`.", ""]
     md += [f"Command: `{command}`", "",
            f"Machine: {platform.machine()}, {os.cpu_count()} CPUs visible, python "
            f"{platform.python_version()}, torch {__import__('torch').__version__}; load "
@@ -406,7 +440,10 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
            "training seconds from the first batch (auto-tuning and gradient checks "
            "included, evaluation excluded); `time_vs_serial` is seconds to target over "
            "the first serial run's (eager), `time_vs_best_serial` over the fastest serial "
-           "baseline's (on CUDA also the step captured in a CUDA graph).", "",
+           "baseline's (on CUDA also the step captured in a CUDA graph), "
+           "`time_vs_best_alternative` over the fastest of serial, data parallelism and "
+           "the pipeline (what a user would pick instead). `ms_per_batch`: training "
+           "seconds over steps (tuning included).", "",
            "| " + " | ".join(head[:2] + head[3:]) + " |",
            "|" + "---|" * (len(head) - 1)]
     md += ["| " + " | ".join(str(c) for c in (r[:2] + r[3:])) + " |" for r in rows]
@@ -423,32 +460,52 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
     (out / "README.md").write_text("\n".join(md))
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """Command line of ``python -m layerpar.bench tta``."""
+#: per benchmark: (``--cases``, ``--methods``, ``--bounds``, ``--compiled-serial``) defaults
+DEFAULTS = {"tta": ("a,b,c,d", "auto", "default,0.15", False),
+            "versus": ("a,f,e,c,d", "data,pipeline,mgrit,auto", "default", True)}
+
+
+def versus_main(argv: Optional[list[str]] = None) -> int:
+    """Command line of ``python -m layerpar.bench versus``: `main` with every method at
+    P ranks (data parallelism, the best pipeline, layer-parallel at auto's setting and
+    auto itself) against the best serial, on the latency-bound dense net, the two
+    ResNets at their recipes, digits and Peaks."""
+    return main(argv, bench="versus")
+
+
+def main(argv: Optional[list[str]] = None, bench: str = "tta") -> int:
+    """Command line of ``python -m layerpar.bench tta`` (and, `bench` "versus", of
+    ``versus``: the same comparison with every method)."""
     from .launch import load_average
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = OneLineParser(prog="python -m layerpar.bench tta",
-                      description=__doc__.split("\n")[0])
-    p.add_argument("--cases", default="a,b,c,d", help="which cases (default a,b,c,d)")
+    cases, methods, bounds, compiled = DEFAULTS[bench]
+    p = OneLineParser(prog=f"python -m layerpar.bench {bench}",
+                      description=__doc__.split("\n")[0] if bench == "tta" else
+                      (versus_main.__doc__ or "").split(":")[0])
+    p.add_argument("--cases", default=cases, help=f"which cases (default {cases})")
+    p.add_argument("--methods", default=methods,
+                   help=f"the parallel runs, among {','.join(METHODS)} (default {methods})")
     p.add_argument("--np", type=int, default=2, help="ranks of the layer-parallel runs")
     p.add_argument("--smoke", action="store_true",
                    help="every case shrunk (checks the pipeline; not a measurement)")
     p.add_argument("--out", default=None,
                    help=f"folder for CSV, plot and README (default {OUT['run']}, "
-                        f"{OUT['smoke']} with --smoke: under out/, which git ignores); a "
+                        f"{OUT['smoke']} with --smoke; for versus under out/versus/: git "
+                        "ignores out/); a "
                         "file there that this benchmark did not write is never replaced")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds any one training may take")
-    p.add_argument("--bounds", default="default,0.15",
+    p.add_argument("--bounds", default=bounds,
                    help="one --auto run per gradient-error bound (--max-grad-error), "
                         "'default' for auto's own (measured on the batch's gradient "
-                        "noise; default: default,0.15)")
+                        f"noise; default: {bounds})")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where both methods train (cuda: one GPU, use --np 1)")
-    p.add_argument("--compiled-serial", action="store_true",
+    p.add_argument("--compiled-serial", action=argparse.BooleanOptionalAction,
+                   default=compiled,
                    help="also train serial compiled by torch.compile (a third serial "
-                        "baseline, for GPUs; its compilation counts in its time)")
+                        f"baseline; its compilation counts in its time; default {compiled})")
     p.add_argument("--seeds", default="0",
                    help="one comparison per seed (data split, initial weights, batch "
                         "order: ``layerpar train --seed``), comma-separated (default 0)")
@@ -467,13 +524,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"`--cases` must name cases among {sorted(table)}, got {args.cases!r}")
     if args.np < 1:
         p.error(f"`--np` must be >= 1, got {args.np}")
+    chosen = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    if not chosen or any(m not in METHODS for m in chosen) or len(set(chosen)) < len(chosen):
+        p.error(f"`--methods` must name distinct methods among {list(METHODS)}, got "
+                f"{args.methods!r}")
     from .cli import parse_args as train_command
 
-    for k in keys:  # what each case's `layerpar train --auto` would refuse, before training
-        try:
-            train_command(["train", *table[k].train_args(), "--np", str(args.np), "--auto"])
-        except ValueError as exc:
-            p.error(f"case {k} at `--np` {args.np}: {exc}")
+    for k in keys:  # what each case's trainings would refuse, before training
+        for m in chosen:
+            try:
+                train_command(["train", *table[k].train_args(), "--np", str(args.np),
+                               *METHODS[m][0]])
+            except ValueError as exc:
+                p.error(f"case {k} at `--np` {args.np}, {m}: {exc}")
     if args.timeout is not None and not args.timeout > 0:
         p.error(f"`--timeout` must be > 0, got {args.timeout}")
     try:
@@ -489,13 +552,14 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         if not torch.cuda.is_available():
             p.error("`--device` cuda: CUDA is not available on this machine")
-    out = Path(args.out or OUT["smoke" if args.smoke else "run"])
+    out = Path(args.out or (OUT if bench == "tta" else OUT_VERSUS)[
+        "smoke" if args.smoke else "run"])
     try:
-        check_outputs(out)
+        check_outputs(out, bench)
     except ValueError as exc:
         p.error(str(exc))
     load = " ".join(f"{v:.2f}" for v in load_average())
-    command = "python -m layerpar.bench tta " + " ".join(argv)
+    command = f"python -m layerpar.bench {bench} " + " ".join(argv)
     results = []
     t0 = time.perf_counter()
     probes = {k: best_threads(table[k]) for k in keys}
@@ -503,7 +567,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     serial_start = launch_seconds(first, 1, args.timeout)
     launch = (serial_start, launch_seconds(first, args.np, args.timeout))
     total = time.perf_counter() - t0  # the probes' own time
-    runs = (1 + (args.device == "cuda") + args.compiled_serial, len(bounds))
+    runs = (1 + (args.device == "cuda") + args.compiled_serial,
+            len(chosen) - 1 + len(bounds) if "auto" in chosen else len(chosen))
     for k in keys:
         threads, per, steps = probes[k]
         est = len(seeds) * expected_seconds(table[k], per[threads], steps, runs, launch)
@@ -511,7 +576,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"[{k}] {table[k].label}: {steps} steps per epoch, best serial step "
               f"{1e3 * per[threads]:.1f} ms at {threads} thread(s): expect about "
               f"{_duration(est)}", flush=True)
-    print(f"layerpar.bench tta: expect about {_duration(total)} in all, or more where "
+    print(f"layerpar.bench {bench}: expect about {_duration(total)} in all, or more where "
           f"the layer-parallel runs step slower than serial (starting a training took "
           f"{launch[0]:.1f} s here now, {launch[1]:.1f} s at {args.np} rank(s); time "
           f"budgets in the cases' options shorten it)", flush=True)
@@ -519,14 +584,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         case = table[k] if seeds == [0] else table[k].with_seed(seed)
         runs, target, _ = run_case(case, args.np, args.timeout, probe=probes[k],
                                    device=args.device, bounds=bounds,
-                                   compiled=args.compiled_serial)
+                                   compiled=args.compiled_serial, methods=chosen)
         results.append((case, runs, target))
-        _write(out, results, command.strip(), args.smoke, load, args.device)
+        _write(out, results, command.strip(), args.smoke, load, args.device, bench)
         print(f"[{k}{'' if seeds == [0] else f' seed {seed}'}] target {target:.4f}: " + "; ".join(
             f"{r.method} " + _seconds(r.to_target(target)[0]) for r in runs), flush=True)
-    print(f"layerpar.bench tta: {len(keys)} case(s) in {time.perf_counter() - t0:.0f} s; "
+    print(f"layerpar.bench {bench}: {len(keys)} case(s) in {time.perf_counter() - t0:.0f} s; "
           f"wrote {out}/tta.csv, summary.csv, tta.png, README.md")
     return 0
+
+
+def _ms_per_batch(r: Run) -> float:
+    """Training milliseconds per step of a run (tuning and checks included)."""
+    last = r.history[-1]
+    return 1000.0 * last["train_seconds"] / max(1, last.get("batches", 1))
 
 
 def _seconds(s: Optional[float]) -> str:

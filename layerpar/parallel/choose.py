@@ -141,6 +141,7 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
                   layerparallel: Optional[dict[str, Any]] = None,
                   schedules: Sequence[str] = DEFAULT_SCHEDULES,
                   microbatches: Sequence[int] = (1, 2, 4, 8),
+                  steps_to_come: Optional[int] = None,
                   timer: Optional[Timer] = None) -> TrainingMethod:
     """The fastest way of training `net` on the ranks of `comm`, measured on the batch
     (`x`, `y`) with `loss_fn` (collective: call it on every rank with the same
@@ -155,6 +156,8 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     schedules, microbatches: the pipeline schedules timed, each at its fastest count
         among `microbatches` (`PipelineNet.tune_microbatches`).
     exact: only candidates whose gradients are the serial net's (see the module).
+    steps_to_come: the training steps that will follow, if known: they bound the time
+        the layer-parallel candidate's own tuning may take (`Auto.tune`'s `steps`).
     timer: maps a candidate's name and measured seconds to the seconds the decision
         uses (default: the measurement).
     """
@@ -202,7 +205,7 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
                 kw = {"options": "auto", **(layerparallel or {})}
                 lp = LayerParallelMethod(fresh(), comm, **kw)
                 if kw["options"] == "auto":
-                    lp.model.tune(x, y, loss_fn)
+                    lp.model.tune(x, y, loss_fn, steps=steps_to_come)
                     setting = lp.model.tuner.choice_name(transport.size)
                 else:
                     setting = str(kw["options"])
