@@ -194,7 +194,8 @@ def test_bench_subcommands_refuse_before_running(argv: list[str], flag: str,
     (["tta", "--np", "0"], "`--np` must be >= 1, got 0"),
     (["ops", "--bogus"], "unrecognized arguments: --bogus"),
     (["tta", "--smoke", "--cases", "d", "--np", "64"],
-     "case d at `--np` 64: `--np` must be <= 32, the number of residual layers of peaks"),
+     "case d at `--np` 64, auto: `--np` must be <= 32, the number of residual layers of "
+     "peaks"),
 ])
 def test_bench_errors_are_one_line(argv: list[str], message: str, tmp_path: Path,
                                    capsys: pytest.CaptureFixture) -> None:
@@ -498,7 +499,21 @@ CONFLICTS = [
     (["--nested-epochs", "3"], {"nested_epochs": 3}),
     (["--serial", "--engine", "xbraid"], {"serial": True, "engine": "xbraid"}),
     (["--auto", "--engine", "native"], {"auto": True, "engine": "native"}),
+    (["--schedule", "gpipe"], {"schedule": "gpipe"}),
+    (["--microbatches", "2", "--method", "data"], {"microbatches": 2, "method": "data"}),
+    (["--method", "data", "--serial"], {"method": "data", "serial": True}),
+    (["--method", "pipeline", "--adaptive"], {"method": "pipeline", "adaptive": True}),
+    (["--method", "data", "--nested", "1"], {"method": "data", "nested": 1}),
+    (["--method", "pipeline", "--engine", "native"], {"method": "pipeline",
+                                                      "engine": "native"}),
 ]
+
+
+@pytest.mark.parametrize("method", ["data", "pipeline"])
+def test_train_method_needs_two_processes(method: str) -> None:
+    with pytest.raises(ValueError, match=f'`--method` "{method}" shares the work'):
+        cli.parse_args(["train", "peaks", "--method", method])
+    cli.parse_args(["train", "peaks", "--method", method, "--np", "2"])  # fine
 
 
 @pytest.mark.parametrize("argv, kw", CONFLICTS, ids=[" ".join(a) for a, _ in CONFLICTS])

@@ -355,23 +355,24 @@ class TrainConfig:
         pipeline_may = method == "pipeline" or (method is None and self.auto is not False)
         for name in ("schedule", "microbatches"):
             if getattr(self, name) is not None and not pipeline_may:
-                raise ValueError(f"{f(name)} sets the pipeline: give "
-                                 f"{self.said('method', 'pipeline', True)} (or {f('auto')})")
+                raise ValueError(f"{f(name)} sets the pipeline: give {f('method')} "
+                                 f"\"pipeline\" (or {f('auto')})")
         if method is None or method == "layerparallel":
             return
+        said = f"{f('method')} \"{method}\""
         if self.serial:
-            raise ValueError(f"{self.said('method', method, True)} with {f('serial')}: the "
-                             "serial net runs on one process; give one or the other")
+            raise ValueError(f"{said} with {f('serial')}: the serial net runs on one "
+                             "process; give one or the other")
         for name, given in (("fwd", self.fwd is not None), ("engine", self.engine is not None),
                             ("adaptive", self.adaptive is not False),
                             ("check_every", self.check_every > 0), ("nested", self.nested > 0),
                             ("data_parallel", self.data_parallel > 1)):
             if given:
                 raise ValueError(f"{f(name)} acts on layer-parallel training, not on "
-                                 f"{self.said('method', method, True)}")
+                                 f"{said}")
         if self.device != "cpu":
-            raise ValueError(f"{self.said('method', method, True)} runs its process group "
-                             f"on gloo, CPU tensors: not with {self.said('device', self.device)}")
+            raise ValueError(f"{said} runs its process group on gloo, CPU tensors: not "
+                             f"with {f('device')} \"{self.device}\"")
 
     def check_processes(self, size: int, processes: Optional[str] = None) -> None:
         """What the configuration asks of `size` processes (ValueError naming the
@@ -386,7 +387,7 @@ class TrainConfig:
         if self.batch_size % self.data_parallel:
             raise ValueError(f"the batch size {self.batch_size} must be divisible by {dp}")
         if self.method in ("data", "pipeline") and size < 2:
-            raise ValueError(f"{self.said('method', self.method, True)} shares the work "
+            raise ValueError(f"{self.flag('method')} \"{self.method}\" shares the work "
                              f"among processes: {processes} are too few (give 2 or more)")
         ranks = 1 if self.serial else size // self.data_parallel
         layers = self.layers
