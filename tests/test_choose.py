@@ -30,8 +30,8 @@ def _run(case: str, ranks: int) -> dict[int, list[str]]:
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_each_method_is_picked_when_its_clock_is_fastest(ranks: int) -> None:
     lines = _run("pick", ranks)
-    kinds = {"layerparallel": "LayerParallelMethod", "data": "DataParallelNet",
-             "pipeline": "PipelineNet"}
+    kinds = {"serial": "SerialMethod", "layerparallel": "LayerParallelMethod",
+             "data": "DataParallelNet", "pipeline": "PipelineNet"}
     for r, got in lines.items():
         for name, cls in kinds.items():
             chose = [ln for ln in got if ln.startswith(f"CASE pick/{name} CHOSE")]
@@ -60,3 +60,11 @@ def test_batch_norm_keeps_the_serial_statistics() -> None:
 def test_bad_arguments_fail_alike() -> None:
     for got in _run("refusal", 2).values():
         assert got[0] == "CASE refusal RAISED True", got
+
+
+@pytest.mark.mpi
+def test_choosing_costs_at_most_its_share_of_the_training() -> None:
+    lines = _run("budget", 2)
+    assert lines[0] == lines[1]
+    assert lines[0][0] == "CASE budget CHOSE serial SKIPPED data,layerparallel,pipeline gpipe," \
+        "pipeline 1f1b", lines

@@ -1,23 +1,28 @@
 """Choosing the parallelism: every way of training the net at this rank count, timed
 on the user's own batch, and the fastest kept.
 
-A user with P ranks and a deep ResNet can split the layers in time (`LayerParallel`,
-MGRIT, with its own settings chosen by `Auto`), split the batch (`DataParallelNet`)
-or split the layers into a pipeline (`PipelineNet`, each schedule at the micro-batch
-count that runs fastest).  `choose_method` builds each candidate from a copy of the
-same net, runs one warm-up `train_step` and `steps` timed ones on the given batch,
-and keeps the candidate whose slowest rank's median step is shortest.  The times are
-gathered from every rank before anything is decided, so every rank keeps the same
-candidate; the others are closed.  The table, the choice and the reason are in the
-returned method's `choice` (`Choice.lines`).
+A user with P ranks and a deep ResNet can run the whole net on every rank (replicated
+serial: nothing split, as fast as one rank), split the batch (`DataParallelNet`),
+split the layers in time (`LayerParallel`, MGRIT, with its own setting chosen by
+`Auto`), or split the layers into a pipeline (`PipelineNet`, each schedule at the
+micro-batch count that runs fastest).  `choose_method` builds each candidate from a
+copy of the same net, runs one warm-up `train_step` and `steps` timed ones on the
+given batch, and keeps the candidate whose slowest rank's median step is shortest.
+The times are gathered from every rank before anything is decided, so every rank
+keeps the same candidate; the others are closed.  The table, the choice and the
+reason are in the returned method's `choice` (`Choice.lines`).
+
+Choosing costs time the training could have used: given the steps to come, it stops
+timing candidates once it has cost `calibration_share` of them (cheapest to time
+first), and says which it left out.
 
 Only candidates whose gradients are the serial net's take part (``exact=True``, the
 default): a batch split or micro-batches give batch norm the statistics of a share
 of the batch, and dropout would draw each rank's masks from its own generator, so
 with batch norm the pipeline runs one micro-batch and the batch split stands aside,
-and with dropout both stand aside (`LayerParallel` reproduces serial dropout).  The
-table says why a candidate stood aside.  ``exact=False`` admits them, as a user of
-DistributedDataParallel accepts them.
+and with dropout all but `LayerParallel` (which reproduces serial dropout) stand
+aside.  The table says why a candidate stood aside.  ``exact=False`` admits them, as
+a user of DistributedDataParallel accepts them.
 
 The timing steps leave no trace: the parameters are not stepped, `.grad` is cleared,
 and the chosen method's buffers (batch norm's running statistics) are restored to
@@ -38,13 +43,19 @@ from torch import Tensor, nn
 from ..mgrit.transport import make_transport
 from ..ode.net import ODENet
 from ..ode.rng import DROPOUT_TYPES
-from .baselines import DataParallelNet, LayerParallelMethod, PipelineNet, TrainingMethod
+from .baselines import (
+    DataParallelNet,
+    LayerParallelMethod,
+    PipelineNet,
+    SerialMethod,
+    TrainingMethod,
+)
 from .baselines.method import LossFn, as_net
 
 __all__ = ["METHOD_NAMES", "Choice", "Trial", "choose_method"]
 
 #: the methods `choose_method` may time, in the order it times them
-METHOD_NAMES = ("layerparallel", "data", "pipeline")
+METHOD_NAMES = ("serial", "data", "layerparallel", "pipeline")
 #: the pipeline schedules timed by default (one stage per rank: the ones that run on
 #: any net; the looped and zero-bubble ones are given by name)
 DEFAULT_SCHEDULES = ("gpipe", "1f1b")
@@ -120,7 +131,8 @@ def _median_step(method: TrainingMethod, x: Tensor, y: Any, loss_fn: LossFn,
 def _stands_aside(net: ODENet, method: str, exact: bool) -> tuple[Optional[str], bool]:
     """(why `method` stands aside for `net`, or None; whether it must run one
     micro-batch): the batch split and the pipeline's micro-batches change what batch
-    norm and dropout compute."""
+    norm computes, and every method but layer-parallel draws dropout masks from each
+    rank's own generator."""
     if not exact or method == "layerparallel":
         return None, False
     mods = list(net.modules())
@@ -131,8 +143,97 @@ def _stands_aside(net: ODENet, method: str, exact: bool) -> tuple[Optional[str],
         if method == "data":
             return ("batch norm: each rank's statistics would be its share's, not the "
                     "batch's (exact=False admits it)"), False
-        return None, True
+        return None, method == "pipeline"
     return None, False
+
+
+class _Calibration:
+    """The candidates' timings as they come, agreed between the ranks, and the share
+    of the training they may cost."""
+
+    def __init__(self, transport: Any, x: Tensor, y: Any, loss_fn: LossFn, steps: int,
+                 timer: Timer, steps_to_come: Optional[int], share: float) -> None:
+        self.transport, self.x, self.y, self.loss_fn = transport, x, y, loss_fn
+        self.steps, self.timer = steps, timer
+        self.steps_to_come, self.share = steps_to_come, share
+        self.t0 = time.perf_counter()
+        self.trials: list[Trial] = []
+        self.held: dict[str, tuple[TrainingMethod, float]] = {}
+
+    def agreed(self, value: float) -> float:
+        """The largest of the ranks' `value` (every rank gets the same number)."""
+        return float(max(self.transport.allgather_object(value, "choose_method's timings")))
+
+    def spent(self) -> Optional[str]:
+        """Why no further candidate is timed (None: the budget allows one): the
+        calibration has cost its share of the training that follows, at the fastest
+        candidate's step time."""
+        if self.steps_to_come is None or not self.held:
+            return None
+        best = min(s for _, s in self.held.values())
+        spent = self.agreed(time.perf_counter() - self.t0)
+        budget = self.share * self.steps_to_come * best
+        if spent < budget:
+            return None
+        return (f"not timed: choosing had taken {spent:.2f} s, its share "
+                f"({100 * self.share:g} %) of the {self.steps_to_come} steps to come at "
+                f"the fastest step so far ({budget:.2f} s)")
+
+    def measure(self, name: str, method: TrainingMethod, note: str,
+                seconds: Optional[float] = None) -> None:
+        own = _median_step(method, self.x, self.y, self.loss_fn, self.steps) \
+            if seconds is None else seconds
+        s = self.agreed(self.timer(name, own))
+        self.trials.append(Trial(name, s, note))
+        self.held[name] = (method, s)
+
+
+def _time_pipelines(cal: _Calibration, fresh: Callable[[], ODENet], comm: Any,
+                    schedules: Sequence[str], counts: tuple[int, ...], one_micro: bool
+                    ) -> None:
+    """Each pipeline schedule at its fastest micro-batch count (`PipelineNet.
+    tune_microbatches`), while the budget lasts."""
+    for sched in schedules:
+        why = cal.spent()
+        if why is not None:
+            cal.trials.append(Trial(f"pipeline {sched}", None, why))
+            continue
+        # built at the largest count (torch refuses 1F1B with fewer micro-batches than
+        # stages); the count is then measured
+        pipe = PipelineNet(fresh(), comm, schedule=sched, microbatches=max(counts))
+        try:
+            per = pipe.tune_microbatches(cal.x, cal.y, cal.loss_fn, counts,
+                                         repeats=cal.steps)
+        except ValueError as exc:  # no count suits (raised alike)
+            cal.trials.append(Trial(f"pipeline {sched}", None, str(exc)))
+            pipe.close()
+            continue
+        tried = ", ".join(f"m={m}: {1000 * s:.1f} ms" for m, s in per.items())
+        note = f"micro-batches by measurement ({tried})" + (
+            "; one micro-batch: batch norm" if one_micro else "")
+        cal.measure(f"pipeline {sched} m={pipe.microbatches}", pipe, note,
+                    per[pipe.microbatches])
+
+
+def _time_one(cal: _Calibration, what: str, fresh: Callable[[], ODENet], comm: Any,
+              layerparallel: Optional[dict[str, Any]]) -> None:
+    """Build and time the candidate `what` ("serial", "data" or "layerparallel")."""
+    if what == "serial":
+        cal.measure("serial", SerialMethod(fresh(), comm),
+                    "every rank runs the whole net (replicated serial)")
+    elif what == "data":
+        engine = "ddp" if cal.transport.backend in ("gloo", "nccl") else "allreduce"
+        cal.measure("data", DataParallelNet(fresh(), comm, engine=engine),
+                    f"batch split, gradients averaged ({engine})")
+    else:
+        kw = {"options": "auto", **(layerparallel or {})}
+        lp = LayerParallelMethod(fresh(), comm, **kw)
+        if kw["options"] == "auto":
+            lp.model.tune(cal.x, cal.y, cal.loss_fn, steps=cal.steps_to_come)
+            setting = lp.model.tuner.choice_name(cal.transport.size)
+        else:
+            setting = str(kw["options"])
+        cal.measure("layerparallel", lp, f"auto's setting: {setting}")
 
 
 def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor, y: Any,
@@ -141,7 +242,7 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
                   layerparallel: Optional[dict[str, Any]] = None,
                   schedules: Sequence[str] = DEFAULT_SCHEDULES,
                   microbatches: Sequence[int] = (1, 2, 4, 8),
-                  steps_to_come: Optional[int] = None,
+                  steps_to_come: Optional[int] = None, calibration_share: float = 0.05,
                   timer: Optional[Timer] = None) -> TrainingMethod:
     """The fastest way of training `net` on the ranks of `comm`, measured on the batch
     (`x`, `y`) with `loss_fn` (collective: call it on every rank with the same
@@ -149,19 +250,21 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     `net` in `net`'s state, with ``.choice`` (a `Choice`) set; build the optimizer over
     its ``parameters()``.
 
-    methods: which of "layerparallel", "data", "pipeline" to time.
+    methods: which of "serial" (every rank the whole net), "data", "layerparallel",
+        "pipeline" to time, timed in that order.
     layerparallel: `LayerParallel`'s keyword arguments for its candidate (default
         ``options="auto"``: its own setting chosen by `Auto`, tuned on this batch, held
         to its bound on the gradient error).
     schedules, microbatches: the pipeline schedules timed, each at its fastest count
         among `microbatches` (`PipelineNet.tune_microbatches`).
     exact: only candidates whose gradients are the serial net's (see the module).
-    steps_to_come: the training steps that will follow, if known: they bound the time
-        the layer-parallel candidate's own tuning may take (`Auto.tune`'s `steps`).
+    steps_to_come: the training steps that will follow, if known.  Choosing then
+        costs at most about `calibration_share` of them (at the fastest candidate's
+        step): once it has, the candidates left are not timed (the table says so); the
+        layer-parallel candidate's own tuning is bounded by them too (`Auto.tune`).
     timer: maps a candidate's name and measured seconds to the seconds the decision
         uses (default: the measurement).
     """
-    t_start = time.perf_counter()
     transport = make_transport(comm)
     err: Optional[BaseException] = None
     try:
@@ -172,80 +275,52 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
                              f"{list(methods)}")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
+        if not 0 < calibration_share <= 1:
+            raise ValueError(f"`calibration_share` must be in (0, 1], got "
+                             f"{calibration_share!r}")
     except Exception as exc:  # noqa: BLE001 - raised alike on every rank by agree
         err = exc
     transport.agree({"methods": list(methods), "steps": steps, "exact": exact,
-                     "schedules": list(schedules), "microbatches": list(microbatches)},
+                     "schedules": list(schedules), "microbatches": list(microbatches),
+                     "steps_to_come": steps_to_come, "share": calibration_share},
                     err, "choose_method's arguments (methods, steps, exact, schedules, "
-                    "microbatches)")
-    timer = timer or (lambda name, s: s)
+                    "microbatches, steps_to_come, calibration_share)")
+    cal = _Calibration(transport, x, y, loss_fn, steps, timer or (lambda name, s: s),
+                       steps_to_come, calibration_share)
     pristine = {k: v.detach().clone() for k, v in base.state_dict().items()}
-    trials: list[Trial] = []
-    held: dict[str, tuple[TrainingMethod, float]] = {}
 
     def fresh() -> ODENet:
         copy_ = copy.deepcopy(base)
         copy_.load_state_dict(pristine)
         return copy_
 
-    def measure(name: str, method: TrainingMethod, note: str, seconds: Optional[float] = None
-                ) -> None:
-        own = _median_step(method, x, y, loss_fn, steps) if seconds is None else seconds
-        s = max(transport.allgather_object(timer(name, own), "choose_method's timings"))
-        trials.append(Trial(name, s, note))
-        held[name] = (method, s)
-
-    for what in methods:
+    for what in sorted(methods, key=METHOD_NAMES.index):
         why, one_micro = _stands_aside(base, what, exact)
+        why = why or (None if what == "pipeline" else cal.spent())
         if why is not None:
-            trials.append(Trial(what, None, why))
+            cal.trials.append(Trial(what, None, why))
             continue
         try:
-            if what == "layerparallel":
-                kw = {"options": "auto", **(layerparallel or {})}
-                lp = LayerParallelMethod(fresh(), comm, **kw)
-                if kw["options"] == "auto":
-                    lp.model.tune(x, y, loss_fn, steps=steps_to_come)
-                    setting = lp.model.tuner.choice_name(transport.size)
-                else:
-                    setting = str(kw["options"])
-                measure("layerparallel", lp, f"auto's setting: {setting}")
-            elif what == "data":
-                engine = "ddp" if transport.backend in ("gloo", "nccl") else "allreduce"
-                measure("data", DataParallelNet(fresh(), comm, engine=engine),
-                        f"batch split, gradients averaged ({engine})")
+            if what == "pipeline":
+                _time_pipelines(cal, fresh, comm, schedules,
+                                (1,) if one_micro else tuple(microbatches), one_micro)
             else:
-                counts = (1,) if one_micro else tuple(microbatches)
-                for sched in schedules:
-                    # built at the largest count (torch refuses 1F1B with fewer
-                    # micro-batches than stages); the count is then measured
-                    pipe = PipelineNet(fresh(), comm, schedule=sched,
-                                       microbatches=max(counts))
-                    try:
-                        per = pipe.tune_microbatches(x, y, loss_fn, counts, repeats=steps)
-                    except ValueError as exc:  # no count suits (raised alike)
-                        trials.append(Trial(f"pipeline {sched}", None, str(exc)))
-                        pipe.close()
-                        continue
-                    tried = ", ".join(f"m={m}: {1000 * s:.1f} ms" for m, s in per.items())
-                    note = f"micro-batches by measurement ({tried})" + (
-                        "; one micro-batch: batch norm" if one_micro else "")
-                    measure(f"pipeline {sched} m={pipe.microbatches}", pipe, note,
-                            per[pipe.microbatches])
+                _time_one(cal, what, fresh, comm, layerparallel)
         except (ValueError, TypeError, NotImplementedError) as exc:
             # refusals raised alike on every rank by the methods' own agreements
-            trials.append(Trial(what, None, f"refused: {exc}"))
+            cal.trials.append(Trial(what, None, f"refused: {exc}"))
+    held = cal.held
     if not held:
         raise ValueError("no candidate of `methods` runs this net here: " + "; ".join(
-            f"{t.name}: {t.note}" for t in trials))
+            f"{t.name}: {t.note}" for t in cal.trials))
     chosen = min(held, key=lambda n: (held[n][1], n))
     for name, (method, _) in held.items():
         if name != chosen:
             method.close()
     method = held[chosen][0]
     _restore_buffers(method, pristine)
-    method.choice = Choice(transport.size, steps, tuple(trials), chosen,  # type: ignore[attr-defined]
-                           time.perf_counter() - t_start)
+    method.choice = Choice(transport.size, steps, tuple(cal.trials), chosen,  # type: ignore[attr-defined]
+                           time.perf_counter() - cal.t0)
     transport.close()
     return method
 

@@ -3,7 +3,7 @@ rank, and the method it returns trains as the serial net does.
 
 Usage: lp_choose.py CASE.  Cases:
 
-- ``pick``: for each of "layerparallel", "data", "pipeline", a timer makes that
+- ``pick``: for each of "serial", "layerparallel", "data", "pipeline", a timer makes that
   candidate's clock the fastest (the others' slower, by a different amount on each
   rank); prints ``RANK <r> CASE pick/<forced> CHOSE <name> <class>``, then trains two
   Adam steps with the chosen method and prints ``RANK <r> CASE pick/<forced> OK
@@ -13,6 +13,7 @@ Usage: lp_choose.py CASE.  Cases:
 - ``bn``: a net with batch norm, the pipeline made fastest: the batch split stands
   aside (printed), the pipeline runs one micro-batch, and after two steps the weights
   and running statistics equal serial training's.
+- ``budget``: one step to come: only the first candidate is timed.
 - ``refusal``: an unknown method name raises the same ValueError on every rank.
 """
 import copy
@@ -90,7 +91,7 @@ CONVERGED = {"options": layerpar.MGRITOptions(max_levels=2, cfactor=2, tol=SOLVE
 
 
 def case_pick() -> None:
-    for name in ("layerparallel", "data", "pipeline"):
+    for name in ("serial", "layerparallel", "data", "pipeline"):
         net = dense_net()
         x, y = batch(0)
         m = choose_method(net, comm, x, y, loss_fn, steps=1, microbatches=(1, 2),
@@ -124,6 +125,16 @@ def case_bn() -> None:
     m.close()
 
 
+def case_budget() -> None:
+    """One step to come: after the first candidate choosing has cost more than its
+    share of that step, so the others are not timed, alike on every rank."""
+    x, y = batch(0)
+    m = choose_method(dense_net(), comm, x, y, loss_fn, steps=1, steps_to_come=1)
+    skipped = [t.name for t in m.choice.trials if t.note.startswith("not timed:")]
+    say(f"CASE budget CHOSE {m.choice.chosen} SKIPPED {','.join(skipped)}")
+    m.close()
+
+
 def case_refusal() -> None:
     x, y = batch(0)
     try:
@@ -132,6 +143,6 @@ def case_refusal() -> None:
         say(f"CASE refusal RAISED {'`methods`' in str(exc)}")
 
 
-{"pick": case_pick, "disagree": case_disagree, "bn": case_bn,
+{"pick": case_pick, "disagree": case_disagree, "bn": case_bn, "budget": case_budget,
  "refusal": case_refusal}[sys.argv[1]]()
 say("DONE")

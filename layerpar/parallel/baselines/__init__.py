@@ -29,11 +29,8 @@ METHODS: dict[str, type[TrainingMethod]] = {
 
 def make_method(name: str, net: Any, comm: Any = None, **settings: Any) -> TrainingMethod:
     """The method called `name` ("serial", "layerparallel", "data", "pipeline") for
-    `net` over `comm`, with its own keyword `settings`."""
+    `net` over `comm`, with its own keyword `settings` ("serial" with a communicator:
+    every rank trains a whole copy, `SerialMethod`)."""
     if name not in METHODS:
         raise ValueError(f"`name` must be one of {list(METHODS)}, got {name!r}")
-    if name == "serial":
-        if comm is not None:
-            raise TypeError("the serial method runs on one process: `comm` must be None")
-        return SerialMethod(net, **settings)
     return METHODS[name](net, comm, **settings)  # type: ignore[call-arg]

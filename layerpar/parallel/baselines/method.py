@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ..._checks import nonneg_int
-from ...mgrit.transport import SerialTransport, Transport
+from ...mgrit.transport import SerialTransport, Transport, make_transport
 from ...ode.net import ODENet
 
 __all__ = ["LayerParallelMethod", "LossFn", "SerialMethod", "TrainingMethod", "as_net"]
@@ -163,13 +163,31 @@ class TrainingMethod(ABC):
 
 class SerialMethod(TrainingMethod):
     """The serial `ODENet` in this process, plain autograd: the reference every other
-    method is compared with (one rank)."""
+    method is compared with (one rank).
+
+    comm: None (one process), or a communicator whose every rank trains a whole copy of
+        the net on the whole batch (replicated serial: rank 0's parameters and buffers
+        are copied to the others first, and from then on every rank computes the same
+        numbers; the communicator compares the ranks' batches and decisions).  Nothing
+        is split, so it is as fast as one rank alone: what a parallel method must beat.
+    """
 
     name = "serial"
 
-    def __init__(self, net: Union[ODENet, Callable[[], ODENet]]) -> None:
-        self.net = as_net(net)
-        self.transport = SerialTransport()
+    def __init__(self, net: Union[ODENet, Callable[[], ODENet]], comm: Any = None) -> None:
+        self.transport = SerialTransport() if comm is None else make_transport(comm)
+        err: Optional[BaseException] = None
+        try:
+            self.net = as_net(net)
+        except Exception as exc:  # noqa: BLE001 - raised alike on every rank by agree
+            err = exc
+        if self.size > 1:
+            self.transport.agree("serial", err, "SerialMethod's net")
+            state = self.transport.bcast_object(
+                self.net.state_dict() if self.rank == 0 else None, 0)
+            self.net.load_state_dict(state)
+        elif err is not None:
+            raise err
 
     def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
         self._check_batch(x, y)
