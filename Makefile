@@ -28,7 +28,7 @@ XBRAID_DIR ?=
 XBRAID_BUILT := $(if $(XBRAID_DIR),$(VENV)/.built-xbraid)
 
 .PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-engines bench-paths \
-	bench-sync bench-tta bench-tta-smoke bench-tta-gpu bench-tta-gpu-compiled study-cpu-16core \
+	bench-sync bench-tta bench-tta-smoke bench-versus bench-versus-smoke bench-tta-gpu bench-tta-gpu-compiled study-cpu-16core \
 	study-cpu-16core-scale \
 	study-cpu-16core-tta device-wheels device-setup cuda-check test-gpu test-triton train lint typecheck \
 	clean help
@@ -128,6 +128,16 @@ bench-tta: build
 	$(BIN)/python -m layerpar.bench tta --np $(TTA_NP) --out docs/results/tta/np$(TTA_NP)
 bench-tta-smoke: build
 	$(BIN)/python -m layerpar.bench tta --smoke --np 2 --out $(TTA_SMOKE_OUT)
+
+# every method at the same ranks, to each case's accuracy (docs/results/versus/); on the
+# 16-core device machine: `make bench-versus VERSUS_NP=16` (and 2, 4, 8)
+VERSUS_NP ?= 2
+VERSUS_CASES ?= a,f,e,c,d
+bench-versus: build
+	$(BIN)/python -m layerpar.bench versus --np $(VERSUS_NP) --cases $(VERSUS_CASES) \
+		--out docs/results/versus/np$(VERSUS_NP)
+bench-versus-smoke: build
+	$(BIN)/python -m layerpar.bench versus --smoke --np 2 --out out/versus/smoke
 
 # The device rows (results: docs/results/tta/README.md): time to accuracy on one GPU,
 # case a; on the 16 CPU cores
@@ -236,6 +246,7 @@ help:
 	@echo "make bench-ops        tensor operations per batch, serial against MGRIT"
 	@echo "make bench-engines    native engine against XBraid"
 	@echo "make bench-paths      batched against per-step cycles on users' blocks"
+	@echo "make bench-versus     every method at P ranks to each case's accuracy (VERSUS_NP=2)"
 	@echo "make bench-grid       data x layer grids over MPI and torch.distributed"
 	@echo "make bench-sync       replica synchronisation: all-reduce, DASO, Lion Cub"
 	@echo "make bench-tta        time to accuracy, serial against --auto (long: ~45 min)"
