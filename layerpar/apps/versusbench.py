@@ -1,7 +1,13 @@
-"""Per-batch time of every way to train one deep narrow dense ODE-net on P ranks.
+"""Per-batch time of every way to train a deep dense ODE-net on P ranks, by width.
 
     MPIR_CVAR_CH4_PROGRESS_THROTTLE=1 mpiexec -n 2 python -m mpi4py \
-        -m layerpar.apps.versusbench [--layers 256] [--width 32] [--batch 128] [--steps 5]
+        -m layerpar.apps.versusbench [--layers 256] [--widths 32,128] [--batch 128] \
+        [--steps 5] [--csv PATH]
+
+Where the line between layer-parallel and pipeline (or data) parallelism falls: a
+narrow layer leaves a core idle, and MGRIT stacks layers into larger operations; a
+wide one fills the core, and splitting the batch or the pipeline adds no work per
+layer.  One table per width (and one CSV row per width and method).
 
 (MPICH's waits poll busily; the throttle leaves the core to the ranks that work while
 the others wait, e.g. for the serial row.)
@@ -68,20 +74,43 @@ def main(argv: Any = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=256)
-    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--widths", default="32", help="comma-separated widths (default 32)")
+    p.add_argument("--csv", default=None, help="write the rows here (rank 0)")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args(argv)
+    widths = [int(w) for w in args.widths.split(",")]
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
-    state = comm.bcast(_net(args.layers, args.width).state_dict(), root=0)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch, args.width, generator=g)
-    y = torch.randint(0, 10, (args.batch,), generator=g)
     group = process_group_from_mpi(comm)
+    table = []
+    for width in widths:
+        for name, t, base in _rows(comm, group, args.layers, width, args.batch, args.steps):
+            table.append((width, name, t, base))
+    if comm.rank == 0 and args.csv:
+        import csv
+
+        with open(args.csv, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["ranks", "layers", "width", "batch", "method", "ms_per_batch",
+                        "speedup_vs_serial"])
+            for width, name, t, base in table:
+                w.writerow([comm.size, args.layers, width, args.batch, name,
+                            f"{1e3 * t:.2f}", f"{base / t:.2f}"])
+
+
+def _rows(comm: Any, group: Any, layers: int, width: int, batch: int, steps: int
+          ) -> list[tuple[str, float, float]]:
+    """Every method on the net of this width: (name, seconds per batch, serial's)."""
+    from mpi4py import MPI
+
+    state = comm.bcast(_net(layers, width).state_dict(), root=0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, width, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
 
     def make() -> ODENet:
-        return _net(args.layers, args.width, state)
+        return _net(layers, width, state)
 
     mgrit = MGRITOptions(max_levels=3, cfactor=8, max_iter=1)
     methods: dict[str, Callable[[], TrainingMethod]] = {
@@ -100,20 +129,27 @@ def main(argv: Any = None) -> None:
     }
     rows = []
     if comm.rank == 0:
-        solo = MPI.COMM_SELF
-        rows.append(("serial (rank 0 alone)", _time(SerialMethod(make()), x, y,
-                                                    args.steps, solo)))
+        rows.append(("serial (rank 0 alone)", _time(SerialMethod(make()), x, y, steps,
+                                                    MPI.COMM_SELF)))
+        if comm.size > 1:  # the best serial may use every core
+            torch.set_num_threads(comm.size)
+            rows.append((f"serial (rank 0, {comm.size} threads)",
+                         _time(SerialMethod(make()), x, y, steps, MPI.COMM_SELF)))
+            torch.set_num_threads(1)
     comm.Barrier()
     for name, build in methods.items():
         method = build()
-        rows.append((name, _time(method, x, y, args.steps, comm)))
+        rows.append((name, _time(method, x, y, steps, comm)))
         method.close()
+    base = comm.bcast(min(t for n, t in rows if n.startswith("serial"))
+                      if comm.rank == 0 else None, root=0)
     if comm.rank == 0:
-        print(f"{comm.size} ranks, dense ODE-net {args.layers} layers x width {args.width}, "
-              f"batch {args.batch}, float32, median of {args.steps} steps (slowest rank)")
-        base = rows[0][1]
+        print(f"{comm.size} ranks, dense ODE-net {layers} layers x width {width}, "
+              f"batch {batch}, float32, median of {steps} steps (slowest rank)", flush=True)
         for name, t in rows:
-            print(f"  {name:42s} {t * 1e3:8.1f} ms  x{base / t:5.2f} vs serial")
+            print(f"  {name:42s} {t * 1e3:8.1f} ms  x{base / t:5.2f} vs best serial",
+                  flush=True)
+    return [(name, t, base) for name, t in rows] if comm.rank == 0 else []
 
 
 if __name__ == "__main__":
