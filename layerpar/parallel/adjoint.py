@@ -10,6 +10,7 @@ differentiates (`begin` ... `end`), nothing between passes.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from itertools import chain, compress
 from operator import attrgetter, itemgetter
 from typing import Any, Optional
@@ -66,6 +67,14 @@ def _reversed_rows(states: list) -> Optional[Tensor]:
     return None
 
 
+def _state_grad(g: Optional[Tensor]) -> Tensor:
+    """A step's gradient with respect to its input state, as `vjp` gives it: a step's
+    output is its input plus an update, so autograd always finds one."""
+    if g is None:
+        raise RuntimeError("internal: an adjoint step gave no gradient for its input state")
+    return g
+
+
 def _first_uses(params: list[Tensor], grads: tuple[Optional[Tensor], ...],
                 seen: set[int]) -> tuple[Optional[Tensor], ...]:
     """`grads` of `params` with None for a parameter already in `seen` (the ids of
@@ -113,6 +122,15 @@ class AdjointApp(StateOps):
         # (off: every pass makes new rows, as before; benchmarks; and where a parameter
         # serves several layers, whose rows are summed, not kept)
         self.reuse_rows = not runner.shares
+        # the pass being differentiated (`begin` ... `end`)
+        self.tape: Tape
+        self.bb: Optional[BatchedBlocks]
+        self.layer_params: dict[int, list[Tensor]]
+        self.lam_n: Optional[Tensor]
+        self.lam_zero: Optional[Tensor]
+        # the sequential adjoint's final sweep: one autograd call per chain (chain_vjp)
+        self.chain_cache: dict[int, Tensor]
+        self.last_lam: Optional[Tensor]
         self.end()
 
     # -- the pass ------------------------------------------------------------------------
@@ -124,13 +142,12 @@ class AdjointApp(StateOps):
 
     def end(self) -> None:
         self.tape = Tape()
-        self.bb: Optional[BatchedBlocks] = None
-        self.layer_params: dict[int, list[Tensor]] = {}
-        self.lam_n: Optional[Tensor] = None
-        self.lam_zero: Optional[Tensor] = None
-        # the sequential adjoint's final sweep: one autograd call per chain (chain_vjp)
-        self.chain_cache: dict[int, Tensor] = {}
-        self.last_lam: Optional[Tensor] = None
+        self.bb = None
+        self.layer_params = {}
+        self.lam_n = None
+        self.lam_zero = None
+        self.chain_cache = {}
+        self.last_lam = None
 
     # -- the engine's callbacks -------------------------------------------------------------
     def step(self, lam: Tensor, f: Optional[Tensor], ts: float, te: float, ma: int, mb: int,
@@ -152,12 +169,12 @@ class AdjointApp(StateOps):
             elif final:
                 grads = vjp(out, [u_in, *self.layer_params[a]], lam)
                 self.tape.param_grads[a] = grads[1:]
-                res = grads[0]
+                res = _state_grad(grads[0])
             else:
-                (res,) = vjp(out, [u_in], lam, retain_graph=True)
+                res = _state_grad(vjp(out, [u_in], lam, retain_graph=True)[0])
         else:
             rec = self.coarse_graph(a, b)
-            (res,) = vjp(rec[1], [rec[0]], lam, retain_graph=True)
+            res = _state_grad(vjp(rec[1], [rec[0]], lam, retain_graph=True)[0])
         return res if f is None else torch.add(res, f)
 
     def step_batch(self, lams: list, fs: Optional[list], ts: list, te: list, mas: list,
@@ -194,7 +211,7 @@ class AdjointApp(StateOps):
         params = [p for a, _ in pairs for p in self.layer_params[a]] if with_params else []
         grads = vjp([o for _, o in recs], [u for u, _ in recs] + params, lams,
                     retain_graph=not with_params)
-        outs = list(grads[:len(recs)])
+        outs = [_state_grad(g) for g in grads[:len(recs)]]
         if with_params:
             off = len(recs)
             # a parameter several of these layers share: autograd gave each of its
@@ -215,7 +232,9 @@ class AdjointApp(StateOps):
                  mbs: list, level: int, final: int) -> list:
         """A rank's stretch of a sequential adjoint solve in one call."""
         if self.bb is not None:
-            fs = as_tensors(fs, self.lam_zero)  # type: ignore[arg-type]
+            if self.lam_zero is None:
+                raise RuntimeError("internal: an adjoint step outside a pass (`begin`)")
+            fs = as_tensors(fs, self.lam_zero)
         outs = []
         for k in range(len(ts)):
             lam = self.step(lam, None if fs is None else fs[k], ts[k], te[k], mas[k], mbs[k],
@@ -224,7 +243,11 @@ class AdjointApp(StateOps):
         return outs
 
     def init(self, t: float, i: int) -> Tensor:
-        return self.lam_n if i == 0 else self.lam_zero  # type: ignore[return-value]
+        got = self.lam_n if i == 0 else self.lam_zero
+        if got is None:
+            raise RuntimeError("internal: the adjoint solve's initial states outside a "
+                               "pass (`begin`)")
+        return got
 
     # -- per-step records -----------------------------------------------------------------
     def coarse_graph(self, a: int, b: int) -> tuple[Tensor, Tensor]:
@@ -265,9 +288,12 @@ class AdjointApp(StateOps):
             head = tape.chain_head[a]
             layers = range(head, a + 1)
             params = [p for k in layers for p in self.layer_params[k]]
+            zero = self.lam_zero
+            if zero is None:
+                raise RuntimeError("internal: an adjoint step outside a pass (`begin`)")
             grads = vjp(tape.records[a][1], [tape.records[head][0], *params], lam)
-            self.chain_cache = dict.fromkeys(layers, self.lam_zero)  # type: ignore[arg-type]
-            self.chain_cache[head] = grads[0]  # type: ignore[assignment]
+            self.chain_cache = dict.fromkeys(layers, zero)
+            self.chain_cache[head] = _state_grad(grads[0])
             off = 1
             for k in layers:
                 n_p = len(self.layer_params[k])
@@ -526,25 +552,24 @@ class AdjointApp(StateOps):
         layers = recs[0].layers if len(recs) == 1 else \
             tuple(a for r in recs for a in r.layers)
         for k, name in enumerate(bb.param_names):
-            parts = [r.grads.get(name) for r in recs]
-            if any(g is None for g in parts):
-                parts = [torch.zeros_like(r.params[name]) if g is None else g
-                         for r, g in zip(recs, parts)]
+            # a record none of whose layers trains this parameter has no gradient of it
+            parts = [g if (g := r.grads.get(name)) is not None
+                     else torch.zeros_like(r.params[name]) for r in recs]
+            rows: Sequence[Tensor]
             if self.averager is not None:
                 # each record's rows as views, not concatenated: the average over the
                 # replicas, done in place on the records' tensors later, reaches them
-                rows = list(chain.from_iterable(g.unbind(0) for g in parts))  # type: ignore[union-attr]
+                rows = list(chain.from_iterable(g.unbind(0) for g in parts))
             else:
                 # one tensor, row-major like the parameters (a weight's gradient comes
                 # out of the batched GEMM transposed): torch's fused CPU Adam reads a
                 # non-contiguous gradient wrongly
-                got = (self._rows_reused(k, layers, parts)  # type: ignore[arg-type]
-                       if self.reuse_rows else None)
+                got = self._rows_reused(k, layers, parts) if self.reuse_rows else None
                 if got is not None:
                     out.update(got)
                     continue
-                rows = (torch.cat(parts) if len(parts) > 1  # type: ignore[arg-type]
-                        else parts[0].contiguous()).unbind(0)  # type: ignore[union-attr]
+                rows = (torch.cat(parts) if len(parts) > 1
+                        else parts[0].contiguous()).unbind(0)
             params = bb.column(k, layers)
             # frozen layers' rows dropped; C-level iteration throughout
             pairs = list(compress(zip(map(id, params), rows), map(_REQUIRES_GRAD, params)))
@@ -556,7 +581,7 @@ class AdjointApp(StateOps):
                 self._keep_rows(k, layers, rows, params, pairs)
         return out
 
-    def _keep_rows(self, k: int, layers: tuple[int, ...], rows: tuple[Tensor, ...],
+    def _keep_rows(self, k: int, layers: tuple[int, ...], rows: Sequence[Tensor],
                    params: list[Tensor], pairs: list[tuple[int, Tensor]]) -> None:
         """Keep a pass's gradient rows of parameter `k` (their base tensor and the
         pairs handed over), for the next pass to write its own into them."""

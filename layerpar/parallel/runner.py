@@ -102,7 +102,7 @@ class SegmentRunner:
         # trainable parameters per owned layer; refreshed when requires_grad changes
         self.all_params = [(k, p) for k in self.owned for p in seg.blocks[k].parameters()]
         self.trainable: Optional[tuple[bool, ...]] = None
-        self.layer_params: dict[int, list[nn.Parameter]] = {}
+        self.layer_params: dict[int, list[Tensor]] = {}
         self._trainable_names: dict[tuple, frozenset[str]] = {}  # per record's layers
         self.refresh_trainable()
         self.bn = {k: batch_norms(blk) for k, blk in self.blocks.items()}
@@ -276,7 +276,7 @@ class SegmentRunner:
         if bb is not None:
             bb.new_pass()  # (parameters moved since the last pass, `.double()`: found)
 
-        def vectorised() -> None:
+        def vectorised(bb: BatchedBlocks) -> None:
             with torch.enable_grad():
                 stacked, _ = bb.stacked(layers)
                 leaves = {n: t.detach().requires_grad_(n in trainable)
@@ -295,8 +295,9 @@ class SegmentRunner:
                     torch.autograd.grad(y, [xin, *self.layer_params[a]], x[r])
 
         # a rank whose blocks cannot be vectorised votes for per-step cycles
-        mine = (math.inf, 0.0) if bb is None else (best_seconds(vectorised, like.device, repeats),
-                                                   best_seconds(per_step, like.device, repeats))
+        mine = (math.inf, 0.0) if bb is None else (
+            best_seconds(lambda: vectorised(bb), like.device, repeats),
+            best_seconds(per_step, like.device, repeats))
         got = [mine] if self.transport.size == 1 else self.transport.allgather_object(
             mine, "the timing of vectorised and per-step cycles")
         t_vec, t_seq = sum(t for t, _ in got), sum(t for _, t in got)
@@ -432,7 +433,7 @@ class SegmentRunner:
             ) from exc
         finally:
             app.end()
-            tape.__init__()  # consumed: drop the records and their graphs
+            tape.clear()  # consumed: drop the records and their graphs
         return out, stats, grads
 
 
