@@ -239,8 +239,9 @@ def backward_pass(model: LayerParallel, ctx: PassRecord, gy: Tensor
                     head = rec.head
                     wrt = [head.x] if head.x.requires_grad else []  # (not token ids)
                     with hooks_held(rec.group_params):  # run once, when handed on
-                        outs = torch.autograd.grad(rec.y, [*wrt, *rec.group_params], g,
-                                                   allow_unused=True)
+                        # None for a parameter the group does not use (allow_unused)
+                        outs: tuple[Optional[Tensor], ...] = torch.autograd.grad(
+                            rec.y, [*wrt, *rec.group_params], g, allow_unused=True)
                     g, outs = (outs[0], outs) if wrt else (None, (None, *outs))
                     if model._averager is not None:
                         model._averager.add(outs[1:])
