@@ -381,8 +381,10 @@ class AdjointApp(StateOps):
             got = vjp(rec.y, wrt, cot, retain_graph=True)
             dx = got[0]
             for name, g in zip(names, got[1:]):
+                if g is None:  # a parameter the blocks never read: none, as in serial
+                    continue
                 prev = rec.grads.get(name)
-                g = g if prev is None else prev + g  # type: ignore[assignment,operator]
+                g = g if prev is None else prev + g
                 if self.averager is not None:
                     # row-major, the parameters' layout: under data parallelism the
                     # rows themselves become `.grad`s (not a concatenated copy), and
@@ -481,10 +483,12 @@ class AdjointApp(StateOps):
                              params=params)
         got = vjp(y, [x, *(params[n] for n in names)], cot)
         for name, g in zip(names, got[1:]):
+            if g is None:  # a parameter the blocks never read (see adjoint_fine)
+                continue
             acc = rec.grads.get(name)
             if acc is None:
                 acc = rec.grads[name] = torch.zeros_like(rec.params[name])
-            acc.index_add_(0, at, g)  # type: ignore[arg-type]
+            acc.index_add_(0, at, g)
         if final:
             self._final_rows(rec, len(rows))
         return got[0]  # type: ignore[return-value]
@@ -493,13 +497,13 @@ class AdjointApp(StateOps):
         """Transposed Jacobians of coarse steps a -> b, linearised at the forward states
         u_a of the final sweep; the batched coarse graph is built once per backward pass
         and reused by every adjoint iteration."""
-        rec = self.tape.coarse_graphs.get(pairs)  # type: ignore[call-overload]
+        rec = self.tape.coarse_graphs.get(pairs)
         if rec is None:
             states = [self.forward_state(a) for a, _ in pairs]
             with torch.enable_grad():
                 x = stack_rows(states).detach().requires_grad_()
                 rec = (x, self.bb.step(x, pairs))  # type: ignore[union-attr]
-            self.tape.coarse_graphs[pairs] = rec  # type: ignore[index]
+            self.tape.coarse_graphs[pairs] = rec
         (dx,) = vjp(rec[1], [rec[0]], lam, retain_graph=True)
         return dx  # type: ignore[return-value]
 
@@ -552,9 +556,15 @@ class AdjointApp(StateOps):
         layers = recs[0].layers if len(recs) == 1 else \
             tuple(a for r in recs for a in r.layers)
         for k, name in enumerate(bb.param_names):
+            got_parts = [r.grads.get(name) for r in recs]
+            if all(g is None for g in got_parts):
+                # a parameter the blocks never read: it gets no gradient, not a zero
+                # one, as in serial autograd (an optimizer skips it)
+                self.row_cache.pop(k, None)
+                continue
             # a record none of whose layers trains this parameter has no gradient of it
-            parts = [g if (g := r.grads.get(name)) is not None
-                     else torch.zeros_like(r.params[name]) for r in recs]
+            parts = [torch.zeros_like(r.params[name]) if g is None else g
+                     for r, g in zip(recs, got_parts)]
             rows: Sequence[Tensor]
             if self.averager is not None:
                 # each record's rows as views, not concatenated: the average over the
