@@ -657,8 +657,8 @@ class BatchedBlocks:
             m = max(0, j1 - j0)
             means = {n: t[j0 * span - lo:j0 * span - lo + m * span].view(
                 m, span, *t.shape[1:]).mean(dim=1) for n, t in flat.items()}
-            got = self._stacked[key] = (means, {"j0": j0})  # type: ignore[dict-item]
-        return got[0], got[1]["j0"]  # type: ignore[return-value]
+            got = self._stacked[key] = (means, {"j0": j0})
+        return got[0], got[1]["j0"]
 
     def _index(self, rows: list[int], device: torch.device) -> Tensor:
         """`rows` as an index tensor on `device`, made once and kept across passes (a

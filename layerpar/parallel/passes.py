@@ -191,8 +191,8 @@ def backward_pass(model: LayerParallel, ctx: PassRecord, gy: Tensor
             whole.set_context(f"batch {model._batch}, backward pass")
             got_all = whole.allgather_object((bad, probe), "the loss-gradient check "
                                              "(whole grid)")
-            layers = model.grid.layers  # type: ignore[union-attr]
-            d0 = model.grid.data_rank * layers  # type: ignore[union-attr]
+            layers = model.grid.layers
+            d0 = model.grid.data_rank * layers
             got = got_all[d0:d0 + layers]
             bad_ranks = [q for q, (f, _) in enumerate(got) if f]
             if not any(f for f, _ in got_all):
