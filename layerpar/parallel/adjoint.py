@@ -263,8 +263,7 @@ class AdjointApp(StateOps):
                     rid, row = tape.where[a]
                     rec_a = tape.brecords[rid]
                     if rec_a.rows is None:  # one unbind per record, not a select per row
-                        self.forward_state(a)
-                        rec_a.rows = rec_a.xd.unbind(0)  # type: ignore[union-attr]
+                        rec_a.rows = self.forward_state(a).base.unbind(0)
                     u_a = rec_a.rows[row].requires_grad_()
                 rec = (u_a, self.r.phi(u_a, a, b, tape, update_stats=False))
             tape.coarse_graphs[(a, b)] = rec
@@ -379,7 +378,7 @@ class AdjointApp(StateOps):
             names = [n for n, t in rec.params.items() if t.requires_grad] if final else []
             wrt += [rec.params[n] for n in names]
             got = vjp(rec.y, wrt, cot, retain_graph=True)
-            dx = got[0]
+            dx = _state_grad(got[0])
             for name, g in zip(names, got[1:]):
                 if g is None:  # a parameter the blocks never read: none, as in serial
                     continue
@@ -390,17 +389,17 @@ class AdjointApp(StateOps):
                     # rows themselves become `.grad`s (not a concatenated copy), and
                     # torch's fused CPU Adam reads a non-contiguous gradient wrongly
                     # (test_grid: one replica against two, with fused Adam)
-                    g = g.contiguous()  # type: ignore[union-attr]
-                rec.grads[name] = g  # type: ignore[assignment]
+                    g = g.contiguous()
+                rec.grads[name] = g
             if final:
                 self._final_rows(rec, len(rows))
             if cot is lam:
-                return dx, False  # type: ignore[return-value]
+                return dx, False
             if whole and rows[0] == n_rec - 1:
-                return dx, True  # type: ignore[return-value]
+                return dx, True
             if out is None:
                 out = torch.empty_like(lam)
-            self._scatter(out, ks, dx, rows)  # type: ignore[arg-type]
+            self._scatter(out, ks, dx, rows)
         if out is None:
             raise RuntimeError("the adjoint pass produced no output")
         return out, False
@@ -473,14 +472,16 @@ class AdjointApp(StateOps):
         neighbour's message).  The batched path has no random layers, so the step is
         the recorded one.  At the final sweep the rows' parameter gradients are added
         to the record's."""
+        bb = self.bb
+        if bb is None:
+            raise RuntimeError("internal: a batched adjoint step on the per-step path")
         at = self._index(tuple(rows), cot.device)
         names = [n for n, t in rec.params.items() if t.requires_grad] if final else []
         with torch.enable_grad():
             x = rec.x.detach().index_select(0, at).requires_grad_()
             params = {n: t.detach().index_select(0, at).requires_grad_(n in names)
                       for n, t in rec.params.items()}
-            y = self.bb.step(x, tuple(rec.pairs[r] for r in rows),  # type: ignore[union-attr]
-                             params=params)
+            y = bb.step(x, tuple(rec.pairs[r] for r in rows), params=params)
         got = vjp(y, [x, *(params[n] for n in names)], cot)
         for name, g in zip(names, got[1:]):
             if g is None:  # a parameter the blocks never read (see adjoint_fine)
@@ -491,7 +492,7 @@ class AdjointApp(StateOps):
             acc.index_add_(0, at, g)
         if final:
             self._final_rows(rec, len(rows))
-        return got[0]  # type: ignore[return-value]
+        return _state_grad(got[0])
 
     def adjoint_coarse(self, lam: Tensor, pairs: tuple[tuple[int, int], ...]) -> Tensor:
         """Transposed Jacobians of coarse steps a -> b, linearised at the forward states
@@ -499,13 +500,15 @@ class AdjointApp(StateOps):
         and reused by every adjoint iteration."""
         rec = self.tape.coarse_graphs.get(pairs)
         if rec is None:
+            bb = self.bb
+            if bb is None:
+                raise RuntimeError("internal: a batched adjoint step on the per-step path")
             states = [self.forward_state(a) for a, _ in pairs]
             with torch.enable_grad():
                 x = stack_rows(states).detach().requires_grad_()
-                rec = (x, self.bb.step(x, pairs))  # type: ignore[union-attr]
+                rec = (x, bb.step(x, pairs))
             self.tape.coarse_graphs[pairs] = rec
-        (dx,) = vjp(rec[1], [rec[0]], lam, retain_graph=True)
-        return dx  # type: ignore[return-value]
+        return _state_grad(vjp(rec[1], [rec[0]], lam, retain_graph=True)[0])
 
     def forward_state(self, a: int) -> Row:
         """u_a, the input of layer a in the final forward sweep (batched records)."""

@@ -651,7 +651,9 @@ class BatchedBlocks:
         key = ("span", span)
         got = self._stacked.get(key)
         if got is None:
-            lo, hi = self._range  # type: ignore[misc]
+            if self._range is None:  # (`_span_rows` found the steps inside the range)
+                raise RuntimeError("internal: span means of blocks that are not one range")
+            lo, hi = self._range
             j0, j1 = -(-lo // span), hi // span
             flat = self.stacked(self._every)[0]
             m = max(0, j1 - j0)

@@ -270,7 +270,7 @@ class SyncStrategy:
 
     def averager(self) -> Optional[GradAverager]:
         """What averages gradients in the backward pass (None: nothing)."""
-        return None if self.data is None else _CheckedAverager(self.data)  # type: ignore
+        return None if self.data is None else _CheckedAverager(self.data)
 
     def attach(self, model: Any, optimizer: torch.optim.Optimizer) -> SyncStrategy:
         """Bind the model (this process's part) and its optimizer; from now on the
@@ -484,8 +484,8 @@ class DASO(SyncStrategy):
     def averager(self) -> Any:
         if self.data is None:
             return None
-        node = None if self.node is None else _CheckedAverager(self.node)  # type: ignore
-        return _PhaseAverager(self, _CheckedAverager(self.data), node)  # type: ignore
+        node = None if self.node is None else _CheckedAverager(self.node)
+        return _PhaseAverager(self, _CheckedAverager(self.data), node)
 
     def synchronous(self, batch: int) -> bool:
         """Whether `batch` (0-based) is in warm-up or cool-down."""
