@@ -276,7 +276,9 @@ class SegmentRunner:
         if bb is not None:
             bb.new_pass()  # (parameters moved since the last pass, `.double()`: found)
 
-        def vectorised(bb: BatchedBlocks) -> None:
+        def vectorised() -> None:
+            if bb is None:  # (timed only where there are vectorised steps)
+                raise RuntimeError("internal: vectorised cycles timed without their steps")
             with torch.enable_grad():
                 stacked, _ = bb.stacked(layers)
                 leaves = {n: t.detach().requires_grad_(n in trainable)
@@ -295,9 +297,8 @@ class SegmentRunner:
                     torch.autograd.grad(y, [xin, *self.layer_params[a]], x[r])
 
         # a rank whose blocks cannot be vectorised votes for per-step cycles
-        mine = (math.inf, 0.0) if bb is None else (
-            best_seconds(lambda: vectorised(bb), like.device, repeats),
-            best_seconds(per_step, like.device, repeats))
+        mine = (math.inf, 0.0) if bb is None else (best_seconds(vectorised, like.device, repeats),
+                                                   best_seconds(per_step, like.device, repeats))
         got = [mine] if self.transport.size == 1 else self.transport.allgather_object(
             mine, "the timing of vectorised and per-step cycles")
         t_vec, t_seq = sum(t for t, _ in got), sum(t for _, t in got)

@@ -781,21 +781,21 @@ class LionCub(SyncStrategy):
         return self
 
     def _vote(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
-        grid = self.grid
-        if grid is None:
+        if self.grid is None:
             raise RuntimeError(f"the {self.name} strategy is not attached to a grid (call "
                                "setup first)")
-        guarded(grid.world, lambda: self._vote_here(grid, pairs))
+        guarded(self.grid.world, lambda: self._vote_here(pairs))
 
-    def _vote_here(self, grid: _Grid, pairs: list[tuple[Tensor, Tensor]]) -> None:
+    def _vote_here(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
         if self.data is None:
             raise RuntimeError("LionCub votes without a data-parallel group (call setup first)")
         signs = [u for _, u in pairs]
         # torch.sign(NaN) is 0: a NaN would vanish from the update, so look at the grads
         # (Lion pairs only parameters that have one)
         if not _all_finite(g for p, _ in pairs if (g := p.grad) is not None):
-            raise DivergenceError(f"a gradient is not finite (NaN or inf) on data replica "
-                                  f"{grid.data_rank} (global rank {grid.world_rank})")
+            where = "" if self.grid is None else \
+                f" on data replica {self.grid.data_rank} (global rank {self.grid.world_rank})"
+            raise DivergenceError(f"a gradient is not finite (NaN or inf){where}")
         n = sum(u.numel() for u in signs)
         if self._planes is None or self._planes.shape[1] != n:  # kept: no page faults
             self._planes = torch.empty((2, n), dtype=torch.bool)
