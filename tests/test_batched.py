@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mpi_util import run_mpi
+from mpi_util import rank_lines, run_mpi
 from tolerances import F32, F64
 
 import layerpar
@@ -59,6 +59,55 @@ def test_batched_equals_per_step_path(dtype: torch.dtype, scheme: str, tol: dict
     for name in b[2]:
         assert rel(b[2][name], s[2][name]) <= bound, name
     assert mb.last_forward[0].iterations == ms.last_forward[0].iterations == 2
+
+
+class Unread(torch.nn.Module):
+    """A residual branch with a trainable parameter its forward never reads."""
+
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(w, w)
+        self.unread = torch.nn.Parameter(torch.ones(w))
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(u))
+
+
+def test_a_parameter_the_blocks_never_read_gets_no_gradient() -> None:
+    """As in serial autograd (and on the per-step path), a parameter the blocks never
+    read keeps `.grad` None on the batched path, not a zero gradient that an optimizer
+    would step with (weight decay, momentum); the others' gradients are the per-step
+    path's."""
+    torch.manual_seed(0)
+    net = layerpar.ODENet(open=torch.nn.Linear(3, 5), steps=lambda k: Unread(5),
+                          n_steps=12, t_final=1.0, close=torch.nn.Linear(5, 4)).double()
+    x, y = torch.randn(7, 3, dtype=torch.float64), torch.randint(0, 4, (7,))
+    serial = copy.deepcopy(net)
+    _, _, gs = train(serial, x, y)
+    mb = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT, batched=True)
+    ms = layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT, batched=False)
+    assert mb._runners[1].vectorised is not None
+    b, s = train(mb, x, y), train(ms, x, y)
+    for name, g in b[2].items():
+        if name.endswith(".unread"):
+            assert g is None and s[2][name] is None and gs[name] is None, name
+        else:
+            assert rel(g, s[2][name]) <= F64.roundoff, name
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["layers", "data"])
+def test_a_parameter_the_blocks_never_read_at_two_processes(mode: str) -> None:
+    """The same at 2 processes: a segment over both (rows next to the boundary stepped
+    again, `AdjointApp._rows_vjp`) and two data replicas (gradients averaged record by
+    record): its missing gradient is skipped there too."""
+    proc = run_mpi(WORKERS / "lp_unread_param.py", 2, mode, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = rank_lines(proc.stdout)
+    assert sorted(got) == [0, 1], proc.stdout
+    for r, lines in got.items():
+        worst, given = lines[-1].split()
+        assert float(worst) <= F64.roundoff and given == "-", (r, lines)
 
 
 def test_gradients_are_rows_of_one_tensor_and_accumulate() -> None:

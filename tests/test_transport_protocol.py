@@ -2,7 +2,7 @@
 `meter`), and `ProcessGrid` built on nothing else: a transport double stands for a
 4-process world, so the grid's group building is checked without launching processes.
 Also: the type-checked set of pyproject.toml (`layerpar/mgrit`, `layerpar/ode`,
-`layerpar/parallel/grid.py`) is clean under mypy.
+`layerpar/parallel`) is clean under mypy.
 """
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def test_grid_has_no_backend_branches() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy not installed")
 def test_mypy_is_clean() -> None:
     """The type-checked set of pyproject.toml's [tool.mypy] (`make typecheck`): mgrit,
-    ode and parallel/grid.py; mypy comes with the `test` extra."""
+    ode and parallel (its baselines and kernels too); mypy comes with the `test` extra."""
     cache = Path(tempfile.gettempdir()) / "layerpar-mypy-cache"
     proc = subprocess.run(
         [sys.executable, "-m", "mypy", "--cache-dir", str(cache)], cwd=ROOT,

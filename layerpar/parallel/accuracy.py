@@ -126,7 +126,9 @@ def _grads(model: _Model, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Te
                             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
                                else ""))
         wrt = [xc] if xc.requires_grad else []  # (no gradient for integer inputs)
-        got = torch.autograd.grad(loss.reshape(()), [*wrt, *params], allow_unused=True)
+        # None for what the loss does not depend on (allow_unused)
+        got: tuple[Optional[Tensor], ...] = torch.autograd.grad(
+            loss.reshape(()), [*wrt, *params], allow_unused=True)
         got = got if wrt else (None, *got)
     gx = got[0] if got[0] is not None else torch.zeros_like(xc)
     gp = [torch.zeros_like(p) if g is None else g for p, g in zip(params, got[1:])]

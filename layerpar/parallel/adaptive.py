@@ -210,8 +210,10 @@ class CostWindow:
 
     def medians(self) -> tuple[float, float]:
         """(MGRIT's, exact's) median seconds per pass (NaN where none was timed)."""
-        return tuple(statistics.median(q) if q else math.nan  # type: ignore[return-value]
-                     for q in (self.mgrit, self.exact))
+        def median(q: deque[float]) -> float:
+            return statistics.median(q) if q else math.nan
+
+        return median(self.mgrit), median(self.exact)
 
     def verdict(self) -> Optional[str]:
         if len(self.mgrit) < self.need or len(self.exact) < self.need:

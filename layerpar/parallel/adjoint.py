@@ -10,6 +10,7 @@ differentiates (`begin` ... `end`), nothing between passes.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from itertools import chain, compress
 from operator import attrgetter, itemgetter
 from typing import Any, Optional
@@ -66,6 +67,14 @@ def _reversed_rows(states: list) -> Optional[Tensor]:
     return None
 
 
+def _state_grad(g: Optional[Tensor]) -> Tensor:
+    """A step's gradient with respect to its input state, as `vjp` gives it: a step's
+    output is its input plus an update, so autograd always finds one."""
+    if g is None:
+        raise RuntimeError("internal: an adjoint step gave no gradient for its input state")
+    return g
+
+
 def _first_uses(params: list[Tensor], grads: tuple[Optional[Tensor], ...],
                 seen: set[int]) -> tuple[Optional[Tensor], ...]:
     """`grads` of `params` with None for a parameter already in `seen` (the ids of
@@ -113,6 +122,15 @@ class AdjointApp(StateOps):
         # (off: every pass makes new rows, as before; benchmarks; and where a parameter
         # serves several layers, whose rows are summed, not kept)
         self.reuse_rows = not runner.shares
+        # the pass being differentiated (`begin` ... `end`)
+        self.tape: Tape
+        self.bb: Optional[BatchedBlocks]
+        self.layer_params: dict[int, list[Tensor]]
+        self.lam_n: Optional[Tensor]
+        self.lam_zero: Optional[Tensor]
+        # the sequential adjoint's final sweep: one autograd call per chain (chain_vjp)
+        self.chain_cache: dict[int, Tensor]
+        self.last_lam: Optional[Tensor]
         self.end()
 
     # -- the pass ------------------------------------------------------------------------
@@ -124,13 +142,12 @@ class AdjointApp(StateOps):
 
     def end(self) -> None:
         self.tape = Tape()
-        self.bb: Optional[BatchedBlocks] = None
-        self.layer_params: dict[int, list[Tensor]] = {}
-        self.lam_n: Optional[Tensor] = None
-        self.lam_zero: Optional[Tensor] = None
-        # the sequential adjoint's final sweep: one autograd call per chain (chain_vjp)
-        self.chain_cache: dict[int, Tensor] = {}
-        self.last_lam: Optional[Tensor] = None
+        self.bb = None
+        self.layer_params = {}
+        self.lam_n = None
+        self.lam_zero = None
+        self.chain_cache = {}
+        self.last_lam = None
 
     # -- the engine's callbacks -------------------------------------------------------------
     def step(self, lam: Tensor, f: Optional[Tensor], ts: float, te: float, ma: int, mb: int,
@@ -152,12 +169,12 @@ class AdjointApp(StateOps):
             elif final:
                 grads = vjp(out, [u_in, *self.layer_params[a]], lam)
                 self.tape.param_grads[a] = grads[1:]
-                res = grads[0]
+                res = _state_grad(grads[0])
             else:
-                (res,) = vjp(out, [u_in], lam, retain_graph=True)
+                res = _state_grad(vjp(out, [u_in], lam, retain_graph=True)[0])
         else:
             rec = self.coarse_graph(a, b)
-            (res,) = vjp(rec[1], [rec[0]], lam, retain_graph=True)
+            res = _state_grad(vjp(rec[1], [rec[0]], lam, retain_graph=True)[0])
         return res if f is None else torch.add(res, f)
 
     def step_batch(self, lams: list, fs: Optional[list], ts: list, te: list, mas: list,
@@ -194,7 +211,7 @@ class AdjointApp(StateOps):
         params = [p for a, _ in pairs for p in self.layer_params[a]] if with_params else []
         grads = vjp([o for _, o in recs], [u for u, _ in recs] + params, lams,
                     retain_graph=not with_params)
-        outs = list(grads[:len(recs)])
+        outs = [_state_grad(g) for g in grads[:len(recs)]]
         if with_params:
             off = len(recs)
             # a parameter several of these layers share: autograd gave each of its
@@ -215,7 +232,9 @@ class AdjointApp(StateOps):
                  mbs: list, level: int, final: int) -> list:
         """A rank's stretch of a sequential adjoint solve in one call."""
         if self.bb is not None:
-            fs = as_tensors(fs, self.lam_zero)  # type: ignore[arg-type]
+            if self.lam_zero is None:
+                raise RuntimeError("internal: an adjoint step outside a pass (`begin`)")
+            fs = as_tensors(fs, self.lam_zero)
         outs = []
         for k in range(len(ts)):
             lam = self.step(lam, None if fs is None else fs[k], ts[k], te[k], mas[k], mbs[k],
@@ -224,7 +243,11 @@ class AdjointApp(StateOps):
         return outs
 
     def init(self, t: float, i: int) -> Tensor:
-        return self.lam_n if i == 0 else self.lam_zero  # type: ignore[return-value]
+        got = self.lam_n if i == 0 else self.lam_zero
+        if got is None:
+            raise RuntimeError("internal: the adjoint solve's initial states outside a "
+                               "pass (`begin`)")
+        return got
 
     # -- per-step records -----------------------------------------------------------------
     def coarse_graph(self, a: int, b: int) -> tuple[Tensor, Tensor]:
@@ -240,8 +263,7 @@ class AdjointApp(StateOps):
                     rid, row = tape.where[a]
                     rec_a = tape.brecords[rid]
                     if rec_a.rows is None:  # one unbind per record, not a select per row
-                        self.forward_state(a)
-                        rec_a.rows = rec_a.xd.unbind(0)  # type: ignore[union-attr]
+                        rec_a.rows = self.forward_state(a).base.unbind(0)
                     u_a = rec_a.rows[row].requires_grad_()
                 rec = (u_a, self.r.phi(u_a, a, b, tape, update_stats=False))
             tape.coarse_graphs[(a, b)] = rec
@@ -265,9 +287,12 @@ class AdjointApp(StateOps):
             head = tape.chain_head[a]
             layers = range(head, a + 1)
             params = [p for k in layers for p in self.layer_params[k]]
+            zero = self.lam_zero
+            if zero is None:
+                raise RuntimeError("internal: an adjoint step outside a pass (`begin`)")
             grads = vjp(tape.records[a][1], [tape.records[head][0], *params], lam)
-            self.chain_cache = dict.fromkeys(layers, self.lam_zero)  # type: ignore[arg-type]
-            self.chain_cache[head] = grads[0]  # type: ignore[assignment]
+            self.chain_cache = dict.fromkeys(layers, zero)
+            self.chain_cache[head] = _state_grad(grads[0])
             off = 1
             for k in layers:
                 n_p = len(self.layer_params[k])
@@ -353,26 +378,28 @@ class AdjointApp(StateOps):
             names = [n for n, t in rec.params.items() if t.requires_grad] if final else []
             wrt += [rec.params[n] for n in names]
             got = vjp(rec.y, wrt, cot, retain_graph=True)
-            dx = got[0]
+            dx = _state_grad(got[0])
             for name, g in zip(names, got[1:]):
+                if g is None:  # a parameter the blocks never read: none, as in serial
+                    continue
                 prev = rec.grads.get(name)
-                g = g if prev is None else prev + g  # type: ignore[assignment,operator]
+                g = g if prev is None else prev + g
                 if self.averager is not None:
                     # row-major, the parameters' layout: under data parallelism the
                     # rows themselves become `.grad`s (not a concatenated copy), and
                     # torch's fused CPU Adam reads a non-contiguous gradient wrongly
                     # (test_grid: one replica against two, with fused Adam)
-                    g = g.contiguous()  # type: ignore[union-attr]
-                rec.grads[name] = g  # type: ignore[assignment]
+                    g = g.contiguous()
+                rec.grads[name] = g
             if final:
                 self._final_rows(rec, len(rows))
             if cot is lam:
-                return dx, False  # type: ignore[return-value]
+                return dx, False
             if whole and rows[0] == n_rec - 1:
-                return dx, True  # type: ignore[return-value]
+                return dx, True
             if out is None:
                 out = torch.empty_like(lam)
-            self._scatter(out, ks, dx, rows)  # type: ignore[arg-type]
+            self._scatter(out, ks, dx, rows)
         if out is None:
             raise RuntimeError("the adjoint pass produced no output")
         return out, False
@@ -445,37 +472,43 @@ class AdjointApp(StateOps):
         neighbour's message).  The batched path has no random layers, so the step is
         the recorded one.  At the final sweep the rows' parameter gradients are added
         to the record's."""
+        bb = self.bb
+        if bb is None:
+            raise RuntimeError("internal: a batched adjoint step on the per-step path")
         at = self._index(tuple(rows), cot.device)
         names = [n for n, t in rec.params.items() if t.requires_grad] if final else []
         with torch.enable_grad():
             x = rec.x.detach().index_select(0, at).requires_grad_()
             params = {n: t.detach().index_select(0, at).requires_grad_(n in names)
                       for n, t in rec.params.items()}
-            y = self.bb.step(x, tuple(rec.pairs[r] for r in rows),  # type: ignore[union-attr]
-                             params=params)
+            y = bb.step(x, tuple(rec.pairs[r] for r in rows), params=params)
         got = vjp(y, [x, *(params[n] for n in names)], cot)
         for name, g in zip(names, got[1:]):
+            if g is None:  # a parameter the blocks never read (see adjoint_fine)
+                continue
             acc = rec.grads.get(name)
             if acc is None:
                 acc = rec.grads[name] = torch.zeros_like(rec.params[name])
-            acc.index_add_(0, at, g)  # type: ignore[arg-type]
+            acc.index_add_(0, at, g)
         if final:
             self._final_rows(rec, len(rows))
-        return got[0]  # type: ignore[return-value]
+        return _state_grad(got[0])
 
     def adjoint_coarse(self, lam: Tensor, pairs: tuple[tuple[int, int], ...]) -> Tensor:
         """Transposed Jacobians of coarse steps a -> b, linearised at the forward states
         u_a of the final sweep; the batched coarse graph is built once per backward pass
         and reused by every adjoint iteration."""
-        rec = self.tape.coarse_graphs.get(pairs)  # type: ignore[call-overload]
+        rec = self.tape.coarse_graphs.get(pairs)
         if rec is None:
+            bb = self.bb
+            if bb is None:
+                raise RuntimeError("internal: a batched adjoint step on the per-step path")
             states = [self.forward_state(a) for a, _ in pairs]
             with torch.enable_grad():
                 x = stack_rows(states).detach().requires_grad_()
-                rec = (x, self.bb.step(x, pairs))  # type: ignore[union-attr]
-            self.tape.coarse_graphs[pairs] = rec  # type: ignore[index]
-        (dx,) = vjp(rec[1], [rec[0]], lam, retain_graph=True)
-        return dx  # type: ignore[return-value]
+                rec = (x, bb.step(x, pairs))
+            self.tape.coarse_graphs[pairs] = rec
+        return _state_grad(vjp(rec[1], [rec[0]], lam, retain_graph=True)[0])
 
     def forward_state(self, a: int) -> Row:
         """u_a, the input of layer a in the final forward sweep (batched records)."""
@@ -526,25 +559,30 @@ class AdjointApp(StateOps):
         layers = recs[0].layers if len(recs) == 1 else \
             tuple(a for r in recs for a in r.layers)
         for k, name in enumerate(bb.param_names):
-            parts = [r.grads.get(name) for r in recs]
-            if any(g is None for g in parts):
-                parts = [torch.zeros_like(r.params[name]) if g is None else g
-                         for r, g in zip(recs, parts)]
+            got_parts = [r.grads.get(name) for r in recs]
+            if all(g is None for g in got_parts):
+                # a parameter the blocks never read: it gets no gradient, not a zero
+                # one, as in serial autograd (an optimizer skips it)
+                self.row_cache.pop(k, None)
+                continue
+            # a record none of whose layers trains this parameter has no gradient of it
+            parts = [torch.zeros_like(r.params[name]) if g is None else g
+                     for r, g in zip(recs, got_parts)]
+            rows: Sequence[Tensor]
             if self.averager is not None:
                 # each record's rows as views, not concatenated: the average over the
                 # replicas, done in place on the records' tensors later, reaches them
-                rows = list(chain.from_iterable(g.unbind(0) for g in parts))  # type: ignore[union-attr]
+                rows = list(chain.from_iterable(g.unbind(0) for g in parts))
             else:
                 # one tensor, row-major like the parameters (a weight's gradient comes
                 # out of the batched GEMM transposed): torch's fused CPU Adam reads a
                 # non-contiguous gradient wrongly
-                got = (self._rows_reused(k, layers, parts)  # type: ignore[arg-type]
-                       if self.reuse_rows else None)
+                got = self._rows_reused(k, layers, parts) if self.reuse_rows else None
                 if got is not None:
                     out.update(got)
                     continue
-                rows = (torch.cat(parts) if len(parts) > 1  # type: ignore[arg-type]
-                        else parts[0].contiguous()).unbind(0)  # type: ignore[union-attr]
+                rows = (torch.cat(parts) if len(parts) > 1
+                        else parts[0].contiguous()).unbind(0)
             params = bb.column(k, layers)
             # frozen layers' rows dropped; C-level iteration throughout
             pairs = list(compress(zip(map(id, params), rows), map(_REQUIRES_GRAD, params)))
@@ -556,7 +594,7 @@ class AdjointApp(StateOps):
                 self._keep_rows(k, layers, rows, params, pairs)
         return out
 
-    def _keep_rows(self, k: int, layers: tuple[int, ...], rows: tuple[Tensor, ...],
+    def _keep_rows(self, k: int, layers: tuple[int, ...], rows: Sequence[Tensor],
                    params: list[Tensor], pairs: list[tuple[int, Tensor]]) -> None:
         """Keep a pass's gradient rows of parameter `k` (their base tensor and the
         pairs handed over), for the next pass to write its own into them."""

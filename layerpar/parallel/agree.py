@@ -133,7 +133,7 @@ def agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     sent back if any rank wants it.  Also brings rank 0's dropout seed."""
     grad_mode = torch.is_grad_enabled()
     x_rg = bool(x.requires_grad)
-    p_rg = any(p.requires_grad for p in model._param_list)  # type: ignore[union-attr]
+    p_rg = any(p.requires_grad for p in model._param_list)
     # drawn on every rank (rank 0's is used): each rank's global generator then
     # advances as serial `ODENet.forward` advances it, and the ranks' generators
     # stay in step (a DataLoader shuffling from them gives every rank the same batches)
@@ -157,7 +157,7 @@ def agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     same_values([g[4] for g in got], "the input `x`", "pass the same batch on every "
                  "rank (only rank 0's is used)")
     if flags is not None:
-        shared.check_flags([g[5] for g in got])  # type: ignore[union-attr]
+        shared.check_flags([g[5] for g in got])
     any_x = any(g[1] for g in got)
     return Agreed(grad_mode and (any_x or any(g[2] for g in got)), any_x, got[0][3])
 
@@ -216,7 +216,7 @@ def agree_on_grid(model: LayerParallel, x: Tensor, key: tuple, x_rg: bool, p_rg:
                     "rank's is used)")
     mine = replicas[model.grid.data_rank]
     if flags is not None:
-        model._shared.check_flags([g[6] for g in mine])  # type: ignore[union-attr]
+        model._shared.check_flags([g[6] for g in mine])
     # every replica records alike (their gradients are averaged pass by pass)
     record = key[3] and any(g[2] or g[3] for g in got)
     # each replica's masks its own (its rows are other samples): the seed mixed with

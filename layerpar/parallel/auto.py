@@ -107,8 +107,11 @@ class Auto:
             world.agree(key, err, "Auto settings (auto, accuracy)")
             self.model = net
         else:
-            self.model = LayerParallel(net, comm, None if tune else options,
-                                       backward_options, above=(key, err), **settings)
+            # options other than "auto" as given: the model's constructor checks them (a
+            # str other than "auto" too), on every rank alike, and names the argument
+            fixed: Any = None if tune else options
+            self.model = LayerParallel(net, comm, fixed, backward_options, above=(key, err),
+                                       **settings)
         self.tuner: Optional[AutoTuner] = None
         self.accuracy: Any
         if tune:

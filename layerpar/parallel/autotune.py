@@ -46,9 +46,10 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -355,7 +356,16 @@ def _average_possible(model: LayerParallel) -> bool:
     return True
 
 
-def _params(m: LayerParallel) -> list[Tensor]:
+class _Runnable(Protocol):
+    """What `_time_passes` runs: a net called on a batch that has parameters (a
+    `LayerParallel`, the net itself, or a `ReplicatedSerial`)."""
+
+    def __call__(self, x: Tensor) -> Tensor: ...
+
+    def parameters(self) -> Iterable[Tensor]: ...
+
+
+def _params(m: _Runnable) -> list[Tensor]:
     return [p for p in m.parameters() if p.requires_grad]
 
 
@@ -370,7 +380,7 @@ AGREE = 0.03
 SLOWER = 1.2
 
 
-def _time_passes(model: LayerParallel, m: LayerParallel, x: Tensor, y: Any,
+def _time_passes(model: LayerParallel, m: _Runnable, x: Tensor, y: Any,
                  loss_fn: Callable[[Tensor, Any], Tensor], repeats: int,
                  bound: float = float("inf"), warm: bool = False) -> float:
     """Fewest seconds of a forward and backward pass (`torch.autograd.grad`: no
@@ -471,13 +481,15 @@ def gradient_noise(model: LayerParallel, x: Tensor, y: Any,
             restore.buffers()
             with torch.enable_grad(), model.exact():
                 loss = loss_fn(model(x[sl]), y[sl])
-                got = torch.autograd.grad(loss, params, allow_unused=True)
+                # None for a parameter the loss does not use (allow_unused)
+                got: tuple[Optional[Tensor], ...] = torch.autograd.grad(
+                    loss, params, allow_unused=True)
             grads.append([torch.zeros_like(p) if g is None else g for p, g in
                           zip(params, got)])
     d2 = sum(_sq(a.double() - b.double()) for a, b in zip(*grads))
     s2 = sum(_sq(a.double() + b.double()) for a, b in zip(*grads))
-    got = model.transport.allgather_object((d2, s2), "the noise estimate's norms")
-    d2, s2 = sum(g[0] for g in got), sum(g[1] for g in got)
+    norms = model.transport.allgather_object((d2, s2), "the noise estimate's norms")
+    d2, s2 = sum(g[0] for g in norms), sum(g[1] for g in norms)
     if not (s2 > 0 and math.isfinite(d2) and math.isfinite(s2)):
         return None
     return math.sqrt(d2 / s2)
@@ -488,7 +500,7 @@ def _build(model: LayerParallel, cand: Candidate, policy: Optional[AccuracyPolic
     """The model with the candidate's settings (collective): same ranks, same
     parameter tensors."""
     fwd, bwd = cand.options()
-    extra = {} if cand.coarsening is None else {"coarsening": cand.coarsening}
+    extra: dict[str, Any] = {} if cand.coarsening is None else {"coarsening": cand.coarsening}
     twin = model.like(options=fwd, backward_options=bwd, accuracy=policy,
                       batched=cand.batched, **extra)
     twin.train(model.training)
@@ -1108,8 +1120,8 @@ class AutoTuner:
         if got.noise is not None:
             self.noise, self.checks_since_noise = got.noise, 0
         old, self.chosen = self.chosen, None
-        if getattr(old, "accuracy", None) is not None:
-            self.events += old.accuracy.log
+        if (controller := getattr(old, "accuracy", None)) is not None:
+            self.events += controller.log
         _drop(old)
         cand = got.choice.candidate
         kept, got.kept = got.kept, {}

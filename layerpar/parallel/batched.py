@@ -39,6 +39,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from operator import attrgetter
+from types import FrameType
 from typing import Any, Callable, Optional
 
 import torch
@@ -108,11 +109,11 @@ def stack_rows(states: list) -> Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _runs(states: list) -> list[tuple]:
+def _runs(states: list) -> list[tuple[int, int, Optional[Tensor], int, int]]:
     """The states as consecutive runs (start, stop, base, first row, row step): rows of
     one base at a constant stride, or plain tensors (base None)."""
     n = len(states)
-    runs = []
+    runs: list[tuple[int, int, Optional[Tensor], int, int]] = []
     i = 0
     while i < n:
         h = states[i]
@@ -423,7 +424,8 @@ def _user_stacklevel() -> int:
     whatever path inside the packages led to the warning."""
     layerpar_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     packages = (layerpar_dir + os.sep, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
-    frame, level = sys._getframe(2), 2  # the caller's caller is warn's level 2
+    frame: Optional[FrameType] = sys._getframe(2)  # the caller's caller: warn's level 2
+    level = 2
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
             packages):
         frame, level = frame.f_back, level + 1
@@ -460,9 +462,10 @@ class BatchedBlocks:
         self.buffer_names = [n for n, _ in self.proto.named_buffers()]
         # per layer: its parameter and buffer tensors in name order (objects keep their
         # identity under .to()/.double(), which swap .data)
-        self._tensors = {a: ([dict(b.named_parameters())[n] for n in self.param_names],
-                             [dict(b.named_buffers())[n] for n in self.buffer_names])
-                         for a, b in blocks.items()}
+        self._tensors: dict[int, tuple[list[Tensor], list[Tensor]]] = {
+            a: ([dict(b.named_parameters())[n] for n in self.param_names],
+                [dict(b.named_buffers())[n] for n in self.buffer_names])
+            for a, b in blocks.items()}
         own = getattr(type(self.proto), "forward_batched", None)
         self.fn: Callable[[dict, dict, Tensor], Tensor]
         if own is not None:
@@ -480,9 +483,10 @@ class BatchedBlocks:
         self.fast = fused_step_for(self.proto, scheme)  # Triton step on CUDA (kernels/)
         # the rank's own layers (a range of `blocks`), whose parameters a vectorised
         # step reads as views where they are flat rows (`check_flat`)
-        ok = owned is not None and len(owned) > 1 and all(a in blocks for a in owned)
-        self._own_layers = tuple(owned) if ok else ()  # type: ignore[arg-type]
-        self._own_span = (owned.start, owned.stop) if ok else (0, 0)  # type: ignore[union-attr]
+        self._own_layers: tuple[int, ...] = ()
+        self._own_span = (0, 0)
+        if owned is not None and len(owned) > 1 and all(a in blocks for a in owned):
+            self._own_layers, self._own_span = tuple(owned), (owned.start, owned.stop)
         self._flat: dict[int, tuple[Tensor, list[int], list[tuple[int, ...]]]] = {}
         self.check_flat()
 
@@ -647,14 +651,16 @@ class BatchedBlocks:
         key = ("span", span)
         got = self._stacked.get(key)
         if got is None:
-            lo, hi = self._range  # type: ignore[misc]
+            if self._range is None:  # (`_span_rows` found the steps inside the range)
+                raise RuntimeError("internal: span means of blocks that are not one range")
+            lo, hi = self._range
             j0, j1 = -(-lo // span), hi // span
             flat = self.stacked(self._every)[0]
             m = max(0, j1 - j0)
             means = {n: t[j0 * span - lo:j0 * span - lo + m * span].view(
                 m, span, *t.shape[1:]).mean(dim=1) for n, t in flat.items()}
-            got = self._stacked[key] = (means, {"j0": j0})  # type: ignore[dict-item]
-        return got[0], got[1]["j0"]  # type: ignore[return-value]
+            got = self._stacked[key] = (means, {"j0": j0})
+        return got[0], got[1]["j0"]
 
     def _index(self, rows: list[int], device: torch.device) -> Tensor:
         """`rows` as an index tensor on `device`, made once and kept across passes (a

@@ -30,6 +30,12 @@ class ForwardApp(StateOps):
         # the session's list of this solve's local residual norms (device scalars),
         # when norms are deferred; None otherwise
         self.deferred: Optional[list[Tensor]] = None
+        # the pass being solved (`begin` ... `end`)
+        self.tape: Tape
+        self.bb: Optional[BatchedBlocks]
+        self.check_shapes: bool
+        self.u0: Optional[Tensor]
+        self.zero: Optional[Tensor]
         self.end()
 
     # -- the pass ------------------------------------------------------------------------
@@ -44,10 +50,10 @@ class ForwardApp(StateOps):
     def end(self) -> None:
         """Forget the pass (its tape lives with the pass, not here)."""
         self.tape = Tape()
-        self.bb: Optional[BatchedBlocks] = None
+        self.bb = None
         self.check_shapes = False
-        self.u0: Optional[Tensor] = None
-        self.zero: Optional[Tensor] = None
+        self.u0 = None
+        self.zero = None
 
     def phi(self, u: Tensor, a: int, b: int, update_stats: bool) -> Tensor:
         return self.r.phi(u, a, b, self.tape, update_stats=update_stats,
@@ -104,6 +110,8 @@ class ForwardApp(StateOps):
         outs = []
         if not (final and tape.recording and fs is None and level == 0):
             if self.bb is not None:
+                if self.zero is None:
+                    raise RuntimeError("internal: a forward step outside a pass (`begin`)")
                 fs = as_tensors(fs, self.zero)
             for k in range(len(ts)):
                 u = self.step(u, None if fs is None else fs[k], ts[k], te[k], as_[k], bs[k],
@@ -129,7 +137,11 @@ class ForwardApp(StateOps):
         return outs
 
     def init(self, t: float, i: int) -> Tensor:
-        return self.u0 if i == 0 else self.zero  # type: ignore[return-value]
+        got = self.u0 if i == 0 else self.zero
+        if got is None:
+            raise RuntimeError("internal: the forward solve's initial states outside a "
+                               "pass (`begin`)")
+        return got
 
     # -- batched records (bb is not None) ---------------------------------------------------
     def record_batch(self, x: Tensor, pairs: tuple[tuple[int, int], ...]) -> Tensor:

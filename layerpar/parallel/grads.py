@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import Node, get_gradient_edge
 
 __all__ = ["GradDelivery", "hooks_held"]
 
@@ -37,7 +37,7 @@ class GradDelivery:
 
     def __init__(self) -> None:
         # id(p) -> (p, its AccumulateGrad node); holding the node keeps it p's node
-        self._nodes: dict[int, tuple[Tensor, object]] = {}
+        self._nodes: dict[int, tuple[Tensor, Node]] = {}
         _ALL.add(self)
 
     @staticmethod
@@ -51,7 +51,7 @@ class GradDelivery:
         for delivery in list(_ALL):
             delivery._nodes = {}
 
-    def _node(self, p: Tensor) -> object:
+    def _node(self, p: Tensor) -> Node:
         got = self._nodes.get(id(p))
         if got is None or got[0] is not p:
             got = self._nodes[id(p)] = (p, get_gradient_edge(p).node)

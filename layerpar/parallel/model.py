@@ -354,6 +354,9 @@ class LayerParallel(nn.Module):
         direct_ok = size == 1 and self._averager is None and engine == "native"
         for k, (layer, item) in enumerate(zip(net.layers, self._plan.items)):
             if isinstance(item, SegmentPlan):
+                if not isinstance(layer, Segment):  # the plan was built from this net
+                    raise RuntimeError(f"internal: layer {k} has a segment's plan but is "
+                                       f"a {type(layer).__name__}")
                 runner = SegmentRunner(layer, item, self.transport, options,
                                         backward_options, coarsening, batched,
                                         engine=engine, direct_ok=direct_ok)
@@ -400,8 +403,9 @@ class LayerParallel(nn.Module):
     def _layer_owners(self, net: ODENet) -> list[tuple[str, nn.Module, int]]:
         """(name, module, owner rank) of every layer of the whole net, a segment's
         blocks one by one (the same on every rank)."""
+        segments = dict(net.segments)
         return [(f"layers.{k}", net.layers[k], q) if n is None else
-                (f"layers.{k}.blocks.{n}", net.layers[k].blocks[n], q)
+                (f"layers.{k}.blocks.{n}", segments[k].blocks[n], q)
                 for k, n, q in self._plan.placements()]
 
     @property
@@ -603,7 +607,7 @@ class LayerParallel(nn.Module):
             return self.guard(lambda: forward_pass(self, ctx, x, False, agreed.seed))
         if self._direct_exact if self._exact_pass else self._direct:
             return forward_direct(self, x, agreed.seed)
-        params = [p for p in self._param_list if p.requires_grad]
+        params: list[Tensor] = [p for p in self._param_list if p.requires_grad]
         if not params and not x.requires_grad:
             # nothing to differentiate here, but other ranks do: the output must still
             # carry a graph so that this rank's backward() joins theirs

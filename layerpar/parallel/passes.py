@@ -38,8 +38,10 @@ def move_activation(model: LayerParallel, t: Optional[Tensor], src: int, dst: in
     """An activation (or its gradient) handed from rank `src` to `dst`: the tensor
     received on `dst`, `t` as it was elsewhere."""
     item = Like(shape, dtype, device) if model.rank == dst else t
-    return move(model.transport, [(src, dst, item)], tag=_LINK_TAG,  # type: ignore[return-value]
-                what="an activation")[0]
+    got = move(model.transport, [(src, dst, item)], tag=_LINK_TAG, what="an activation")[0]
+    if got is not None and not isinstance(got, Tensor):
+        raise RuntimeError(f"internal: an activation moved as a {type(got).__name__}")
+    return got
 
 
 def _meta(model: LayerParallel, t: Optional[Tensor], root: int
@@ -123,9 +125,11 @@ def forward_pass(model: LayerParallel, ctx: PassRecord, x: Tensor, record: bool,
                 # generator only, and the ranks' generators would fall out of step
                 before = torch.get_rng_state() if size > 1 and \
                     model.batch <= model.check_inputs else None
+                if h is None:
+                    raise RuntimeError(f"internal: plain layer {k} has no input on its "
+                                       "owner")
                 with plain_rng(seed, k, model.layers[k]):
-                    rec = PlainRecord(model.layers[k], h, record,  # type: ignore[arg-type]
-                                       prev)
+                    rec = PlainRecord(model.layers[k], h, record, prev)
                 if before is not None and not torch.equal(before, torch.get_rng_state()):
                     raise ValueError(
                         f"plain layer {k} ({type(model.layers[k]).__name__}) draws random "
@@ -191,8 +195,8 @@ def backward_pass(model: LayerParallel, ctx: PassRecord, gy: Tensor
             whole.set_context(f"batch {model._batch}, backward pass")
             got_all = whole.allgather_object((bad, probe), "the loss-gradient check "
                                              "(whole grid)")
-            layers = model.grid.layers  # type: ignore[union-attr]
-            d0 = model.grid.data_rank * layers  # type: ignore[union-attr]
+            layers = model.grid.layers
+            d0 = model.grid.data_rank * layers
             got = got_all[d0:d0 + layers]
             bad_ranks = [q for q, (f, _) in enumerate(got) if f]
             if not any(f for f, _ in got_all):
@@ -239,8 +243,9 @@ def backward_pass(model: LayerParallel, ctx: PassRecord, gy: Tensor
                     head = rec.head
                     wrt = [head.x] if head.x.requires_grad else []  # (not token ids)
                     with hooks_held(rec.group_params):  # run once, when handed on
-                        outs = torch.autograd.grad(rec.y, [*wrt, *rec.group_params], g,
-                                                   allow_unused=True)
+                        # None for a parameter the group does not use (allow_unused)
+                        outs: tuple[Optional[Tensor], ...] = torch.autograd.grad(
+                            rec.y, [*wrt, *rec.group_params], g, allow_unused=True)
                     g, outs = (outs[0], outs) if wrt else (None, (None, *outs))
                     if model._averager is not None:
                         model._averager.add(outs[1:])

@@ -11,16 +11,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 from torch import Tensor
 
-from ..mgrit.transport import Pending, Transport
+from ..mgrit.transport import Pending
 
 __all__ = ["GradAverager"]
 
 BUCKET_BYTES = 4 << 20  # tensors are reduced in buckets of about this size
+
+
+class Reducer(Protocol):
+    """What `GradAverager` sums over: a data group's `Transport`, or a wrapper of one
+    that meters it (`layerpar.parallel.sync.Metered`)."""
+
+    @property
+    def size(self) -> int: ...
+
+    def allreduce_start(self, t: Tensor, what: str = ...) -> Pending: ...
 
 
 class GradAverager:
@@ -34,7 +44,7 @@ class GradAverager:
     `total_seconds` what all passes' did.
     """
 
-    def __init__(self, transport: Transport, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, transport: Reducer, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.transport = transport
         self.replicas = transport.size
         self.bucket_bytes = bucket_bytes

@@ -272,7 +272,9 @@ class ReplicatedSerial:
             # no dropout in the private copy, ever (nothing adds modules to it): its
             # forward never draws a seed, so skip the walk over every module that
             # finds that out on each pass (36 us on digits, 96 us on Peaks)
-            self.net.forward_seed = _no_seed
+            # (torch types Module.__setattr__ for tensors and modules only; a plain
+            # attribute, as here, is set as on any object)
+            self.net.forward_seed = _no_seed  # type: ignore[assignment]
         self._rep = rep
         # the parameters, and which of them each rank owns: under the batch split the
         # owners' `requires_grad` flags travel with the refresh (`_trainable_from`), so
@@ -280,8 +282,8 @@ class ReplicatedSerial:
         self._params_at = [i for i, (_, t) in enumerate(rep) if isinstance(t, nn.Parameter)]
         slots: dict[int, list[int]] = {}
         for k, i in enumerate(self._params_at):
-            if owners[i] is not None:
-                slots.setdefault(owners[i], []).append(k)
+            if (owner := owners[i]) is not None:
+                slots.setdefault(owner, []).append(k)
         self._slots = slots
         self._mine = [rep[self._params_at[k]][1] for k in slots.get(self.rank, [])]
         n_flags = max((len(v) for v in slots.values()), default=0) if self.split else 0
@@ -295,8 +297,8 @@ class ReplicatedSerial:
         # carries each rank's parameters' flags after its tensors.
         by: dict[torch.dtype, dict[int, list[Tensor]]] = {}
         for i, (_, t) in enumerate(rep):
-            if owners[i] is not None:
-                by.setdefault(t.dtype, {}).setdefault(owners[i], []).append(t)
+            if (owner := owners[i]) is not None:
+                by.setdefault(t.dtype, {}).setdefault(owner, []).append(t)
         real = {id(named[i][1]) for i in local}
         self._xchg: list[_Exchange] = []
         self._flag_at = 0

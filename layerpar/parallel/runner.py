@@ -102,7 +102,7 @@ class SegmentRunner:
         # trainable parameters per owned layer; refreshed when requires_grad changes
         self.all_params = [(k, p) for k in self.owned for p in seg.blocks[k].parameters()]
         self.trainable: Optional[tuple[bool, ...]] = None
-        self.layer_params: dict[int, list[nn.Parameter]] = {}
+        self.layer_params: dict[int, list[Tensor]] = {}
         self._trainable_names: dict[tuple, frozenset[str]] = {}  # per record's layers
         self.refresh_trainable()
         self.bn = {k: batch_norms(blk) for k, blk in self.blocks.items()}
@@ -277,6 +277,8 @@ class SegmentRunner:
             bb.new_pass()  # (parameters moved since the last pass, `.double()`: found)
 
         def vectorised() -> None:
+            if bb is None:  # (timed only where there are vectorised steps)
+                raise RuntimeError("internal: vectorised cycles timed without their steps")
             with torch.enable_grad():
                 stacked, _ = bb.stacked(layers)
                 leaves = {n: t.detach().requires_grad_(n in trainable)
@@ -432,7 +434,7 @@ class SegmentRunner:
             ) from exc
         finally:
             app.end()
-            tape.__init__()  # consumed: drop the records and their graphs
+            tape.clear()  # consumed: drop the records and their graphs
         return out, stats, grads
 
 

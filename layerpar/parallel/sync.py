@@ -270,7 +270,7 @@ class SyncStrategy:
 
     def averager(self) -> Optional[GradAverager]:
         """What averages gradients in the backward pass (None: nothing)."""
-        return None if self.data is None else _CheckedAverager(self.data)  # type: ignore
+        return None if self.data is None else _CheckedAverager(self.data)
 
     def attach(self, model: Any, optimizer: torch.optim.Optimizer) -> SyncStrategy:
         """Bind the model (this process's part) and its optimizer; from now on the
@@ -484,8 +484,8 @@ class DASO(SyncStrategy):
     def averager(self) -> Any:
         if self.data is None:
             return None
-        node = None if self.node is None else _CheckedAverager(self.node)  # type: ignore
-        return _PhaseAverager(self, _CheckedAverager(self.data), node)  # type: ignore
+        node = None if self.node is None else _CheckedAverager(self.node)
+        return _PhaseAverager(self, _CheckedAverager(self.data), node)
 
     def synchronous(self, batch: int) -> bool:
         """Whether `batch` (0-based) is in warm-up or cool-down."""
@@ -791,10 +791,11 @@ class LionCub(SyncStrategy):
             raise RuntimeError("LionCub votes without a data-parallel group (call setup first)")
         signs = [u for _, u in pairs]
         # torch.sign(NaN) is 0: a NaN would vanish from the update, so look at the grads
-        if not _all_finite(p.grad for p, _ in pairs):
-            g = self.grid
-            raise DivergenceError(f"a gradient is not finite (NaN or inf) on data replica "
-                                  f"{g.data_rank} (global rank {g.world_rank})")
+        # (Lion pairs only parameters that have one)
+        if not _all_finite(g for p, _ in pairs if (g := p.grad) is not None):
+            where = "" if self.grid is None else \
+                f" on data replica {self.grid.data_rank} (global rank {self.grid.world_rank})"
+            raise DivergenceError(f"a gradient is not finite (NaN or inf){where}")
         n = sum(u.numel() for u in signs)
         if self._planes is None or self._planes.shape[1] != n:  # kept: no page faults
             self._planes = torch.empty((2, n), dtype=torch.bool)

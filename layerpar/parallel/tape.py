@@ -84,6 +84,11 @@ class Tape:
         self.versions: Optional[dict[int, int]] = None  # flat parameters' versions
         self.autocast: Optional[torch.dtype] = None
 
+    def clear(self) -> None:
+        """Empty the tape, as a new one is: a consumed tape drops its records and their
+        graphs (and no longer records)."""
+        Tape.__init__(self)
+
 
 def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     """The dtype autocast runs `device`'s operations in now, None where it is off."""
@@ -112,6 +117,8 @@ class PlainRecord:
         # to the CUDA stream of that pass (eager steps on the default stream then
         # broke a later graph capture on the H200: `cudaErrorStreamCaptureImplicit`)
         self._head: Optional[PlainRecord] = None
+        self.x: Tensor  # the layer's input (a leaf, or the group's previous output)
+        self.y: Tensor  # its output, with its graph where `record`
         if record:
             with torch.enable_grad():
                 if prev is not None:
@@ -125,7 +132,8 @@ class PlainRecord:
         # each tensor once (the group's gradient of a weight two of its layers share is
         # the sum of both uses; listed twice, autograd would hand that sum out twice)
         group = prev.group_params if prev is not None else []
-        self.group_params = group + [p for p in self.params if all(p is not q for q in group)]
+        self.group_params: list[Tensor] = group + [
+            p for p in self.params if all(p is not q for q in group)]
 
     @property
     def head(self) -> PlainRecord:
