@@ -30,7 +30,7 @@ XBRAID_BUILT := $(if $(XBRAID_DIR),$(VENV)/.built-xbraid)
 .PHONY: setup build test test-fast bench bench-ops bench-gpu bench-grid bench-engines bench-paths \
 	bench-sync bench-tta bench-tta-smoke bench-versus bench-versus-smoke bench-tta-gpu bench-tta-gpu-compiled study-cpu-16core \
 	study-cpu-16core-scale \
-	study-cpu-16core-tta device-wheels device-setup cuda-check test-gpu test-triton train lint typecheck \
+	study-cpu-16core-tta study-cpu-16core-versus bench-versus-gpu device-wheels device-setup cuda-check test-gpu test-triton train lint typecheck \
 	clean help
 
 # One .venv, filled by what each target needs: `make setup` (and `make train`) the
@@ -205,6 +205,15 @@ study-cpu-16core-scale: $(DEVICE_PREP)
 study-cpu-16core-tta: $(DEVICE_PREP)
 	$(DEVICE_PY) -m layerpar.bench tta --np 16 --cases a --bounds default \
 	    --out docs/results/tta/cpu-16core
+# every method on the 16 cores at 2, 4, 8 and 16 ranks (docs/results/versus/cpu-16core/);
+# and on one GPU the latency-bound net and the conv ResNet, auto captured against
+# captured serial (docs/results/versus/gpu/)
+study-cpu-16core-versus: $(DEVICE_PREP)
+	for n in 2 4 8 16; do $(DEVICE_PY) -m layerpar.bench versus --np $$n --cases a,e \
+	    --no-compiled-serial --out docs/results/versus/cpu-16core/np$$n || exit 1; done
+bench-versus-gpu: cuda-check device-setup
+	$(DEVICE_ENV) $(GPU_PYTHON) -m layerpar.bench tta --device cuda --np 1 \
+	    --cases a,e --bounds default --out docs/results/versus/gpu
 bench-sync: build
 	$(BIN)/python -m layerpar.bench sync --csv docs/results/sync/bench.csv | tee docs/results/sync/bench.txt
 

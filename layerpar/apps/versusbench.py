@@ -10,7 +10,9 @@ wide one fills the core, and splitting the batch or the pipeline adds no work pe
 layer.  One table per width (and one CSV row per width and method).
 
 (MPICH's waits poll busily; the throttle leaves the core to the ranks that work while
-the others wait, e.g. for the serial row.)
+the others wait, e.g. for the serial row, which runs one thread: a second thread on
+rank 0 competes with the waiting rank's polling; the best serial thread count is
+`layerpar.bench versus`'s, probed in a process of its own.)
 
 One job: the same net (rank 0's initial weights everywhere) trained by each method of
 `layerpar.parallel.baselines` for a warm-up step and `--steps` timed steps (a
@@ -131,24 +133,17 @@ def _rows(comm: Any, group: Any, layers: int, width: int, batch: int, steps: int
     if comm.rank == 0:
         rows.append(("serial (rank 0 alone)", _time(SerialMethod(make()), x, y, steps,
                                                     MPI.COMM_SELF)))
-        if comm.size > 1:  # the best serial may use every core
-            torch.set_num_threads(comm.size)
-            rows.append((f"serial (rank 0, {comm.size} threads)",
-                         _time(SerialMethod(make()), x, y, steps, MPI.COMM_SELF)))
-            torch.set_num_threads(1)
     comm.Barrier()
     for name, build in methods.items():
         method = build()
         rows.append((name, _time(method, x, y, steps, comm)))
         method.close()
-    base = comm.bcast(min(t for n, t in rows if n.startswith("serial"))
-                      if comm.rank == 0 else None, root=0)
+    base = comm.bcast(rows[0][1] if comm.rank == 0 else None, root=0)
     if comm.rank == 0:
         print(f"{comm.size} ranks, dense ODE-net {layers} layers x width {width}, "
               f"batch {batch}, float32, median of {steps} steps (slowest rank)", flush=True)
         for name, t in rows:
-            print(f"  {name:42s} {t * 1e3:8.1f} ms  x{base / t:5.2f} vs best serial",
-                  flush=True)
+            print(f"  {name:42s} {t * 1e3:8.1f} ms  x{base / t:5.2f} vs serial", flush=True)
     return [(name, t, base) for name, t in rows] if comm.rank == 0 else []
 
 

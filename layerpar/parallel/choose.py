@@ -175,9 +175,9 @@ class _Calibration:
         budget = self.share * self.steps_to_come * best
         if spent < budget:
             return None
-        return (f"not timed: choosing had taken {spent:.2f} s, its share "
-                f"({100 * self.share:g} %) of the {self.steps_to_come} steps to come at "
-                f"the fastest step so far ({budget:.2f} s)")
+        return (f"not timed: choosing had taken {spent:.2f} s; its share "
+                f"({100 * self.share:g} %) of the {self.steps_to_come} steps to come, at "
+                f"the fastest step so far, is {budget:.2f} s")
 
     def measure(self, name: str, method: TrainingMethod, note: str,
                 seconds: Optional[float] = None) -> None:
@@ -236,6 +236,19 @@ def _time_one(cal: _Calibration, what: str, fresh: Callable[[], ODENet], comm: A
         cal.measure("layerparallel", lp, f"auto's setting: {setting}")
 
 
+def _timed_steps(steps: int, steps_to_come: Optional[int], share: float,
+                 methods: Sequence[str], schedules: Sequence[str],
+                 microbatches: Sequence[int]) -> int:
+    """Timed steps per candidate: `steps`, fewer where the training to come is short,
+    so that every candidate's warm-up and timed steps together cost about the
+    calibration's share of it (each pipeline schedule times every micro-batch count).
+    The same on every rank: it depends on the arguments alone."""
+    if steps_to_come is None:
+        return steps
+    n = sum(len(schedules) * len(microbatches) if m == "pipeline" else 1 for m in methods)
+    return max(1, min(steps, int(share * steps_to_come / max(n, 1)) - 1))
+
+
 def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor, y: Any,
                   loss_fn: LossFn, *, methods: Sequence[str] = METHOD_NAMES,
                   steps: int = 3, exact: bool = True,
@@ -260,8 +273,10 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     exact: only candidates whose gradients are the serial net's (see the module).
     steps_to_come: the training steps that will follow, if known.  Choosing then
         costs at most about `calibration_share` of them (at the fastest candidate's
-        step): once it has, the candidates left are not timed (the table says so); the
-        layer-parallel candidate's own tuning is bounded by them too (`Auto.tune`).
+        step): each candidate is timed on fewer steps where they are few
+        (`_timed_steps`), and once choosing has cost its share the candidates left are
+        not timed (the table says so); the layer-parallel candidate's own tuning is
+        bounded by them too (`Auto.tune`).
     timer: maps a candidate's name and measured seconds to the seconds the decision
         uses (default: the measurement).
     """
@@ -285,8 +300,10 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
                      "steps_to_come": steps_to_come, "share": calibration_share},
                     err, "choose_method's arguments (methods, steps, exact, schedules, "
                     "microbatches, steps_to_come, calibration_share)")
-    cal = _Calibration(transport, x, y, loss_fn, steps, timer or (lambda name, s: s),
-                       steps_to_come, calibration_share)
+    cal = _Calibration(transport, x, y, loss_fn,
+                       _timed_steps(steps, steps_to_come, calibration_share, methods,
+                                    schedules, microbatches),
+                       timer or (lambda name, s: s), steps_to_come, calibration_share)
     pristine = {k: v.detach().clone() for k, v in base.state_dict().items()}
 
     def fresh() -> ODENet:
@@ -319,7 +336,7 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
             method.close()
     method = held[chosen][0]
     _restore_buffers(method, pristine)
-    method.choice = Choice(transport.size, steps, tuple(cal.trials), chosen,  # type: ignore[attr-defined]
+    method.choice = Choice(transport.size, cal.steps, tuple(cal.trials), chosen,  # type: ignore[attr-defined]
                            time.perf_counter() - cal.t0)
     transport.close()
     return method
