@@ -150,7 +150,7 @@ def test_serial_and_layerparallel_adapters_train_as_the_net(tol) -> None:
         assert torch.allclose(method.eval_forward(x), ref(x).detach(),
                               rtol=tol[torch.float64].roundoff, atol=0)
         method.close()
-    assert set(METHODS) == {"serial", "layerparallel", "data", "pipeline"}
+    assert set(METHODS) == {"serial", "solo", "layerparallel", "data", "pipeline"}
     with pytest.raises(ValueError, match="`name` must be one of"):
         make_method("bogus", one_segment())
     with pytest.raises(TypeError, match="`net` must be an ODENet"):

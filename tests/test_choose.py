@@ -5,7 +5,8 @@ Each candidate is made the fastest by its clock in turn and must be the one retu
 on every rank, at 1, 2 and 4 ranks; the returned method then trains as the serial net
 does (float64).  Ranks whose clocks disagree still keep one candidate; with batch norm
 the batch split stands aside and the pipeline runs one micro-batch, and the timing
-steps leave the running statistics as they were; bad arguments fail alike.
+steps leave the running statistics as they were, and the batch split's error under
+batch norm is measured; bad arguments fail alike.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def _run(case: str, ranks: int) -> dict[int, list[str]]:
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_each_method_is_picked_when_its_clock_is_fastest(ranks: int) -> None:
     lines = _run("pick", ranks)
-    kinds = {"serial": "SerialMethod", "layerparallel": "LayerParallelMethod",
+    kinds = {"serial": "SerialMethod", "solo": "SoloMethod",
+             "layerparallel": "LayerParallelMethod",
              "data": "DataParallelNet", "pipeline": "PipelineNet"}
     for r, got in lines.items():
         for name, cls in kinds.items():
@@ -51,7 +53,10 @@ def test_ranks_whose_clocks_disagree_keep_one_method() -> None:
 @pytest.mark.mpi
 def test_batch_norm_keeps_the_serial_statistics() -> None:
     for got in _run("bn", 2).values():
-        assert "CASE bn DATA None True" in got, got
+        data = [ln for ln in got if ln.startswith("CASE bn DATA ")]
+        # measured, and then either kept or standing aside, never both
+        assert data in (["CASE bn DATA measured=True kept=True aside=False"],
+                        ["CASE bn DATA measured=True kept=False aside=True"]), got
         assert "CASE bn CHOSE pipeline_gpipe_m=1" in got, got
         assert any(ln.startswith("CASE bn OK") for ln in got), got
 
@@ -66,5 +71,11 @@ def test_bad_arguments_fail_alike() -> None:
 def test_choosing_costs_at_most_its_share_of_the_training() -> None:
     lines = _run("budget", 2)
     assert lines[0] == lines[1]
-    assert lines[0][0] == "CASE budget CHOSE serial SKIPPED data,layerparallel,pipeline gpipe," \
-        "pipeline 1f1b", lines
+    assert lines[0][0] == "CASE budget CHOSE serial SKIPPED solo,data,layerparallel," \
+        "pipeline gpipe,pipeline 1f1b", lines
+
+
+@pytest.mark.mpi
+def test_batch_split_under_batch_norm_is_held_to_the_bound() -> None:
+    for got in _run("bnbound", 2).values():
+        assert got[:2] == ["CASE bnbound 1e-12 kept=False", "CASE bnbound 10 kept=True"], got

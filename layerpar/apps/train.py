@@ -45,7 +45,14 @@ from ..parallel import (
     ProcessGrid,
     SlowLink,
 )
-from ..parallel.baselines import DataParallelNet, LayerParallelMethod, PipelineNet, TrainingMethod
+from ..parallel.baselines import (
+    DataParallelNet,
+    LayerParallelMethod,
+    PipelineNet,
+    SerialMethod,
+    SoloMethod,
+    TrainingMethod,
+)
 from ..parallel.choose import DEFAULT_SCHEDULES, METHOD_NAMES, choose_method
 from ..parallel.timing import SpanTimer
 from . import data
@@ -188,8 +195,9 @@ class TrainResult:
     auto_choice: Optional[str]
     """Name of ``auto``'s last choice (None: not tuned)."""
     method: str = "layerparallel"
-    """What trained: "serial", "layerparallel", "data" or the pipeline by schedule and
-    micro-batches ("pipeline 1f1b m=4")."""
+    """What trained: "serial", "layerparallel", "data", the pipeline by schedule and
+    micro-batches ("pipeline 1f1b m=4"), or auto's serial choices in a parallel job
+    ("serial (replicated)", "solo (rank 0, N threads)")."""
     # -- data-parallel figures (None without a `ProcessGrid`) --
     allreduce_ms_per_batch: Optional[float] = None
     """Milliseconds per batch spent averaging gradients across replicas."""
@@ -663,6 +671,10 @@ def _method_name(run: _Run) -> str:
     m = run.model
     if isinstance(m, PipelineNet):
         return f"pipeline {m.schedule} m={m.microbatches}"
+    if isinstance(m, SoloMethod):
+        return f"solo (rank 0, {m.threads} threads)"
+    if isinstance(m, SerialMethod):
+        return "serial (replicated)"
     return "data" if isinstance(m, DataParallelNet) else "layerparallel"
 
 

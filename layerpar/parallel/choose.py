@@ -2,7 +2,8 @@
 on the user's own batch, and the fastest kept.
 
 A user with P ranks and a deep ResNet can run the whole net on every rank (replicated
-serial: nothing split, as fast as one rank), split the batch (`DataParallelNet`),
+serial: nothing split, as fast as one rank), or on rank 0 alone with every core
+there (`SoloMethod`: the best serial, the others waiting), split the batch (`DataParallelNet`),
 split the layers in time (`LayerParallel`, MGRIT, with its own setting chosen by
 `Auto`), or split the layers into a pipeline (`PipelineNet`, each schedule at the
 micro-batch count that runs fastest).  `choose_method` builds each candidate from a
@@ -17,12 +18,15 @@ timing candidates once it has cost `calibration_share` of them (cheapest to time
 first), and says which it left out.
 
 Only candidates whose gradients are the serial net's take part (``exact=True``, the
-default): a batch split or micro-batches give batch norm the statistics of a share
-of the batch, and dropout would draw each rank's masks from its own generator, so
-with batch norm the pipeline runs one micro-batch and the batch split stands aside,
-and with dropout all but `LayerParallel` (which reproduces serial dropout) stand
-aside.  The table says why a candidate stood aside.  ``exact=False`` admits them, as
-a user of DistributedDataParallel accepts them.
+default), or whose error on this batch is within the bound `Auto` holds MGRIT to: a
+batch split gives batch norm the statistics of each rank's share, so with batch norm
+the split's gradient is compared with serial's on the batch and kept only within
+that bound (half the batch gradient's own sampling error, at most 0.2, or the bound
+the layer-parallel candidate's policy fixes); the pipeline runs one micro-batch.
+Dropout would draw each rank's masks from its own generator, so with dropout all but
+`LayerParallel` (which reproduces serial dropout) stand aside.  The table says why a
+candidate stood aside, and the error a batch split was kept with.  ``exact=False``
+admits them all, as a user of DistributedDataParallel accepts them.
 
 The timing steps leave no trace: the parameters are not stepped, `.grad` is cleared,
 and the chosen method's buffers (batch norm's running statistics) are restored to
@@ -31,6 +35,7 @@ their values before the timing.
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -48,6 +53,7 @@ from .baselines import (
     LayerParallelMethod,
     PipelineNet,
     SerialMethod,
+    SoloMethod,
     TrainingMethod,
 )
 from .baselines.method import LossFn, as_net
@@ -55,7 +61,7 @@ from .baselines.method import LossFn, as_net
 __all__ = ["METHOD_NAMES", "Choice", "Trial", "choose_method"]
 
 #: the methods `choose_method` may time, in the order it times them
-METHOD_NAMES = ("serial", "data", "layerparallel", "pipeline")
+METHOD_NAMES = ("serial", "solo", "data", "layerparallel", "pipeline")
 #: the pipeline schedules timed by default (one stage per rank: the ones that run on
 #: any net; the looped and zero-bubble ones are given by name)
 DEFAULT_SCHEDULES = ("gpipe", "1f1b")
@@ -133,18 +139,68 @@ def _stands_aside(net: ODENet, method: str, exact: bool) -> tuple[Optional[str],
     micro-batch): the batch split and the pipeline's micro-batches change what batch
     norm computes, and every method but layer-parallel draws dropout masks from each
     rank's own generator."""
-    if not exact or method == "layerparallel":
+    if not exact or method in ("layerparallel", "solo"):
         return None, False
     mods = list(net.modules())
     if any(isinstance(m, DROPOUT_TYPES) and float(getattr(m, "p", 0.0)) > 0 for m in mods):
         return ("dropout: each rank would draw its own masks, not the serial net's "
                 "(exact=False admits it)"), False
-    if any(isinstance(m, _BN) for m in mods):
-        if method == "data":
-            return ("batch norm: each rank's statistics would be its share's, not the "
-                    "batch's (exact=False admits it)"), False
-        return None, method == "pipeline"
-    return None, False
+    return None, method == "pipeline" and has_batch_norm(net)
+
+
+def has_batch_norm(net: nn.Module) -> bool:
+    """Whether `net` holds a batch norm (whose statistics a split batch changes)."""
+    return any(isinstance(m, _BN) for m in net.modules())
+
+
+def _flat_grads(method: TrainingMethod) -> dict[str, Tensor]:
+    """The gradients `method` holds, by parameter name (a missing one as zeros)."""
+    return {n: (torch.zeros_like(p) if p.grad is None else p.grad).detach().double().ravel()
+            for n, p in method.named_parameters()}
+
+
+def _rel(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
+    """|a - b| / |b| over the parameters both name."""
+    keys = sorted(set(a) & set(b))
+    num = sum(float((a[k] - b[k]).square().sum()) for k in keys)
+    den = sum(float(b[k].square().sum()) for k in keys)
+    return math.sqrt(num / den) if den > 0 else math.inf
+
+
+def _split_error(cal: _Calibration, data: TrainingMethod, fresh: Callable[[], ODENet],
+                 bound: Optional[float]) -> tuple[bool, str]:
+    """Whether the batch split's gradient on this batch (batch norm over each rank's
+    share) is within the bound of the serial net's, and the figures: the bound is
+    `bound` where given, else ``NOISE_FRACTION`` of the batch gradient's sampling
+    error (its two halves' exact gradients, as `Auto` measures it) capped at
+    ``NOISE_CAP``.  Every rank computes the same numbers (whole batch, same net)."""
+    from .autotune import NOISE_CAP, NOISE_FRACTION
+
+    serial = SerialMethod(fresh())
+    x, y, n = cal.x, cal.y, int(cal.x.shape[0])
+    halves = []
+    for rows in (slice(0, n // 2), slice(n // 2, 2 * (n // 2))):
+        serial.train_step(x[rows], y[rows], cal.loss_fn)
+        halves.append(_flat_grads(serial))
+    serial.train_step(x, y, cal.loss_fn)
+    exact = _flat_grads(serial)
+    data.train_step(x, y, cal.loss_fn)
+    err = _rel(_flat_grads(data), exact)
+    for m in (serial, data):
+        for p in m.parameters():
+            p.grad = None
+    if bound is None:
+        diff = {k: halves[0][k] - halves[1][k] for k in halves[0]}
+        tot = {k: halves[0][k] + halves[1][k] for k in halves[0]}
+        noise = _rel({k: diff[k] + tot[k] for k in tot}, tot)
+        bound = min(NOISE_CAP, NOISE_FRACTION * noise)
+        how = (f"{NOISE_FRACTION:g} x the batch gradient's sampling error {noise:.3g}"
+               + (f", capped at {NOISE_CAP:g}" if NOISE_FRACTION * noise > NOISE_CAP
+                  else ""))
+    else:
+        how = "the bound given"
+    return err <= bound, (f"batch norm over each rank's share: gradient error {err:.3g} "
+                          f"against serial's on this batch, bound {bound:.3g} ({how})")
 
 
 class _Calibration:
@@ -157,6 +213,7 @@ class _Calibration:
         self.steps, self.timer = steps, timer
         self.steps_to_come, self.share = steps_to_come, share
         self.t0 = time.perf_counter()
+        self.exact = True
         self.trials: list[Trial] = []
         self.held: dict[str, tuple[TrainingMethod, float]] = {}
 
@@ -217,14 +274,27 @@ def _time_pipelines(cal: _Calibration, fresh: Callable[[], ODENet], comm: Any,
 
 def _time_one(cal: _Calibration, what: str, fresh: Callable[[], ODENet], comm: Any,
               layerparallel: Optional[dict[str, Any]]) -> None:
-    """Build and time the candidate `what` ("serial", "data" or "layerparallel")."""
+    """Build and time the candidate `what` ("serial", "solo", "data" or
+    "layerparallel")."""
     if what == "serial":
         cal.measure("serial", SerialMethod(fresh(), comm),
                     "every rank runs the whole net (replicated serial)")
+    elif what == "solo":
+        solo = SoloMethod(fresh(), comm)
+        cal.measure("solo", solo, f"rank 0 alone with {solo.threads} torch threads, the "
+                    "others waiting (serial with every core)")
     elif what == "data":
         engine = "ddp" if cal.transport.backend in ("gloo", "nccl") else "allreduce"
-        cal.measure("data", DataParallelNet(fresh(), comm, engine=engine),
-                    f"batch split, gradients averaged ({engine})")
+        data = DataParallelNet(fresh(), comm, engine=engine)
+        note = f"batch split, gradients averaged ({engine})"
+        if cal.exact and has_batch_norm(data.net):
+            ok, figures = _split_error(cal, data, fresh, _given_bound(layerparallel))
+            if not ok:
+                cal.trials.append(Trial("data", None, f"stands aside: {figures}"))
+                data.close()
+                return
+            note += f"; {figures}"
+        cal.measure("data", data, note)
     else:
         kw = {"options": "auto", **(layerparallel or {})}
         lp = LayerParallelMethod(fresh(), comm, **kw)
@@ -249,6 +319,17 @@ def _timed_steps(steps: int, steps_to_come: Optional[int], share: float,
     return max(1, min(steps, int(share * steps_to_come / max(n, 1)) - 1))
 
 
+def _given_bound(layerparallel: Optional[dict[str, Any]]) -> Optional[float]:
+    """The relative gradient error the layer-parallel candidate's accuracy policy
+    fixes (None: auto measures its bound)."""
+    policy = (layerparallel or {}).get("accuracy")
+    if policy is None or isinstance(policy, bool):
+        return None
+    if getattr(policy, "noise_fraction", None) is not None:
+        return None
+    return float(policy.max_rel_error)
+
+
 def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor, y: Any,
                   loss_fn: LossFn, *, methods: Sequence[str] = METHOD_NAMES,
                   steps: int = 3, exact: bool = True,
@@ -263,8 +344,8 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     `net` in `net`'s state, with ``.choice`` (a `Choice`) set; build the optimizer over
     its ``parameters()``.
 
-    methods: which of "serial" (every rank the whole net), "data", "layerparallel",
-        "pipeline" to time, timed in that order.
+    methods: which of "serial" (every rank the whole net), "solo" (rank 0 with every
+        core), "data", "layerparallel", "pipeline" to time, timed in that order.
     layerparallel: `LayerParallel`'s keyword arguments for its candidate (default
         ``options="auto"``: its own setting chosen by `Auto`, tuned on this batch, held
         to its bound on the gradient error).
@@ -304,6 +385,7 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
                        _timed_steps(steps, steps_to_come, calibration_share, methods,
                                     schedules, microbatches),
                        timer or (lambda name, s: s), steps_to_come, calibration_share)
+    cal.exact = exact
     pristine = {k: v.detach().clone() for k, v in base.state_dict().items()}
 
     def fresh() -> ODENet:

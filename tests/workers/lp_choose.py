@@ -3,16 +3,19 @@ rank, and the method it returns trains as the serial net does.
 
 Usage: lp_choose.py CASE.  Cases:
 
-- ``pick``: for each of "serial", "layerparallel", "data", "pipeline", a timer makes that
+- ``pick``: for each of "serial", "solo", "layerparallel", "data", "pipeline", a timer makes that
   candidate's clock the fastest (the others' slower, by a different amount on each
   rank); prints ``RANK <r> CASE pick/<forced> CHOSE <name> <class>``, then trains two
   Adam steps with the chosen method and prints ``RANK <r> CASE pick/<forced> OK
   <error>`` against the serial net's two steps (float64, same initial weights).
 - ``disagree``: each rank's timer says another candidate is fastest; the choice is
   printed (it must be the same on every rank).
-- ``bn``: a net with batch norm, the pipeline made fastest: the batch split stands
-  aside (printed), the pipeline runs one micro-batch, and after two steps the weights
+- ``bn``: a net with batch norm, the pipeline made fastest: the batch split's
+  gradient error is measured against serial's (kept within the bound, else it stands
+  aside: printed), the pipeline runs one micro-batch, and after two steps the weights
   and running statistics equal serial training's.
+- ``bnbound``: that choice against a fixed bound: kept under a loose one, not under a
+  tight one.
 - ``budget``: one step to come: only the first candidate is timed.
 - ``refusal``: an unknown method name raises the same ValueError on every rank.
 """
@@ -91,7 +94,7 @@ CONVERGED = {"options": layerpar.MGRITOptions(max_levels=2, cfactor=2, tol=SOLVE
 
 
 def case_pick() -> None:
-    for name in ("serial", "layerparallel", "data", "pipeline"):
+    for name in ("serial", "solo", "layerparallel", "data", "pipeline"):
         net = dense_net()
         x, y = batch(0)
         m = choose_method(net, comm, x, y, loss_fn, steps=1, microbatches=(1, 2),
@@ -118,11 +121,29 @@ def case_bn() -> None:
     x, y = batch(0)
     m = choose_method(net, comm, x, y, loss_fn, steps=1, timer=forced("pipeline"))
     data = [t for t in m.choice.trials if t.name == "data"][0]
-    say(f"CASE bn DATA {data.seconds} {'batch norm' in data.note}")
+    measured = "batch norm over each rank's share: gradient error" in data.note
+    kept = data.seconds is not None
+    say(f"CASE bn DATA measured={measured} kept={kept} "
+        f"aside={data.note.startswith('stands aside:')}")
     say(f"CASE bn CHOSE {m.choice.chosen.replace(' ', '_')}")
     err = trains_as_serial(m, net)
     say(f"CASE bn {'OK' if err <= F64.roundoff else 'FAIL'} {err:.3e}")
     m.close()
+
+
+def case_bnbound() -> None:
+    """The batch split under batch norm is kept or stands aside by its error against
+    the bound the layer-parallel candidate's policy fixes."""
+    x, y = batch(0)
+    for bound in (1e-12, 10.0):
+        policy = layerpar.parallel.adaptive.AccuracyPolicy(max_rel_error=bound,
+                                                          min_cosine=0.0)
+        m = choose_method(dense_net(bn=True), comm, x, y, loss_fn, steps=1,
+                          methods=("serial", "data"),
+                          layerparallel={"accuracy": policy})
+        data = [t for t in m.choice.trials if t.name == "data"][0]
+        say(f"CASE bnbound {bound:g} kept={data.seconds is not None}")
+        m.close()
 
 
 def case_budget() -> None:
@@ -144,5 +165,6 @@ def case_refusal() -> None:
 
 
 {"pick": case_pick, "disagree": case_disagree, "bn": case_bn, "budget": case_budget,
+ "bnbound": case_bnbound,
  "refusal": case_refusal}[sys.argv[1]]()
 say("DONE")

@@ -1,7 +1,8 @@
 """What a user would run instead of layer-parallel MGRIT at the same rank count, from
 the same `ODENet`, behind one training-step interface (`TrainingMethod`).
 
-method.py    the interface; `SerialMethod` and `LayerParallelMethod`, its adapters
+method.py    the interface; `SerialMethod` (alone, or replicated on every rank),
+             `SoloMethod` (rank 0 with every core) and `LayerParallelMethod`
 data.py      `DataParallelNet`: the batch split, gradients averaged (DDP or layerpar's
              transport)
 pipeline.py  `PipelineNet`: stages cut as LayerParallel cuts, torch.distributed.pipelining
@@ -14,16 +15,16 @@ from typing import Any
 
 from .data import DataParallelNet
 from .dist import process_group_from_mpi
-from .method import LayerParallelMethod, SerialMethod, TrainingMethod
+from .method import LayerParallelMethod, SerialMethod, SoloMethod, TrainingMethod
 from .pipeline import SCHEDULES, PipelineNet, StagePlan
 
 __all__ = ["METHODS", "SCHEDULES", "DataParallelNet", "LayerParallelMethod", "PipelineNet",
-           "SerialMethod", "StagePlan", "TrainingMethod", "make_method",
+           "SerialMethod", "SoloMethod", "StagePlan", "TrainingMethod", "make_method",
            "process_group_from_mpi"]
 
 #: name -> class of every training method
 METHODS: dict[str, type[TrainingMethod]] = {
-    "serial": SerialMethod, "layerparallel": LayerParallelMethod,
+    "serial": SerialMethod, "solo": SoloMethod, "layerparallel": LayerParallelMethod,
     "data": DataParallelNet, "pipeline": PipelineNet}
 
 

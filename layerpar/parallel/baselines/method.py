@@ -16,6 +16,7 @@ the baselines.  `METHODS` maps a name to each class; `make_method` builds one by
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, Callable, ClassVar, Optional, Union
@@ -23,11 +24,12 @@ from typing import Any, Callable, ClassVar, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ..._checks import nonneg_int
+from ..._checks import nonneg_int, positive_int
 from ...mgrit.transport import SerialTransport, Transport, make_transport
 from ...ode.net import ODENet
 
-__all__ = ["LayerParallelMethod", "LossFn", "SerialMethod", "TrainingMethod", "as_net"]
+__all__ = ["LayerParallelMethod", "LossFn", "SerialMethod", "SoloMethod", "TrainingMethod",
+           "as_net", "node_cores"]
 
 LossFn = Callable[[Tensor, Any], Tensor]
 
@@ -208,6 +210,88 @@ class SerialMethod(TrainingMethod):
 
     def gather_state_dict(self) -> dict[str, Tensor]:
         return {k: v.detach().cpu() for k, v in self.net.state_dict().items()}
+
+
+def node_cores() -> int:
+    """The cores this process may run on (its CPU affinity; else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - no affinity on this system
+        return os.cpu_count() or 1
+
+
+class SoloMethod(TrainingMethod):
+    """The serial net on rank 0 alone, with every core there, while the other ranks
+    wait: where nothing parallel pays, the best serial run inside a parallel job.
+
+    net: an `ODENet` or a factory (built on every rank; rank 0's trains).
+    comm: the job's communicator (its ranks wait in polling that yields the cores:
+        layerpar's MPI waits spin only for their first 20 ms, then sleep).
+    threads: torch threads rank 0 runs with during its passes (default: the cores this
+        process may use, `node_cores`); set back after each pass.
+
+    Rank 0 trains the parameters; elsewhere their `.grad` stays None, so an optimizer
+    there (over `parameters()`, as on rank 0) changes nothing.  The loss,
+    `eval_forward`'s output and `gather_state_dict` come from rank 0 to every rank.
+    """
+
+    name = "solo"
+
+    def __init__(self, net: Union[ODENet, Callable[[], ODENet]], comm: Any = None, *,
+                 threads: Optional[int] = None) -> None:
+        self.transport = SerialTransport() if comm is None else make_transport(comm)
+        err: Optional[BaseException] = None
+        try:
+            self.net = as_net(net)
+            self.threads = node_cores() if threads is None else positive_int("threads",
+                                                                            threads)
+        except Exception as exc:  # noqa: BLE001 - raised alike on every rank by agree
+            err = exc
+        if self.size > 1:
+            self.transport.agree("solo", err, "SoloMethod's net and threads")
+        elif err is not None:
+            raise err
+
+    def _on_root(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on rank 0 at `threads` torch threads; its result on every rank."""
+        value = None
+        if self.rank == 0:
+            keep = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+            try:
+                value = fn()
+            finally:
+                torch.set_num_threads(keep)
+        return self.transport.bcast_object(value, 0) if self.size > 1 else value
+
+    def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
+        self._check_batch(x, y)
+        self._zero_grad()
+
+        def step() -> float:
+            loss = loss_fn(self.net(x), y)
+            loss.backward()
+            return self._loss_value(loss)
+
+        return float(self._on_root(step))
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.net.parameters() if p.requires_grad]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return ((n, p) for n, p in self.net.named_parameters() if p.requires_grad)
+
+    def eval_forward(self, x: Tensor) -> Tensor:
+        def run() -> Tensor:
+            with torch.no_grad():
+                return self.net(x)
+
+        out = self._on_root(run)
+        return out.to(x.device) if isinstance(out, Tensor) else out
+
+    def gather_state_dict(self) -> dict[str, Tensor]:
+        return dict(self._on_root(
+            lambda: {k: v.detach().cpu() for k, v in self.net.state_dict().items()}))
 
 
 class LayerParallelMethod(TrainingMethod):
