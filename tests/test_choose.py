@@ -71,7 +71,7 @@ def test_bad_arguments_fail_alike() -> None:
 def test_choosing_costs_at_most_its_share_of_the_training() -> None:
     lines = _run("budget", 2)
     assert lines[0] == lines[1]
-    assert lines[0][0] == "CASE budget CHOSE serial SKIPPED solo,data,layerparallel," \
+    assert lines[0][0] == "CASE budget CHOSE serial SKIPPED data,layerparallel,solo," \
         "pipeline gpipe,pipeline 1f1b", lines
 
 

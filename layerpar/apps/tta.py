@@ -1,7 +1,17 @@
-"""Time to accuracy: serial training against layer-parallel training with ``--auto``.
+"""Time to accuracy: serial training against layer-parallel training with ``--auto``
+(``tta``), and against every method at the same ranks (``versus``).
 
     python -m layerpar.bench tta [--cases a,b,c,d] [--np 2] [--out out/tta/latest]
     python -m layerpar.bench tta --smoke            # every case shrunk: checks the pipeline
+    python -m layerpar.bench versus [--cases a,f,e,c,d] [--np 2] [--methods ...]
+
+``versus`` trains, beside the best serial, each method of `METHODS` at P ranks: data
+parallelism (``--method data``), the pipeline at its measured schedule and micro-batch
+count (``--method pipeline``), layer-parallel at auto's own setting (``--auto --method
+layerparallel``) and auto itself (``--auto``, which chooses among all of them: the
+table of what it measured is in the README it writes); each row's seconds to the
+target are also given over the fastest of the alternatives a user would pick instead
+(serial, data, pipeline).
 
 For each case, the best serial training on this machine (plain `ODENet` with
 autograd, at the torch thread count that runs a batch fastest here: each count from 1

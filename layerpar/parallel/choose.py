@@ -60,8 +60,10 @@ from .baselines.method import LossFn, as_net
 
 __all__ = ["METHOD_NAMES", "Choice", "Trial", "choose_method"]
 
-#: the methods `choose_method` may time, in the order it times them
-METHOD_NAMES = ("serial", "solo", "data", "layerparallel", "pipeline")
+#: the methods `choose_method` may time, in the order it times them: the cheapest to
+#: time first; solo (whose waiting ranks poll for their first 20 ms, so that it pays
+#: only where a step is long) after the parallel ones, before the pipeline sweep
+METHOD_NAMES = ("serial", "data", "layerparallel", "solo", "pipeline")
 #: the pipeline schedules timed by default (one stage per rank: the ones that run on
 #: any net; the looped and zero-bubble ones are given by name)
 DEFAULT_SCHEDULES = ("gpipe", "1f1b")
@@ -108,7 +110,7 @@ class Choice:
     def lines(self) -> list[str]:
         """The table and the choice as text lines (what ``layerpar train --auto``
         prints)."""
-        out = [f"auto (parallelism): {len(self.trials)} candidates at {self.ranks} ranks, "
+        out = [f"auto (parallelism): {len(self.trials)} candidates at {self.ranks} rank(s), "
                f"seconds per step (slowest rank, median of {self.steps}; choosing took "
                f"{self.calibration_seconds:.1f} s):"]
         for t in self.trials:
@@ -344,8 +346,8 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     `net` in `net`'s state, with ``.choice`` (a `Choice`) set; build the optimizer over
     its ``parameters()``.
 
-    methods: which of "serial" (every rank the whole net), "solo" (rank 0 with every
-        core), "data", "layerparallel", "pipeline" to time, timed in that order.
+    methods: which of "serial" (every rank the whole net), "data", "layerparallel",
+        "solo" (rank 0 with every core), "pipeline" to time, timed in that order.
     layerparallel: `LayerParallel`'s keyword arguments for its candidate (default
         ``options="auto"``: its own setting chosen by `Auto`, tuned on this batch, held
         to its bound on the gradient error).
