@@ -106,7 +106,10 @@ def _rows(comm: Any, group: Any, layers: int, width: int, batch: int, steps: int
     """Every method on the net of this width: (name, seconds per batch, serial's)."""
     from mpi4py import MPI
 
-    state = comm.bcast(_net(layers, width).state_dict(), root=0)
+    # (clones: the state dict's tensors view the segment's whole per-name storage,
+    # which mpi4py's pickling would send once per layer)
+    state = comm.bcast({k: v.clone() for k, v in _net(layers, width).state_dict().items()},
+                       root=0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, width, generator=g)
     y = torch.randint(0, 10, (batch,), generator=g)
