@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import math
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,7 +55,8 @@ from .baselines import (
     SoloMethod,
     TrainingMethod,
 )
-from .baselines.method import LossFn, as_net
+from .baselines.method import LossFn, as_net, median_step
+from .replicated import BATCH_NORMS
 
 __all__ = ["METHOD_NAMES", "Choice", "Trial", "choose_method"]
 
@@ -67,7 +67,6 @@ METHOD_NAMES = ("serial", "data", "layerparallel", "solo", "pipeline")
 #: the pipeline schedules timed by default (one stage per rank: the ones that run on
 #: any net; the looped and zero-bubble ones are given by name)
 DEFAULT_SCHEDULES = ("gpipe", "1f1b")
-_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 #: (candidate's name, its measured seconds per step) -> the seconds the decision uses;
 #: the identity unless a test makes one candidate's clock the fastest
@@ -121,21 +120,6 @@ class Choice:
         return out
 
 
-def _median_step(method: TrainingMethod, x: Tensor, y: Any, loss_fn: LossFn,
-                 steps: int) -> float:
-    """One warm-up `train_step` and `steps` timed ones; this rank's median seconds.
-    `.grad` is cleared after."""
-    method.train_step(x, y, loss_fn)
-    own = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        method.train_step(x, y, loss_fn)
-        own.append(time.perf_counter() - t0)
-    for p in method.parameters():
-        p.grad = None
-    return statistics.median(own)
-
-
 def _stands_aside(net: ODENet, method: str, exact: bool) -> tuple[Optional[str], bool]:
     """(why `method` stands aside for `net`, or None; whether it must run one
     micro-batch): the batch split and the pipeline's micro-batches change what batch
@@ -152,7 +136,7 @@ def _stands_aside(net: ODENet, method: str, exact: bool) -> tuple[Optional[str],
 
 def has_batch_norm(net: nn.Module) -> bool:
     """Whether `net` holds a batch norm (whose statistics a split batch changes)."""
-    return any(isinstance(m, _BN) for m in net.modules())
+    return any(isinstance(m, BATCH_NORMS) for m in net.modules())
 
 
 def _flat_grads(method: TrainingMethod) -> dict[str, Tensor]:
@@ -192,9 +176,9 @@ def _split_error(cal: _Calibration, data: TrainingMethod, fresh: Callable[[], OD
         for p in m.parameters():
             p.grad = None
     if bound is None:
-        diff = {k: halves[0][k] - halves[1][k] for k in halves[0]}
-        tot = {k: halves[0][k] + halves[1][k] for k in halves[0]}
-        noise = _rel({k: diff[k] + tot[k] for k in tot}, tot)
+        # |g1 - g2| / |g1 + g2|, as `autotune.gradient_noise` measures it
+        g1, g2 = halves
+        noise = _rel({k: 2 * g1[k] for k in g1}, {k: g1[k] + g2[k] for k in g1})
         bound = min(NOISE_CAP, NOISE_FRACTION * noise)
         how = (f"{NOISE_FRACTION:g} x the batch gradient's sampling error {noise:.3g}"
                + (f", capped at {NOISE_CAP:g}" if NOISE_FRACTION * noise > NOISE_CAP
@@ -240,7 +224,7 @@ class _Calibration:
 
     def measure(self, name: str, method: TrainingMethod, note: str,
                 seconds: Optional[float] = None) -> None:
-        own = _median_step(method, self.x, self.y, self.loss_fn, self.steps) \
+        own = median_step(method, self.x, self.y, self.loss_fn, self.steps) \
             if seconds is None else seconds
         s = self.agreed(self.timer(name, own))
         self.trials.append(Trial(name, s, note))

@@ -57,7 +57,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ReplicatedSerial", "split_supported", "supported"]
 
-_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+#: the batch norms, whose statistics a split batch changes
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def supported(model: LayerParallel) -> Optional[str]:
@@ -78,7 +79,7 @@ def split_supported(model: LayerParallel) -> Optional[str]:
     if why is not None:
         return why
     net = model.whole_net
-    if any(isinstance(m, _BN) for m in net.modules()):
+    if any(isinstance(m, BATCH_NORMS) for m in net.modules()):
         return "the net has batch norm: its statistics would be a share of the batch's"
     if len({p.dtype for p in net.parameters() if p.requires_grad}) > 1:
         return "the net's parameters have several dtypes"

@@ -17,6 +17,8 @@ the baselines.  `METHODS` maps a name to each class; `make_method` builds one by
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, Callable, ClassVar, Optional, Union
@@ -29,7 +31,7 @@ from ...mgrit.transport import SerialTransport, Transport, make_transport
 from ...ode.net import ODENet
 
 __all__ = ["LayerParallelMethod", "LossFn", "SerialMethod", "SoloMethod", "TrainingMethod",
-           "as_net", "node_cores"]
+           "as_net", "median_step", "node_cores"]
 
 LossFn = Callable[[Tensor, Any], Tensor]
 
@@ -210,6 +212,21 @@ class SerialMethod(TrainingMethod):
 
     def gather_state_dict(self) -> dict[str, Tensor]:
         return {k: v.detach().cpu() for k, v in self.net.state_dict().items()}
+
+
+def median_step(method: TrainingMethod, x: Tensor, y: Any, loss_fn: LossFn,
+                steps: int) -> float:
+    """One warm-up ``train_step`` and `steps` timed ones of `method`; this rank's median
+    seconds.  `.grad` is cleared after (nothing steps)."""
+    method.train_step(x, y, loss_fn)
+    own = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        method.train_step(x, y, loss_fn)
+        own.append(time.perf_counter() - t0)
+    for p in method.parameters():
+        p.grad = None
+    return statistics.median(own)
 
 
 def node_cores() -> int:

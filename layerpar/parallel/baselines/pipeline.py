@@ -33,7 +33,6 @@ and batch norm sees micro-batch statistics.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -49,7 +48,7 @@ from ..agree import layer_key
 from ..checkpoint import _name_order
 from ..move import Like, move
 from .dist import as_process_group
-from .method import LossFn, TrainingMethod, as_net, check_check_inputs
+from .method import LossFn, TrainingMethod, as_net, check_check_inputs, median_step
 
 __all__ = ["SCHEDULES", "PipelineNet", "StagePlan"]
 
@@ -426,13 +425,7 @@ class PipelineNet(TrainingMethod):
                     self._torch_schedule(x)
                 except ValueError:  # torch refuses it (too few micro-batches), alike
                     continue
-                self.train_step(x, y, loss_fn)
-                own = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    self.train_step(x, y, loss_fn)
-                    own.append(time.perf_counter() - t0)
-                med = sorted(own)[len(own) // 2]
+                med = median_step(self, x, y, loss_fn, repeats)
                 times[m] = max(self.transport.allgather_object(med, "tune_microbatches"))
         finally:
             self.microbatches = keep
