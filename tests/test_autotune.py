@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 import torch
-from mpi_util import WORKERS, rank_lines, run_mpi
+from mpi_util import WORKERS, describe, rank_lines, run_mpi
+from tolerances import F64
 
 from layerpar.apps import cli, data
 from layerpar.apps.nets import problem_net
@@ -852,3 +853,21 @@ def test_one_check_outside_the_bound_changes_nothing(monkeypatch: pytest.MonkeyP
                                                               c.candidate.bwd_iters)
     assert ctl.min_every > ctl.policy.check_every  # exact costs 5 passes here
     model.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_replicated_serial_follows_a_relayout_of_the_parameters(nprocs: int) -> None:
+    """Auto's MGRIT candidates lay the parameters of a copied net out flat (new
+    storage) after replicated serial was built: it must send the new storage, and
+    train exactly as the serial net (float64) on every rank."""
+    proc = run_mpi(WORKERS / "lp_replicated_layout.py", nprocs, timeout=180)
+    assert proc.returncode == 0, describe(proc)
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == list(range(nprocs)), describe(proc)
+    for r, got in lines.items():
+        assert got[0] == "choice serial (replicated)" and got[-1] == "DONE", (r, got)
+        steps = [ln.split() for ln in got if ln.startswith("step ")]
+        assert len(steps) == 3, (r, got)
+        for s in steps:
+            assert float(s[3]) <= F64.roundoff and float(s[5]) <= F64.roundoff, (r, got)

@@ -24,7 +24,17 @@ import torch
 from torch import Tensor, nn
 from torch.utils import swap_tensors
 
-__all__ = ["flatten", "rows"]
+__all__ = ["flatten", "generation", "rows"]
+
+#: how many times `flatten` has moved parameters to new storage in this process: a
+#: holder of detached views of parameters (a replicated net's exchange) compares it
+#: with the count it built them at, and lays them out again when it moved
+_GENERATION = 0
+
+
+def generation() -> int:
+    """The count of `flatten`'s storage moves so far (see `_GENERATION`)."""
+    return _GENERATION
 
 
 def _column(named: Sequence[Mapping[str, Tensor]], name: str) -> Optional[list[Tensor]]:
@@ -63,6 +73,7 @@ def flatten(blocks: Union[Sequence[nn.Module], nn.ModuleList]) -> None:
             if col is None or rows(col) is not None:
                 continue
             base = torch.stack([t.detach() for t in col])
+            _moved()
             for i, t in enumerate(col):
                 grad = t.grad
                 try:
@@ -77,6 +88,11 @@ def flatten(blocks: Union[Sequence[nn.Module], nn.ModuleList]) -> None:
                     # held elsewhere (an autograd node of an earlier pass): left as it
                     # is, and so the name is not flat (`rows` says so; passes stack)
                     break
+
+
+def _moved() -> None:
+    global _GENERATION
+    _GENERATION += 1
 
 
 def rows(col: Sequence[Tensor]) -> Optional[Tensor]:

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from torch.autograd.variable import Variable
 
 from ..mgrit.options import MGRITOptions
+from ..ode.flat import generation as flat_generation
 from ..ode.rng import DROPOUT_TYPES
 from .grads import hooks_held
 
@@ -185,6 +186,17 @@ class _Exchange(NamedTuple):
     into: Union[Tensor, list[Tensor]]  # the head of `send` they fill, or its views
     copies: list[Tensor]  # what is copied out of `recv` after the exchange
     views: list[Tensor]  # ... from these views of it
+    own: list[Tensor]  # this rank's tensors themselves (`mine` are detached views)
+
+
+def _send_side(send: Tensor, own: list[Tensor]) -> tuple[list[Tensor], Any]:
+    """(`mine`, `into`) of an exchange: detached views of this rank's tensors `own`,
+    flat where all are contiguous CPU tensors (one concatenation fills the head of
+    `send`), else as they are, with views of `send` to copy them into."""
+    mine = [t.detach() for t in own]
+    if mine and all(t.device.type == "cpu" and t.is_contiguous() for t in mine):
+        return [t.view(-1) for t in mine], send[:sum(t.numel() for t in mine)]
+    return mine, _views(send, mine)
 
 
 def _copy(dst: list[Tensor], src: list[Tensor]) -> None:
@@ -309,7 +321,6 @@ class ReplicatedSerial:
                 self._flag_at, width = width, width + n_flags
             send = torch.zeros(width, dtype=dtype)
             recv = torch.zeros((model.size, width), dtype=dtype)
-            mine = [t.detach() for t in per.get(self.rank, [])]
             copies, views = [], []
             with torch.no_grad():
                 for r, ts in per.items():
@@ -328,12 +339,10 @@ class ReplicatedSerial:
                         else:
                             v.copy_(t)
                             t.data = v
-            if mine and all(t.device.type == "cpu" and t.is_contiguous() for t in mine):
-                into: Any = send[:sum(t.numel() for t in mine)]
-                mine = [t.view(-1) for t in mine]
-            else:
-                into = _views(send, mine)
-            self._xchg.append(_Exchange(send, recv, mine, into, copies, views))
+            own = per.get(self.rank, [])
+            mine, into = _send_side(send, own)
+            self._xchg.append(_Exchange(send, recv, mine, into, copies, views, own))
+        self._generation = flat_generation()
         self._sent: Optional[tuple[bool, ...]] = None  # this rank's flags as last sent
         self._seen: Optional[Tensor] = None  # every rank's flags as last received
         self._set_trainable([named[i][1].requires_grad for i in self._params_at])
@@ -400,6 +409,13 @@ class ReplicatedSerial:
         against 0.20 ms when the copies were copied out of the receive buffer; about
         0.1 ms inside a training step, where it also absorbs the ranks' skew)."""
         pending = []
+        if self._generation != flat_generation():
+            # `flatten` moved parameters to new storage since the exchange was laid
+            # out (a layer-parallel setting built on this model lays its segments out
+            # flat): the detached views would send the old values
+            self._xchg = [x._replace(**dict(zip(("mine", "into"), _send_side(x.send, x.own))))
+                          for x in self._xchg]
+            self._generation = flat_generation()
         with torch.no_grad():
             if self.split and self._xchg:  # this rank's flags, where they changed
                 flags = tuple(p.requires_grad for p in self._mine)
