@@ -45,6 +45,27 @@ def test_each_method_is_picked_when_its_clock_is_fastest(ranks: int) -> None:
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_serial_and_the_batch_split_stand_on_layer_parallel_tuning(ranks: int) -> None:
+    """Layer-parallel's tuning timed replicated serial and the batch split: the serial
+    and data candidates take those times, and the one chosen is built then."""
+    lines = _run("tabled", ranks)
+    kinds = {"serial": "SerialMethod", "data": "DataParallelNet",
+             "layerparallel": "LayerParallelMethod"}
+    for r, got in lines.items():
+        for name, cls in kinds.items():
+            chose = [ln for ln in got if ln.startswith(f"CASE tabled/{name} CHOSE")]
+            assert len(chose) == 1, (r, got)
+            _, _, _, picked, kind, _, tabled = chose[0].split()
+            assert (picked, kind) == (name, cls), (r, got)
+            # one rank: layer-parallel's exact setting is serial autograd itself, and
+            # nothing replicated is timed
+            assert tabled == ("-" if ranks == 1 else "data,serial"), (r, got)
+            assert f"CASE tabled/{name} OK" in " ".join(got), (r, got)
+    assert len({tuple(g) for g in lines.values()}) == 1
+
+
+@pytest.mark.mpi
 def test_ranks_whose_clocks_disagree_keep_one_method() -> None:
     lines = _run("disagree", 2)
     assert lines[0] == lines[1] and lines[0][0].startswith("CASE disagree CHOSE ")
@@ -71,7 +92,9 @@ def test_bad_arguments_fail_alike() -> None:
 def test_choosing_costs_at_most_its_share_of_the_training() -> None:
     lines = _run("budget", 2)
     assert lines[0] == lines[1]
-    assert lines[0][0] == "CASE budget CHOSE serial SKIPPED data,layerparallel,solo," \
+    # layer-parallel's tuning timed replicated serial (not the batch split): serial
+    # stands on its time, and nothing else is timed
+    assert lines[0][0] == "CASE budget CHOSE serial SKIPPED data,solo," \
         "pipeline gpipe,pipeline 1f1b", lines
 
 

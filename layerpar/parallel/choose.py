@@ -9,6 +9,9 @@ split the layers in time (`LayerParallel`, MGRIT, with its own setting chosen by
 micro-batch count that runs fastest).  `choose_method` builds each candidate from a
 copy of the same net, runs one warm-up `train_step` and `steps` timed ones on the
 given batch, and keeps the candidate whose slowest rank's median step is shortest.
+Layer-parallel comes first: its own tuning times replicated serial and the batch
+split beside exact propagation and MGRIT on passes of the batch, and those times
+stand for the serial and data candidates, which are then built only if chosen.
 The times are gathered from every rank before anything is decided, so every rank
 keeps the same candidate; the others are closed.  The table, the choice and the
 reason are in the returned method's `choice` (`Choice.lines`).
@@ -60,10 +63,14 @@ from .replicated import BATCH_NORMS
 
 __all__ = ["METHOD_NAMES", "Choice", "Trial", "choose_method"]
 
-#: the methods `choose_method` may time, in the order it times them: the cheapest to
-#: time first; solo (whose waiting ranks poll for their first 20 ms, so that it pays
-#: only where a step is long) after the parallel ones, before the pipeline sweep
-METHOD_NAMES = ("serial", "data", "layerparallel", "solo", "pipeline")
+#: the methods `choose_method` may time, in the order it times them: layer-parallel
+#: first, since its own tuning (`Auto`) times replicated serial and the batch split
+#: too, which then cost nothing more; solo and the pipeline sweep while the budget
+#: lasts.  On equal times the earlier name wins, except that serial and the batch split
+#: win over layer-parallel running them (`_PREFERENCE`)
+METHOD_NAMES = ("layerparallel", "serial", "data", "solo", "pipeline")
+#: ties between equal times go to the plainer method: the one with the least machinery
+_PREFERENCE = ("serial", "data", "solo", "layerparallel", "pipeline")
 #: the pipeline schedules timed by default (one stage per rank: the ones that run on
 #: any net; the looped and zero-bubble ones are given by name)
 DEFAULT_SCHEDULES = ("gpipe", "1f1b")
@@ -201,7 +208,13 @@ class _Calibration:
         self.t0 = time.perf_counter()
         self.exact = True
         self.trials: list[Trial] = []
-        self.held: dict[str, tuple[TrainingMethod, float]] = {}
+        #: each timed candidate: its method, or (timed inside layer-parallel's tuning)
+        #: the factory that builds it if it is chosen; its agreed seconds
+        self.held: dict[str, tuple[Union[TrainingMethod, Callable[[], TrainingMethod]],
+                                   float]] = {}
+        #: seconds per pass that layer-parallel's tuning measured for the methods it
+        #: runs itself ("serial": replicated serial, "data": the batch split)
+        self.tabled: dict[str, float] = {}
 
     def agreed(self, value: float) -> float:
         """The largest of the ranks' `value` (every rank gets the same number)."""
@@ -222,10 +235,17 @@ class _Calibration:
                 f"({100 * self.share:g} %) of the {self.steps_to_come} steps to come, at "
                 f"the fastest step so far, is {budget:.2f} s")
 
-    def measure(self, name: str, method: TrainingMethod, note: str,
-                seconds: Optional[float] = None) -> None:
-        own = median_step(method, self.x, self.y, self.loss_fn, self.steps) \
-            if seconds is None else seconds
+    def measure(self, name: str, method: Union[TrainingMethod, Callable[[], TrainingMethod]],
+                note: str, seconds: Optional[float] = None) -> None:
+        """Keep the candidate `name` with its time: `seconds` where it was measured
+        already (the same on every rank, or the slowest rank's), else its median step
+        on the batch (`method` must then be built)."""
+        if seconds is not None:
+            own = seconds
+        elif isinstance(method, TrainingMethod):
+            own = median_step(method, self.x, self.y, self.loss_fn, self.steps)
+        else:
+            raise TypeError(f"{name}: a candidate timed here must be built")
         s = self.agreed(self.timer(name, own))
         self.trials.append(Trial(name, s, note))
         self.held[name] = (method, s)
@@ -261,8 +281,17 @@ def _time_pipelines(cal: _Calibration, fresh: Callable[[], ODENet], comm: Any,
 def _time_one(cal: _Calibration, what: str, fresh: Callable[[], ODENet], comm: Any,
               layerparallel: Optional[dict[str, Any]]) -> None:
     """Build and time the candidate `what` ("serial", "solo", "data" or
-    "layerparallel")."""
-    if what == "serial":
+    "layerparallel"); serial and the batch split that layer-parallel's tuning timed
+    are kept with its times, and built only if chosen."""
+    if what in cal.tabled:
+        ran = "serial (replicated)" if what == "serial" else \
+            "serial (replicated, batch split)"
+        build: Callable[[], TrainingMethod] = \
+            (lambda: SerialMethod(fresh(), comm)) if what == "serial" else \
+            (lambda: DataParallelNet(fresh(), comm, engine=_data_engine(cal)))
+        cal.measure(what, build, f"timed by layer-parallel's tuning, as its \"{ran}\" "
+                    "(ms per pass)", cal.tabled[what])
+    elif what == "serial":
         cal.measure("serial", SerialMethod(fresh(), comm),
                     "every rank runs the whole net (replicated serial)")
     elif what == "solo":
@@ -270,7 +299,7 @@ def _time_one(cal: _Calibration, what: str, fresh: Callable[[], ODENet], comm: A
         cal.measure("solo", solo, f"rank 0 alone with {solo.threads} torch threads, the "
                     "others waiting (serial with every core)")
     elif what == "data":
-        engine = "ddp" if cal.transport.backend in ("gloo", "nccl") else "allreduce"
+        engine = _data_engine(cal)
         data = DataParallelNet(fresh(), comm, engine=engine)
         note = f"batch split, gradients averaged ({engine})"
         if cal.exact and has_batch_norm(data.net):
@@ -282,14 +311,35 @@ def _time_one(cal: _Calibration, what: str, fresh: Callable[[], ODENet], comm: A
             note += f"; {figures}"
         cal.measure("data", data, note)
     else:
-        kw = {"options": "auto", **(layerparallel or {})}
-        lp = LayerParallelMethod(fresh(), comm, **kw)
-        if kw["options"] == "auto":
-            lp.model.tune(cal.x, cal.y, cal.loss_fn, steps=cal.steps_to_come)
-            setting = lp.model.tuner.choice_name(cal.transport.size)
-        else:
-            setting = str(kw["options"])
-        cal.measure("layerparallel", lp, f"auto's setting: {setting}")
+        _time_layerparallel(cal, fresh, comm, layerparallel)
+
+
+def _data_engine(cal: _Calibration) -> str:
+    """The batch split's gradient exchange: DistributedDataParallel over a
+    torch.distributed group, else one all-reduce."""
+    return "ddp" if cal.transport.backend in ("gloo", "nccl") else "allreduce"
+
+
+def _time_layerparallel(cal: _Calibration, fresh: Callable[[], ODENet], comm: Any,
+                        layerparallel: Optional[dict[str, Any]]) -> None:
+    """The layer-parallel candidate: under ``options="auto"`` its own tuning on this
+    batch (bounded by the steps to come) chooses its setting, and the setting's pass
+    time there is its time; the tuning's times of replicated serial and the batch
+    split stand for the serial and data candidates (`_Calibration.tabled`).  A fixed
+    setting is timed on steps."""
+    kw = {"options": "auto", **(layerparallel or {})}
+    lp = LayerParallelMethod(fresh(), comm, **kw)
+    if kw["options"] != "auto":
+        cal.measure("layerparallel", lp, f"setting given: {kw['options']}")
+        return
+    lp.model.tune(cal.x, cal.y, cal.loss_fn, steps=cal.steps_to_come)
+    got = lp.model.tuner.results[-1]
+    for m in got.table:
+        if m.candidate.replicated:
+            cal.tabled["data" if m.candidate.split else "serial"] = m.seconds
+    setting = got.choice.candidate.name(cal.transport.size)
+    cal.measure("layerparallel", lp, f"auto's setting: {setting} (ms per pass, timed by "
+                "its tuning)", got.choice.seconds)
 
 
 def _timed_steps(steps: int, steps_to_come: Optional[int], share: float,
@@ -381,7 +431,7 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
 
     for what in sorted(methods, key=METHOD_NAMES.index):
         why, one_micro = _stands_aside(base, what, exact)
-        why = why or (None if what == "pipeline" else cal.spent())
+        why = why or (None if what == "pipeline" or what in cal.tabled else cal.spent())
         if why is not None:
             cal.trials.append(Trial(what, None, why))
             continue
@@ -398,11 +448,12 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     if not held:
         raise ValueError("no candidate of `methods` runs this net here: " + "; ".join(
             f"{t.name}: {t.note}" for t in cal.trials))
-    chosen = min(held, key=lambda n: (held[n][1], n))
-    for name, (method, _) in held.items():
-        if name != chosen:
-            method.close()
-    method = held[chosen][0]
+    chosen = min(held, key=lambda n: (held[n][1], _PREFERENCE.index(n.split()[0]), n))
+    for name, (built, _) in held.items():
+        if name != chosen and isinstance(built, TrainingMethod):
+            built.close()
+    got = held[chosen][0]
+    method = got if isinstance(got, TrainingMethod) else got()
     _restore_buffers(method, pristine)
     method.choice = Choice(transport.size, cal.steps, tuple(cal.trials), chosen,  # type: ignore[attr-defined]
                            time.perf_counter() - cal.t0)

@@ -8,6 +8,10 @@ Usage: lp_choose.py CASE.  Cases:
   rank); prints ``RANK <r> CASE pick/<forced> CHOSE <name> <class>``, then trains two
   Adam steps with the chosen method and prints ``RANK <r> CASE pick/<forced> OK
   <error>`` against the serial net's two steps (float64, same initial weights).
+- ``tabled``: layer-parallel under auto, whose tuning timed replicated serial and the
+  batch split: serial, data and layer-parallel each made fastest; prints ``RANK <r>
+  CASE tabled/<forced> CHOSE <name> <class> TABLED <names>`` (the candidates whose
+  times came from that tuning) and ``... OK <error>`` after two Adam steps.
 - ``disagree``: each rank's timer says another candidate is fastest; the choice is
   printed (it must be the same on every rank).
 - ``bn``: a net with batch norm, the pipeline made fastest: the batch split's
@@ -16,7 +20,8 @@ Usage: lp_choose.py CASE.  Cases:
   and running statistics equal serial training's.
 - ``bnbound``: that choice against a fixed bound: kept under a loose one, not under a
   tight one.
-- ``budget``: one step to come: only the first candidate is timed.
+- ``budget``: one step to come: only the first candidate (layer-parallel, whose
+  tuning times replicated serial) is timed.
 - ``refusal``: an unknown method name raises the same ValueError on every rank.
 """
 import copy
@@ -107,6 +112,28 @@ def case_pick() -> None:
         m.close()
 
 
+def case_tabled() -> None:
+    """Layer-parallel under auto: its tuning's times of replicated serial and the
+    batch split stand for the serial and data candidates, which are built only when
+    chosen, and then train as serial does."""
+    for name in ("serial", "data", "layerparallel"):
+        net = dense_net()
+        x, y = batch(0)
+        # a bound only exact settings meet, so that every choice trains as serial
+        tight = layerpar.parallel.adaptive.AccuracyPolicy(max_rel_error=1e-12,
+                                                         min_cosine=0.0)
+        m = choose_method(net, comm, x, y, loss_fn, steps=1, methods=(
+            "serial", "data", "layerparallel"), timer=forced(name),
+            layerparallel={"accuracy": tight})
+        notes = {t.name: t.note for t in m.choice.trials}
+        tabled = sorted(n for n, note in notes.items() if "layer-parallel's tuning" in note)
+        say(f"CASE tabled/{name} CHOSE {m.choice.chosen} {type(m).__name__} "
+            f"TABLED {','.join(tabled) or '-'}")
+        err = trains_as_serial(m, net)
+        say(f"CASE tabled/{name} {'OK' if err <= F64.roundoff else 'FAIL'} {err:.3e}")
+        m.close()
+
+
 def case_disagree() -> None:
     mine = ("data", "pipeline")[rank % 2]
     x, y = batch(0)
@@ -164,7 +191,6 @@ def case_refusal() -> None:
         say(f"CASE refusal RAISED {'`methods`' in str(exc)}")
 
 
-{"pick": case_pick, "disagree": case_disagree, "bn": case_bn, "budget": case_budget,
- "bnbound": case_bnbound,
- "refusal": case_refusal}[sys.argv[1]]()
+{"pick": case_pick, "tabled": case_tabled, "disagree": case_disagree, "bn": case_bn,
+ "budget": case_budget, "bnbound": case_bnbound, "refusal": case_refusal}[sys.argv[1]]()
 say("DONE")

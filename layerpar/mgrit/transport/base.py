@@ -46,12 +46,13 @@ Contract
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import itertools
 import math
 import pickle
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
@@ -211,6 +212,9 @@ class ChannelState:
     closed: bool = False
     #: byte counts by kind that `count_sent` adds to (a process grid's meter; None: none)
     meter: Optional[dict[str, int]] = None
+    #: waits sleep between tests from the start instead of spinning first
+    #: (`Transport.patiently`: a rank that waits out another's whole pass)
+    patient: bool = False
 
 
 class Pending:
@@ -273,6 +277,18 @@ class Transport:
     @timeout.setter
     def timeout(self, value: float | None) -> None:
         self._state.timeout = check_timeout(value)
+
+    @contextlib.contextmanager
+    def patiently(self) -> Iterator[None]:
+        """Inside, this rank's waits sleep between tests from the start (0.1 ms, growing
+        to 1 ms) instead of spinning first: for a rank that waits out another rank's
+        whole pass (`SoloMethod`), whose spinning would take a core from it.  A wait
+        ends up to a millisecond after its message came."""
+        keep, self._state.patient = self._state.patient, True
+        try:
+            yield
+        finally:
+            self._state.patient = keep
 
     @property
     def failure(self) -> Optional[RemoteError]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import math
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any, NoReturn, Optional
@@ -145,20 +146,23 @@ class MPITransport(Transport):
                 self._raise_remote()
             reqs = [req, self._errors.req]
             limit = self._state.timeout
-            if limit is None:
+            if limit is None and not self._state.patient:
                 idx = self._MPI.Request.Waitany(reqs, self._errors.status)
             else:
-                idx = self._poll(reqs, limit, what, peer)
+                idx = self._poll(reqs, math.inf if limit is None else limit, what, peer,
+                                 0.0 if self._state.patient else 0.02)
             if idx == 1:
                 self._raise_remote()
         except BaseException:
             _UNFINISHED.append((req, keep))
             raise
 
-    def _poll(self, reqs: list, limit: float, what: str, peer: int | None) -> int:
-        """Testany until one completes: spinning for the first 20 ms (messages of a
-        cycle arrive within microseconds to milliseconds), then sleeping 0.1-1 ms
-        between tests, up to `limit` seconds."""
+    def _poll(self, reqs: list, limit: float, what: str, peer: int | None,
+              spin: float = 0.02) -> int:
+        """Testany until one completes: spinning for the first `spin` seconds (20 ms:
+        messages of a cycle arrive within microseconds to milliseconds; 0 for a
+        patient wait, `Transport.patiently`), then sleeping 0.1-1 ms between tests, up
+        to `limit` seconds."""
         test = self._MPI.Request.Testany
         start = time.monotonic()
         pause = 0.0
@@ -169,7 +173,7 @@ class MPITransport(Transport):
             waited = time.monotonic() - start
             if waited > limit:
                 raise self._timeout_error(what, peer, limit)
-            if waited > 0.02:
+            if waited >= spin:
                 pause = min(0.001, pause + 0.0001)
                 time.sleep(pause)
 

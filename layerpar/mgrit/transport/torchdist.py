@@ -249,16 +249,18 @@ class TorchTransport(Transport):
 
     def _wait(self, done: Callable[[], bool], block: Callable[[float], bool], what: str,
               peer: Optional[int]) -> None:
-        """Until `done()`: spin for 2 ms, then `block(slice)` for slices growing to 10 ms,
+        """Until `done()`: spin for 2 ms (not at all in a patient wait,
+        `Transport.patiently`), then `block(slice)` for slices growing to 10 ms,
         watching the error channel and the timeout in between."""
         if self._state.broken is not None:
             raise self._state.broken
         limit = self._state.timeout
+        spin = 0.0 if self._state.patient else 0.002
         start = time.monotonic()
         pause = 0.0
         while not done():
             waited = time.monotonic() - start
-            if waited > 0.002:
+            if waited >= spin:
                 self._raise_if_broken()
                 if limit is not None and waited > limit:
                     raise self._timeout_error(what, peer, limit)

@@ -242,8 +242,8 @@ class SoloMethod(TrainingMethod):
     wait: where nothing parallel pays, the best serial run inside a parallel job.
 
     net: an `ODENet` or a factory (built on every rank; rank 0's trains).
-    comm: the job's communicator (its ranks wait in polling that yields the cores:
-        layerpar's MPI waits spin only for their first 20 ms, then sleep).
+    comm: the job's communicator (its other ranks wait patiently, sleeping between
+        tests from the start, `Transport.patiently`: rank 0 has every core).
     threads: torch threads rank 0 runs with during its passes (default: the cores this
         process may use, `node_cores`); set back after each pass.
 
@@ -271,14 +271,15 @@ class SoloMethod(TrainingMethod):
 
     def _on_root(self, fn: Callable[[], Any]) -> Any:
         """`fn()` on rank 0 at `threads` torch threads; its result on every rank."""
-        value = None
-        if self.rank == 0:
-            keep = torch.get_num_threads()
-            torch.set_num_threads(self.threads)
-            try:
-                value = fn()
-            finally:
-                torch.set_num_threads(keep)
+        if self.rank != 0:
+            with self.transport.patiently():  # (spinning would take a core from rank 0)
+                return self.transport.bcast_object(None, 0)
+        keep = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            value = fn()
+        finally:
+            torch.set_num_threads(keep)
         return self.transport.bcast_object(value, 0) if self.size > 1 else value
 
     def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
