@@ -88,6 +88,9 @@ class Trial:
     name: str
     seconds: Optional[float]
     note: str = ""
+    #: the candidate whose computation this one runs (layer-parallel whose own tuning
+    #: chose replicated serial, or the batch split), else None
+    same_as: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -105,11 +108,14 @@ class Choice:
     @property
     def reason(self) -> str:
         """Why the chosen candidate won, in one phrase."""
-        timed = sorted((t for t in self.trials if t.seconds is not None),
-                       key=lambda t: t.seconds)  # type: ignore[arg-type, return-value]
-        if len(timed) < 2:
+        best = next(t for t in self.trials if t.name == self.chosen)
+        # the others, without the ones that run the same computation as the chosen
+        others = sorted((t for t in self.trials if t.seconds is not None and t is not best
+                         and best.name != t.same_as and t.name != best.same_as),
+                        key=lambda t: t.seconds)  # type: ignore[arg-type, return-value]
+        if not others:
             return "the only candidate that runs here"
-        best, nxt = timed[0], timed[1]
+        nxt = others[0]
         return (f"fastest per step ({best.seconds / nxt.seconds:.2f}x the next, "  # type: ignore[operator]
                 f"{nxt.name})")
 
@@ -220,23 +226,26 @@ class _Calibration:
         """The largest of the ranks' `value` (every rank gets the same number)."""
         return float(max(self.transport.allgather_object(value, "choose_method's timings")))
 
-    def spent(self) -> Optional[str]:
+    def spent(self, steps: int = 0) -> Optional[str]:
         """Why no further candidate is timed (None: the budget allows one): the
         calibration has cost its share of the training that follows, at the fastest
-        candidate's step time."""
+        candidate's step time, or would with `steps` more steps of that length (what
+        the next candidate costs at the least: its warm-up and timed steps)."""
         if self.steps_to_come is None or not self.held:
             return None
         best = min(s for _, s in self.held.values())
         spent = self.agreed(time.perf_counter() - self.t0)
         budget = self.share * self.steps_to_come * best
-        if spent < budget:
+        if spent + steps * best < budget:
             return None
-        return (f"not timed: choosing had taken {spent:.2f} s; its share "
+        ahead = f" and timing it would take {steps} more steps" if steps else ""
+        return (f"not timed: choosing had taken {spent:.2f} s{ahead}; its share "
                 f"({100 * self.share:g} %) of the {self.steps_to_come} steps to come, at "
                 f"the fastest step so far, is {budget:.2f} s")
 
     def measure(self, name: str, method: Union[TrainingMethod, Callable[[], TrainingMethod]],
-                note: str, seconds: Optional[float] = None) -> None:
+                note: str, seconds: Optional[float] = None,
+                same_as: Optional[str] = None) -> None:
         """Keep the candidate `name` with its time: `seconds` where it was measured
         already (the same on every rank, or the slowest rank's), else its median step
         on the batch (`method` must then be built)."""
@@ -247,7 +256,7 @@ class _Calibration:
         else:
             raise TypeError(f"{name}: a candidate timed here must be built")
         s = self.agreed(self.timer(name, own))
-        self.trials.append(Trial(name, s, note))
+        self.trials.append(Trial(name, s, note, same_as))
         self.held[name] = (method, s)
 
 
@@ -257,7 +266,7 @@ def _time_pipelines(cal: _Calibration, fresh: Callable[[], ODENet], comm: Any,
     """Each pipeline schedule at its fastest micro-batch count (`PipelineNet.
     tune_microbatches`), while the budget lasts."""
     for sched in schedules:
-        why = cal.spent()
+        why = cal.spent(len(counts) * (1 + cal.steps))
         if why is not None:
             cal.trials.append(Trial(f"pipeline {sched}", None, why))
             continue
@@ -337,9 +346,10 @@ def _time_layerparallel(cal: _Calibration, fresh: Callable[[], ODENet], comm: An
     for m in got.table:
         if m.candidate.replicated:
             cal.tabled["data" if m.candidate.split else "serial"] = m.seconds
-    setting = got.choice.candidate.name(cal.transport.size)
-    cal.measure("layerparallel", lp, f"auto's setting: {setting} (ms per pass, timed by "
-                "its tuning)", got.choice.seconds)
+    cand = got.choice.candidate
+    cal.measure("layerparallel", lp, f"auto's setting: {cand.name(cal.transport.size)} "
+                "(ms per pass, timed by its tuning)", got.choice.seconds,
+                ("data" if cand.split else "serial") if cand.replicated else None)
 
 
 def _timed_steps(steps: int, steps_to_come: Optional[int], share: float,
@@ -431,7 +441,8 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
 
     for what in sorted(methods, key=METHOD_NAMES.index):
         why, one_micro = _stands_aside(base, what, exact)
-        why = why or (None if what == "pipeline" or what in cal.tabled else cal.spent())
+        why = why or (None if what == "pipeline" or what in cal.tabled else
+                      cal.spent(1 + cal.steps))
         if why is not None:
             cal.trials.append(Trial(what, None, why))
             continue
