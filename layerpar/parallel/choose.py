@@ -66,11 +66,10 @@ __all__ = ["METHOD_NAMES", "Choice", "Trial", "choose_method"]
 #: the methods `choose_method` may time, in the order it times them: layer-parallel
 #: first, since its own tuning (`Auto`) times replicated serial and the batch split
 #: too, which then cost nothing more; solo and the pipeline sweep while the budget
-#: lasts.  On equal times the earlier name wins, except that serial and the batch split
-#: win over layer-parallel running them (`_PREFERENCE`)
+#: lasts.  On equal times the earlier name wins: layer-parallel running replicated
+#: serial (or the batch split) is built and warm already, and its replicated pass
+#: skips the serial net's per-pass search for dropout
 METHOD_NAMES = ("layerparallel", "serial", "data", "solo", "pipeline")
-#: ties between equal times go to the plainer method: the one with the least machinery
-_PREFERENCE = ("serial", "data", "solo", "layerparallel", "pipeline")
 #: the pipeline schedules timed by default (one stage per rank: the ones that run on
 #: any net; the looped and zero-bubble ones are given by name)
 DEFAULT_SCHEDULES = ("gpipe", "1f1b")
@@ -459,7 +458,7 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     if not held:
         raise ValueError("no candidate of `methods` runs this net here: " + "; ".join(
             f"{t.name}: {t.note}" for t in cal.trials))
-    chosen = min(held, key=lambda n: (held[n][1], _PREFERENCE.index(n.split()[0]), n))
+    chosen = min(held, key=lambda n: (held[n][1], METHOD_NAMES.index(n.split()[0]), n))
     for name, (built, _) in held.items():
         if name != chosen and isinstance(built, TrainingMethod):
             built.close()
