@@ -103,3 +103,14 @@ def test_choosing_costs_at_most_its_share_of_the_training() -> None:
 def test_batch_split_under_batch_norm_is_held_to_the_bound() -> None:
     for got in _run("bnbound", 2).values():
         assert got[:2] == ["CASE bnbound 1e-12 kept=False", "CASE bnbound 10 kept=True"], got
+
+
+@pytest.mark.mpi
+def test_a_patient_wait_sleeps_so_the_working_rank_keeps_the_cores() -> None:
+    """Solo's waiting ranks wait patiently: over 20 waits of 10 ms each they use a
+    fraction of the CPU time a spinning wait burns (about all of it)."""
+    proc = run_mpi(Path(__file__).parent / "workers" / "lp_patient.py", 2, timeout=120)
+    assert proc.returncode == 0, describe(proc)
+    got = {ln.split()[0]: float(ln.split()[2]) for ln in rank_lines(proc.stdout)[1][:-1]}
+    assert got["patient"] < 0.25 * 0.2, got  # 0.2 s of waiting
+    assert got["patient"] < 0.5 * got["spinning"], got

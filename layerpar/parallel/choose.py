@@ -225,17 +225,21 @@ class _Calibration:
         """The largest of the ranks' `value` (every rank gets the same number)."""
         return float(max(self.transport.allgather_object(value, "choose_method's timings")))
 
-    def spent(self, steps: int = 0) -> Optional[str]:
+    def spent(self, steps: int = 0, serial_long: bool = False) -> Optional[str]:
         """Why no further candidate is timed (None: the budget allows one): the
         calibration has cost its share of the training that follows, at the fastest
-        candidate's step time, or would with `steps` more steps of that length (what
-        the next candidate costs at the least: its warm-up and timed steps)."""
+        candidate's step time, or would with `steps` more steps (what the next
+        candidate costs at the least: its warm-up and timed steps) of that length, or
+        (`serial_long`: a pipeline, whose stages run one after the other) of
+        replicated serial's where it was timed."""
         if self.steps_to_come is None or not self.held:
             return None
         best = min(s for _, s in self.held.values())
+        step = max(best, self.held["serial"][1]) if serial_long and "serial" in self.held \
+            else best
         spent = self.agreed(time.perf_counter() - self.t0)
         budget = self.share * self.steps_to_come * best
-        if spent + steps * best < budget:
+        if spent + steps * step < budget:
             return None
         ahead = f" and timing it would take {steps} more steps" if steps else ""
         return (f"not timed: choosing had taken {spent:.2f} s{ahead}; its share "
@@ -265,7 +269,7 @@ def _time_pipelines(cal: _Calibration, fresh: Callable[[], ODENet], comm: Any,
     """Each pipeline schedule at its fastest micro-batch count (`PipelineNet.
     tune_microbatches`), while the budget lasts."""
     for sched in schedules:
-        why = cal.spent(len(counts) * (1 + cal.steps))
+        why = cal.spent(len(counts) * (1 + cal.steps), serial_long=True)
         if why is not None:
             cal.trials.append(Trial(f"pipeline {sched}", None, why))
             continue
