@@ -79,6 +79,8 @@ def test_batch_norm_keeps_the_serial_statistics() -> None:
         assert data in (["CASE bn DATA measured=True kept=True aside=False"],
                         ["CASE bn DATA measured=True kept=False aside=True"]), got
         assert "CASE bn CHOSE pipeline_gpipe_m=1" in got, got
+        # layer-parallel's tuning cannot time the split under batch norm: it goes first
+        assert "CASE bn ORDER data,layerparallel,serial,solo,pipeline,pipeline" in got, got
         assert any(ln.startswith("CASE bn OK") for ln in got), got
 
 
@@ -114,3 +116,15 @@ def test_a_patient_wait_sleeps_so_the_working_rank_keeps_the_cores() -> None:
     got = {ln.split()[0]: float(ln.split()[2]) for ln in rank_lines(proc.stdout)[1][:-1]}
     assert got["patient"] < 0.25 * 0.2, got  # 0.2 s of waiting
     assert got["patient"] < 0.5 * got["spinning"], got
+
+
+@pytest.mark.mpi
+def test_layer_parallel_tuning_takes_a_time_to_beat_and_a_limit() -> None:
+    """A time per pass found outside (no MGRIT setting beats 1 ns: none is checked)
+    and a limit of 0 s (no MGRIT setting is timed), alike on every rank."""
+    lines = _run("outside", 2)
+    assert lines[0] == lines[1]
+    beat, limit = lines[0][:2]
+    assert beat.startswith("CASE outside to_beat mgrit=") and beat.endswith("checked=0")
+    assert int(beat.split("mgrit=")[1].split()[0]) >= 1, beat
+    assert limit == "CASE outside limit mgrit=0 checked=0", limit

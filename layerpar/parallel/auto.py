@@ -210,7 +210,8 @@ class Auto:
 
     # -- the policy ---------------------------------------------------------------------------
     def tune(self, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
-             steps: Optional[int] = None, online: bool = False) -> Any:
+             steps: Optional[int] = None, online: bool = False, *,
+             to_beat: Optional[float] = None, limit: Optional[float] = None) -> Any:
         """With ``options="auto"``: measure the candidate settings on this batch with
         this loss and choose (collective; `autotune.AutoTuner.tune`; `steps`, the
         training steps to come, bounds the tuning's time).  Returns the `TuneResult`
@@ -219,10 +220,15 @@ class Auto:
         online: the passes that follow are training steps (forward, backward,
         optimizer step), so with `steps` given the exact replicated settings may be
         timed on those steps rather than on passes of their own; then None is
-        returned, and the result lands in ``tuner.results`` once they decided."""
+        returned, and the result lands in ``tuner.results`` once they decided.
+
+        to_beat: seconds per pass of a way of training outside layer-parallel
+        training timed already (`choose_method`'s candidates): an MGRIT setting no
+        faster is not checked.  limit: seconds the tuning may take at most."""
         if self.tuner is None:
             raise RuntimeError("tune() needs a LayerParallel built with options='auto'")
-        return self.tuner.tune(self.model, x, y, loss_fn, steps, online)
+        return self.tuner.tune(self.model, x, y, loss_fn, steps, online, to_beat=to_beat,
+                               limit=limit)
 
     def check_gradients(self, x: Tensor, y: Any,
                         loss_fn: Callable[[Tensor, Any], Tensor]) -> Any:

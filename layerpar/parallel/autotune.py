@@ -557,7 +557,8 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
          steps: Optional[int] = None,
          known: Optional[dict[Candidate, float]] = None,
          built: Optional[dict[Candidate, ReplicatedSerial]] = None,
-         step_seconds: Optional[float] = None) -> TuneResult:
+         step_seconds: Optional[float] = None, to_beat: Optional[float] = None,
+         limit: Optional[float] = None) -> TuneResult:
     """Measure the candidates on one batch and choose (collective; every rank passes
     the same `x`, `y`).  See the module docstring.  Nothing the training sees
     changes (gradients by `torch.autograd.grad`, the random generator put back).
@@ -580,6 +581,12 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     timed whatever the budget says (the trial's step found room for it: counted in
     passes, shorter than steps, this budget would not always agree).
 
+    to_beat: seconds per pass of a way of training outside layer-parallel training
+    that a caller choosing between methods has timed already (`choose_method`): an
+    MGRIT candidate no faster is not checked (its gradient error is not measured).
+    limit: seconds the tuning may take at most (the caller's share left); it stops
+    timing new candidates then, as at its own budget.
+
     The buffers (batch-norm running statistics and their counts), the random generators
     and the model's last solve statistics are put back afterwards: the candidates'
     passes are measurements, not training (they updated a batch norm's statistics four
@@ -587,7 +594,7 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     serial's)."""
     with _Restore(model):
         return _tune(model, x, y, loss_fn, policy, repeats, batch, steps, known, built,
-                     step_seconds)
+                     step_seconds, to_beat, limit)
 
 
 class _Tuning:
@@ -600,8 +607,14 @@ class _Tuning:
                  repeats: int, batch: int, steps: Optional[int],
                  known: Optional[dict[Candidate, float]],
                  built: Optional[dict[Candidate, ReplicatedSerial]],
-                 step_seconds: Optional[float]) -> None:
+                 step_seconds: Optional[float], to_beat: Optional[float] = None,
+                 limit: Optional[float] = None) -> None:
         self.t_start = time.perf_counter()
+        #: a time per pass found outside layer-parallel training (a caller choosing
+        #: between methods), which an MGRIT candidate must beat to be checked
+        self.to_beat = math.inf if to_beat is None else to_beat
+        #: seconds the whole tuning may take at most (the caller's share left)
+        self.cap = limit
         self.model, self.x, self.y, self.loss_fn = model, x, y, loss_fn
         self.policy, self.repeats, self.batch, self.steps = policy, repeats, batch, steps
         self.built = {} if built is None else built
@@ -667,7 +680,7 @@ class _Tuning:
         if supported(model) is None:  # replicated serial
             self.best_t = self.replicated(Candidate(1, replicated=True))
             self.unit = self.per_step()
-            self.limit = None if steps is None else BUDGET * self.unit * steps
+            self.limit = self._capped(None if steps is None else BUDGET * self.unit * steps)
         split = Candidate(1, replicated=True, split=True)  # rows shared over the ranks
         if split_supported(model) is None and x.shape[0] >= self.ranks and (
                 split in known or not self.over((repeats + 1) * self.best_t)):
@@ -689,6 +702,13 @@ class _Tuning:
         if steps is not None:
             self.unit = self.per_step()
             self.limit = BUDGET * self.unit * steps
+        self.limit = self._capped(self.limit)
+
+    def _capped(self, limit: Optional[float]) -> Optional[float]:
+        """`limit`, at most the caller's cap."""
+        if self.cap is None:
+            return limit
+        return self.cap if limit is None else min(limit, self.cap)
 
     def held_to(self) -> AccuracyPolicy:
         """The bound, measured on this batch the first time a candidate needs it."""
@@ -722,16 +742,17 @@ class _Tuning:
         """An MGRIT candidate's pass time and, where it beats the best found, its
         gradient error against the batch's exact pass."""
         model, x, y, loss_fn = self.model, self.x, self.y, self.loss_fn
+        beat = min(self.best_t, self.to_beat)
         t = self.known.get(cand)
         if t is not None:
             self.reused += 1
-            if t >= self.best_t:
+            if t >= beat:
                 return Measurement(cand, t)
         twin = _build(model, cand, None)
         try:
             if t is None:
-                t = _time_passes(model, twin, x, y, loss_fn, self.repeats, self.best_t)
-            if t >= self.best_t:
+                t = _time_passes(model, twin, x, y, loss_fn, self.repeats, beat)
+            if t >= beat:
                 return Measurement(cand, t)
             limit_ = self.held_to()
             torch.set_rng_state(self.rng)
@@ -824,9 +845,10 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
           policy: AccuracyPolicy, repeats: int, batch: int, steps: Optional[int],
           known: Optional[dict[Candidate, float]],
           built: Optional[dict[Candidate, ReplicatedSerial]],
-          step_seconds: Optional[float] = None) -> TuneResult:
+          step_seconds: Optional[float] = None, to_beat: Optional[float] = None,
+          limit: Optional[float] = None) -> TuneResult:
     run = _Tuning(model, x, y, loss_fn, policy, repeats, batch, steps, known, built,
-                  step_seconds)
+                  step_seconds, to_beat, limit)
     run.time_exact()
     # (no tune() call: the first training pass's backward revealed the loss)
     loss_note = ("the gradients are the training loss's to first order, from its "
@@ -1072,7 +1094,8 @@ class AutoTuner:
              steps: Optional[int] = None, online: bool = False,
              built: Optional[dict[Candidate, ReplicatedSerial]] = None,
              trial: Optional[tuple[int, float, int]] = None, batch: Optional[int] = None,
-             step_seconds: Optional[float] = None) -> Optional[TuneResult]:
+             step_seconds: Optional[float] = None, to_beat: Optional[float] = None,
+             limit: Optional[float] = None) -> Optional[TuneResult]:
         """Measure and choose on this batch (collective); the choice runs from now on.
         `steps`: the training steps to come, if known (they bound the tuning's time; a
         later call without them counts what is left of the first call's).
@@ -1091,7 +1114,9 @@ class AutoTuner:
         the tuning instead of new ones.  trial: (steps it trained, its timed step's
         seconds, the steps then to come), for the result's log.  batch: the training
         batch whose data `x` is, numbered as the training counts them (default: the
-        next).  step_seconds: the trial's timed training step (`tune`'s)."""
+        next).  step_seconds: the trial's timed training step (`tune`'s).  to_beat,
+        limit: a time per pass found outside layer-parallel training, and the seconds
+        the tuning may take (`tune`'s)."""
         # (a tuning asked for: the first backward's, still to come, or its check, no more)
         self.awaiting = self.provisional = False
         if self.trial is not None:  # asked again before the steps decided: tune now
@@ -1109,7 +1134,8 @@ class AutoTuner:
         with same_structures():  # (a model per candidate, over the same modules)
             got = tune(model, x, y, loss_fn, self.policy, self.repeats,
                        self.batches + 1 if batch is None else batch, steps,
-                       known=dict(known), built=built, step_seconds=step_seconds)
+                       known=dict(known), built=built, step_seconds=step_seconds,
+                       to_beat=to_beat, limit=limit)
         for m in got.table:
             known.setdefault(m.candidate, m.seconds)
         if trial is not None:  # (the trial's steps came first; its timed step decided)

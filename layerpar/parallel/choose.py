@@ -59,16 +59,17 @@ from .baselines import (
     TrainingMethod,
 )
 from .baselines.method import LossFn, as_net, median_step
-from .replicated import BATCH_NORMS
+from .replicated import BATCH_NORMS, split_refusal
 
 __all__ = ["METHOD_NAMES", "Choice", "Trial", "choose_method"]
 
 #: the methods `choose_method` may time, in the order it times them: layer-parallel
 #: first, since its own tuning (`Auto`) times replicated serial and the batch split
-#: too, which then cost nothing more; solo and the pipeline sweep while the budget
-#: lasts.  On equal times the earlier name wins: layer-parallel running replicated
-#: serial (or the batch split) is built and warm already, and its replicated pass
-#: skips the serial net's per-pass search for dropout
+#: too, which then cost nothing more (where it cannot time the split, batch norm, data
+#: goes first, and the tuning must beat it within the share left); solo and the
+#: pipeline sweep while the budget lasts.  On equal times the earlier name wins:
+#: layer-parallel running replicated serial (or the batch split) is built and warm
+#: already, and its replicated pass skips the serial net's per-pass search for dropout
 METHOD_NAMES = ("layerparallel", "serial", "data", "solo", "pipeline")
 #: the pipeline schedules timed by default (one stage per rank: the ones that run on
 #: any net; the looped and zero-bubble ones are given by name)
@@ -225,6 +226,10 @@ class _Calibration:
         """The largest of the ranks' `value` (every rank gets the same number)."""
         return float(max(self.transport.allgather_object(value, "choose_method's timings")))
 
+    def elapsed(self) -> float:
+        """Seconds since choosing began, on this rank's clock."""
+        return time.perf_counter() - self.t0
+
     def spent(self, steps: int = 0, serial_long: bool = False) -> Optional[str]:
         """Why no further candidate is timed (None: the budget allows one): the
         calibration has cost its share of the training that follows, at the fastest
@@ -237,7 +242,7 @@ class _Calibration:
         best = min(s for _, s in self.held.values())
         step = max(best, self.held["serial"][1]) if serial_long and "serial" in self.held \
             else best
-        spent = self.agreed(time.perf_counter() - self.t0)
+        spent = self.agreed(self.elapsed())
         budget = self.share * self.steps_to_come * best
         if spent + steps * step < budget:
             return None
@@ -344,7 +349,12 @@ def _time_layerparallel(cal: _Calibration, fresh: Callable[[], ODENet], comm: An
     if kw["options"] != "auto":
         cal.measure("layerparallel", lp, f"setting given: {kw['options']}")
         return
-    lp.model.tune(cal.x, cal.y, cal.loss_fn, steps=cal.steps_to_come)
+    best = min((s for _, s in cal.held.values()), default=None)
+    limit = None
+    if best is not None and cal.steps_to_come is not None:
+        limit = max(0.0, cal.share * cal.steps_to_come * best - cal.agreed(cal.elapsed()))
+    lp.model.tune(cal.x, cal.y, cal.loss_fn, steps=cal.steps_to_come, to_beat=best,
+                  limit=limit)
     got = lp.model.tuner.results[-1]
     for m in got.table:
         if m.candidate.replicated:
@@ -442,7 +452,13 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
         copy_.load_state_dict(pristine)
         return copy_
 
-    for what in sorted(methods, key=METHOD_NAMES.index):
+    order = sorted(methods, key=METHOD_NAMES.index)
+    if "layerparallel" in order and "data" in order and split_refusal(base) is not None:
+        # layer-parallel's tuning will not time the batch split (batch norm): time it
+        # first, so that its time is one the tuning must beat and its budget counts
+        order.remove("data")
+        order.insert(order.index("layerparallel"), "data")
+    for what in order:
         why, one_micro = _stands_aside(base, what, exact)
         why = why or (None if what == "pipeline" or what in cal.tabled else
                       cal.spent(1 + cal.steps))

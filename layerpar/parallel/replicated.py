@@ -77,9 +77,13 @@ def split_supported(model: LayerParallel) -> Optional[str]:
     """None if `model` can run replicated with the batch split over the ranks, else
     why not (on top of `supported`)."""
     why = supported(model)
-    if why is not None:
-        return why
-    net = model.whole_net
+    return why if why is not None else split_refusal(model.whole_net)
+
+
+def split_refusal(net: nn.Module) -> Optional[str]:
+    """Why the net itself cannot run replicated with the batch split (None: it can):
+    batch norm (its statistics would be a share's), or trainable parameters of
+    several dtypes (the gradients' all-reduce is one flat buffer)."""
     if any(isinstance(m, BATCH_NORMS) for m in net.modules()):
         return "the net has batch norm: its statistics would be a share of the batch's"
     if len({p.dtype for p in net.parameters() if p.requires_grad}) > 1:

@@ -12,6 +12,9 @@ Usage: lp_choose.py CASE.  Cases:
   batch split: serial, data and layer-parallel each made fastest; prints ``RANK <r>
   CASE tabled/<forced> CHOSE <name> <class> TABLED <names>`` (the candidates whose
   times came from that tuning) and ``... OK <error>`` after two Adam steps.
+- ``outside``: `LayerParallel`'s auto tuning given ``to_beat`` (a time per pass no
+  MGRIT setting beats: none is checked) and ``limit=0`` (none is timed); prints
+  ``RANK <r> CASE outside <arg> mgrit=<timed> checked=<with an error measured>``.
 - ``disagree``: each rank's timer says another candidate is fastest; the choice is
   printed (it must be the same on every rank).
 - ``bn``: a net with batch norm, the pipeline made fastest: the batch split's
@@ -134,6 +137,21 @@ def case_tabled() -> None:
         m.close()
 
 
+def case_outside() -> None:
+    """Layer-parallel's tuning given a time to beat from outside (no MGRIT setting is
+    then checked) and a limit of 0 s (only the exact settings are timed)."""
+    from layerpar import LayerParallel
+
+    x, y = batch(0)
+    for kw in ({"to_beat": 1e-9}, {"limit": 0.0}):
+        lp = LayerParallel(dense_net(), comm, "auto")
+        got = lp.tune(x, y, loss_fn, **kw)
+        mgrit = [m for m in got.table if not m.candidate.exact]
+        say(f"CASE outside {next(iter(kw))} mgrit={len(mgrit)} "
+            f"checked={sum(m.rel_error is not None for m in mgrit)}")
+        lp.close()
+
+
 def case_disagree() -> None:
     mine = ("data", "pipeline")[rank % 2]
     x, y = batch(0)
@@ -153,6 +171,7 @@ def case_bn() -> None:
     say(f"CASE bn DATA measured={measured} kept={kept} "
         f"aside={data.note.startswith('stands aside:')}")
     say(f"CASE bn CHOSE {m.choice.chosen.replace(' ', '_')}")
+    say(f"CASE bn ORDER {','.join(t.name.split()[0] for t in m.choice.trials)}")
     err = trains_as_serial(m, net)
     say(f"CASE bn {'OK' if err <= F64.roundoff else 'FAIL'} {err:.3e}")
     m.close()
@@ -191,6 +210,7 @@ def case_refusal() -> None:
         say(f"CASE refusal RAISED {'`methods`' in str(exc)}")
 
 
-{"pick": case_pick, "tabled": case_tabled, "disagree": case_disagree, "bn": case_bn,
- "budget": case_budget, "bnbound": case_bnbound, "refusal": case_refusal}[sys.argv[1]]()
+{"pick": case_pick, "tabled": case_tabled, "outside": case_outside,
+ "disagree": case_disagree, "bn": case_bn, "budget": case_budget,
+ "bnbound": case_bnbound, "refusal": case_refusal}[sys.argv[1]]()
 say("DONE")
