@@ -10,13 +10,14 @@ wide one fills the core, and splitting the batch or the pipeline adds no work pe
 layer.  One table per width (and one CSV row per width and method).
 
 (MPICH's waits poll busily; the throttle leaves the core to the ranks that work while
-the others wait, e.g. for the serial row, which runs one thread: a second thread on
-rank 0 competes with the waiting rank's polling; the best serial thread count is
-`layerpar.bench versus`'s, probed in a process of its own.)
+the others wait, e.g. for the serial row, which runs one thread.  The solo row is
+serial with every core: rank 0 at as many torch threads as it has cores, the others
+waiting patiently, `SoloMethod`.)
 
 One job: the same net (rank 0's initial weights everywhere) trained by each method of
 `layerpar.parallel.baselines` for a warm-up step and `--steps` timed steps (a
-`train_step` and an SGD step each): serial (on rank 0 while the others wait), data
+`train_step` and an SGD step each): serial (on rank 0 while the others wait, one
+thread), solo (rank 0 with every core), data
 parallelism (layerpar's all-reduce over MPI; DistributedDataParallel over the gloo
 group made from the communicator), pipelines (GPipe, 1F1B with 2 and 4
 micro-batches) and LayerParallel with MGRIT (3 levels, cfactor 8, one forward and one
@@ -39,6 +40,7 @@ from ..parallel.baselines import (
     LayerParallelMethod,
     PipelineNet,
     SerialMethod,
+    SoloMethod,
     TrainingMethod,
     process_group_from_mpi,
 )
@@ -119,6 +121,8 @@ def _rows(comm: Any, group: Any, layers: int, width: int, batch: int, steps: int
 
     mgrit = MGRITOptions(max_levels=3, cfactor=8, max_iter=1)
     methods: dict[str, Callable[[], TrainingMethod]] = {
+        # the best serial inside the job: rank 0 with every core, the others waiting
+        "solo (rank 0, every core)": lambda: SoloMethod(make(), comm),
         "data (allreduce, MPI)": lambda: DataParallelNet(make(), comm, engine="allreduce"),
         "data (DDP, gloo)": lambda: DataParallelNet(make(), group, engine="ddp"),
         "pipeline gpipe m=2": lambda: PipelineNet(make(), group, schedule="gpipe",
