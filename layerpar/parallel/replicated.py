@@ -417,8 +417,9 @@ class ReplicatedSerial:
             # `flatten` moved parameters to new storage since the exchange was laid
             # out (a layer-parallel setting built on this model lays its segments out
             # flat): the detached views would send the old values
-            self._xchg = [x._replace(**dict(zip(("mine", "into"), _send_side(x.send, x.own))))
-                          for x in self._xchg]
+            for k, x in enumerate(self._xchg):
+                mine, into = _send_side(x.send, x.own)
+                self._xchg[k] = x._replace(mine=mine, into=into)
             self._generation = flat_generation()
         with torch.no_grad():
             if self.split and self._xchg:  # this rank's flags, where they changed
