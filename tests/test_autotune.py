@@ -65,9 +65,9 @@ def test_structures_with_a_sequential_coarse_grid_go_last() -> None:
     assert at.order_structures(order, 1024, 4) == order
     assert at.order_structures(order, 32, 2) == order
     got = at.order_structures(order, 1024, 16)
-    assert got == [(3, 4), (4, 4), (3, 8), (2, 8), (2, 4)]
+    assert got == [(3, 8), (4, 4), (2, 8), (3, 4), (2, 4)]
     got = at.order_structures(order, 1024, 32)  # 32 per rank: L2 cf8's 128 goes too
-    assert got == [(3, 4), (4, 4), (3, 8), (2, 4), (2, 8)]
+    assert got == [(3, 8), (4, 4), (3, 4), (2, 8), (2, 4)]
     assert at.order_structures(order, 1024, 1) == order  # one rank: nothing sequential
 
 
