@@ -87,6 +87,46 @@ def _fixed_cost(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(at, "_time_passes", fake)
 
 
+def test_ladder_ends_after_two_structures_no_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Structures come most coarsening first; once two in a row are no faster than the
+    time to beat at their fewest iterations, those left (coarsening less, slower) are
+    not timed, and the reason says so.  One slower structure alone ends nothing (a
+    disturbed timing), and a faster one between resets the count."""
+    timed = at._time_passes
+    monkeypatch.setattr(at, "STRUCTURES", ((3, 4), (2, 8), (2, 4), (2, 2)))
+    cost = {(3, 4): 2.0, (2, 8): 0.5, (2, 4): 3.0, (2, 2): 4.0}  # exact: 1.0
+
+    def fake(model: Any, m: Any, *args: Any, **kwargs: Any) -> float:
+        timed(model, m, *args[:4])
+        o = getattr(m, "options", None)
+        if o is None or o.max_levels == 1:
+            return 1.0
+        cf = o.cfactor if isinstance(o.cfactor, int) else o.cfactor[0]
+        return cost[(o.max_levels, cf)] * o.max_iter
+
+    monkeypatch.setattr(at, "_time_passes", fake)
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, "auto",
+                          accuracy=AccuracyPolicy(max_rel_error=10.0, min_cosine=-1.0))
+    got = model.tune(x, y, torch.nn.functional.cross_entropy)
+    timed_structures = [(m.candidate.levels, m.candidate.cfactor) for m in got.table
+                        if not m.candidate.exact and m.candidate.batched]
+    # (3, 4) slower, (2, 8) within and faster (count reset), then (2, 4) slower: one
+    assert timed_structures == [(3, 4), (2, 8), (2, 4), (2, 2)], got.lines()
+    assert got.choice.candidate.cfactor == 8 and "not timed" not in got.reason
+    cost.update({(3, 4): 0.5, (2, 8): 0.9, (2, 4): 0.8})  # (2, 2) would be timed next
+    model.close()
+    model = LayerParallel(net, None, "auto",
+                          accuracy=AccuracyPolicy(max_rel_error=10.0, min_cosine=-1.0))
+    got = model.tune(x, y, torch.nn.functional.cross_entropy)
+    timed_structures = [(m.candidate.levels, m.candidate.cfactor) for m in got.table
+                        if not m.candidate.exact and m.candidate.batched]
+    assert timed_structures == [(3, 4), (2, 8), (2, 4)], got.lines()
+    assert "1 structure(s) coarsening less not timed: the 2 before them were no " \
+        "faster than 500.0 ms" in got.reason, got.reason
+    model.close()
+
+
 def _stiff_batch(t_final: float) -> tuple[LayerParallel, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     net = problem_net("peaks", 32, 8, t_final=t_final).double()

@@ -11,13 +11,15 @@ these ranks (docs/guide/accuracy.md says why each step is as it is):
    The fastest is the time to beat.
 2. MGRIT candidates: (levels, cfactor) from `STRUCTURES` (the most coarsening first)
    in the order of `order_structures`, each at the iteration counts of `ITERATIONS`
-   (the fewest first), batched.  A
-   candidate is timed (`_time_passes`); one no faster than the best found is dropped,
-   else its gradient error is measured with `check_gradients` against the batch's one
-   exact pass (`exact_reference`).  The first counts within the bound end a
-   structure's ladder.  Then, where the model's coarse levels use injection,
-   structures outside the bound at 1/1 are tried with "average" coarsening, as long as
-   they may beat the best found; then the best with per-step cycles.
+   (the fewest first), batched.  A candidate is timed (`_time_passes`); one no faster
+   than the best found is dropped, else its gradient error is measured with
+   `check_gradients` against the batch's one exact pass (`exact_reference`).  The
+   first counts within the bound end a structure's ladder; `SLOWER_STRUCTURES`
+   structures in a row no faster than the time to beat at their first counts end the
+   ladder (those left coarsen less).  Then, where the model's coarse levels use
+   injection, structures outside the bound at 1/1 are tried with "average"
+   coarsening, as long as they may beat the best found; then the best with per-step
+   cycles.
 3. The bound: an `AccuracyPolicy` with `min_cosine` / `max_rel_error` as given, or by
    default (`noise_fraction` = `NOISE_FRACTION`) measured: `gradient_noise` estimates
    the batch gradient's relative sampling error from its two halves, and a candidate
@@ -385,6 +387,12 @@ AGREE = 0.03
 #: timed further: it is slower (run-to-run spread on a quiet machine is ~3 %), and more
 #: passes of it only cost (about 1 s per candidate on the 256-layer MNIST-1D conv net)
 SLOWER = 1.2
+#: the MGRIT ladder ends after this many structures in a row, each no faster than the
+#: time to beat at its fewest iterations: `STRUCTURES` come most coarsening first, and
+#: a structure that coarsens less ran a slower pass in every tuning measured (dense
+#: and pre-norm MNIST-1D nets, the conv ResNet, at 2 ranks); two in a row, so that one
+#: disturbed timing does not end it
+SLOWER_STRUCTURES = 2
 
 
 def _time_passes(model: LayerParallel, m: _Runnable, x: Tensor, y: Any,
@@ -637,6 +645,7 @@ class _Tuning:
         self.unit = math.nan  # what the budget counts a training step as (`per_step`)
         self.best: Optional[Candidate] = None
         self.stopped = False
+        self.skipped = 0  # MGRIT structures left untimed as slower (`ladder`)
         self.bound: Optional[AccuracyPolicy] = None if policy.noise_fraction is not None \
             else policy
         self.noise: Optional[float] = None
@@ -664,7 +673,7 @@ class _Tuning:
             rep.training = self.model.training
             try:
                 t = _time_passes(self.model, rep, self.x, self.y, self.loss_fn, self.repeats,
-                                 self.best_t, warm=warm)
+                                 min(self.best_t, self.to_beat), warm=warm)
             except BaseException:
                 rep.close()
                 raise
@@ -703,11 +712,11 @@ class _Tuning:
         elif _serial_alone(model):  # serial autograd: the net itself, as it will run
             t_exact = _time_passes(model, model.whole_net, x, self.y, self.loss_fn, repeats)
         else:
-            # against the replicated settings' time where they ran: slower, its time
-            # serves only as a gradient check's cost, which one timed pass tells
+            # against the time to beat (the replicated settings', a caller's): slower,
+            # its time serves only as a gradient check's cost, which one pass tells
             with model.exact():  # exact propagation on the model itself
                 t_exact = _time_passes(model, model, x, self.y, self.loss_fn, repeats,
-                                       self.best_t)
+                                       min(self.best_t, self.to_beat))
         self.table.insert(0, Measurement(Candidate(1), t_exact, 0.0, 1.0, True))
         self.best_t = min(self.best_t, t_exact)
         if steps is not None:
@@ -792,8 +801,13 @@ class _Tuning:
             # dropped without a check), rather than a slow accurate one taking the
             # budget first
             structures.sort(key=lambda lc: known[Candidate(*lc)])
+        slower = 0  # structures in a row no faster than the time to beat at their first counts
         for levels, cf in structures:
             if self.stopped:
+                break
+            if slower == SLOWER_STRUCTURES:
+                # they come most coarsening first, so those left coarsen less: slower
+                self.skipped = len(structures) - structures.index((levels, cf))
                 break
             for fi, bi in ITERATIONS:
                 if max(fi, bi) > self.policy.max_iters:
@@ -803,6 +817,8 @@ class _Tuning:
                     break
                 m = self.measure(Candidate(levels, cf, fi, bi))
                 self.table.append(m)
+                if (fi, bi) == ITERATIONS[0]:
+                    slower = slower + 1 if m.rel_error is None else 0
                 if m.rel_error is None:  # slower than what we have: more iterations won't help
                     break
                 if m.within:
@@ -837,6 +853,11 @@ class _Tuning:
         for rep in self.built.values():  # (built, not timed: not kept)
             rep.close()
         choice, reason = choose(self.table, self.ranks)
+        if self.skipped:
+            reason += (f" ({self.skipped} structure(s) coarsening less not timed: the "
+                       f"{SLOWER_STRUCTURES} before them were no faster than "
+                       f"{1e3 * min(self.best_t, self.to_beat):.1f} ms at their fewest "
+                       "iterations)")
         if self.stopped:
             reason += (f" (tuning stopped after {len(self.table)} candidates: it may take "
                        f"{100 * BUDGET:g}% of the expected training time, {self.steps} "
