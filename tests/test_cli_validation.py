@@ -269,6 +269,9 @@ def test_check_output_file_leaves_an_existing_file_as_it_was(tmp_path: Path) -> 
      "`--adaptive` decides from each replica's own batches: not with `--data-parallel`"),
     (["--np", "4", "--data-parallel", "2", "--auto"],
      "`--auto` chooses layer-parallel settings: not with `--serial`"),
+    # it trained serially on every process, the replicas dropped without a word
+    (["--np", "2", "--data-parallel", "2", "--serial"],
+     "`--data-parallel` makes replicas of a layer-parallel model: not with `--serial`"),
 ])
 def test_train_data_parallel_values(argv: list[str], message: str,
                                     capsys: pytest.CaptureFixture) -> None:

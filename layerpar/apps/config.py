@@ -307,6 +307,11 @@ class TrainConfig:
         if auto and (self.serial or self.nested or self.data_parallel > 1):
             raise ValueError(f"{f('auto')} chooses layer-parallel settings: not with "
                              f"{f('serial')}, {f('nested')} or {f('data_parallel')}")
+        if self.serial and self.data_parallel > 1:
+            raise ValueError(f"{f('data_parallel')} makes replicas of a layer-parallel "
+                             f"model: not with {f('serial')}, which trains the whole net "
+                             f"on each process alone (the batch split of the whole net "
+                             f"is {f('method')} \"data\")")
         if adaptive and self.data_parallel > 1:
             raise ValueError(f"{f('adaptive')} decides from each replica's own batches: not "
                              f"with {f('data_parallel')}")
