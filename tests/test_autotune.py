@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -87,14 +87,13 @@ def _fixed_cost(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(at, "_time_passes", fake)
 
 
-def test_ladder_ends_after_two_structures_no_faster(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Structures come most coarsening first; once two in a row are no faster than the
-    time to beat at their fewest iterations, those left (coarsening less, slower) are
-    not timed, and the reason says so.  One slower structure alone ends nothing (a
-    disturbed timing), and a faster one between resets the count."""
+def _structure_cost(monkeypatch: pytest.MonkeyPatch, cost: dict[tuple[int, int], float],
+                    timings: Optional[list[tuple[int, int, int]]] = None) -> None:
+    """Four structures, each costing `cost` per forward iteration (exact propagation
+    1.0), after running the passes as usual; `timings` records (levels, cfactor,
+    forward iterations) of each MGRIT candidate timed."""
     timed = at._time_passes
-    monkeypatch.setattr(at, "STRUCTURES", ((3, 4), (2, 8), (2, 4), (2, 2)))
-    cost = {(3, 4): 2.0, (2, 8): 0.5, (2, 4): 3.0, (2, 2): 4.0}  # exact: 1.0
+    monkeypatch.setattr(at, "STRUCTURES", tuple(cost))
 
     def fake(model: Any, m: Any, *args: Any, **kwargs: Any) -> float:
         timed(model, m, *args[:4])
@@ -102,9 +101,58 @@ def test_ladder_ends_after_two_structures_no_faster(monkeypatch: pytest.MonkeyPa
         if o is None or o.max_levels == 1:
             return 1.0
         cf = o.cfactor if isinstance(o.cfactor, int) else o.cfactor[0]
+        if timings is not None:
+            timings.append((o.max_levels, cf, o.max_iter))
         return cost[(o.max_levels, cf)] * o.max_iter
 
     monkeypatch.setattr(at, "_time_passes", fake)
+
+
+def test_retuning_checks_every_first_count_before_timing_more_iterations(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Breadth first: a re-tuning, whose first counts' times are known, checks every
+    structure's first counts (no timing) before it times a setting with more
+    iterations, so a short budget finds the fast accurate structure; and more
+    iterations are not timed where `ITERATION_GROWTH` x the first counts' pass cannot
+    beat the best found."""
+    timings: list[tuple[int, int, int]] = []
+    _structure_cost(monkeypatch, {(3, 4): 0.3, (2, 8): 0.35, (2, 4): 0.5, (2, 2): 0.6},
+                    timings)
+    net, x, y = _stiff_batch(1.0)
+    # a first tuning within no bound: every structure's first counts checked
+    model = LayerParallel(net, None, "auto",
+                          accuracy=AccuracyPolicy(max_rel_error=1e-12, min_cosine=-1.0))
+    loss = torch.nn.functional.cross_entropy
+    first = model.tune(x, y, loss)
+    errors = {(m.candidate.levels, m.candidate.cfactor): m.rel_error for m in first.table
+              if m.rel_error is not None and m.candidate.fwd_iters == 1 and
+              not m.candidate.exact and m.candidate.batched}
+    # the re-tuning's bound: the fastest structure (3, 4) outside it, another within
+    bound = errors[(3, 4)] * 0.999
+    assert sorted(errors) == sorted(at.STRUCTURES) and min(errors.values()) < bound, errors
+    del timings[:]
+    model.tuner.policy = AccuracyPolicy(max_rel_error=bound, min_cosine=-1.0)
+    got = model.tuner.tune(model.model, x, y, loss)
+    rows = [(m.candidate.levels, m.candidate.cfactor, m.candidate.fwd_iters)
+            for m in got.table if not m.candidate.exact and m.candidate.batched
+            and m.candidate.coarsening is None]  # ("average" comes after: its own test)
+    firsts = [r for r in rows if r[2] == 1]
+    assert rows[:len(firsts)] == firsts, got.lines()  # every first count, then more
+    within = got.choice.candidate
+    assert within.fwd_iters == 1 and (within.levels, within.cfactor) != (3, 4), got.lines()
+    # (3, 4) at 2/1 would take >= 1.25 x 0.3 = 0.375: timed only if that beats the choice
+    grew = (3, 4, 2) in [(lv, cf, it) for lv, cf, it in timings]
+    assert grew == (1.25 * 0.3 < got.choice.seconds), (timings, got.lines())
+    model.close()
+
+
+def test_ladder_ends_after_two_structures_no_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Structures come most coarsening first; once two in a row are no faster than the
+    time to beat at their fewest iterations, those left (coarsening less, slower) are
+    not timed, and the reason says so.  One slower structure alone ends nothing (a
+    disturbed timing), and a faster one between resets the count."""
+    cost = {(3, 4): 2.0, (2, 8): 0.5, (2, 4): 3.0, (2, 2): 4.0}  # exact: 1.0
+    _structure_cost(monkeypatch, cost)
     net, x, y = _stiff_batch(1.0)
     model = LayerParallel(net, None, "auto",
                           accuracy=AccuracyPolicy(max_rel_error=10.0, min_cosine=-1.0))

@@ -10,16 +10,17 @@ these ranks (docs/guide/accuracy.md says why each step is as it is):
    forward), unless the budget has no room for it (`EXACT_SETUP` plus its passes).
    The fastest is the time to beat.
 2. MGRIT candidates: (levels, cfactor) from `STRUCTURES` (the most coarsening first)
-   in the order of `order_structures`, each at the iteration counts of `ITERATIONS`
-   (the fewest first), batched.  A candidate is timed (`_time_passes`); one no faster
-   than the best found is dropped, else its gradient error is measured with
-   `check_gradients` against the batch's one exact pass (`exact_reference`).  The
-   first counts within the bound end a structure's ladder; `SLOWER_STRUCTURES`
-   structures in a row no faster than the time to beat at their first counts end the
-   ladder (those left coarsen less).  Then, where the model's coarse levels use
-   injection, structures outside the bound at 1/1 are tried with "average"
-   coarsening, as long as they may beat the best found; then the best with per-step
-   cycles.
+   in the order of `order_structures`, batched, first each at the first iteration
+   counts of `ITERATIONS`, then more iterations on those outside the bound (`_Tuning.
+   ladder`).  A candidate is timed (`_time_passes`); one no faster than the best found
+   is dropped, else its gradient error is measured with `check_gradients` against the
+   batch's one exact pass (`exact_reference`).  `SLOWER_STRUCTURES` structures in a
+   row no faster than the time to beat at their first counts end the first round
+   (those left coarsen less); more iterations are tried while `ITERATION_GROWTH` x the
+   pass before may beat the best found, and the first within the bound ends a
+   structure's.  Then, where the model's coarse levels use injection, structures
+   outside the bound at 1/1 are tried with "average" coarsening, as long as they may
+   beat the best found; then the best with per-step cycles.
 3. The bound: an `AccuracyPolicy` with `min_cosine` / `max_rel_error` as given, or by
    default (`noise_fraction` = `NOISE_FRACTION`) measured: `gradient_noise` estimates
    the batch gradient's relative sampling error from its two halves, and a candidate
@@ -81,8 +82,8 @@ __all__ = ["ITERATIONS", "NOISE_CAP", "NOISE_FRACTION", "STRUCTURES", "AutoAccur
 #: coarsens more runs a shorter pass and a larger gradient error, so the first within
 #: the bound is usually the fastest that will be, and every later one, slower, is
 #: dropped after one timed pass without a check (on the 1,024-layer dense MNIST-1D net
-#: at 2 ranks the tuning took 2.60 s against 3.20 s least coarsening first, choosing
-#: the same L3 cf8 1/1)
+#: at 2 ranks the tuning took 2.60 s against 3.20 s least coarsening first, and 1.91 s
+#: with `SLOWER_STRUCTURES` ending the ladder, one run each, all choosing L3 cf8 1/1)
 STRUCTURES: tuple[tuple[int, int], ...] = ((3, 8), (4, 4), (2, 8), (3, 4), (2, 4))
 #: (forward, adjoint) iteration counts tried on each structure, cheapest first
 ITERATIONS: tuple[tuple[int, int], ...] = ((1, 1), (2, 1), (2, 2), (3, 2))
@@ -393,6 +394,11 @@ SLOWER = 1.2
 #: and pre-norm MNIST-1D nets, the conv ResNet, at 2 ranks); two in a row, so that one
 #: disturbed timing does not end it
 SLOWER_STRUCTURES = 2
+#: a setting with the next iteration counts of `ITERATIONS` takes at least this many
+#: times the pass of the one before: one no faster than the best found then is not
+#: timed (one more iteration took 1.6-2.0x the pass in every tuning measured: dense,
+#: pre-norm and conv MNIST-1D nets at 2 ranks; a lower bound, with room)
+ITERATION_GROWTH = 1.25
 
 
 def _time_passes(model: LayerParallel, m: _Runnable, x: Tensor, y: Any,
@@ -788,19 +794,25 @@ class _Tuning:
         self.best, self.best_t = m.candidate, m.seconds
 
     def ladder(self) -> None:
-        """The MGRIT candidates: per structure, iteration counts cheapest first (the
-        first within the bound ends the structure's ladder); then "average"
-        coarsening on the structures outside the bound at the first counts; then the
-        best with per-step cycles."""
+        """The MGRIT candidates: every structure at the first iteration counts (the
+        first within the bound is the best found; `SLOWER_STRUCTURES` in a row no
+        faster than the time to beat end the round); then more iterations on the
+        structures outside the bound, fastest first, while their first counts' time
+        times `ITERATION_GROWTH` may beat the best found (the first within the bound
+        ends a structure's ladder); then "average" coarsening on the structures
+        outside the bound at the first counts; then the best with per-step cycles.
+        Breadth first: a structure's more iterations cost a new timing, its first
+        counts in a re-tuning only a gradient check (their time is known), so a
+        re-tuning on a short budget checks every structure's cheapest setting before
+        it times a dearer one."""
         missed: list[Measurement] = []  # first iteration counts timed, outside the bound
         structures = _structures(self.model)
         known = self.known
-        if all(Candidate(levels, cf) in known for levels, cf in structures):
-            # a re-tuning with every structure's pass time known: fastest first, so that
-            # the first within the bound ends the search (every later one is slower,
-            # dropped without a check), rather than a slow accurate one taking the
-            # budget first
-            structures.sort(key=lambda lc: known[Candidate(*lc)])
+        # a re-tuning: the structures whose pass time is known, fastest first, so that
+        # the first within the bound ends the search (every later one is slower, dropped
+        # without a check); those the first tuning left untimed (slower) after them
+        structures.sort(key=lambda lc: (Candidate(*lc) not in known,
+                                        known.get(Candidate(*lc), 0.0)))
         slower = 0  # structures in a row no faster than the time to beat at their first counts
         for levels, cf in structures:
             if self.stopped:
@@ -809,23 +821,34 @@ class _Tuning:
                 # they come most coarsening first, so those left coarsen less: slower
                 self.skipped = len(structures) - structures.index((levels, cf))
                 break
-            for fi, bi in ITERATIONS:
-                if max(fi, bi) > self.policy.max_iters:
+            if self.over():
+                self.stopped = True
+                break
+            m = self.measure(Candidate(levels, cf, *ITERATIONS[0]))
+            self.table.append(m)
+            slower = slower + 1 if m.rel_error is None else 0
+            if m.within:
+                self._found(m)
+            elif m.rel_error is not None:
+                missed.append(m)
+        for first in sorted(missed, key=lambda m: m.seconds):
+            t = first.seconds
+            for fi, bi in ITERATIONS[1:]:
+                t *= ITERATION_GROWTH
+                if self.stopped or max(fi, bi) > self.policy.max_iters or \
+                        t >= min(self.best_t, self.to_beat):
                     break
                 if self.over():
                     self.stopped = True
                     break
-                m = self.measure(Candidate(levels, cf, fi, bi))
+                m = self.measure(replace(first.candidate, fwd_iters=fi, bwd_iters=bi))
                 self.table.append(m)
-                if (fi, bi) == ITERATIONS[0]:
-                    slower = slower + 1 if m.rel_error is None else 0
                 if m.rel_error is None:  # slower than what we have: more iterations won't help
                     break
+                t = m.seconds
                 if m.within:
                     self._found(m)
                     break
-                if (fi, bi) == ITERATIONS[0]:
-                    missed.append(m)
         if _average_possible(self.model):
             # structures timed at the first counts but outside the bound, with averaged
             # coarse levels (a few % more per pass; sometimes far more accurate,
