@@ -128,3 +128,20 @@ def test_layer_parallel_tuning_takes_a_time_to_beat_and_a_limit() -> None:
     assert beat.startswith("CASE outside to_beat mgrit=") and beat.endswith("checked=0")
     assert int(beat.split("mgrit=")[1].split()[0]) >= 1, beat
     assert limit == "CASE outside limit mgrit=0 checked=0", limit
+
+
+def test_the_budget_counts_a_pipelines_setup() -> None:
+    """A pipeline is not timed where its steps fit the share but its setup (stages and
+    schedule built per micro-batch count, `PIPELINE_SETUP`) would not: on a 1.3-second
+    Peaks training a sweep the steps alone allowed took 0.75 s."""
+    import torch
+
+    from layerpar.mgrit.transport import make_transport
+    from layerpar.parallel import choose as ch
+
+    cal = ch._Calibration(make_transport(None), torch.zeros(4, 2), None, lambda o, y: o.sum(),
+                          2, lambda name, s: s, steps_to_come=1000, share=0.05)
+    cal.held["serial"] = (lambda: None, 0.01)  # budget: 5 % of 1,000 steps of 10 ms = 0.5 s
+    assert cal.spent(3 * 3, serial_long=True) is None
+    why = cal.spent(3 * 3, serial_long=True, setup=3 * ch.PIPELINE_SETUP)
+    assert why is not None and "9 more steps and about 0.60 s to set up" in why, why

@@ -75,6 +75,13 @@ METHOD_NAMES = ("layerparallel", "serial", "data", "solo", "pipeline")
 #: any net; the looped and zero-bubble ones are given by name)
 DEFAULT_SCHEDULES = ("gpipe", "1f1b")
 
+#: seconds a pipeline costs to set up per micro-batch count it is timed at, beyond its
+#: steps (its stages and schedule built, shapes inferred across the ranks): on Peaks at
+#: 2 ranks (2-core CPU) a sweep over 1, 2 and 4 micro-batches took 0.75 s of choosing,
+#: its 12 steps about 0.15 s of it, where the budget counted the steps alone (0.02 s at
+#: replicated serial's step) and let it run on a 1.3-second training
+PIPELINE_SETUP = 0.2
+
 #: (candidate's name, its measured seconds per step) -> the seconds the decision uses;
 #: the identity unless a test makes one candidate's clock the fastest
 Timer = Callable[[str, float], float]
@@ -230,13 +237,14 @@ class _Calibration:
         """Seconds since choosing began, on this rank's clock."""
         return time.perf_counter() - self.t0
 
-    def spent(self, steps: int = 0, serial_long: bool = False) -> Optional[str]:
+    def spent(self, steps: int = 0, serial_long: bool = False, setup: float = 0.0
+              ) -> Optional[str]:
         """Why no further candidate is timed (None: the budget allows one): the
         calibration has cost its share of the training that follows, at the fastest
         candidate's step time, or would with `steps` more steps (what the next
         candidate costs at the least: its warm-up and timed steps) of that length, or
         (`serial_long`: a pipeline, whose stages run one after the other) of
-        replicated serial's where it was timed."""
+        replicated serial's where it was timed, and `setup` seconds to build it."""
         if self.steps_to_come is None or not self.held:
             return None
         best = min(s for _, s in self.held.values())
@@ -244,9 +252,11 @@ class _Calibration:
             else best
         spent = self.agreed(self.elapsed())
         budget = self.share * self.steps_to_come * best
-        if spent + steps * step < budget:
+        if spent + steps * step + setup < budget:
             return None
         ahead = f" and timing it would take {steps} more steps" if steps else ""
+        if setup:
+            ahead += f" and about {setup:.2f} s to set up"
         return (f"not timed: choosing had taken {spent:.2f} s{ahead}; its share "
                 f"({100 * self.share:g} %) of the {self.steps_to_come} steps to come, at "
                 f"the fastest step so far, is {budget:.2f} s")
@@ -274,7 +284,8 @@ def _time_pipelines(cal: _Calibration, fresh: Callable[[], ODENet], comm: Any,
     """Each pipeline schedule at its fastest micro-batch count (`PipelineNet.
     tune_microbatches`), while the budget lasts."""
     for sched in schedules:
-        why = cal.spent(len(counts) * (1 + cal.steps), serial_long=True)
+        why = cal.spent(len(counts) * (1 + cal.steps), serial_long=True,
+                        setup=len(counts) * PIPELINE_SETUP)
         if why is not None:
             cal.trials.append(Trial(f"pipeline {sched}", None, why))
             continue
