@@ -170,8 +170,17 @@ def test_ladder_ends_after_two_structures_no_faster(monkeypatch: pytest.MonkeyPa
     timed_structures = [(m.candidate.levels, m.candidate.cfactor) for m in got.table
                         if not m.candidate.exact and m.candidate.batched]
     assert timed_structures == [(3, 4), (2, 8), (2, 4)], got.lines()
-    assert "1 structure(s) coarsening less not timed: the 2 before them were no " \
-        "faster than 500.0 ms" in got.reason, got.reason
+    assert "1 structure(s) coarsening less not timed: the 2 before them took at least " \
+        "1.2 x 500.0 ms" in got.reason, got.reason
+    model.close()
+    # slower, but within SLOWER x the best (a slow phase of the machine): not counted
+    cost.update({(2, 8): 0.55, (2, 4): 0.58})
+    model = LayerParallel(net, None, "auto",
+                          accuracy=AccuracyPolicy(max_rel_error=10.0, min_cosine=-1.0))
+    got = model.tune(x, y, torch.nn.functional.cross_entropy)
+    timed_structures = [(m.candidate.levels, m.candidate.cfactor) for m in got.table
+                        if not m.candidate.exact and m.candidate.batched]
+    assert timed_structures == [(3, 4), (2, 8), (2, 4), (2, 2)], got.lines()
     model.close()
 
 

@@ -78,8 +78,9 @@ DEFAULT_SCHEDULES = ("gpipe", "1f1b")
 #: seconds a pipeline costs to set up per micro-batch count it is timed at, beyond its
 #: steps (its stages and schedule built, shapes inferred across the ranks): on Peaks at
 #: 2 ranks (2-core CPU) a sweep over 1, 2 and 4 micro-batches took 0.75 s of choosing,
-#: its 12 steps about 0.15 s of it, where the budget counted the steps alone (0.02 s at
-#: replicated serial's step) and let it run on a 1.3-second training
+#: of which its 12 steps, at the 9-16 ms its table gives, make about 0.15 s; the budget
+#: had counted the steps alone (0.02 s at replicated serial's step) and let it run on a
+#: 1.3-second training
 PIPELINE_SETUP = 0.2
 
 #: (candidate's name, its measured seconds per step) -> the seconds the decision uses;
