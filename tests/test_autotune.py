@@ -27,7 +27,7 @@ from tolerances import F64
 from layerpar.apps import cli, data
 from layerpar.apps.nets import problem_net
 from layerpar.mgrit import MGRITOptions
-from layerpar.parallel import LayerParallel
+from layerpar.parallel import LayerParallel, timing
 from layerpar.parallel import autotune as at
 from layerpar.parallel.adaptive import AccuracyPolicy
 from layerpar.parallel.autotune import Candidate, Measurement, choose
@@ -182,6 +182,46 @@ def test_ladder_ends_after_two_structures_no_faster(monkeypatch: pytest.MonkeyPa
                         if not m.candidate.exact and m.candidate.batched]
     assert timed_structures == [(3, 4), (2, 8), (2, 4), (2, 2)], got.lines()
     model.close()
+
+
+def test_average_coarsening_stops_once_no_more_accurate(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Averaged coarse levels are tried on the structures outside the bound, fastest
+    first, until one is no more accurate averaged than with injection: whether
+    averaging helps is the net's at its weights, so the others are not tried.  Where
+    the first is more accurate (though outside), the next is tried.  Errors from a
+    fake check, by structure and coarsening; pass times from `_structure_cost`."""
+    import types
+
+    cost = {(3, 4): 0.3, (2, 8): 0.4, (2, 4): 0.5}
+    _structure_cost(monkeypatch, cost)
+    errors: dict[tuple[int, int, str], float] = {}
+
+    def check(twin: Any, *args: Any, **kwargs: Any) -> Any:
+        o = twin.options
+        cf = o.cfactor if isinstance(o.cfactor, int) else o.cfactor[0]
+        err = errors[(o.max_levels, cf, twin.coarsening)]
+        return types.SimpleNamespace(param_grad_error=err, cosine=1.0 - err)
+
+    monkeypatch.setattr(at, "check_gradients", check)
+    monkeypatch.setattr(at, "ITERATIONS", ((1, 1),))  # (no more iterations: just this)
+    net, x, y = _stiff_batch(1.0)
+    # the first averaged worse: one tried; better (0.2, outside 0.1): the second, worse,
+    # is the last
+    for first_avg, tried in ((0.9, 1), (0.2, 2)):
+        errors.clear()
+        for lc in cost:
+            errors[(*lc, "injection")] = 0.5
+            errors[(*lc, "average")] = 0.7
+        errors[(3, 4, "average")] = first_avg
+        model = LayerParallel(net, None, "auto",
+                              accuracy=AccuracyPolicy(max_rel_error=0.1, min_cosine=-1.0))
+        got = model.tune(x, y, torch.nn.functional.cross_entropy)
+        averaged = [m.candidate.levels for m in got.table
+                    if m.candidate.coarsening == "average"]
+        assert len(averaged) == tried, got.lines()
+        assert got.choice.candidate.exact, got.lines()
+        model.close()
 
 
 def _stiff_batch(t_final: float) -> tuple[LayerParallel, torch.Tensor, torch.Tensor]:
@@ -587,17 +627,17 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_timing_stops_when_two_passes_agree(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`_time_passes`: one untimed pass, then timed passes until two agree within
-    AGREE (or `repeats` ran), or the first is SLOWER times the time to beat (the
-    second too, where the untimed pass was within it); the fastest is the time.  The
-    passes' durations come from a clock the net itself advances, so the test does not
-    depend on the machine."""
+    """`_time_passes` (`timing.gauged_seconds`): one untimed pass, then timed passes
+    until two agree within AGREE (or `repeats` ran), or the first is SLOWER times the
+    time to beat (the second too, where the untimed pass was within it); the fastest
+    is the time.  The passes' durations come from a clock the net itself advances, so
+    the test does not depend on the machine."""
     import types
 
     net, x, y = _stiff_batch(1.0)
     model = LayerParallel(net, None, "auto")
     now = [0.0]
-    monkeypatch.setattr(at, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
     class Clocked(torch.nn.Module):
         def __init__(self, durations: list[float]) -> None:
@@ -650,8 +690,8 @@ def test_a_first_use_pass_is_not_the_candidates_time(monkeypatch: pytest.MonkeyP
     net, x, y = _stiff_batch(1.0)
     model = LayerParallel(net, None, "auto")
     now, uses = [0.0], [0]
-    monkeypatch.setattr(at, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
-    monkeypatch.setattr(at, "first_uses", lambda: uses[0])
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(timing, "first_uses", lambda: uses[0])
 
     class Clocked(torch.nn.Module):
         def __init__(self, passes: list[tuple[float, bool]]) -> None:

@@ -231,3 +231,54 @@ def test_tune_microbatches_chooses_alike_and_changes_nothing() -> None:
     for t in lines:
         assert "candidates=[1, 2, 4, 8] unchanged=True grads_unset=True" in t, describe(proc)
         assert float(t.rsplit("worst=", 1)[1]) <= 1e-12
+
+
+def test_step_seconds_cuts_a_clearly_slower_candidate(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """`step_seconds` (what `choose_method` and `tune_microbatches` time steps with):
+    a warm-up step, then the fewest of at most `repeats` timed ones; two agreeing
+    within AGREE end it, and against a time to beat a first timed step SLOWER times it
+    ends it (the auto-tuning's rule, `timing.gauged_seconds`).  A clock the steps
+    advance: the test does not depend on the machine; `.grad` is cleared after."""
+    import types
+
+    from layerpar.mgrit.transport import SerialTransport
+    from layerpar.parallel import timing
+    from layerpar.parallel.baselines.method import TrainingMethod, step_seconds
+
+    now = [0.0]
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    class Clocked(TrainingMethod):
+        name = "clocked"
+
+        def __init__(self, durations: list[float]) -> None:
+            self.transport = SerialTransport()
+            self.w = nn.Parameter(torch.ones(()))
+            self.durations, self.steps = durations, 0
+
+        def train_step(self, x: torch.Tensor, y: object, loss_fn: object) -> float:
+            now[0] += self.durations[self.steps]
+            self.steps += 1
+            (self.w * x.sum()).backward()
+            return 0.0
+
+        def parameters(self) -> list[nn.Parameter]:
+            return [self.w]
+
+        def eval_forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+        def gather_state_dict(self) -> dict[str, torch.Tensor]:
+            return {}
+
+    x = torch.ones(2)
+    steady = Clocked([0.3, 0.100, 0.102, 0.05])
+    assert step_seconds(steady, x, None, None, 3) == pytest.approx(0.100)
+    assert steady.steps == 3 and steady.w.grad is None
+    slow = Clocked([0.3, 0.25, 0.09, 0.09])  # warm-up and first timed step > 1.2 x 0.1
+    assert step_seconds(slow, x, None, None, 3, bound=0.1) == pytest.approx(0.25)
+    assert slow.steps == 2
+    hopeless = Clocked([0.5, 0.1])  # warm-up > GIVE_UP x the time to beat: no more
+    assert step_seconds(hopeless, x, None, None, 3, bound=0.1) == pytest.approx(0.5)
+    assert hopeless.steps == 1

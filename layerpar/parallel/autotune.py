@@ -21,7 +21,8 @@ these ranks (docs/guide/accuracy.md says why each step is as it is):
    pass before may beat the best found, and the first within the bound ends a
    structure's.  Then, where the model's coarse levels use injection, structures
    outside the bound at 1/1 are tried with "average" coarsening, as long as they may
-   beat the best found; then the best with per-step cycles.
+   beat the best found and the first tried was more accurate averaged than with
+   injection; then the best with per-step cycles.
 3. The bound: an `AccuracyPolicy` with `min_cosine` / `max_rel_error` as given, or by
    default (`noise_fraction` = `NOISE_FRACTION`) measured: `gradient_noise` estimates
    the batch gradient's relative sampling error from its two halves, and a candidate
@@ -67,7 +68,7 @@ from .accuracy import ExactReference, GradientCheck, _Restore, _sq, check_gradie
 from .adaptive import AccuracyController, AccuracyEvent, AccuracyPolicy
 from .batched import same_structures
 from .replicated import ReplicatedSerial, split_supported, supported
-from .timing import first_uses
+from .timing import AGREE, SLOWER, gauged_seconds
 
 _log = logging.getLogger("layerpar")
 
@@ -380,15 +381,6 @@ def _params(m: _Runnable) -> list[Tensor]:
     return [p for p in m.parameters() if p.requires_grad]
 
 
-#: a candidate whose first pass takes this many times the time to beat is not timed
-#: further (its first pass, one-time costs included, is what the table shows)
-GIVE_UP = 3.0
-#: two timed passes this close (relative) are taken as the pass's time: a third is not run
-AGREE = 0.03
-#: a candidate whose first timed pass takes this many times the time to beat is not
-#: timed further: it is slower (run-to-run spread on a quiet machine is ~3 %), and more
-#: passes of it only cost (about 1 s per candidate on the 256-layer MNIST-1D conv net)
-SLOWER = 1.2
 #: the MGRIT ladder's first round ends after this many structures in a row, each at
 #: least `SLOWER` x the time to beat at its fewest iterations: `STRUCTURES` come most
 #: coarsening first, and a structure that coarsens less ran a slower pass in every
@@ -411,69 +403,20 @@ def _time_passes(model: LayerParallel, m: _Runnable, x: Tensor, y: Any,
                  loss_fn: Callable[[Tensor, Any], Tensor], repeats: int,
                  bound: float = float("inf"), warm: bool = False) -> float:
     """Fewest seconds of a forward and backward pass (`torch.autograd.grad`: no
-    `.grad` is written) after one untimed pass (none if `m` is `warm`: it ran passes
-    of this batch's shape already); the slowest rank's, on every rank.
-    An untimed pass that ran first-use timings on some rank (`timing.first_uses`: a
-    shape met for the first time in this process, on a GPU with the Triton kernels'
-    compilation; on an H200 the first candidate's first pass took 2.6 s against passes
-    of 27-46 ms, most likely that) says nothing of the candidate's speed, so one more
-    untimed pass replaces it.
-    An untimed pass above `GIVE_UP` x `bound` ends the timing there, as does a first
-    timed pass above `SLOWER` x `bound`, unless the untimed pass was within `SLOWER`
-    x `bound`: then that timed pass was disturbed (on the 2-core machine, the 1,024-layer
-    dense net's fastest setting once took 95 ms for a pass of 47-53 ms and was dropped), and the
-    timing ends only if the next one is no faster; two timed passes within `AGREE` of
-    each other on every rank end it early (a third would not move the minimum by
-    more)."""
+    `.grad` is written), the slowest rank's, on every rank, timed by
+    `timing.gauged_seconds` against `bound` (one untimed pass first, none if `m` is
+    `warm`: it ran passes of this batch's shape already)."""
     params = _params(m)
     xi = x if params else x.detach().clone().requires_grad_()
     inputs = params or [xi]
-    cuda = x.is_cuda
-    gauged = bound < float("inf")
 
-    def one_pass() -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    def one_pass() -> None:
         with torch.enable_grad():
             loss = loss_fn(m(xi), y)
             torch.autograd.grad(loss, inputs, allow_unused=True)
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
 
-    untimed: Optional[float] = None  # the untimed pass, slowest rank (against a bound)
-    for attempt in range(0 if warm else 2):
-        uses = first_uses()
-        seconds = one_pass()
-        got = model.transport.allgather_object((seconds, first_uses() != uses),
-                                               "the auto-tuning's first pass")
-        if attempt == 0 and any(fresh for _, fresh in got):
-            continue  # (the same on every rank: from gathered flags)
-        untimed = max(t for t, _ in got)
-        if gauged and untimed > GIVE_UP * bound:
-            return untimed
-        break
-    times: list[float] = []
-    retried = False  # a first timed pass above SLOWER x bound was given a second
-    for k in range(1, repeats + 1):
-        times.append(one_pass())
-        if (len(times) == 1 or retried and len(times) == 2) and k < repeats and gauged:
-            first = max(model.transport.allgather_object(min(times), "the auto-tuning's "
-                                                         "first timed pass"))
-            if first > SLOWER * bound:
-                if retried or untimed is None or untimed > SLOWER * bound:
-                    return first
-                retried = True  # the same on every rank: from gathered times
-                continue
-        if len(times) == 2 and k < repeats:
-            # every rank decides alike: the passes are collective
-            steady = abs(times[1] - times[0]) <= AGREE * min(times)
-            if all(model.transport.allgather_object(steady, "the auto-tuning's timings")):
-                break
-    local = min(times)
-    got_t = model.transport.allgather_object(local, "the auto-tuning's timings")
-    return max(got_t)
+    return gauged_seconds(one_pass, model.transport, repeats, bound, warm, x.is_cuda,
+                          "the auto-tuning's timings")
 
 
 def _within(check: GradientCheck, policy: AccuracyPolicy) -> bool:
@@ -806,7 +749,8 @@ class _Tuning:
         structures outside the bound, fastest first, while their first counts' time
         times `ITERATION_GROWTH` may beat the best found (the first within the bound
         ends a structure's ladder); then "average" coarsening on the structures
-        outside the bound at the first counts; then the best with per-step cycles.
+        outside the bound at the first counts, fastest first, until one is no more
+        accurate averaged; then the best with per-step cycles.
         Breadth first: a structure's more iterations cost a new timing, its first
         counts in a re-tuning only a gradient check (their time is known), so a
         re-tuning on a short budget checks every structure's cheapest setting before
@@ -865,7 +809,12 @@ class _Tuning:
             # coarse levels (a few % more per pass; sometimes far more accurate,
             # sometimes far less): after the ladder, so that they never take its budget,
             # and only where they may beat the best found (their time is that of
-            # injection's + 10 %)
+            # injection's + 10 %).  Whether averaging helps is the net's, at its
+            # weights now, not a structure's: where the first structure tried is no
+            # more accurate averaged, the others are not tried (in every tuning
+            # measured, averaging was better on all structures or worse on all: the
+            # dense 1,024-layer net better at initialisation and worse after training,
+            # the pre-norm and conv MNIST-1D nets worse)
             for m in sorted(missed, key=lambda m: m.seconds):
                 if self.stopped or m.seconds * 1.1 >= self.best_t:
                     break
@@ -876,6 +825,9 @@ class _Tuning:
                 self.table.append(got)
                 if got.within:
                     self._found(got)
+                    break
+                if got.rel_error is not None and m.rel_error is not None and \
+                        got.rel_error >= m.rel_error:
                     break
         if self.best is not None and not (self.stopped or self.over()):
             # the same with per-step cycles

@@ -7,8 +7,11 @@ there (`SoloMethod`: the best serial, the others waiting), split the batch (`Dat
 split the layers in time (`LayerParallel`, MGRIT, with its own setting chosen by
 `Auto`), or split the layers into a pipeline (`PipelineNet`, each schedule at the
 micro-batch count that runs fastest).  `choose_method` builds each candidate from a
-copy of the same net, runs one warm-up `train_step` and `steps` timed ones on the
-given batch, and keeps the candidate whose slowest rank's median step is shortest.
+copy of the same net, runs one warm-up `train_step` and at most `steps` timed ones on the
+given batch, and keeps the candidate whose slowest rank's step is shortest (each timed
+by the rule the auto-tuning times its passes with, `timing.gauged_seconds`, against
+the fastest so far: a clearly slower one is not timed further, and the times compare
+with the tuning's).
 Layer-parallel comes first: its own tuning times replicated serial and the batch
 split beside exact propagation and MGRIT on passes of the batch, and those times
 stand for the serial and data candidates, which are then built only if chosen.
@@ -58,7 +61,7 @@ from .baselines import (
     SoloMethod,
     TrainingMethod,
 )
-from .baselines.method import LossFn, as_net, median_step
+from .baselines.method import LossFn, as_net, step_seconds
 from .replicated import BATCH_NORMS, split_refusal
 
 __all__ = ["METHOD_NAMES", "Choice", "Trial", "choose_method"]
@@ -90,7 +93,7 @@ Timer = Callable[[str, float], float]
 
 @dataclass(frozen=True)
 class Trial:
-    """One candidate: its name, its seconds per step (the slowest rank's median; None:
+    """One candidate: its name, its seconds per step (the slowest rank's fewest; None:
     it stood aside or was refused) and a note (its setting, or why not)."""
 
     name: str
@@ -131,7 +134,7 @@ class Choice:
         """The table and the choice as text lines (what ``layerpar train --auto``
         prints)."""
         out = [f"auto (parallelism): {len(self.trials)} candidates at {self.ranks} rank(s), "
-               f"seconds per step (slowest rank, median of {self.steps}; choosing took "
+               f"seconds per step (slowest rank, fewest of at most {self.steps}; choosing took "
                f"{self.calibration_seconds:.1f} s):"]
         for t in self.trials:
             got = "—" if t.seconds is None else f"{1000 * t.seconds:9.1f} ms"
@@ -234,6 +237,10 @@ class _Calibration:
         """The largest of the ranks' `value` (every rank gets the same number)."""
         return float(max(self.transport.allgather_object(value, "choose_method's timings")))
 
+    def fastest(self) -> float:
+        """The fastest candidate's seconds per step so far (inf: none timed yet)."""
+        return min((s for _, s in self.held.values()), default=math.inf)
+
     def elapsed(self) -> float:
         """Seconds since choosing began, on this rank's clock."""
         return time.perf_counter() - self.t0
@@ -266,12 +273,14 @@ class _Calibration:
                 note: str, seconds: Optional[float] = None,
                 same_as: Optional[str] = None) -> None:
         """Keep the candidate `name` with its time: `seconds` where it was measured
-        already (the same on every rank, or the slowest rank's), else its median step
-        on the batch (`method` must then be built)."""
+        already (the same on every rank, or the slowest rank's), else its step on the
+        batch (`method` must then be built), timed against the fastest so far
+        (`step_seconds`: one clearly slower is not timed further)."""
         if seconds is not None:
             own = seconds
         elif isinstance(method, TrainingMethod):
-            own = median_step(method, self.x, self.y, self.loss_fn, self.steps)
+            own = step_seconds(method, self.x, self.y, self.loss_fn, self.steps,
+                               self.fastest())
         else:
             raise TypeError(f"{name}: a candidate timed here must be built")
         s = self.agreed(self.timer(name, own))
@@ -295,7 +304,7 @@ def _time_pipelines(cal: _Calibration, fresh: Callable[[], ODENet], comm: Any,
         pipe = PipelineNet(fresh(), comm, schedule=sched, microbatches=max(counts))
         try:
             per = pipe.tune_microbatches(cal.x, cal.y, cal.loss_fn, counts,
-                                         repeats=cal.steps)
+                                         repeats=cal.steps, bound=cal.fastest())
         except ValueError as exc:  # no count suits (raised alike)
             cal.trials.append(Trial(f"pipeline {sched}", None, str(exc)))
             pipe.close()

@@ -7,15 +7,31 @@ Such a timing is a one-time cost of the pass that first meets a shape, and on a 
 the first one also compiles the Triton kernels (on an H200, the auto-tuning's first
 candidate's first pass took 2.6 s where the candidates' passes took 27-46 ms, most
 likely for that; not established), so `first_uses` counts them: the auto-tuning does
-not judge a candidate by a pass that ran one (`autotune._time_passes`)."""
+not judge a candidate by a pass that ran one (`gauged_seconds`).
+
+`gauged_seconds` is the one rule by which candidates are timed against each other
+across the ranks: the auto-tuning's passes (`autotune._time_passes`) and
+`choose_method`'s training steps alike, so that their times compare."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-__all__ = ["SpanTimer", "best_seconds", "first_uses"]
+__all__ = ["AGREE", "GIVE_UP", "SLOWER", "SpanTimer", "best_seconds", "first_uses",
+           "gauged_seconds"]
+
+#: a candidate whose untimed first run takes this many times the time to beat is not
+#: timed further (its first run, one-time costs included, is what a table shows)
+GIVE_UP = 3.0
+#: two timed runs this close (relative) are taken as the candidate's time: a third is
+#: not run
+AGREE = 0.03
+#: a candidate whose first timed run takes this many times the time to beat is not
+#: timed further: it is slower (run-to-run spread on a quiet machine is ~3 %), and more
+#: runs of it only cost (about 1 s per candidate on the 256-layer MNIST-1D conv net)
+SLOWER = 1.2
 
 _count = 0  # calls of best_seconds in this process
 
@@ -43,6 +59,73 @@ def best_seconds(fn: Callable[[], Any], device: torch.device, repeats: int = 3) 
         if rep:
             best = min(best, time.perf_counter() - t0)
     return best
+
+
+class _Gathers(Protocol):
+    """What `gauged_seconds` agrees its timings over (a `Transport`)."""
+
+    def allgather_object(self, obj: Any, what: str) -> list[Any]: ...
+
+
+def gauged_seconds(run: Callable[[], Any], transport: _Gathers, repeats: int,
+                   bound: float = float("inf"), warm: bool = False,
+                   cuda: bool = False, what: str = "the timings") -> float:
+    """Fewest seconds of `run` (collective: every rank runs it alike), the slowest
+    rank's, on every rank: one untimed run first (none if `warm`: it ran on this
+    input's shape already), then at most `repeats` timed ones.
+
+    An untimed run that ran first-use timings on some rank (`first_uses`: a shape met
+    for the first time in this process, on a GPU with the Triton kernels' compilation;
+    on an H200 the first candidate's first pass took 2.6 s against passes of 27-46 ms,
+    most likely that) says nothing of the candidate's speed, so one more untimed run
+    replaces it.  An untimed run above `GIVE_UP` x `bound` ends the timing there (its
+    time is returned), as does a first timed run above `SLOWER` x `bound`, unless the
+    untimed run was within `SLOWER` x `bound`: then that timed run was disturbed (on
+    the 2-core machine, the 1,024-layer dense net's fastest setting once took 95 ms
+    for a pass of 47-53 ms and was dropped), and the timing ends only if the next one
+    is no faster.  Two timed runs within `AGREE` of each other on every rank end it
+    early (a third would not move the minimum by more).  Every decision is taken on
+    gathered times or flags, so every rank runs the same number of times.  `cuda`:
+    each run is bracketed by synchronisations."""
+
+    def once() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    gauged = bound < float("inf")
+    untimed: Optional[float] = None  # the untimed run, slowest rank (against a bound)
+    for attempt in range(0 if warm else 2):
+        uses = first_uses()
+        seconds = once()
+        got = transport.allgather_object((seconds, first_uses() != uses),
+                                         f"{what} (first run)")
+        if attempt == 0 and any(fresh for _, fresh in got):
+            continue  # (the same on every rank: from gathered flags)
+        untimed = max(t for t, _ in got)
+        if gauged and untimed > GIVE_UP * bound:
+            return untimed
+        break
+    times: list[float] = []
+    retried = False  # a first timed run above SLOWER x bound was given a second
+    for k in range(1, repeats + 1):
+        times.append(once())
+        if (len(times) == 1 or retried and len(times) == 2) and k < repeats and gauged:
+            first = max(transport.allgather_object(min(times), f"{what} (first timed run)"))
+            if first > SLOWER * bound:
+                if retried or untimed is None or untimed > SLOWER * bound:
+                    return first
+                retried = True  # the same on every rank: from gathered times
+                continue
+        if len(times) == 2 and k < repeats:
+            steady = abs(times[1] - times[0]) <= AGREE * min(times)
+            if all(transport.allgather_object(steady, what)):
+                break
+    return float(max(transport.allgather_object(min(times), what)))
 
 
 class SpanTimer:

@@ -17,8 +17,6 @@ the baselines.  `METHODS` maps a name to each class; `make_method` builds one by
 from __future__ import annotations
 
 import os
-import statistics
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, Callable, ClassVar, Optional, Union
@@ -29,9 +27,10 @@ from torch import Tensor, nn
 from ..._checks import nonneg_int, positive_int
 from ...mgrit.transport import SerialTransport, Transport, make_transport
 from ...ode.net import ODENet
+from ..timing import gauged_seconds
 
 __all__ = ["LayerParallelMethod", "LossFn", "SerialMethod", "SoloMethod", "TrainingMethod",
-           "as_net", "median_step", "node_cores"]
+           "as_net", "node_cores", "step_seconds"]
 
 LossFn = Callable[[Tensor, Any], Tensor]
 
@@ -214,19 +213,19 @@ class SerialMethod(TrainingMethod):
         return {k: v.detach().cpu() for k, v in self.net.state_dict().items()}
 
 
-def median_step(method: TrainingMethod, x: Tensor, y: Any, loss_fn: LossFn,
-                steps: int) -> float:
-    """One warm-up ``train_step`` and `steps` timed ones of `method`; this rank's median
-    seconds.  `.grad` is cleared after (nothing steps)."""
-    method.train_step(x, y, loss_fn)
-    own = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        method.train_step(x, y, loss_fn)
-        own.append(time.perf_counter() - t0)
-    for p in method.parameters():
-        p.grad = None
-    return statistics.median(own)
+def step_seconds(method: TrainingMethod, x: Tensor, y: Any, loss_fn: LossFn,
+                 repeats: int, bound: float = float("inf")) -> float:
+    """Fewest seconds of `method`'s ``train_step`` on the batch, the slowest rank's, on
+    every rank (collective): a warm-up step, then at most `repeats` timed ones, by the
+    rule the auto-tuning times its passes with (`timing.gauged_seconds`, against
+    `bound`, the time to beat: a clearly slower candidate is not timed further).
+    `.grad` is cleared after (nothing steps)."""
+    try:
+        return gauged_seconds(lambda: method.train_step(x, y, loss_fn), method.transport,
+                              repeats, bound, cuda=x.is_cuda, what="the step timings")
+    finally:
+        for p in method.parameters():
+            p.grad = None
 
 
 def node_cores() -> int:

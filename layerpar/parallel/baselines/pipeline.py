@@ -48,7 +48,7 @@ from ..agree import layer_key
 from ..checkpoint import _name_order
 from ..move import Like, move
 from .dist import as_process_group
-from .method import LossFn, TrainingMethod, as_net, check_check_inputs, median_step
+from .method import LossFn, TrainingMethod, as_net, check_check_inputs, step_seconds
 
 __all__ = ["SCHEDULES", "PipelineNet", "StagePlan"]
 
@@ -404,14 +404,16 @@ class PipelineNet(TrainingMethod):
         return dict(sorted(merged.items(), key=lambda kv: _name_order(kv[0])))
 
     def tune_microbatches(self, x: Tensor, y: Any, loss_fn: LossFn,
-                          candidates: Sequence[int] = (1, 2, 4, 8), repeats: int = 3
-                          ) -> dict[int, float]:
-        """Choose `microbatches` by measurement (collective): for each candidate that
-        divides the batch and that the schedule accepts, one warm-up `train_step` and
-        `repeats` timed ones; a candidate's time is the slowest rank's median, and the
-        fastest candidate is kept (the same on every rank).  Returns candidate ->
-        seconds per step (refused candidates left out).  Gradients are left unset
-        (`.grad` None): no parameter changes."""
+                          candidates: Sequence[int] = (1, 2, 4, 8), repeats: int = 3,
+                          bound: float = float("inf")) -> dict[int, float]:
+        """Choose `microbatches` by measurement (collective): each candidate that
+        divides the batch and that the schedule accepts is timed (`step_seconds`: a
+        warm-up `train_step`, then at most `repeats` timed ones, the slowest rank's
+        fewest seconds) against the fastest so far (or `bound`, a time to beat from
+        elsewhere, where lower): one clearly slower is not timed further.  The fastest
+        candidate is kept (the same on every rank).  Returns candidate -> seconds per
+        step (refused candidates left out).  Gradients are left unset (`.grad` None):
+        no parameter changes."""
         positive_int("repeats", repeats)
         times: dict[int, float] = {}
         keep = self.microbatches
@@ -425,8 +427,8 @@ class PipelineNet(TrainingMethod):
                     self._torch_schedule(x)
                 except ValueError:  # torch refuses it (too few micro-batches), alike
                     continue
-                med = median_step(self, x, y, loss_fn, repeats)
-                times[m] = max(self.transport.allgather_object(med, "tune_microbatches"))
+                times[m] = step_seconds(self, x, y, loss_fn, repeats,
+                                        min([bound, *times.values()]))
         finally:
             self.microbatches = keep
             self._zero_grad()
