@@ -66,7 +66,8 @@ def test_tta_tiny(tmp_path: Path) -> None:
                                        (["--timeout", "0"], "--timeout"),
                                        (["--bounds", "x"], "--bounds"),
                                        (["--seeds", "1,x"], "--seeds"),
-                                       (["--seeds", "1,1"], "--seeds")])
+                                       (["--seeds", "1,1"], "--seeds"),
+                                       (["--repeats", "0"], "--repeats")])
 def test_tta_bad_values(argv: list[str], flag: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         bench.main(["tta", *argv])
@@ -177,7 +178,7 @@ def test_seeds_give_one_comparison_each(tmp_path: Path) -> None:
         runs = [tta.Run(method, ranks, 1, [{"epoch": e, "train_seconds": per * e,
                                             "val_acc": 0.5 + 0.1 * e, "val_loss": 1.0,
                                             "train_loss": 1.0} for e in (1, 2, 3)],
-                        "x", 1.0, serial=ranks == 1)
+                        "x", 1.0, serial=ranks == 1, kind="serial" if ranks == 1 else "auto")
                 for method, ranks, per in (("serial", 1, 2.0), ("auto", 2, auto_per_epoch))]
         results.append((base.with_seed(seed), runs, 0.795))
     tta._write(tmp_path, results, "cmd", False, "0")
@@ -187,7 +188,36 @@ def test_seeds_give_one_comparison_each(tmp_path: Path) -> None:
     assert {r["seed"] for r in csv.DictReader(open(tmp_path / "tta.csv"))} == {"0", "1", "2"}
     text = (tmp_path / "README.md").read_text()
     assert "| c | auto | seed 0: 0.50, seed 1: 1.50, seed 2: 0.70 | 0.70 (3 of 3 " \
-        "reached) |" in text, text
+        "reached) | 0.70 |" in text, text
+
+
+def test_repeats_run_each_comparison_again(tmp_path: Path) -> None:
+    """``--repeats``: the same comparison run again (its label and the CSVs' `round`
+    say which run), each run's ratios against its own serial and alternatives, and
+    README gives them per run and their median, against the best alternative too."""
+    base = tta.Case("e", "mnist1d", "resnet", 3)
+    assert base.with_round(1).label == "resnet, run 2"
+    assert base.with_round(1).with_round(2).label == "resnet, run 3"
+    assert base.with_round(2).train_args() == base.train_args()  # nothing else changes
+    results = []
+    # serial 2 s per epoch, data 1 s in every run; auto 1.1, 0.9, 1.3 s
+    for rnd, auto_per_epoch in ((0, 1.1), (1, 0.9), (2, 1.3)):
+        runs = [tta.Run(method, ranks, 1, [{"epoch": e, "train_seconds": per * e,
+                                            "val_acc": 0.5 + 0.1 * e, "val_loss": 1.0,
+                                            "train_loss": 1.0} for e in (1, 2, 3)],
+                        "x", 1.0, serial=ranks == 1, kind=kind)
+                for method, ranks, per, kind in (("serial", 1, 2.0, "serial"),
+                                                 ("data", 2, 1.0, "data"),
+                                                 ("auto", 2, auto_per_epoch, "auto"))]
+        results.append((base.with_round(rnd), runs, 0.795))
+    tta._write(tmp_path, results, "cmd", False, "0", bench="versus")
+    rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
+    assert [(r["round"], r["time_vs_best_alternative"]) for r in rows
+            if r["method"] == "auto"] == [("0", "1.10"), ("1", "0.90"), ("2", "1.30")]
+    assert {r["round"] for r in csv.DictReader(open(tmp_path / "tta.csv"))} == {"0", "1", "2"}
+    text = (tmp_path / "README.md").read_text()
+    assert "| e | auto | seed 0 run 1: 0.55, seed 0 run 2: 0.45, seed 0 run 3: 0.65 | " \
+        "0.55 (3 of 3 reached) | 1.10 |" in text, text
 
 
 def test_compiled_serial_baseline_is_launched_when_asked(monkeypatch: pytest.MonkeyPatch

@@ -72,6 +72,8 @@ class Case:
     args: tuple[str, ...] = ()  # more ``layerpar train`` options (--model, --layers ...)
     #: ``layerpar train --seed``: data split, initial weights, batch order (both methods)
     seed: int = 0
+    #: which run of the same comparison this is (``--repeats``: 0, 1, ...)
+    round: int = 0
 
     def train_args(self) -> list[str]:
         seed = ["--seed", str(self.seed)] if self.seed else []
@@ -80,6 +82,11 @@ class Case:
     def with_seed(self, seed: int) -> Case:
         """The same case from another seed (its label says which)."""
         return replace(self, seed=seed, label=f"{self.label.split(', seed ')[0]}, seed {seed}")
+
+    def with_round(self, round_: int) -> Case:
+        """The same comparison run again (``--repeats``; its label says which run)."""
+        return replace(self, round=round_,
+                       label=f"{self.label.split(', run ')[0]}, run {round_ + 1}")
 
 
 CASES: dict[str, Case] = {
@@ -311,27 +318,39 @@ def run_case(case: Case, nprocs: int, timeout: Optional[float] = None, say: Any 
 
 
 def _over_seeds(rows: list[list[Any]], head: list[str]) -> list[str]:
-    """README lines: per case run from several seeds, each method's time to target
-    against the best serial's, per seed and their median (none for one seed)."""
+    """README lines: per case run from several seeds (or run several times,
+    ``--repeats``), each method's time to target against the best serial's and against
+    the best alternative's, per run (each against its own run's serial and
+    alternatives) and their median (none for one run)."""
     col = {h: i for i, h in enumerate(head)}
-    per: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    per: dict[tuple[str, str], list[tuple[str, str, str]]] = {}
+    repeated = any(int(r[col["round"]]) for r in rows)
     for r in rows:
+        run = f"seed {r[col['seed']]}" + (f" run {int(r[col['round']]) + 1}" if repeated
+                                          else "")
         per.setdefault((r[col["case"]], r[col["method"]]), []).append(
-            (r[col["seed"]], r[col["time_vs_best_serial"]]))
+            (run, r[col["time_vs_best_serial"]], r[col["time_vs_best_alternative"]]))
+
+    def median(vals: list[str]) -> str:
+        got = sorted(float(v) for v in vals if v)
+        return f"{statistics.median(got):.2f}" if got else "n/a"
+
     md: list[str] = []
     for (key, method), got in per.items():
-        if len({seed for seed, _ in got}) < 2:
+        if len(got) < 2:
             continue
-        vals = sorted(float(v) for _, v in got if v)
-        med = f"{statistics.median(vals):.2f}" if vals else ""
+        reached = sum(1 for _, v, _ in got if v)
         md.append(f"| {key} | {method} | " + ", ".join(
-            f"seed {seed}: {v or 'not reached'}" for seed, v in got)
-            + f" | {med or 'n/a'} ({len(vals)} of {len(got)} reached) |")
+            f"{run}: {v or 'not reached'}" for run, v, _ in got)
+            + f" | {median([v for _, v, _ in got])} ({reached} of {len(got)} reached) | "
+            + median([a for _, _, a in got]) + " |")
     if not md:
         return []
-    return ["", "Over seeds (time to target against the best serial's, each seed's own "
-            "target):", "", "| case | method | per seed | median |", "|---|---|---|---|",
-            *md]
+    return ["", "Over seeds and runs (time to target against the best serial's, each "
+            "run's own target; the last column: the median against the best "
+            "alternative's, each run's own):", "",
+            "| case | method | per run | median | median vs best alternative |",
+            "|---|---|---|---|---|", *md]
 
 
 TITLE = "# Time to accuracy (`python -m layerpar.bench tta`)"  # README's first line
@@ -375,13 +394,14 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
     with open(out / "tta.csv", "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["case", "seed", "method", "ranks", "threads", "epoch", "train_seconds",
-                    "val_acc", "val_loss", "train_loss"])
+                    "val_acc", "val_loss", "train_loss", "round"])
         for case, runs, _ in results:
             for r in runs:
                 for h in r.history:
                     w.writerow([case.key, case.seed, r.method, r.ranks, r.threads, h["epoch"],
                                 f"{h['train_seconds']:.3f}", f"{h['val_acc']:.4f}",
-                                f"{h['val_loss']:.4f}", f"{h['train_loss']:.4f}"])
+                                f"{h['val_loss']:.4f}", f"{h['train_loss']:.4f}",
+                                case.round])
     rows = []
     for case, runs, target in results:
         serial_s = runs[0].to_target(target)[0]
@@ -401,11 +421,13 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
                          f"{target:.4f}", "" if s is None else f"{s:.2f}",
                          "" if e is None else str(e), f"{r.final_acc:.4f}",
                          f"{r.best_acc:.4f}", ratio(s, serial_s), ratio(s, best_s),
-                         ratio(s, best_alt), f"{_ms_per_batch(r):.1f}", r.settings])
+                         ratio(s, best_alt), f"{_ms_per_batch(r):.1f}", r.settings,
+                         case.round])
     head = ["case", "seed", "label", "method", "ranks", "threads", "target",
             "seconds_to_target",
             "epochs_to_target", "final_acc", "best_acc", "time_vs_serial",
-            "time_vs_best_serial", "time_vs_best_alternative", "ms_per_batch", "settings"]
+            "time_vs_best_serial", "time_vs_best_alternative", "ms_per_batch", "settings",
+            "round"]
     with open(out / "summary.csv", "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(head)
@@ -519,7 +541,14 @@ def main(argv: Optional[list[str]] = None, bench: str = "tta") -> int:
     p.add_argument("--seeds", default="0",
                    help="one comparison per seed (data split, initial weights, batch "
                         "order: ``layerpar train --seed``), comma-separated (default 0)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each comparison (case and seed), one after the other, "
+                        "each of every method in the same order: the machine's drift "
+                        "falls alike on each method, and README gives each run's ratios "
+                        "and their median (default 1)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"`--repeats` must be >= 1, got {args.repeats}")
     try:
         seeds = [int(v) for v in args.seeds.split(",")]
     except ValueError:
@@ -581,7 +610,8 @@ def main(argv: Optional[list[str]] = None, bench: str = "tta") -> int:
             len(chosen) - 1 + len(bounds) if "auto" in chosen else len(chosen))
     for k in keys:
         threads, per, steps = probes[k]
-        est = len(seeds) * expected_seconds(table[k], per[threads], steps, runs, launch)
+        est = len(seeds) * args.repeats * expected_seconds(table[k], per[threads], steps,
+                                                           runs, launch)
         total += est
         print(f"[{k}] {table[k].label}: {steps} steps per epoch, best serial step "
               f"{1e3 * per[threads]:.1f} ms at {threads} thread(s): expect about "
@@ -590,14 +620,18 @@ def main(argv: Optional[list[str]] = None, bench: str = "tta") -> int:
           f"the layer-parallel runs step slower than serial (starting a training took "
           f"{launch[0]:.1f} s here now, {launch[1]:.1f} s at {args.np} rank(s); time "
           f"budgets in the cases' options shorten it)", flush=True)
-    for k, seed in ((k, seed) for k in keys for seed in seeds):
+    for k, seed, rnd in ((k, seed, rnd) for k in keys for seed in seeds
+                         for rnd in range(args.repeats)):
         case = table[k] if seeds == [0] else table[k].with_seed(seed)
+        case = case if args.repeats == 1 else case.with_round(rnd)
         runs, target, _ = run_case(case, args.np, args.timeout, probe=probes[k],
                                    device=args.device, bounds=bounds,
                                    compiled=args.compiled_serial, methods=chosen)
         results.append((case, runs, target))
         _write(out, results, command.strip(), args.smoke, load, args.device, bench)
-        print(f"[{k}{'' if seeds == [0] else f' seed {seed}'}] target {target:.4f}: " + "; ".join(
+        which = ("" if seeds == [0] else f" seed {seed}") + \
+            ("" if args.repeats == 1 else f" run {rnd + 1}")
+        print(f"[{k}{which}] target {target:.4f}: " + "; ".join(
             f"{r.method} " + _seconds(r.to_target(target)[0]) for r in runs), flush=True)
     print(f"layerpar.bench {bench}: {len(keys)} case(s) in {time.perf_counter() - t0:.0f} s; "
           f"wrote {out}/tta.csv, summary.csv, tta.png, README.md")
