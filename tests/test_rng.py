@@ -3,9 +3,9 @@
 - The global generator advances on every rank as serial training advances it (the
   dropout seed is drawn on every rank; a plain layer's dropout draws from its own
   generator), so a shuffling DataLoader gives every rank the same batches.
-- A block drawing random numbers outside a dropout module is refused by name under
-  MGRIT (forward and adjoint would see other noise), and runs as serial autograd in
-  direct mode.
+- A block drawing random numbers outside a dropout module (from the global generator
+  or from one it holds) is refused by name under MGRIT (forward and adjoint would see
+  other noise), and runs as serial autograd in direct mode.
 - Under ``torch.autocast`` the adjoint's steps run in the forward's dtypes.
 - An empty batch gives an empty output and zero gradients, as serial does.
 - `torch.compile`d blocks digest by their original module, the same in every process.
@@ -45,6 +45,10 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
     for r in results["random block, MGRIT"]:
         assert "grads" not in r, "a block drawing randn_like ran under MGRIT"
         assert "layer 0 of segment 0 (_Noisy) draws random numbers" in r["error"], r
+    for r in results["private generator, MGRIT"]:  # not the global one: still refused
+        assert "grads" not in r, "a block drawing from its own generator ran under MGRIT"
+        assert "layer 0 of segment 0 (_PrivateNoise) draws random numbers in forward() " \
+            "from a torch.Generator of its own (`g`)" in r["error"], r
     for r in results.get("random block, direct", []):
         assert r.get("grads", 1.0) <= F64.roundoff, r
     for name in ("autocast, per-step", "autocast, batched"):

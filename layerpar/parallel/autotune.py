@@ -814,7 +814,8 @@ class _Tuning:
             # more accurate averaged, the others are not tried (in every tuning
             # measured, averaging was better on all structures or worse on all: the
             # dense 1,024-layer net better at initialisation and worse after training,
-            # the pre-norm and conv MNIST-1D nets worse)
+            # the pre-norm MNIST-1D net better on one batch and worse on another, the
+            # conv ResNet worse)
             for m in sorted(missed, key=lambda m: m.seconds):
                 if self.stopped or m.seconds * 1.1 >= self.best_t:
                     break

@@ -270,25 +270,46 @@ def buffer_message(block: nn.Module, layer: int, segment: Optional[int],
             "(one rank, max_levels=1)")
 
 
-def generator_states(device: torch.device) -> list[Tensor]:
-    """The global generators' states a block on `device` may draw from: the CPU's and,
-    on a CUDA device, that device's (compared before and after a block's forward to
-    find one that draws random numbers)."""
+def generator_states(device: torch.device, block: Optional[nn.Module] = None
+                     ) -> list[Tensor]:
+    """The generators' states a block on `device` may draw from: the CPU's global one
+    and, on a CUDA device, that device's, then those `block` holds itself
+    (`own_generators`) (compared before and after a block's forward to find one that
+    draws random numbers)."""
     states = [torch.get_rng_state()]
     if device.type == "cuda":
         states.append(torch.cuda.get_rng_state(device))
-    return states
+    return states + [g.get_state() for _, g in own_generators(block)]
 
 
-def random_message(block: nn.Module, layer: int, segment: Optional[int]) -> str:
-    """Why a residual block that draws random numbers outside dropout is refused."""
+def own_generators(block: Optional[nn.Module]) -> list[tuple[str, torch.Generator]]:
+    """(name, generator) of every `torch.Generator` the block's modules hold as an
+    attribute (``self.g = torch.Generator()``), once each."""
+    if block is None:
+        return []
+    seen: set[int] = set()
+    out = []
+    for prefix, m in block.named_modules():
+        for k, v in vars(m).items():
+            if isinstance(v, torch.Generator) and id(v) not in seen:
+                seen.add(id(v))
+                out.append((f"{prefix}.{k}" if prefix else k, v))
+    return out
+
+
+def random_message(block: nn.Module, layer: int, segment: Optional[int],
+                   generator: Optional[str] = None) -> str:
+    """Why a residual block that draws random numbers outside dropout is refused
+    (`generator`: the name of the block's own generator it drew from)."""
     where = f"layer {layer}" + ("" if segment is None else f" of segment {segment}")
     kinds = ", ".join(t.__name__ for t in DROPOUT_TYPES)
+    what = (f"from a torch.Generator of its own (`{generator}`)" if generator is not None
+            else "(torch.randn_like, torch.rand, F.dropout, ...)")
     return (f"{where} ({type(block).__name__}) draws random numbers in forward() "
-            f"(torch.randn_like, torch.rand, F.dropout, ...) outside a dropout module "
-            f"({kinds}); MGRIT evaluates a layer several times per batch (relaxation "
-            "sweeps, coarse levels, the adjoint's recomputation), and each evaluation "
-            "would draw other numbers, so forward and backward would see different "
+            f"{what} outside a dropout module ({kinds}); MGRIT evaluates a layer "
+            "several times per batch (relaxation sweeps, coarse levels, the adjoint's "
+            "recomputation), and each evaluation would draw other numbers (serial "
+            "training evaluates it once), so forward and backward would see different "
             "noise. Use a dropout module (layerpar draws its mask once per layer and "
             "batch), or train this net serially (one rank, max_levels=1)")
 

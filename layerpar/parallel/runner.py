@@ -35,6 +35,7 @@ from .batched import (
     inplace_message,
     output_message,
     own_buffers,
+    own_generators,
     random_message,
     unbatchable_reason,
     warn_once,
@@ -443,19 +444,26 @@ def _checked(f: Callable[[Tensor], Tensor], block: nn.Module, a: int, seg_index:
     """`f` with the checks of a first pass: the block keeps the state's shape, leaves
     its input alone and (`with_buffers`: not in direct mode, which is serial stepping)
     updates none of its own buffers and draws no random numbers from the global
-    generators (a dropout layer's `f` draws from its own, and puts them back)."""
+    generators, nor from a generator the block holds (a dropout layer's `f` draws from
+    the global ones, seeded per layer and batch, and puts them back)."""
     bufs = own_buffers(block) if with_buffers else []
+
+    own = [name for name, _ in own_generators(block)] if with_buffers else []
 
     def checked(v: Tensor) -> Tensor:
         version, before = v._version, buffer_versions(bufs)
-        rng = generator_states(v.device) if with_buffers else []
+        rng = generator_states(v.device, block) if with_buffers else []
         out = f(v)
         if v._version != version:
             raise ValueError(inplace_message(block, a, seg_index))
         if buffer_versions(bufs) != before:
             raise ValueError(buffer_message(block, a, seg_index, bufs, before))
-        if any(not torch.equal(s, t) for s, t in zip(rng, generator_states(v.device))):
-            raise ValueError(random_message(block, a, seg_index))
+        after = generator_states(v.device, block) if with_buffers else []
+        moved = [k for k, (s, t) in enumerate(zip(rng, after)) if not torch.equal(s, t)]
+        if moved:
+            first = moved[0] - (len(rng) - len(own))  # (the block's own come last)
+            raise ValueError(random_message(block, a, seg_index,
+                                            own[first] if first >= 0 else None))
         bad = output_message(block, a, seg_index, v, out)
         if bad is not None:
             raise ValueError(bad)

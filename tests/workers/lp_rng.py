@@ -24,7 +24,7 @@ import hashlib
 import json
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -64,6 +64,21 @@ class _Noisy(nn.Module):
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.linear(u)) + 0.1 * torch.randn_like(u)
+
+
+class _PrivateNoise(nn.Module):
+    """F(u) = tanh(W u) + 0.1 noise drawn from a generator the block holds: each
+    evaluation advances it, so MGRIT's evaluations would draw other noise than
+    serial's one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.g = torch.Generator().manual_seed(3)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(u.shape, generator=self.g, dtype=u.dtype)
+        return torch.tanh(self.linear(u)) + 0.1 * noise
 
 
 def _dropout_net() -> layerpar.ODENet:
@@ -110,11 +125,12 @@ def shuffled_epochs(comm: Any) -> dict[str, Any]:
 
 # --- a block that draws random numbers outside a dropout module ---------------------------
 
-def random_block(comm: Any, options: Optional[MGRITOptions]) -> dict[str, Any]:
+def random_block(comm: Any, options: Optional[MGRITOptions],
+                 block: Callable[[], nn.Module] = _Noisy) -> dict[str, Any]:
     """MGRIT: the error each rank raised.  Direct mode (options None, one rank): the
     input and parameter gradients against serial's, from the same global seed."""
     torch.manual_seed(2)
-    serial = layerpar.ODENet(open=nn.Linear(3, 4), steps=lambda k: _Noisy(), n_steps=8,
+    serial = layerpar.ODENet(open=nn.Linear(3, 4), steps=lambda k: block(), n_steps=8,
                              close=nn.Linear(4, 5)).double()
     model = layerpar.LayerParallel(copy.deepcopy(serial), comm, options)
     x = torch.randn(6, 3, dtype=torch.float64)
@@ -312,6 +328,7 @@ def run_all(comm: Any) -> dict[str, Any]:
     cases = {
         "shuffled epochs": lambda: shuffled_epochs(comm),
         "random block, MGRIT": lambda: random_block(comm, CONVERGED),
+        "private generator, MGRIT": lambda: random_block(comm, CONVERGED, _PrivateNoise),
         **({"random block, direct": lambda: random_block(comm, None)} if direct else {}),
         "autocast, per-step": lambda: autocast_grads(comm, False),
         "autocast, batched": lambda: autocast_grads(comm, True),
