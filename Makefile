@@ -130,12 +130,15 @@ bench-tta-smoke: build
 	$(BIN)/python -m layerpar.bench tta --smoke --np 2 --out $(TTA_SMOKE_OUT)
 
 # every method at the same ranks, to each case's accuracy (docs/results/versus/); on the
-# 16-core device machine: `make bench-versus VERSUS_NP=16` (and 2, 4, 8)
+# 16-core device machine: `make bench-versus VERSUS_NP=16` (and 2, 4, 8).  VERSUS_REPEATS:
+# runs of each comparison, one after the other (a noisy machine's drift falls alike on
+# every method; README gives each run's ratios and their median)
 VERSUS_NP ?= 2
 VERSUS_CASES ?= a,f,e,c,d
+VERSUS_REPEATS ?= 1
 bench-versus: build
 	$(BIN)/python -m layerpar.bench versus --np $(VERSUS_NP) --cases $(VERSUS_CASES) \
-		--out docs/results/versus/np$(VERSUS_NP)
+		--repeats $(VERSUS_REPEATS) --out docs/results/versus/np$(VERSUS_NP)
 bench-versus-smoke: build
 	$(BIN)/python -m layerpar.bench versus --smoke --np 2 --out out/versus/smoke
 
