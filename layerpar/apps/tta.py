@@ -505,12 +505,9 @@ def versus_main(argv: Optional[list[str]] = None) -> int:
     return main(argv, bench="versus")
 
 
-def main(argv: Optional[list[str]] = None, bench: str = "tta") -> int:
-    """Command line of ``python -m layerpar.bench tta`` (and, `bench` "versus", of
-    ``versus``: the same comparison with every method)."""
-    from .launch import load_average
-
-    argv = sys.argv[1:] if argv is None else list(argv)
+def _parser(bench: str) -> OneLineParser:
+    """The command line of ``python -m layerpar.bench`` `bench` ("tta" or "versus"):
+    the same options, with each benchmark's defaults (`DEFAULTS`)."""
     cases, methods, bounds, compiled = DEFAULTS[bench]
     p = OneLineParser(prog=f"python -m layerpar.bench {bench}",
                       description=__doc__.split("\n")[0] if bench == "tta" else
@@ -546,6 +543,16 @@ def main(argv: Optional[list[str]] = None, bench: str = "tta") -> int:
                         "each of every method in the same order: the machine's drift "
                         "falls alike on each method, and README gives each run's ratios "
                         "and their median (default 1)")
+    return p
+
+
+def main(argv: Optional[list[str]] = None, bench: str = "tta") -> int:
+    """Command line of ``python -m layerpar.bench tta`` (and, `bench` "versus", of
+    ``versus``: the same comparison with every method)."""
+    from .launch import load_average
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = _parser(bench)
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"`--repeats` must be >= 1, got {args.repeats}")
