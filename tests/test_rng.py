@@ -103,3 +103,43 @@ def test_compiled_block_digest_is_its_modules() -> None:
     a, b = torch.compile(block()), torch.compile(block())
     assert fingerprint(a) == fingerprint(b)
     assert fingerprint(a) != fingerprint(torch.compile(torch.nn.Linear(4, 4)))
+
+
+class _NoisyHead(torch.nn.Module):
+    """A plain (non-segment) layer adding noise from a generator it holds: allowed (it
+    runs once per pass, on its owner, as in serial training)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 5)
+        self.g = torch.Generator().manual_seed(7)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return self.linear(u) + 0.1 * torch.randn(u.shape[0], 5, generator=self.g,
+                                                  dtype=u.dtype)
+
+
+def test_measuring_passes_leave_a_layers_own_generator_alone() -> None:
+    """A gradient check's passes and the auto-tuning's put back the generators the
+    net's layers hold, as they put back the global one: the check's two passes draw the
+    same noise (its error is roundoff, not the noise's), and the training's random
+    streams after a check or a tuning are serial's."""
+    from layerpar import LayerParallel, ODENet
+    from layerpar.ode import blocks
+
+    torch.manual_seed(3)
+    net = ODENet(open=torch.nn.Linear(3, 4), steps=lambda k: blocks.Dense(4, activation="tanh"),
+                 n_steps=8, close=_NoisyHead()).double()
+    head = net.layers[-1]
+    x = torch.randn(6, 3, dtype=torch.float64)
+    y = torch.randint(0, 5, (6,))
+    model = LayerParallel(net, None, lp_rng.CONVERGED)
+    before = head.g.get_state()
+    check = model.check_gradients(x, y, torch.nn.functional.cross_entropy)
+    assert torch.equal(head.g.get_state(), before)
+    assert check.param_grad_error <= F64.converged, check
+    model.close()
+    model = LayerParallel(net, None, "auto")
+    model.tune(x, y, torch.nn.functional.cross_entropy)
+    assert torch.equal(head.g.get_state(), before)
+    model.close()

@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["DROPOUT_TYPES", "MAX_SEED", "PLAIN", "REPLICA", "needs_rng", "layer_rng", "plain_rng",
-           "draw_seed", "mix_seed"]
+__all__ = ["DROPOUT_TYPES", "MAX_SEED", "PLAIN", "REPLICA", "GeneratorStates", "needs_rng",
+           "layer_rng", "own_generators", "plain_rng", "draw_seed", "mix_seed"]
 
 #: Module types whose forward draws from the global generator.
 DROPOUT_TYPES: tuple[type[nn.Module], ...] = (
@@ -42,6 +42,43 @@ REPLICA = -2
 #: The largest seed torch's generators accept (``torch.manual_seed`` takes 64 bits; a
 #: larger int fails deep inside torch as "Overflow when unpacking long long").
 MAX_SEED = _MASK64
+
+
+def own_generators(module: Optional[nn.Module]) -> list[tuple[str, torch.Generator]]:
+    """(name, generator) of every `torch.Generator` `module`'s modules hold as an
+    attribute (``self.g = torch.Generator()``), once each: randomness that the global
+    generator's state does not show."""
+    if module is None:
+        return []
+    seen: set[int] = set()
+    out = []
+    for prefix, m in module.named_modules():
+        for k, v in vars(m).items():
+            if isinstance(v, torch.Generator) and id(v) not in seen:
+                seen.add(id(v))
+                out.append((f"{prefix}.{k}" if prefix else k, v))
+    return out
+
+
+class GeneratorStates:
+    """The states of the generators a pass of `net` may draw from, taken now: the CPU's
+    global generator, CUDA's where initialised, and every generator `net`'s modules
+    hold (`own_generators`).  `restore` puts them all back, so that a measuring pass
+    (a gradient check's, the auto-tuning's) leaves the training's random streams as
+    serial training would have them, and two passes draw the same numbers."""
+
+    def __init__(self, net: Optional[nn.Module] = None) -> None:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self._cpu = torch.get_rng_state()
+        self._cuda = torch.cuda.get_rng_state_all() if cuda else None
+        self._own = [(g, g.get_state()) for _, g in own_generators(net)]
+
+    def restore(self) -> None:
+        torch.set_rng_state(self._cpu)
+        if self._cuda is not None:
+            torch.cuda.set_rng_state_all(self._cuda)
+        for g, state in self._own:
+            g.set_state(state)
 
 
 def needs_rng(module: nn.Module) -> bool:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from ..ode.rng import GeneratorStates
 from .tape import input_leaf
 
 if TYPE_CHECKING:
@@ -168,23 +169,20 @@ def _check_params(model: _Model) -> tuple[list[Tensor], dict[int, Optional[int]]
 
 class _Restore:
     """Puts back what a measuring pass may change: the random generators (CPU and,
-    where initialised, CUDA), the buffers (batch-norm statistics) and the model's
+    where initialised, CUDA, and those the net's modules hold: `GeneratorStates`), the
+    buffers (batch-norm statistics) and the model's
     last solve statistics.  `rng()` puts the generators back alone (so that two
     passes draw the same dropout masks); leaving the `with` puts back everything."""
 
     def __init__(self, model: _Model) -> None:
         self.model = model
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        self._rng = torch.get_rng_state()
-        self._rng_cuda = torch.cuda.get_rng_state_all() if cuda else None
+        self._rng = GeneratorStates(getattr(model, "whole_net", None))
         self._buffers = list(model.buffers())
         self._saved = [b.detach().clone() for b in self._buffers]
         self._stats = (model.last_forward, model.last_backward)
 
     def rng(self) -> None:
-        torch.set_rng_state(self._rng)
-        if self._rng_cuda is not None:
-            torch.cuda.set_rng_state_all(self._rng_cuda)
+        self._rng.restore()
 
     def buffers(self) -> None:
         with torch.no_grad():

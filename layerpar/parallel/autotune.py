@@ -64,6 +64,7 @@ from torch.autograd.variable import Variable
 from ..mgrit.grid import build_levels
 from ..mgrit.options import MGRITOptions
 from ..ode.net import ODENet
+from ..ode.rng import GeneratorStates
 from .accuracy import ExactReference, GradientCheck, _Restore, _sq, check_gradients, exact_reference
 from .adaptive import AccuracyController, AccuracyEvent, AccuracyPolicy
 from .batched import same_structures
@@ -593,7 +594,7 @@ class _Tuning:
         self.reused = 0
         self.kept: dict[Candidate, ReplicatedSerial] = {}  # timed, warm: the chosen one is used
         self.ranks = model.size
-        self.rng = torch.get_rng_state()
+        self.rng = GeneratorStates(model.whole_net)  # (put back before each check)
         self.table: list[Measurement] = []
         self.best_t = math.inf  # the time to beat
         self.limit: Optional[float] = None
@@ -690,7 +691,7 @@ class _Tuning:
         if self.bound is not None:
             return self.bound
         policy = self.policy
-        torch.set_rng_state(self.rng)
+        self.rng.restore()
         self.noise = noise = gradient_noise(self.model, self.x, self.y, self.loss_fn)
         if noise is None:
             self.bound = replace(policy, noise_fraction=None)
@@ -730,7 +731,7 @@ class _Tuning:
             if t >= beat:
                 return Measurement(cand, t)
             limit_ = self.held_to()
-            torch.set_rng_state(self.rng)
+            self.rng.restore()
             if not self.exact:
                 self.exact.append(exact_reference(model, x, y, loss_fn))
             check = check_gradients(twin, x, y, loss_fn, reference=self.exact[0])
@@ -836,7 +837,7 @@ class _Tuning:
 
     def result(self, loss_note: str) -> TuneResult:
         """The choice from the table, and what the tuning measured (collective)."""
-        torch.set_rng_state(self.rng)
+        self.rng.restore()
         for rep in self.built.values():  # (built, not timed: not kept)
             rep.close()
         choice, reason = choose(self.table, self.ranks)

@@ -48,7 +48,7 @@ from torch.func import functional_call, vmap
 
 from ..mgrit.solve import vec_norm_sq, vec_sum
 from ..ode.flat import rows as flat_rows
-from ..ode.rng import DROPOUT_TYPES, needs_rng
+from ..ode.rng import DROPOUT_TYPES, needs_rng, own_generators
 from ..ode.schemes import Scheme
 from .kernels import fused_step_for
 from .tape import autocast_dtype
@@ -280,21 +280,6 @@ def generator_states(device: torch.device, block: Optional[nn.Module] = None
     if device.type == "cuda":
         states.append(torch.cuda.get_rng_state(device))
     return states + [g.get_state() for _, g in own_generators(block)]
-
-
-def own_generators(block: Optional[nn.Module]) -> list[tuple[str, torch.Generator]]:
-    """(name, generator) of every `torch.Generator` the block's modules hold as an
-    attribute (``self.g = torch.Generator()``), once each."""
-    if block is None:
-        return []
-    seen: set[int] = set()
-    out = []
-    for prefix, m in block.named_modules():
-        for k, v in vars(m).items():
-            if isinstance(v, torch.Generator) and id(v) not in seen:
-                seen.add(id(v))
-                out.append((f"{prefix}.{k}" if prefix else k, v))
-    return out
 
 
 def random_message(block: nn.Module, layer: int, segment: Optional[int],

@@ -24,7 +24,7 @@ from ..mgrit.session import EngineSession
 from ..ode.flat import flatten
 from ..ode.net import Segment
 from ..ode.propagator import Propagator
-from ..ode.rng import needs_rng
+from ..ode.rng import needs_rng, own_generators
 from .adjoint import AdjointApp
 from .batched import (
     BatchedBlocks,
@@ -35,7 +35,6 @@ from .batched import (
     inplace_message,
     output_message,
     own_buffers,
-    own_generators,
     random_message,
     unbatchable_reason,
     warn_once,
