@@ -154,34 +154,31 @@ def test_ladder_ends_after_two_structures_no_faster(monkeypatch: pytest.MonkeyPa
     cost = {(3, 4): 2.0, (2, 8): 0.5, (2, 4): 3.0, (2, 2): 4.0}  # exact: 1.0
     _structure_cost(monkeypatch, cost)
     net, x, y = _stiff_batch(1.0)
-    model = LayerParallel(net, None, "auto",
-                          accuracy=AccuracyPolicy(max_rel_error=10.0, min_cosine=-1.0))
-    got = model.tune(x, y, torch.nn.functional.cross_entropy)
-    timed_structures = [(m.candidate.levels, m.candidate.cfactor) for m in got.table
-                        if not m.candidate.exact and m.candidate.batched]
+    got, timed_structures = _structures_timed(net, x, y)
     # (3, 4) slower, (2, 8) within and faster (count reset), then (2, 4) slower: one
     assert timed_structures == [(3, 4), (2, 8), (2, 4), (2, 2)], got.lines()
     assert got.choice.candidate.cfactor == 8 and "not timed" not in got.reason
     cost.update({(3, 4): 0.5, (2, 8): 0.9, (2, 4): 0.8})  # (2, 2) would be timed next
-    model.close()
-    model = LayerParallel(net, None, "auto",
-                          accuracy=AccuracyPolicy(max_rel_error=10.0, min_cosine=-1.0))
-    got = model.tune(x, y, torch.nn.functional.cross_entropy)
-    timed_structures = [(m.candidate.levels, m.candidate.cfactor) for m in got.table
-                        if not m.candidate.exact and m.candidate.batched]
+    got, timed_structures = _structures_timed(net, x, y)
     assert timed_structures == [(3, 4), (2, 8), (2, 4)], got.lines()
     assert "1 structure(s) coarsening less not timed: the 2 before them took at least " \
         "1.2 x 500.0 ms" in got.reason, got.reason
-    model.close()
     # slower, but within SLOWER x the best (a slow phase of the machine): not counted
     cost.update({(2, 8): 0.55, (2, 4): 0.58})
+    got, timed_structures = _structures_timed(net, x, y)
+    assert timed_structures == [(3, 4), (2, 8), (2, 4), (2, 2)], got.lines()
+
+
+def _structures_timed(net: Any, x: torch.Tensor, y: torch.Tensor
+                      ) -> tuple[Any, list[tuple[int, int]]]:
+    """A tuning under a bound every candidate meets: its result, and the (levels,
+    cfactor) of the batched MGRIT candidates it timed, in order."""
     model = LayerParallel(net, None, "auto",
                           accuracy=AccuracyPolicy(max_rel_error=10.0, min_cosine=-1.0))
     got = model.tune(x, y, torch.nn.functional.cross_entropy)
-    timed_structures = [(m.candidate.levels, m.candidate.cfactor) for m in got.table
-                        if not m.candidate.exact and m.candidate.batched]
-    assert timed_structures == [(3, 4), (2, 8), (2, 4), (2, 2)], got.lines()
     model.close()
+    return got, [(m.candidate.levels, m.candidate.cfactor) for m in got.table
+                 if not m.candidate.exact and m.candidate.batched]
 
 
 def test_average_coarsening_stops_once_no_more_accurate(monkeypatch: pytest.MonkeyPatch

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Optional
 
 import torch
@@ -61,17 +61,17 @@ def own_generators(module: Optional[nn.Module]) -> list[tuple[str, torch.Generat
 
 
 class GeneratorStates:
-    """The states of the generators a pass of `net` may draw from, taken now: the CPU's
-    global generator, CUDA's where initialised, and every generator `net`'s modules
-    hold (`own_generators`).  `restore` puts them all back, so that a measuring pass
-    (a gradient check's, the auto-tuning's) leaves the training's random streams as
+    """The states of the generators a pass may draw from, taken now: the CPU's global
+    generator, CUDA's where initialised, and every generator `modules` hold
+    (`own_generators`).  `restore` puts them all back, so that a measuring pass (a
+    gradient check's, the auto-tuning's) leaves the training's random streams as
     serial training would have them, and two passes draw the same numbers."""
 
-    def __init__(self, net: Optional[nn.Module] = None) -> None:
+    def __init__(self, modules: Sequence[nn.Module] = ()) -> None:
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self._cpu = torch.get_rng_state()
         self._cuda = torch.cuda.get_rng_state_all() if cuda else None
-        self._own = [(g, g.get_state()) for _, g in own_generators(net)]
+        self._own = [(g, g.get_state()) for m in modules for _, g in own_generators(m)]
 
     def restore(self) -> None:
         torch.set_rng_state(self._cpu)

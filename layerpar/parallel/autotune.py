@@ -64,8 +64,15 @@ from torch.autograd.variable import Variable
 from ..mgrit.grid import build_levels
 from ..mgrit.options import MGRITOptions
 from ..ode.net import ODENet
-from ..ode.rng import GeneratorStates
-from .accuracy import ExactReference, GradientCheck, _Restore, _sq, check_gradients, exact_reference
+from .accuracy import (
+    ExactReference,
+    GradientCheck,
+    _Restore,
+    _sq,
+    check_gradients,
+    exact_reference,
+    random_state,
+)
 from .adaptive import AccuracyController, AccuracyEvent, AccuracyPolicy
 from .batched import same_structures
 from .replicated import ReplicatedSerial, split_supported, supported
@@ -594,7 +601,7 @@ class _Tuning:
         self.reused = 0
         self.kept: dict[Candidate, ReplicatedSerial] = {}  # timed, warm: the chosen one is used
         self.ranks = model.size
-        self.rng = GeneratorStates(model.whole_net)  # (put back before each check)
+        self.rng = random_state(model)  # (put back before each check)
         self.table: list[Measurement] = []
         self.best_t = math.inf  # the time to beat
         self.limit: Optional[float] = None

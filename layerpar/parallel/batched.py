@@ -48,7 +48,7 @@ from torch.func import functional_call, vmap
 
 from ..mgrit.solve import vec_norm_sq, vec_sum
 from ..ode.flat import rows as flat_rows
-from ..ode.rng import DROPOUT_TYPES, needs_rng, own_generators
+from ..ode.rng import DROPOUT_TYPES, needs_rng
 from ..ode.schemes import Scheme
 from .kernels import fused_step_for
 from .tape import autocast_dtype
@@ -270,16 +270,14 @@ def buffer_message(block: nn.Module, layer: int, segment: Optional[int],
             "(one rank, max_levels=1)")
 
 
-def generator_states(device: torch.device, block: Optional[nn.Module] = None
-                     ) -> list[Tensor]:
-    """The generators' states a block on `device` may draw from: the CPU's global one
-    and, on a CUDA device, that device's, then those `block` holds itself
-    (`own_generators`) (compared before and after a block's forward to find one that
-    draws random numbers)."""
+def generator_states(device: torch.device) -> list[Tensor]:
+    """The global generators' states a block on `device` may draw from: the CPU's and,
+    on a CUDA device, that device's (compared before and after a block's forward to
+    find one that draws random numbers; those the block holds: `ode.rng.own_generators`)."""
     states = [torch.get_rng_state()]
     if device.type == "cuda":
         states.append(torch.cuda.get_rng_state(device))
-    return states + [g.get_state() for _, g in own_generators(block)]
+    return states
 
 
 def random_message(block: nn.Module, layer: int, segment: Optional[int],

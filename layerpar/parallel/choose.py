@@ -255,7 +255,7 @@ class _Calibration:
         replicated serial's where it was timed, and `setup` seconds to build it."""
         if self.steps_to_come is None or not self.held:
             return None
-        best = min(s for _, s in self.held.values())
+        best = self.fastest()
         step = max(best, self.held["serial"][1]) if serial_long and "serial" in self.held \
             else best
         spent = self.agreed(self.elapsed())

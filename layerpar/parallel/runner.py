@@ -447,22 +447,22 @@ def _checked(f: Callable[[Tensor], Tensor], block: nn.Module, a: int, seg_index:
     the global ones, seeded per layer and batch, and puts them back)."""
     bufs = own_buffers(block) if with_buffers else []
 
-    own = [name for name, _ in own_generators(block)] if with_buffers else []
+    own = own_generators(block) if with_buffers else []
 
     def checked(v: Tensor) -> Tensor:
         version, before = v._version, buffer_versions(bufs)
-        rng = generator_states(v.device, block) if with_buffers else []
+        rng = generator_states(v.device) if with_buffers else []
+        states = [g.get_state() for _, g in own]
         out = f(v)
         if v._version != version:
             raise ValueError(inplace_message(block, a, seg_index))
         if buffer_versions(bufs) != before:
             raise ValueError(buffer_message(block, a, seg_index, bufs, before))
-        after = generator_states(v.device, block) if with_buffers else []
-        moved = [k for k, (s, t) in enumerate(zip(rng, after)) if not torch.equal(s, t)]
-        if moved:
-            first = moved[0] - (len(rng) - len(own))  # (the block's own come last)
-            raise ValueError(random_message(block, a, seg_index,
-                                            own[first] if first >= 0 else None))
+        if any(not torch.equal(s, t) for s, t in zip(rng, generator_states(v.device))):
+            raise ValueError(random_message(block, a, seg_index))
+        for (name, g), state in zip(own, states):
+            if not torch.equal(state, g.get_state()):
+                raise ValueError(random_message(block, a, seg_index, name))
         bad = output_message(block, a, seg_index, v, out)
         if bad is not None:
             raise ValueError(bad)
