@@ -264,6 +264,24 @@ def test_decisions_are_the_same_on_every_rank(nprocs: int) -> None:
     assert len(set(reports.values())) == 1, reports  # same log, same losses
 
 
+def test_checks_are_spaced_from_the_last_one() -> None:
+    """The next check is due an interval after the last one, also where the interval
+    changed in between (auto sets `min_every` from each check's timings: counted at
+    the interval's multiples, a check at batch 87 and an interval of 121 brought the
+    next at 121, 34 batches on); asked again about the batch it said yes to, it says
+    yes again; a batch numbered below the last check's (numbering begun again) counts
+    from 0."""
+    from layerpar.parallel.adaptive import AccuracyController
+
+    ctl = AccuracyController(AccuracyPolicy(check_every=10), 1, 1)
+    ctl.min_every = 87
+    first = next(b for b in range(1, 400) if ctl.check_due(b))
+    assert first == 87 and ctl.check_due(87)
+    ctl.min_every = 121
+    assert next(b for b in range(first + 1, 400) if ctl.check_due(b)) == 87 + 121
+    assert [b for b in range(1, 130) if ctl.check_due(b)] == [121]
+
+
 def test_checks_back_off_while_within_the_bound() -> None:
     """With `check_backoff`, each check within the bound doubles the interval between
     checks (up to the cap); one outside the bound resets it; the default is off."""

@@ -146,6 +146,25 @@ def test_retuning_checks_every_first_count_before_timing_more_iterations(
     model.close()
 
 
+def test_more_iterations_timed_on_one_structure_predict_the_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the next iteration counts, timed on the fastest structure outside the
+    bound, took 2 x its first counts' pass (more than `ITERATION_GROWTH`), the other
+    structures' are predicted at that ratio: no faster than exact propagation, they
+    are not timed; with the growth assumed alone every one was."""
+    timings: list[tuple[int, int, int]] = []
+    _structure_cost(monkeypatch, {(3, 4): 0.55, (2, 8): 0.6, (2, 4): 0.65}, timings)
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, "auto",
+                          accuracy=AccuracyPolicy(max_rel_error=1e-12, min_cosine=-1.0))
+    got = model.tune(x, y, torch.nn.functional.cross_entropy)
+    more = [(lv, cf) for lv, cf, it in timings if it > 1]
+    assert 0.65 * at.ITERATION_GROWTH < 1.0  # (by the assumed growth, all would be timed)
+    assert more == [(3, 4)], (timings, got.lines())
+    assert got.choice.candidate.exact, got.lines()
+    model.close()
+
+
 def test_ladder_ends_after_two_structures_no_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     """Structures come most coarsening first; once two in a row are no faster than the
     time to beat at their fewest iterations, those left (coarsening less, slower) are

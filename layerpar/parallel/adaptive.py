@@ -249,6 +249,9 @@ class AccuracyController:
     #: the least interval between checks under MGRIT, in batches (0: none): set by
     #: auto from what a check costs against a pass (`autotune.CHECK_SHARE`)
     min_every: int = 0
+    #: the batch `check_due` last said yes to (where the last check ran; 0 before
+    #: any): the next is due an interval after it
+    checked_at: int = 0
 
     def __post_init__(self) -> None:
         if self.costs is None:
@@ -258,15 +261,25 @@ class AccuracyController:
         self.log.append(AccuracyEvent(batch, action, reason))
 
     def check_due(self, batch: int) -> bool:
-        """Whether the training loop should measure the gradient error at `batch`:
-        every `check_every` batches under MGRIT (times `backoff`, see
-        `AccuracyPolicy.check_backoff`, and at least every `min_every`), 5 times less
-        often while exact (a check then only asks whether MGRIT has become usable and
-        cheaper)."""
+        """Whether the training loop should measure the gradient error at `batch`
+        (asked once a batch, the check run where it says yes): `check_every` batches
+        after the last check (times `backoff`, see `AccuracyPolicy.check_backoff`, and
+        at least `min_every`) under MGRIT, 5 times that while exact (a check then only
+        asks whether MGRIT has become usable and cheaper).  Counted from the last
+        check, not at the interval's multiples: those came sooner than the interval
+        where it had just changed (auto sets `min_every` from each check's timings).
+        A `batch` below the last check's (numbering begun again, say each epoch)
+        counts from 0."""
         every = self.policy.check_every * (5 if self.exact else self.backoff)
         if not self.exact:
             every = max(every, self.min_every)
-        return batch % every == 0
+        if batch == self.checked_at and batch > 0:
+            return True  # (asked again about the batch it said yes to)
+        since = batch - self.checked_at if batch >= self.checked_at else batch
+        if since < every:
+            return False
+        self.checked_at = batch
+        return True
 
     def stalled(self, stats: list[MGRITResult]) -> Optional[str]:
         """Why the forward solves of a pass stalled or diverged (None if they did not)."""

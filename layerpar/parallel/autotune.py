@@ -754,9 +754,10 @@ class _Tuning:
         """The MGRIT candidates: every structure at the first iteration counts (the
         first within the bound is the best found; after it, `SLOWER_STRUCTURES` in a
         row at least `SLOWER` x the time to beat end the round); then more iterations on the
-        structures outside the bound, fastest first, while their first counts' time
-        times `ITERATION_GROWTH` may beat the best found (the first within the bound
-        ends a structure's ladder); then "average" coarsening on the structures
+        structures outside the bound, fastest first, while their time predicted
+        (the counts before times the least ratio timed on another structure this
+        round, at least `ITERATION_GROWTH`) may beat the best found (the first within
+        the bound ends a structure's ladder); then "average" coarsening on the structures
         outside the bound at the first counts, fastest first, until one is no more
         accurate averaged; then the best with per-step cycles.
         Breadth first: a structure's more iterations cost a new timing, its first
@@ -794,10 +795,16 @@ class _Tuning:
                 self._found(m)
             elif m.rel_error is not None:
                 missed.append(m)
+        # what the next iteration counts cost over the ones before, as timed on some
+        # structure in this round: the least of those ratios (at least
+        # `ITERATION_GROWTH`) predicts the others', so that a structure whose more
+        # iterations another structure's timing says are slower is not timed
+        growth: dict[tuple[int, int], float] = {}
         for first in sorted(missed, key=lambda m: m.seconds):
             t = first.seconds
             for fi, bi in ITERATIONS[1:]:
-                t *= ITERATION_GROWTH
+                before = t
+                t *= max(ITERATION_GROWTH, growth.get((fi, bi), 0.0))
                 if self.stopped or max(fi, bi) > self.policy.max_iters or \
                         t >= min(self.best_t, self.to_beat):
                     break
@@ -806,6 +813,8 @@ class _Tuning:
                     break
                 m = self.measure(replace(first.candidate, fwd_iters=fi, bwd_iters=bi))
                 self.table.append(m)
+                ratio = m.seconds / before
+                growth[fi, bi] = min(growth.get((fi, bi), ratio), ratio)
                 if m.rel_error is None:  # slower than what we have: more iterations won't help
                     break
                 t = m.seconds
@@ -1190,6 +1199,7 @@ class AutoTuner:
             if ctl is not None:
                 # the tuning's check of it, within the bound, was its first: back off once
                 ctl.backoff = min(2, ctl.policy.check_backoff)
+                ctl.checked_at = self.batches
                 # a check's exact pass is exact propagation's (where it was timed)
                 exact = min(m.seconds for m in got.table if m.candidate.exact)
                 exact = next((m.seconds for m in got.table if m.candidate.exact
