@@ -158,11 +158,49 @@ def test_more_iterations_timed_on_one_structure_predict_the_others(
     model = LayerParallel(net, None, "auto",
                           accuracy=AccuracyPolicy(max_rel_error=1e-12, min_cosine=-1.0))
     got = model.tune(x, y, torch.nn.functional.cross_entropy)
-    more = [(lv, cf) for lv, cf, it in timings if it > 1]
+    more = {(lv, cf) for lv, cf, it in timings if it > 1}
     assert 0.65 * at.ITERATION_GROWTH < 1.0  # (by the assumed growth, all would be timed)
-    assert more == [(3, 4)], (timings, got.lines())
+    assert more == {(3, 4)}, (timings, got.lines())
     assert got.choice.candidate.exact, got.lines()
     model.close()
+
+
+def test_a_candidate_outside_the_bound_is_timed_on_one_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new MGRIT candidate faster than the best found is checked after one timed
+    pass; outside the bound it is timed no more, within it the rest of `repeats`
+    passes are timed (warm) and its time is the fewest."""
+    timed = at._time_passes
+    calls: list[tuple[int, int, bool]] = []  # (levels, repeats, warm) of MGRIT timings
+    monkeypatch.setattr(at, "STRUCTURES", ((2, 4), (2, 8)))
+
+    def fake(model: Any, m: Any, x: Any, y: Any, loss: Any, repeats: int,
+             bound: float = math.inf, warm: bool = False) -> float:
+        timed(model, m, x, y, loss, repeats)
+        o = getattr(m, "options", None)
+        if o is None or o.max_levels == 1:
+            return 1.0
+        calls.append((o.max_levels, repeats, warm))
+        return 0.2 if warm else 0.3  # (the later passes faster: the fewest is theirs)
+
+    monkeypatch.setattr(at, "_time_passes", fake)
+    net, x, y = _stiff_batch(1.0)
+    loss = torch.nn.functional.cross_entropy
+    for bound, within in ((1e-12, False), (0.9, True)):
+        del calls[:]
+        model = LayerParallel(net, None, "auto",
+                              accuracy=AccuracyPolicy(max_rel_error=bound, min_cosine=-1.0))
+        got = model.tune(x, y, loss)
+        first = [m for m in got.table if m.candidate.levels == 2 and m.candidate.fwd_iters == 1
+                 and m.candidate.batched and m.candidate.coarsening is None][0]
+        assert first.within == within and calls[0] == (2, 1, False), got.lines()
+        if within:
+            assert calls[1] == (2, model.tuner.repeats - 1, True), calls
+            assert first.seconds == pytest.approx(0.2), got.lines()
+        else:
+            assert all(r == 1 and not w for _, r, w in calls), calls
+            assert first.seconds == pytest.approx(0.3), got.lines()
+        model.close()
 
 
 def test_ladder_ends_after_two_structures_no_faster(monkeypatch: pytest.MonkeyPatch) -> None:

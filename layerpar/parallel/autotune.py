@@ -723,7 +723,14 @@ class _Tuning:
 
     def measure(self, cand: Candidate) -> Measurement:
         """An MGRIT candidate's pass time and, where it beats the best found, its
-        gradient error against the batch's exact pass."""
+        gradient error against the batch's exact pass.
+
+        A new candidate is timed on one pass first (after its untimed one); where
+        that beats the best found, its gradient is checked before more passes are
+        timed: one outside the bound keeps that pass's time (it only orders the
+        ladder's next steps), so only a candidate that may be chosen is timed on
+        the fewest of `repeats` passes (on the pre-norm MNIST-1D net, where no
+        structure was within the bound, that was two passes of five per candidate)."""
         model, x, y, loss_fn = self.model, self.x, self.y, self.loss_fn
         beat = min(self.best_t, self.to_beat)
         t = self.known.get(cand)
@@ -733,8 +740,14 @@ class _Tuning:
                 return Measurement(cand, t)
         twin = _build(model, cand, None)
         try:
+            more = 0  # timed passes still to run where the check finds it within
             if t is None:
-                t = _time_passes(model, twin, x, y, loss_fn, self.repeats, beat)
+                t = _time_passes(model, twin, x, y, loss_fn, 1, beat)
+                more = self.repeats - 1
+                if t >= beat and more:  # (perhaps a disturbed pass: as many as usual)
+                    t = min(t, _time_passes(model, twin, x, y, loss_fn, more, beat,
+                                            warm=True))
+                    more = 0
             if t >= beat:
                 return Measurement(cand, t)
             limit_ = self.held_to()
@@ -742,8 +755,10 @@ class _Tuning:
             if not self.exact:
                 self.exact.append(exact_reference(model, x, y, loss_fn))
             check = check_gradients(twin, x, y, loss_fn, reference=self.exact[0])
-            return Measurement(cand, t, check.param_grad_error, check.cosine,
-                               _within(check, limit_))
+            within = _within(check, limit_)
+            if within and more:
+                t = min(t, _time_passes(model, twin, x, y, loss_fn, more, beat, warm=True))
+            return Measurement(cand, t, check.param_grad_error, check.cosine, within)
         finally:
             _drop(twin)
 
