@@ -391,6 +391,23 @@ def test_within_the_bound_picks_mgrit_and_watches(monkeypatch: pytest.MonkeyPatc
     model.close()
 
 
+def test_the_budget_stops_short_of_a_candidate_it_has_no_room_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budget is a cap: an MGRIT candidate is measured only where the budget has
+    room for about `PASSES_AHEAD` passes at the time to beat (exact propagation's 1 s
+    here, so 3 s), not wherever some budget is left."""
+    _fixed_cost(monkeypatch)
+    net, x, y = _stiff_batch(1.0)
+    loss = torch.nn.functional.cross_entropy
+    for steps, mgrit in ((40, False), (100, True)):  # budgets 2 s and 5 s
+        model = LayerParallel(net, None, "auto", accuracy=AccuracyPolicy(max_rel_error=0.5))
+        got = model.tune(x, y, loss, steps=steps)
+        timed = [m for m in got.table if not m.candidate.exact]
+        assert bool(timed) == mgrit, got.lines()
+        assert mgrit or "tuning stopped after 1 candidates" in got.reason, got.reason
+        model.close()
+
+
 def test_retuning_reuses_timings_and_the_remaining_budget(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A re-tuning times nothing already timed on a batch of that shape, and its

@@ -523,6 +523,9 @@ def _drop(twin: Optional[LayerParallel]) -> None:
 
 #: the share of the expected training time (steps x an exact pass) the tuning may take
 BUDGET = 0.05
+#: the passes a new MGRIT candidate outside the bound runs (its untimed one, one timed,
+#: its check's): what the budget expects the next candidate to cost (`_Tuning.ahead`)
+PASSES_AHEAD = 3
 #: seconds that setting up exact propagation and its first pass take beyond the passes
 #: themselves (~0.5 s on an 8-layer net, 2-core CPU, 2 ranks, measured building a
 #: separate exact model; exact mode reuses the model, so this is an upper bound); exact
@@ -762,6 +765,14 @@ class _Tuning:
         finally:
             _drop(twin)
 
+    def ahead(self, cand: Candidate, per_pass: float) -> float:
+        """What measuring `cand` will cost, about: a check's pass where its time is
+        known, else `PASSES_AHEAD` passes of `per_pass` seconds (a guess: the time to
+        beat, or the time predicted), so that the budget is a cap the tuning stops
+        short of, not a line its last candidate crosses."""
+        known = self.known.get(cand)
+        return known if known is not None else PASSES_AHEAD * per_pass
+
     def _found(self, m: Measurement) -> None:
         self.best, self.best_t = m.candidate, m.seconds
 
@@ -795,10 +806,10 @@ class _Tuning:
                 # they come most coarsening first, so those left coarsen less: slower
                 self.skipped = len(structures) - structures.index((levels, cf))
                 break
-            if self.over():
+            beat = min(self.best_t, self.to_beat)
+            if self.over(self.ahead(Candidate(levels, cf, *ITERATIONS[0]), beat)):
                 self.stopped = True
                 break
-            beat = min(self.best_t, self.to_beat)
             m = self.measure(Candidate(levels, cf, *ITERATIONS[0]))
             self.table.append(m)
             # clearly slower than a setting found within the bound only: the first MGRIT
@@ -823,10 +834,11 @@ class _Tuning:
                 if self.stopped or max(fi, bi) > self.policy.max_iters or \
                         t >= min(self.best_t, self.to_beat):
                     break
-                if self.over():
+                cand = replace(first.candidate, fwd_iters=fi, bwd_iters=bi)
+                if self.over(self.ahead(cand, t)):
                     self.stopped = True
                     break
-                m = self.measure(replace(first.candidate, fwd_iters=fi, bwd_iters=bi))
+                m = self.measure(cand)
                 self.table.append(m)
                 ratio = m.seconds / before
                 growth[fi, bi] = min(growth.get((fi, bi), ratio), ratio)
@@ -851,10 +863,11 @@ class _Tuning:
             for m in sorted(missed, key=lambda m: m.seconds):
                 if self.stopped or m.seconds * 1.1 >= self.best_t:
                     break
-                if self.over():
+                cand = replace(m.candidate, coarsening="average")
+                if self.over(self.ahead(cand, 1.1 * m.seconds)):
                     self.stopped = True
                     break
-                got = self.measure(replace(m.candidate, coarsening="average"))
+                got = self.measure(cand)
                 self.table.append(got)
                 if got.within:
                     self._found(got)

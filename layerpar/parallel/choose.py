@@ -466,12 +466,11 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
                                     schedules, microbatches),
                        timer or (lambda name, s: s), steps_to_come, calibration_share)
     cal.exact = exact
+    # (the buffers the timing steps move are put back from it in the chosen method)
     pristine = {k: v.detach().clone() for k, v in base.state_dict().items()}
 
-    def fresh() -> ODENet:
-        copy_ = copy.deepcopy(base)
-        copy_.load_state_dict(pristine)
-        return copy_
+    def fresh() -> ODENet:  # (nothing trains `base` itself: a copy is in its state)
+        return copy.deepcopy(base)
 
     order = sorted(methods, key=METHOD_NAMES.index)
     if "layerparallel" in order and "data" in order and split_refusal(base) is not None:
