@@ -733,7 +733,8 @@ class _Tuning:
         timed: one outside the bound keeps that pass's time (it only orders the
         ladder's next steps), so only a candidate that may be chosen is timed on
         the fewest of `repeats` passes (on the pre-norm MNIST-1D net, where no
-        structure was within the bound, that was two passes of five per candidate)."""
+        structure was within the bound, that saved one or two passes of four or
+        five per candidate)."""
         model, x, y, loss_fn = self.model, self.x, self.y, self.loss_fn
         beat = min(self.best_t, self.to_beat)
         t = self.known.get(cand)
