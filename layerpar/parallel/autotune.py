@@ -12,23 +12,25 @@ these ranks (docs/guide/accuracy.md says why each step is as it is):
 2. MGRIT candidates: (levels, cfactor) from `STRUCTURES` (the most coarsening first)
    in the order of `order_structures`, batched, first each at the first iteration
    counts of `ITERATIONS`, then more iterations on those outside the bound (`_Tuning.
-   ladder`).  A candidate is timed (`_time_passes`); one no faster than the best found
-   is dropped, else its gradient error is measured with `check_gradients` against the
-   batch's one exact pass (`exact_reference`).  Once one is within the bound,
+   ladder`).  A candidate is timed on one pass (`_time_passes`); one no faster than
+   the best found is dropped, else its gradient error is measured with
+   `check_gradients` against the batch's one exact pass (`exact_reference`), and only
+   one within the bound is timed on more passes.  Once one is within the bound,
    `SLOWER_STRUCTURES` structures in a row at least `SLOWER` x the time to beat at
-   their first counts end the first round
-   (those left coarsen less); more iterations are tried while `ITERATION_GROWTH` x the
-   pass before may beat the best found, and the first within the bound ends a
-   structure's.  Then, where the model's coarse levels use injection, structures
-   outside the bound at 1/1 are tried with "average" coarsening, as long as they may
-   beat the best found and the first tried was more accurate averaged than with
-   injection; then the best with per-step cycles.
+   their first counts end the first round (those left coarsen less); more
+   iterations are tried while the pass before times the growth (`ITERATION_GROWTH`,
+   or the least ratio timed on another structure) may beat the best found, and the
+   first within the bound ends a structure's.  Then, where the model's coarse levels
+   use injection, structures outside the bound at 1/1 are tried with "average"
+   coarsening, as long as they may beat the best found and the first tried was more
+   accurate averaged than with injection; then the best with per-step cycles.
 3. The bound: an `AccuracyPolicy` with `min_cosine` / `max_rel_error` as given, or by
    default (`noise_fraction` = `NOISE_FRACTION`) measured: `gradient_noise` estimates
    the batch gradient's relative sampling error from its two halves, and a candidate
    may have that fraction of it (capped at `NOISE_CAP`).
-4. With the training steps to come known, no new candidate is measured once the tuning
-   took `BUDGET` of their expected time (`_Tuning.over`).
+4. With the training steps to come known, no new candidate is measured where the
+   tuning would take more than `BUDGET` of their expected time with it (`_Tuning.over`,
+   `_Tuning.ahead`).
 5. `choose`: the fastest within the bound; where no MGRIT setting is both within it
    and faster than the exact settings, the faster exact one, and why.
 
