@@ -23,8 +23,7 @@ Usage: lp_choose.py CASE.  Cases:
   and running statistics equal serial training's.
 - ``bnbound``: that choice against a fixed bound: kept under a loose one, not under a
   tight one.
-- ``budget``: one step to come: only the first candidate (layer-parallel, whose
-  tuning times replicated serial) is timed.
+- ``budget``: one step to come: only the first candidate (solo) is timed.
 - ``refusal``: an unknown method name raises the same ValueError on every rank.
 """
 import copy
