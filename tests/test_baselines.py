@@ -282,3 +282,38 @@ def test_step_seconds_cuts_a_clearly_slower_candidate(monkeypatch: pytest.Monkey
     hopeless = Clocked([0.5, 0.1])  # warm-up > GIVE_UP x the time to beat: no more
     assert step_seconds(hopeless, x, None, None, 3, bound=0.1) == pytest.approx(0.5)
     assert hopeless.steps == 1
+
+
+def test_solo_runs_at_the_thread_count_measured_fastest(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """`SoloMethod.tune_threads` times the step at each count, the most first and each
+    against the fastest so far, keeps the fastest (the fewest on a tie) and leaves
+    torch's thread count as it was; a bad count is refused by name.  A clock that each
+    step advances by its thread count's duration: the test does not depend on the
+    machine."""
+    import types
+
+    from layerpar.parallel import timing
+    from layerpar.parallel.baselines import SoloMethod
+
+    now = [0.0]
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 5, (8,))
+    before = torch.get_num_threads()
+
+    def clocked(durations: dict[int, float]):
+        def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            now[0] += durations[torch.get_num_threads()]
+            return nn.functional.cross_entropy(out, target)
+        return loss_fn
+
+    solo = SoloMethod(one_segment())
+    per = solo.tune_threads(x, y, clocked({1: 0.3, 2: 0.1, 4: 0.2}), counts=[4, 1, 2])
+    assert solo.threads == 2 and per[2] == pytest.approx(0.1) and set(per) == {1, 2, 4}
+    assert per[4] == pytest.approx(0.2) and per[1] >= 0.3  # (cut: GIVE_UP x 0.1)
+    assert torch.get_num_threads() == before
+    assert all(p.grad is None for p in solo.parameters())
+    tie = solo.tune_threads(x, y, clocked({1: 0.1, 2: 0.1}), counts=[1, 2])
+    assert solo.threads == 1 and tie[1] == tie[2]
+    with pytest.raises(ValueError, match="`counts`"):
+        solo.tune_threads(x, y, clocked({1: 0.1}), counts=[0])

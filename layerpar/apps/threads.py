@@ -22,11 +22,10 @@ __all__ = ["best_threads", "fastest_threads", "serial_threads", "thread_counts",
 
 def thread_counts(cores: Optional[int] = None) -> list[int]:
     """The counts a probe tries: 1, 2, 4, ... below `cores`, and `cores` itself
-    (default: the cores this process may use)."""
-    from .loop import available_cores
+    (default: the cores this process may use); `SoloMethod.tune_threads` tries the same."""
+    from ..parallel.baselines.method import thread_counts as counts
 
-    cores = available_cores() if cores is None else cores
-    return sorted({1, cores} | {2 ** k for k in range(1, cores.bit_length()) if 2 ** k < cores})
+    return counts(cores)
 
 
 def fastest_threads(seconds_per_batch: Callable[[], float],

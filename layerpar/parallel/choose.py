@@ -2,8 +2,9 @@
 on the user's own batch, and the fastest kept.
 
 A user with P ranks and a deep ResNet can run the whole net on every rank (replicated
-serial: nothing split, as fast as one rank), or on rank 0 alone with every core
-there (`SoloMethod`: the best serial, the others waiting), split the batch (`DataParallelNet`),
+serial: nothing split, as fast as one rank), or on rank 0 alone at the torch thread
+count that runs its step fastest (`SoloMethod`: the best serial, the others waiting;
+its steps timed by rank 0's clock), split the batch (`DataParallelNet`),
 split the layers in time (`LayerParallel`, MGRIT, with its own setting chosen by
 `Auto`), or split the layers into a pipeline (`PipelineNet`, each schedule at the
 micro-batch count that runs fastest).  `choose_method` builds each candidate from a
@@ -62,16 +63,18 @@ from .baselines import (
     SoloMethod,
     TrainingMethod,
 )
-from .baselines.method import LossFn, as_net, step_seconds
+from .baselines.method import LossFn, as_net, step_seconds, thread_counts
 from .replicated import BATCH_NORMS, split_refusal
 
 __all__ = ["METHOD_NAMES", "Choice", "Trial", "choose_method"]
 
-#: the methods `choose_method` may time, in the order it times them: layer-parallel
-#: first, since its own tuning (`Auto`) times replicated serial and the batch split
-#: too, which then cost nothing more (where it cannot time the split, batch norm, data
-#: goes first, and the tuning must beat it within the share left); solo and the
-#: pipeline sweep while the budget lasts.  On equal times the earlier name wins:
+#: the methods `choose_method` may time, in the order it times them but for solo,
+#: which it times first (a few steps: the serial run a user would make, before the
+#: open-ended tuning): layer-parallel, whose own tuning (`Auto`) times replicated
+#: serial and the batch split too, which then cost nothing more (where it cannot time
+#: the split, batch norm, data goes before it, and the tuning must beat it within the
+#: share left); the pipeline sweeps while the budget lasts.  On equal times the
+#: earlier name wins:
 #: layer-parallel running replicated serial (or the batch split) is built and warm
 #: already, and its replicated pass skips the serial net's per-pass search for dropout
 METHOD_NAMES = ("layerparallel", "serial", "data", "solo", "pipeline")
@@ -335,8 +338,11 @@ def _time_one(cal: _Calibration, what: str, fresh: Callable[[], ODENet], comm: A
                     "every rank runs the whole net (replicated serial)")
     elif what == "solo":
         solo = SoloMethod(fresh(), comm)
-        cal.measure("solo", solo, f"rank 0 alone with {solo.threads} torch threads, the "
-                    "others waiting (serial with every core)")
+        per = solo.tune_threads(cal.x, cal.y, cal.loss_fn, cal.steps, cal.fastest())
+        tried = ", ".join(f"{k}: {1000 * s:.1f} ms" for k, s in sorted(per.items()))
+        cal.measure("solo", solo, f"rank 0 alone with {solo.threads} torch thread(s), the "
+                    f"others waiting (serial at the thread count measured fastest: {tried})",
+                    per[solo.threads])
     elif what == "data":
         engine = _data_engine(cal)
         data = DataParallelNet(fresh(), comm, engine=engine)
@@ -389,14 +395,16 @@ def _time_layerparallel(cal: _Calibration, fresh: Callable[[], ODENet], comm: An
 
 def _timed_steps(steps: int, steps_to_come: Optional[int], share: float,
                  methods: Sequence[str], schedules: Sequence[str],
-                 microbatches: Sequence[int]) -> int:
+                 microbatches: Sequence[int], solo_counts: int = 1) -> int:
     """Timed steps per candidate: `steps`, fewer where the training to come is short,
     so that every candidate's warm-up and timed steps together cost about the
-    calibration's share of it (each pipeline schedule times every micro-batch count).
-    The same on every rank: it depends on the arguments alone."""
+    calibration's share of it (each pipeline schedule times every micro-batch count,
+    solo every one of its `solo_counts` thread counts).  The same on every rank: it
+    depends on the arguments alone."""
     if steps_to_come is None:
         return steps
-    n = sum(len(schedules) * len(microbatches) if m == "pipeline" else 1 for m in methods)
+    n = sum(len(schedules) * len(microbatches) if m == "pipeline" else
+            solo_counts if m == "solo" else 1 for m in methods)
     return max(1, min(steps, int(share * steps_to_come / max(n, 1)) - 1))
 
 
@@ -463,9 +471,12 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
                      "steps_to_come": steps_to_come, "share": calibration_share},
                     err, "choose_method's arguments (methods, steps, exact, schedules, "
                     "microbatches, steps_to_come, calibration_share)")
+    # the thread counts solo tries are rank 0's (`SoloMethod.tune_threads`)
+    solo_counts = len(transport.bcast_object(thread_counts(), 0)) if "solo" in methods \
+        and transport.size > 1 else len(thread_counts())
     cal = _Calibration(transport, x, y, loss_fn,
                        _timed_steps(steps, steps_to_come, calibration_share, methods,
-                                    schedules, microbatches),
+                                    schedules, microbatches, solo_counts),
                        timer or (lambda name, s: s), steps_to_come, calibration_share)
     cal.exact = exact
     # (the buffers the timing steps move are put back from it in the chosen method)
@@ -490,7 +501,7 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     for what in order:
         why, one_micro = _stands_aside(base, what, exact)
         why = why or (None if what == "pipeline" or what in cal.tabled else
-                      cal.spent(1 + cal.steps))
+                      cal.spent((solo_counts if what == "solo" else 1) * (1 + cal.steps)))
         if why is not None:
             cal.trials.append(Trial(what, None, why))
             continue

@@ -69,7 +69,8 @@ class _Gathers(Protocol):
 
 def gauged_seconds(run: Callable[[], Any], transport: _Gathers, repeats: int,
                    bound: float = float("inf"), warm: bool = False,
-                   cuda: bool = False, what: str = "the timings") -> float:
+                   cuda: bool = False, what: str = "the timings",
+                   counted: bool = True) -> float:
     """Fewest seconds of `run` (collective: every rank runs it alike), the slowest
     rank's, on every rank: one untimed run first (none if `warm`: it ran on this
     input's shape already), then at most `repeats` timed ones.
@@ -86,7 +87,9 @@ def gauged_seconds(run: Callable[[], Any], transport: _Gathers, repeats: int,
     is no faster.  Two timed runs within `AGREE` of each other on every rank end it
     early (a third would not move the minimum by more).  Every decision is taken on
     gathered times or flags, so every rank runs the same number of times.  `cuda`:
-    each run is bracketed by synchronisations."""
+    each run is bracketed by synchronisations.  `counted` False: this rank's clock is
+    not the run's (it only waits for another rank's work, whose end it sees up to a
+    millisecond late: `SoloMethod`), so it reports 0 and the others' times decide."""
 
     def once() -> float:
         if cuda:
@@ -95,7 +98,7 @@ def gauged_seconds(run: Callable[[], Any], transport: _Gathers, repeats: int,
         run()
         if cuda:
             torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0 if counted else 0.0
 
     gauged = bound < float("inf")
     untimed: Optional[float] = None  # the untimed run, slowest rank (against a bound)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable, ClassVar, Optional, Union
 
 import torch
@@ -87,6 +87,12 @@ class TrainingMethod(ABC):
     @property
     def size(self) -> int:
         return self.transport.size
+
+    @property
+    def clocks_step(self) -> bool:
+        """Whether this rank's clock times the step (`step_seconds` takes the slowest
+        such rank's): every rank's, unless the rank only waits for another's work."""
+        return True
 
     @abstractmethod
     def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
@@ -215,14 +221,16 @@ class SerialMethod(TrainingMethod):
 
 def step_seconds(method: TrainingMethod, x: Tensor, y: Any, loss_fn: LossFn,
                  repeats: int, bound: float = float("inf")) -> float:
-    """Fewest seconds of `method`'s ``train_step`` on the batch, the slowest rank's, on
-    every rank (collective): a warm-up step, then at most `repeats` timed ones, by the
+    """Fewest seconds of `method`'s ``train_step`` on the batch, the slowest rank's
+    (of those whose clock times it, `TrainingMethod.clocks_step`), on every rank
+    (collective): a warm-up step, then at most `repeats` timed ones, by the
     rule the auto-tuning times its passes with (`timing.gauged_seconds`, against
     `bound`, the time to beat: a clearly slower candidate is not timed further).
     `.grad` is cleared after (nothing steps)."""
     try:
         return gauged_seconds(lambda: method.train_step(x, y, loss_fn), method.transport,
-                              repeats, bound, cuda=x.is_cuda, what="the step timings")
+                              repeats, bound, cuda=x.is_cuda, what="the step timings",
+                              counted=method.clocks_step)
     finally:
         for p in method.parameters():
             p.grad = None
@@ -236,6 +244,13 @@ def node_cores() -> int:
         return os.cpu_count() or 1
 
 
+def thread_counts(cores: Optional[int] = None) -> list[int]:
+    """The torch thread counts a probe tries: 1, 2, 4, ... below `cores`, and `cores`
+    itself (default: `node_cores`)."""
+    cores = node_cores() if cores is None else positive_int("cores", cores)
+    return sorted({1, cores} | {2 ** k for k in range(1, cores.bit_length()) if 2 ** k < cores})
+
+
 class SoloMethod(TrainingMethod):
     """The serial net on rank 0 alone, with every core there, while the other ranks
     wait: where nothing parallel pays, the best serial run inside a parallel job.
@@ -244,7 +259,8 @@ class SoloMethod(TrainingMethod):
     comm: the job's communicator (its other ranks wait patiently, sleeping between
         tests from the start, `Transport.patiently`: rank 0 has every core).
     threads: torch threads rank 0 runs with during its passes (default: the cores this
-        process may use, `node_cores`); set back after each pass.
+        process may use, `node_cores`; `tune_threads` measures the fastest); set back
+        after each pass.
 
     Rank 0 trains the parameters; elsewhere their `.grad` stays None, so an optimizer
     there (over `parameters()`, as on rank 0) changes nothing.  The loss,
@@ -267,6 +283,42 @@ class SoloMethod(TrainingMethod):
             self.transport.agree("solo", err, "SoloMethod's net and threads")
         elif err is not None:
             raise err
+
+    @property
+    def clocks_step(self) -> bool:
+        # the other ranks only wait (and see the end of rank 0's pass up to a
+        # millisecond late, `Transport.patiently`): rank 0's clock is the step's
+        return self.rank == 0
+
+    def tune_threads(self, x: Tensor, y: Any, loss_fn: LossFn, repeats: int = 3,
+                     bound: float = float("inf"),
+                     counts: Optional[Sequence[int]] = None) -> dict[int, float]:
+        """Time the step at each torch thread count of `counts` (default
+        `thread_counts()`: 1, 2, 4, ... and every core), the most first, each by
+        `step_seconds` against the fastest so far (and `bound`), and keep the fastest
+        as `threads` (the fewest on a tie): a small net runs a batch fastest on one
+        thread, where every core would cost it several times over.  Returns the
+        seconds per count, the same on every rank (collective)."""
+        err: Optional[BaseException] = None
+        try:
+            tried = thread_counts() if counts is None else sorted(
+                {positive_int("counts", k) for k in counts})
+            if not tried:
+                raise ValueError("`counts` must name at least one thread count")
+        except Exception as exc:  # noqa: BLE001 - raised alike on every rank by agree
+            err = exc
+        if self.size > 1:
+            self.transport.agree(None, err, "SoloMethod's thread counts")
+            tried = self.transport.bcast_object(tried, 0)  # rank 0's cores count
+        elif err is not None:
+            raise err
+        per: dict[int, float] = {}
+        for k in reversed(tried):
+            self.threads = k
+            per[k] = step_seconds(self, x, y, loss_fn, repeats,
+                                  min(bound, *per.values()) if per else bound)
+        self.threads = min(per, key=lambda k: (per[k], k))
+        return per
 
     def _on_root(self, fn: Callable[[], Any]) -> Any:
         """`fn()` on rank 0 at `threads` torch threads; its result on every rank."""
