@@ -317,3 +317,21 @@ def test_solo_runs_at_the_thread_count_measured_fastest(monkeypatch: pytest.Monk
     assert solo.threads == 1 and tie[1] == tie[2]
     with pytest.raises(ValueError, match="`counts`"):
         solo.tune_threads(x, y, clocked({1: 0.1}), counts=[0])
+
+
+def test_a_solo_holding_its_threads_gives_them_back_when_closed() -> None:
+    """`hold_threads` keeps rank 0 at solo's thread count between passes (the
+    optimizer's step runs at it too) until `close`, which sets torch's count back."""
+    from layerpar.parallel.baselines import SoloMethod
+
+    before = torch.get_num_threads()
+    other = 1 if before > 1 else 2
+    solo = SoloMethod(one_segment(), threads=other)
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 5, (8,))
+    solo.train_step(x, y, nn.functional.cross_entropy)
+    assert torch.get_num_threads() == before  # set back after a pass
+    solo.hold_threads()
+    solo.train_step(x, y, nn.functional.cross_entropy)
+    assert torch.get_num_threads() == other
+    solo.close()
+    assert torch.get_num_threads() == before

@@ -99,6 +99,7 @@ def test_choosing_costs_at_most_its_share_of_the_training() -> None:
     # share of one step: nothing else is timed, layer-parallel's tuning included
     assert lines[0][0] == "CASE budget CHOSE solo SKIPPED layerparallel,serial,data," \
         "pipeline gpipe,pipeline 1f1b", lines
+    assert lines[0][1] == "CASE budget threads held=True back=True", lines
 
 
 @pytest.mark.mpi

@@ -18,8 +18,10 @@ tuning times replicated serial and the batch split beside exact propagation and
 MGRIT on passes of the batch, and those times stand for the serial and data
 candidates, which are then built only if chosen.
 The times are gathered from every rank before anything is decided, so every rank
-keeps the same candidate; the others are closed.  The table, the choice and the
-reason are in the returned method's `choice` (`Choice.lines`).
+keeps the same candidate; the others are closed (a chosen solo holds rank 0 at its
+thread count until it is closed, `SoloMethod.hold_threads`, so the optimizer's step runs
+at it too).  The table, the choice and the reason are in the returned method's
+`choice` (`Choice.lines`).
 
 Choosing costs time the training could have used: given the steps to come, it stops
 timing candidates once it has cost `calibration_share` of them (cheapest to time
@@ -524,6 +526,8 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
             built.close()
     got = held[chosen][0]
     method = got if isinstance(got, TrainingMethod) else got()
+    if isinstance(method, SoloMethod):
+        method.hold_threads()  # (the optimizer's step too, until it is closed)
     _restore_buffers(method, pristine)
     method.choice = Choice(transport.size, cal.steps, tuple(cal.trials), chosen,  # type: ignore[attr-defined]
                            time.perf_counter() - cal.t0)

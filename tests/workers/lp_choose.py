@@ -23,7 +23,8 @@ Usage: lp_choose.py CASE.  Cases:
   and running statistics equal serial training's.
 - ``bnbound``: that choice against a fixed bound: kept under a loose one, not under a
   tight one.
-- ``budget``: one step to come: only the first candidate (solo) is timed.
+- ``budget``: one step to come: only the first candidate (solo) is timed; the chosen
+  solo holds rank 0 at its thread count until closed.
 - ``refusal``: an unknown method name raises the same ValueError on every rank.
 """
 import copy
@@ -198,7 +199,12 @@ def case_budget() -> None:
     m = choose_method(dense_net(), comm, x, y, loss_fn, steps=1, steps_to_come=1)
     skipped = [t.name for t in m.choice.trials if t.note.startswith("not timed:")]
     say(f"CASE budget CHOSE {m.choice.chosen} SKIPPED {','.join(skipped)}")
+    # a chosen solo holds rank 0 at its thread count (the optimizer's step too) until
+    # it is closed
+    held = comm.bcast(torch.get_num_threads() == getattr(m, "threads", None), 0)
     m.close()
+    back = comm.bcast(torch.get_num_threads() == 1, 0)
+    say(f"CASE budget threads held={held} back={back}")
 
 
 def case_refusal() -> None:
