@@ -129,13 +129,18 @@ def test_a_patient_wait_sleeps_so_the_working_rank_keeps_the_cores() -> None:
 @pytest.mark.mpi
 def test_layer_parallel_tuning_takes_a_time_to_beat_and_a_limit() -> None:
     """A time per pass found outside (no MGRIT setting beats 1 ns: none is checked)
-    and a limit of 0 s (no MGRIT setting is timed), alike on every rank."""
+    and a limit of 0 s (no MGRIT setting is timed), alike on every rank; a limit
+    given as a function of the fastest pass found is evaluated at the tuning's own
+    finds (a budget counted in steps of the fastest way shrinks when the tuning finds
+    a faster one)."""
     lines = _run("outside", 2)
     assert lines[0] == lines[1]
-    beat, limit = lines[0][:2]
+    beat, limit, shrinking, ample = lines[0][:4]
     assert beat.startswith("CASE outside to_beat mgrit=") and beat.endswith("checked=0")
     assert int(beat.split("mgrit=")[1].split()[0]) >= 1, beat
     assert limit == "CASE outside limit mgrit=0 checked=0", limit
+    assert shrinking == "CASE outside shrinking mgrit=0 checked=0", shrinking
+    assert int(ample.split("mgrit=")[1].split()[0]) >= 1, ample
 
 
 def test_the_budget_counts_a_pipelines_setup() -> None:

@@ -29,7 +29,7 @@ from ..mgrit.options import MGRITOptions
 from ..mgrit.result import MGRITResult
 from . import accuracy as _accuracy
 from .adaptive import AccuracyController, apply_iterations, as_policy, forward_adaptive
-from .autotune import AutoAccuracy, AutoTuner, auto_policy
+from .autotune import AutoAccuracy, AutoTuner, Limit, auto_policy
 from .model import LayerParallel, register_above
 
 __all__ = ["Auto"]
@@ -211,7 +211,7 @@ class Auto:
     # -- the policy ---------------------------------------------------------------------------
     def tune(self, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
              steps: Optional[int] = None, online: bool = False, *,
-             to_beat: Optional[float] = None, limit: Optional[float] = None) -> Any:
+             to_beat: Optional[float] = None, limit: Limit = None) -> Any:
         """With ``options="auto"``: measure the candidate settings on this batch with
         this loss and choose (collective; `autotune.AutoTuner.tune`; `steps`, the
         training steps to come, bounds the tuning's time).  Returns the `TuneResult`
@@ -224,7 +224,8 @@ class Auto:
 
         to_beat: seconds per pass of a way of training outside layer-parallel
         training timed already (`choose_method`'s candidates): an MGRIT setting no
-        faster is not checked.  limit: seconds the tuning may take at most."""
+        faster is not checked.  limit: seconds the tuning may take at most, or a
+        function of the fastest seconds per pass found (`autotune.tune`)."""
         if self.tuner is None:
             raise RuntimeError("tune() needs a LayerParallel built with options='auto'")
         return self.tuner.tune(self.model, x, y, loss_fn, steps, online, to_beat=to_beat,

@@ -57,7 +57,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
 
 import torch
 from torch import Tensor
@@ -402,6 +402,11 @@ def _params(m: _Runnable) -> list[Tensor]:
 #: against the batch split's 123-124 ms; counting those, the round ended there and the
 #: batch split was chosen
 SLOWER_STRUCTURES = 2
+#: seconds a tuning may take (`tune`'s `limit`): a number, or a function of the
+#: fastest seconds per pass found so far (a caller's budget counted in steps of the
+#: fastest way of training), or None: no cap
+Limit = Union[float, Callable[[float], float], None]
+
 #: a setting with the next iteration counts of `ITERATIONS` takes at least this many
 #: times the pass of the one before: one no faster than the best found then is not
 #: timed (one more iteration took 1.6-2.0x the pass in every tuning measured: dense,
@@ -541,7 +546,7 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
          known: Optional[dict[Candidate, float]] = None,
          built: Optional[dict[Candidate, ReplicatedSerial]] = None,
          step_seconds: Optional[float] = None, to_beat: Optional[float] = None,
-         limit: Optional[float] = None) -> TuneResult:
+         limit: Limit = None) -> TuneResult:
     """Measure the candidates on one batch and choose (collective; every rank passes
     the same `x`, `y`).  See the module docstring.  Nothing the training sees
     changes (gradients by `torch.autograd.grad`, the random generator put back).
@@ -568,7 +573,12 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     that a caller choosing between methods has timed already (`choose_method`): an
     MGRIT candidate no faster is not checked (its gradient error is not measured).
     limit: seconds the tuning may take at most (the caller's share left); it stops
-    timing new candidates then, as at its own budget.
+    timing new candidates then, as at its own budget.  A function of the fastest
+    seconds per pass found so far (`to_beat`, or faster here) is evaluated as the
+    tuning goes: a caller whose budget is a share of the training at its fastest
+    way sees it shrink when this tuning finds a faster one (`choose_method`: on the
+    1,024-layer dense net the tuning went on timing MGRIT settings for 1.7 s after
+    finding one twice as fast as solo, against a budget counted at solo's step).
 
     The buffers (batch-norm running statistics and their counts), the random generators
     and the model's last solve statistics are put back afterwards: the candidates'
@@ -591,12 +601,13 @@ class _Tuning:
                  known: Optional[dict[Candidate, float]],
                  built: Optional[dict[Candidate, ReplicatedSerial]],
                  step_seconds: Optional[float], to_beat: Optional[float] = None,
-                 limit: Optional[float] = None) -> None:
+                 limit: Limit = None) -> None:
         self.t_start = time.perf_counter()
         #: a time per pass found outside layer-parallel training (a caller choosing
         #: between methods), which an MGRIT candidate must beat to be checked
         self.to_beat = math.inf if to_beat is None else to_beat
-        #: seconds the whole tuning may take at most (the caller's share left)
+        #: seconds the whole tuning may take at most (the caller's share left), or
+        #: that as a function of the fastest seconds per pass found so far
         self.cap = limit
         self.model, self.x, self.y, self.loss_fn = model, x, y, loss_fn
         self.policy, self.repeats, self.batch, self.steps = policy, repeats, batch, steps
@@ -651,11 +662,12 @@ class _Tuning:
 
     def over(self, ahead: float = 0.0) -> bool:
         """Whether the budget is spent (or would be, after `ahead` more seconds)."""
-        if self.limit is None:
+        limit = self._capped(self.limit)
+        if limit is None:
             return False
         spent = time.perf_counter() - self.t_start + ahead
         return max(self.model.transport.allgather_object(spent, "the auto-tuning's clock")) \
-            > self.limit
+            > limit
 
     def time_exact(self) -> None:
         """Replicated serial (with the batch split where it can) and exact propagation
@@ -665,7 +677,7 @@ class _Tuning:
         if supported(model) is None:  # replicated serial
             self.best_t = self.replicated(Candidate(1, replicated=True))
             self.unit = self.per_step()
-            self.limit = self._capped(None if steps is None else BUDGET * self.unit * steps)
+            self.limit = None if steps is None else BUDGET * self.unit * steps
         split = Candidate(1, replicated=True, split=True)  # rows shared over the ranks
         if split_supported(model) is None and x.shape[0] >= self.ranks and (
                 split in known or not self.over((repeats + 1) * self.best_t)):
@@ -690,13 +702,18 @@ class _Tuning:
         if steps is not None:
             self.unit = self.per_step()
             self.limit = BUDGET * self.unit * steps
-        self.limit = self._capped(self.limit)
 
     def _capped(self, limit: Optional[float]) -> Optional[float]:
-        """`limit`, at most the caller's cap."""
-        if self.cap is None:
+        """`limit`, at most the caller's cap now: a cap given as a function of the
+        fastest pass is evaluated at the fastest found so far (here or the caller's
+        `to_beat`), so a faster setting found here shrinks a budget counted in its
+        steps."""
+        cap = self.cap
+        if callable(cap):
+            cap = cap(min(self.best_t, self.to_beat))
+        if cap is None:
             return limit
-        return self.cap if limit is None else min(limit, self.cap)
+        return cap if limit is None else min(limit, cap)
 
     def held_to(self) -> AccuracyPolicy:
         """The bound, measured on this batch the first time a candidate needs it."""
@@ -913,7 +930,7 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
           known: Optional[dict[Candidate, float]],
           built: Optional[dict[Candidate, ReplicatedSerial]],
           step_seconds: Optional[float] = None, to_beat: Optional[float] = None,
-          limit: Optional[float] = None) -> TuneResult:
+          limit: Limit = None) -> TuneResult:
     run = _Tuning(model, x, y, loss_fn, policy, repeats, batch, steps, known, built,
                   step_seconds, to_beat, limit)
     run.time_exact()
@@ -1162,7 +1179,7 @@ class AutoTuner:
              built: Optional[dict[Candidate, ReplicatedSerial]] = None,
              trial: Optional[tuple[int, float, int]] = None, batch: Optional[int] = None,
              step_seconds: Optional[float] = None, to_beat: Optional[float] = None,
-             limit: Optional[float] = None) -> Optional[TuneResult]:
+             limit: Limit = None) -> Optional[TuneResult]:
         """Measure and choose on this batch (collective); the choice runs from now on.
         `steps`: the training steps to come, if known (they bound the tuning's time; a
         later call without them counts what is left of the first call's).

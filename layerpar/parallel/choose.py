@@ -380,9 +380,15 @@ def _time_layerparallel(cal: _Calibration, fresh: Callable[[], ODENet], comm: An
         cal.measure("layerparallel", lp, f"setting given: {kw['options']}")
         return
     best = min((s for _, s in cal.held.values()), default=None)
-    limit = None
+    limit: Optional[Callable[[float], float]] = None
     if best is not None and cal.steps_to_come is not None:
-        limit = max(0.0, cal.share * cal.steps_to_come * best - cal.agreed(cal.elapsed()))
+        # the share of the steps to come at the fastest step found, the tuning's
+        # included: its own faster find shrinks what it may spend
+        steps, spent = cal.share * cal.steps_to_come, cal.agreed(cal.elapsed())
+
+        def limit(fastest: float) -> float:
+            return max(0.0, steps * fastest - spent)
+
     lp.model.tune(cal.x, cal.y, cal.loss_fn, steps=cal.steps_to_come, to_beat=best,
                   limit=limit)
     got = lp.model.tuner.results[-1]

@@ -13,8 +13,10 @@ Usage: lp_choose.py CASE.  Cases:
   CASE tabled/<forced> CHOSE <name> <class> TABLED <names>`` (the candidates whose
   times came from that tuning) and ``... OK <error>`` after two Adam steps.
 - ``outside``: `LayerParallel`'s auto tuning given ``to_beat`` (a time per pass no
-  MGRIT setting beats: none is checked) and ``limit=0`` (none is timed); prints
-  ``RANK <r> CASE outside <arg> mgrit=<timed> checked=<with an error measured>``.
+  MGRIT setting beats: none is checked), ``limit=0`` (none is timed), and a limit
+  that is a function of the fastest pass found, none once the tuning's own exact
+  settings beat ``to_beat`` (none timed), ample (some timed); prints ``RANK <r> CASE
+  outside <arg> mgrit=<timed> checked=<with an error measured>``.
 - ``disagree``: each rank's timer says another candidate is fastest; the choice is
   printed (it must be the same on every rank).
 - ``bn``: a net with batch norm, the pipeline made fastest: the batch split's
@@ -143,11 +145,16 @@ def case_outside() -> None:
     from layerpar import LayerParallel
 
     x, y = batch(0)
-    for kw in ({"to_beat": 1e-9}, {"limit": 0.0}):
+    # a cap counted in steps of the fastest way found: ample at the caller's 1e9 s,
+    # none once the tuning's own exact settings beat that
+    shrinking = {"to_beat": 1e9, "limit": lambda fastest: 1e9 if fastest >= 1e9 else 0.0}
+    ample = {"to_beat": 1e9, "limit": lambda fastest: 1e9}
+    for name, kw in (("to_beat", {"to_beat": 1e-9}), ("limit", {"limit": 0.0}),
+                     ("shrinking", shrinking), ("ample", ample)):
         lp = LayerParallel(dense_net(), comm, "auto")
         got = lp.tune(x, y, loss_fn, **kw)
         mgrit = [m for m in got.table if not m.candidate.exact]
-        say(f"CASE outside {next(iter(kw))} mgrit={len(mgrit)} "
+        say(f"CASE outside {name} mgrit={len(mgrit)} "
             f"checked={sum(m.rel_error is not None for m in mgrit)}")
         lp.close()
 
