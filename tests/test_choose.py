@@ -109,6 +109,18 @@ def test_batch_split_under_batch_norm_is_held_to_the_bound() -> None:
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_batch_splits_check_runs_each_share_once_for_the_same_figures(ranks: int
+                                                                          ) -> None:
+    """The split's gradient error under batch norm, from each rank's share run once
+    and averaged, equals its own step's against serial's; at 2 ranks the sampling
+    error from the two shares equals the two halves' serial gradients' (as `Auto`
+    measures it); at 4, the four shares' spread gives one."""
+    for got in _run("splitcheck", ranks).values():
+        assert got[0] == "CASE splitcheck err=True noise=True", got
+
+
+@pytest.mark.mpi
 def test_a_patient_wait_sleeps_so_the_working_rank_keeps_the_cores() -> None:
     """Solo's waiting ranks wait patiently: over 20 waits of 10 ms each they use a
     fraction of the CPU time a spinning wait burns (0.006 s against 0.12 s here).  And

@@ -183,36 +183,54 @@ def _rel(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
     return math.sqrt(num / den) if den > 0 else math.inf
 
 
-def _split_error(cal: _Calibration, data: TrainingMethod, fresh: Callable[[], ODENet],
+def _split_error(cal: _Calibration, data: DataParallelNet, fresh: Callable[[], ODENet],
                  bound: Optional[float]) -> tuple[bool, str]:
     """Whether the batch split's gradient on this batch (batch norm over each rank's
     share) is within the bound of the serial net's, and the figures: the bound is
     `bound` where given, else ``NOISE_FRACTION`` of the batch gradient's sampling
-    error (its two halves' exact gradients, as `Auto` measures it) capped at
-    ``NOISE_CAP``.  Every rank computes the same numbers (whole batch, same net)."""
+    error capped at ``NOISE_CAP``.
+
+    Each rank runs its share through the split's net once (its gradient, before the
+    average, is an exact gradient of that share) and the whole batch through a serial
+    copy once.  The shares' spread is the sampling error: at 2 ranks
+    ``|g1 - g2| / |g1 + g2|`` of the two halves, as `Auto` measures it
+    (`autotune.gradient_noise`); at P ranks the same estimate from P shares,
+    ``sqrt(sum |g_i - g|^2 / (P (P - 1))) / |g|``, g their mean (the split's
+    gradient).  Every rank computes the same numbers."""
     from .autotune import NOISE_CAP, NOISE_FRACTION
 
+    x, y, loss_fn, transport = cal.x, cal.y, cal.loss_fn, data.transport
+    data._check_batch(x, y)  # (rows that do not split evenly: refused alike)
     serial = SerialMethod(fresh())
-    x, y, n = cal.x, cal.y, int(cal.x.shape[0])
-    halves = []
-    for rows in (slice(0, n // 2), slice(n // 2, 2 * (n // 2))):
-        serial.train_step(x[rows], y[rows], cal.loss_fn)
-        halves.append(_flat_grads(serial))
-    serial.train_step(x, y, cal.loss_fn)
+    serial.train_step(x, y, loss_fn)
     exact = _flat_grads(serial)
-    data.train_step(x, y, cal.loss_fn)
-    err = _rel(_flat_grads(data), exact)
+    data._zero_grad()
+    loss_fn(data.net(data.shard(x)), data.shard(y)).backward()  # this rank's share alone
+    own = _flat_grads(data)
     for m in (serial, data):
         for p in m.parameters():
             p.grad = None
-    if bound is None:
-        # |g1 - g2| / |g1 + g2|, as `autotune.gradient_noise` measures it
-        g1, g2 = halves
-        noise = _rel({k: 2 * g1[k] for k in g1}, {k: g1[k] + g2[k] for k in g1})
+    names = sorted(own)
+    flat = torch.cat([own[k] for k in names]) if names else torch.zeros(0, dtype=torch.float64)
+    ranks = transport.size
+    own_sq = float(flat.square().sum())
+    if ranks > 1:
+        transport.allreduce_start(flat, "the batch split's gradient").wait()
+    mean = flat / ranks  # the split's gradient: the shares' average
+    sizes = [int(own[k].numel()) for k in names]
+    err = _rel(dict(zip(names, mean.split(sizes))), exact)
+    if bound is None and ranks > 1:
+        mean_sq = float(mean.square().sum())
+        spread = max(0.0, sum(transport.allgather_object(own_sq, "the shares' gradients"))
+                     - ranks * mean_sq)
+        noise = math.sqrt(spread / (ranks * (ranks - 1)) / mean_sq) if mean_sq > 0 \
+            else math.inf
         bound = min(NOISE_CAP, NOISE_FRACTION * noise)
         how = (f"{NOISE_FRACTION:g} x the batch gradient's sampling error {noise:.3g}"
                + (f", capped at {NOISE_CAP:g}" if NOISE_FRACTION * noise > NOISE_CAP
                   else ""))
+    elif bound is None:  # one rank: the share is the batch
+        bound, how = NOISE_CAP, "one rank: the split is the serial net"
     else:
         how = "the bound given"
     return err <= bound, (f"batch norm over each rank's share: gradient error {err:.3g} "

@@ -25,6 +25,9 @@ Usage: lp_choose.py CASE.  Cases:
   and running statistics equal serial training's.
 - ``bnbound``: that choice against a fixed bound: kept under a loose one, not under a
   tight one.
+- ``splitcheck``: the batch split's check under batch norm (each share once, the
+  batch once) against its figures run out in full: the split's averaged step, and
+  at 2 ranks the two halves' serial gradients.
 - ``budget``: one step to come: only the first candidate (solo) is timed; the chosen
   solo holds rank 0 at its thread count until closed.
 - ``refusal``: an unknown method name raises the same ValueError on every rank.
@@ -199,6 +202,39 @@ def case_bnbound() -> None:
         m.close()
 
 
+def case_splitcheck() -> None:
+    """The batch split's check under batch norm (`choose._split_error`: each rank's
+    share once, the batch once) against the figures run out in full: its gradient
+    error against the split's own averaged step and a serial step on the whole batch,
+    and at 2 ranks the sampling error of the two halves' serial gradients."""
+    from layerpar.mgrit.transport import make_transport
+    from layerpar.parallel.baselines import DataParallelNet
+    from layerpar.parallel.choose import _Calibration, _flat_grads, _rel, _split_error
+
+    net = dense_net(bn=True)
+    x, y = batch(0)
+    cal = _Calibration(make_transport(comm), x, y, loss_fn, 1, lambda n, s: s, None, 0.05)
+    data = DataParallelNet(copy.deepcopy(net), comm)
+    _, figures = _split_error(cal, data, lambda: copy.deepcopy(net), None)
+    err = float(figures.split("gradient error ")[1].split()[0])
+    noise = float(figures.split("sampling error ")[1].split()[0].rstrip("),"))
+    serial = SerialMethod(copy.deepcopy(net))
+    halves = []
+    for rows in (slice(0, B // 2), slice(B // 2, B)):
+        serial.train_step(x[rows], y[rows], loss_fn)
+        halves.append(_flat_grads(serial))
+    serial.train_step(x, y, loss_fn)
+    exact = _flat_grads(serial)
+    data.train_step(x, y, loss_fn)
+    full_err = _rel(_flat_grads(data), exact)
+    g1, g2 = halves
+    full_noise = _rel({k: 2 * g1[k] for k in g1}, {k: g1[k] + g2[k] for k in g1})
+    # (the figures are printed to 3 significant digits)
+    say(f"CASE splitcheck err={abs(err - full_err) <= 5e-3 * full_err} "
+        f"noise={abs(noise - full_noise) <= 5e-3 * full_noise if size == 2 else noise > 0}")
+    data.close()
+
+
 def case_budget() -> None:
     """One step to come: after the first candidate choosing has cost more than its
     share of that step, so the others are not timed, alike on every rank."""
@@ -224,5 +260,5 @@ def case_refusal() -> None:
 
 {"pick": case_pick, "tabled": case_tabled, "outside": case_outside,
  "disagree": case_disagree, "bn": case_bn, "budget": case_budget,
- "bnbound": case_bnbound, "refusal": case_refusal}[sys.argv[1]]()
+ "bnbound": case_bnbound, "splitcheck": case_splitcheck, "refusal": case_refusal}[sys.argv[1]]()
 say("DONE")
