@@ -384,8 +384,38 @@ def check_outputs(out: Path, bench: str = "tta") -> None:
     refuse_foreign(out, owned, "this benchmark")
 
 
+def _cpu_name() -> str:
+    """The processor's model name (a virtual machine's host may change between runs, and
+    with it every timing), or the architecture where the system does not say."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _source_commit() -> str:
+    """The commit of the checkout the package runs from, marked ``+changes`` where its
+    tracked files differ from it; empty outside a git checkout (an installed wheel)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return ""
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no", "--", "layerpar"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head.stdout.strip() + (" +changes" if dirty.stdout.strip() else "")
+
+
 def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str,
-           smoke: bool, load: str, device: str = "cpu", bench: str = "tta") -> None:
+           smoke: bool, load: str, device: str = "cpu", bench: str = "tta",
+           commit: str = "") -> None:
     import torch
 
     title, marker = TITLES[bench]
@@ -464,10 +494,12 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
                f"(load average {load}). It checks the pipeline; its figures are not "
                "a measurement of time to accuracy. The full run is `make bench-{bench}`.", ""]
     md += [f"Command: `{command}`", "",
-           f"Machine: {platform.machine()}, {os.cpu_count()} CPUs visible, python "
+           f"Machine: {_cpu_name()} ({platform.machine()}), {os.cpu_count()} CPUs "
+           f"visible, python "
            f"{platform.python_version()}, torch {__import__('torch').__version__}; load "
            f"average at the start {load}; device {device}"
-           + (f" ({gpu_name})" if gpu_name else "") + ".", "",
+           + (f" ({gpu_name})" if gpu_name else "") + "."
+           + (f" Code: commit {commit}." if commit else ""), "",
            "Target: serial's best validation accuracy minus 0.5 points. Seconds are "
            "training seconds from the first batch (auto-tuning and gradient checks "
            "included, evaluation excluded); `time_vs_serial` is seconds to target over "
@@ -605,6 +637,7 @@ def main(argv: Optional[list[str]] = None, bench: str = "tta") -> int:
     except ValueError as exc:
         p.error(str(exc))
     load = " ".join(f"{v:.2f}" for v in load_average())
+    commit = _source_commit()  # the code as it ran, whatever is committed meanwhile
     command = f"python -m layerpar.bench {bench} " + " ".join(argv)
     results = []
     t0 = time.perf_counter()
@@ -635,7 +668,8 @@ def main(argv: Optional[list[str]] = None, bench: str = "tta") -> int:
                                    device=args.device, bounds=bounds,
                                    compiled=args.compiled_serial, methods=chosen)
         results.append((case, runs, target))
-        _write(out, results, command.strip(), args.smoke, load, args.device, bench)
+        _write(out, results, command.strip(), args.smoke, load, args.device, bench,
+               commit)
         which = ("" if seeds == [0] else f" seed {seed}") + \
             ("" if args.repeats == 1 else f" run {rnd + 1}")
         print(f"[{k}{which}] target {target:.4f}: " + "; ".join(
