@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..parallel.baselines.method import TrainingMethod
+from ..parallel.flatadam import FlatAdam
 
 __all__ = ["Batches", "Progress", "SolveSummary", "Step", "available_cores", "summarize",
            "train_step", "train_steps"]
@@ -95,13 +96,20 @@ class Step:
         return None if self.bwd_stats is None else summarize(self.bwd_stats)
 
 
-def adam(params: Iterable[Tensor], lr: Any = 1e-3, **kwargs: Any) -> torch.optim.Adam:
+def adam(params: Iterable[Tensor], lr: Any = 1e-3, *, flat: bool = False,
+         **kwargs: Any) -> torch.optim.Adam:
     """`torch.optim.Adam`, fused where torch has it for the parameters' device and
     dtype (one kernel per tensor instead of about ten operations: an ODE-net has two
     tensors per layer, so the default Adam's step costs ~45 us per layer on a CPU,
-    as much as the layer's forward), else the default.  Same arithmetic up to
-    rounding."""
+    as much as the layer's forward), else the default.  With `flat`, a
+    `layerpar.parallel.flatadam.FlatAdam`: each run of parameters stored as rows of
+    one tensor (an ODE-net's segments) stepped as that tensor, one kernel for a
+    segment's weights instead of one per layer (its state is per run: for a training
+    that saves no optimizer state, or reloads it into a `FlatAdam`).  Same arithmetic
+    up to rounding."""
     params = list(params)
+    if flat and not kwargs.get("capturable"):
+        return FlatAdam(params, lr=lr, **kwargs)
     if not kwargs.get("capturable"):
         try:
             return torch.optim.Adam(params, lr=lr, fused=True, **kwargs)

@@ -71,7 +71,7 @@ def serial_threads(problem: str, n_layers: Optional[int] = None,
     def seconds() -> float:
         torch.manual_seed(0)
         net = problem_net(problem, n_layers, width, arch=arch, t_final=t_final).to(dtype)
-        opt = adam(net.parameters(), lr=1e-3)  # as `train` does
+        opt = adam(net.parameters(), lr=1e-3, flat=True)  # as `train` does
         train_step(net, xb, yb, opt)  # warm-up
         return min(train_step(net, xb, yb, opt).seconds for _ in range(batches))
 

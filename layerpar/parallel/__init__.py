@@ -38,6 +38,7 @@ choose.py     choose_method: layer-parallel, data-parallel and pipelined trainin
 refine.py     nested iteration on a LayerParallel (refinement in depth, in place)
 sync.py       how replicas stay in step: all-reduce, DASO, Lion Cub; bytes; slow link
 lion.py       the Lion optimizer
+flatadam.py   FlatAdam: Adam stepping each run of a segment's parameter rows as one tensor
 """
 # The first `torch.autograd.grad` with tensor `grad_outputs` in a process imports this
 # module (and sympy: ~0.3-0.5 s); every layer-parallel backward makes such calls, so it
@@ -49,13 +50,15 @@ from .auto import Auto
 from .baselines import DataParallelNet, PipelineNet, TrainingMethod
 from .capture import AutoCapturedStep, CapturedStep, capture_step
 from .choose import choose_method
+from .flatadam import FlatAdam
 from .grid import ProcessGrid
 from .lion import Lion
 from .model import LayerParallel
 from .plan import Plan
 from .sync import DASO, AllReduce, LionCub, SlowLink, SyncStrategy
 
-__all__ = ["DASO", "AllReduce", "Auto", "AutoCapturedStep", "CapturedStep", "LayerParallel", "Lion",
+__all__ = ["DASO", "AllReduce", "Auto", "AutoCapturedStep", "CapturedStep", "FlatAdam",
+           "LayerParallel", "Lion",
            "LionCub", "Plan", "ProcessGrid", "SlowLink", "SyncStrategy", "capture_step"]
 __all__ += ["DataParallelNet", "PipelineNet", "TrainingMethod"]  # baselines/
 __all__ += ["choose_method"]

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..mgrit.errors import RemoteError
+from .flatadam import FlatAdam
 
 #: a `LayerParallel` (the model): not imported, as the model imports this module
 _Model = Any
@@ -36,6 +37,10 @@ def _optimizer_names(model: _Model, optimizer: Any, what: str) -> dict[int, list
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"`optimizer` must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    if isinstance(optimizer, FlatAdam):
+        raise TypeError(f"`optimizer` is a FlatAdam, whose state is per run of rows, not "
+                        f"per parameter; {what} needs a per-parameter optimizer "
+                        "(torch.optim.Adam over model.parameters())")
     names: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
