@@ -19,7 +19,7 @@ import layerpar
 from layerpar.mgrit import MGRITOptions
 from layerpar.ode import blocks
 from layerpar.ode.flat import flatten
-from layerpar.parallel.flatadam import FlatAdam
+from layerpar.parallel.flatadam import ROW_LIMIT, FlatAdam
 
 
 def dense_net(n: int = 8, width: int = 4) -> layerpar.ODENet:
@@ -69,6 +69,9 @@ def test_runs_are_the_segments_rows() -> None:
     # weights and biases of the 8 blocks: two runs; the open and close layers alone
     assert sorted(len(col) for _, col, _ in opt._runs) == [8, 8]
     assert len(opt.param_groups[0]["params"]) == 2 + 4
+    wide = dense_net(width=65)  # 65 x 65 weights: larger rows than a copy pays for
+    assert 65 * 65 > ROW_LIMIT >= 65
+    assert [len(col) for _, col, _ in FlatAdam(wide.parameters())._runs] == [8]  # biases
 
 
 @pytest.mark.parametrize("options", [{}, {"weight_decay": 0.1, "amsgrad": True},

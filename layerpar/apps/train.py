@@ -473,9 +473,10 @@ def _stage(run: _Run, epochs: int) -> tuple[torch.optim.Optimizer, Any, Any]:
     if c.optimizer == "lion":
         opt: torch.optim.Optimizer = Lion(model.parameters(), lr=c.lr)
     elif run.step_mode != "captured":
-        # fused where torch has it, each segment's rows stepped at once; a process
+        # fused where torch has it; on the CPU each segment's rows stepped at once
+        # (where torch's fused step batches its tensors, a GPU, unmeasured); a process
         # grid's synchronisation reads the optimizer's state per parameter
-        opt = adam(model.parameters(), lr=c.lr, flat=run.grid is None)
+        opt = adam(model.parameters(), lr=c.lr, flat=run.grid is None and c.device == "cpu")
     else:  # a captured step reads the learning rate from a tensor
         opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(c.lr, device=c.device),
                                capturable=True)
