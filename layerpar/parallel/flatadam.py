@@ -4,10 +4,11 @@ A `Segment` keeps its blocks' parameters flat (`layerpar.ode.flat`): block n's
 ``linear.weight`` is row n of one [N, out, in] tensor.  ``torch.optim.Adam`` still
 steps each of them as a tensor of its own: fused, about 17 us per tensor on a CPU,
 so the 1,024-layer dense MNIST-1D net's step cost 15 ms at one rank (against a
-100 ms pass) and 9 ms at each of two.  `FlatAdam` is that optimizer with each run
-of consecutive rows stepped as the one tensor they are rows of (0.3 ms for 512
-layers' weights and biases): the same update, element by element, for every
-parameter, and the same `Parameter` objects, values and gradients for the user.
+100 ms pass) and 8-9 ms at each of two.  `FlatAdam` is that optimizer with each run
+of consecutive rows stepped as the one tensor they are rows of (1.5 ms for 512
+layers' weights and biases, their gradients gathered included): the same update,
+element by element, for every parameter, and the same `Parameter` objects, values and
+gradients for the user.
 
 Where a run's gradients are themselves rows of one tensor (a layer-parallel backward
 hands them over that way, `layerpar.parallel.grads`), the step reads them in place,
@@ -158,26 +159,20 @@ class FlatAdam(torch.optim.Adam):
         self.param_groups[0]["params"] = proxies
 
     def _grads(self) -> None:
-        """Each run's view gets its gradient (in place where the parameters' gradients
-        are rows of one tensor in order, else stacked); a run whose parameters moved
-        or whose gradients are only partly present is laid out again first."""
+        """Each run's view gets its gradient (`_stacked`: in place, gathered or
+        stacked); a run whose parameters moved or whose gradients are only partly
+        present is laid out again first."""
+        got = []
         for _, col, ptrs in self._runs:
-            if [p.data_ptr() for p in col] != ptrs:
-                self._relayout()
-                return self._grads()
             grads = [p.grad for p in col]
             missing = sum(g is None for g in grads)
-            if 0 < missing < len(col):
+            if [p.data_ptr() for p in col] != ptrs or 0 < missing < len(col):
                 self._alone.update(id(p) for p, g in zip(col, grads) if g is None)
                 self._relayout()
                 return self._grads()
-        for view, col, _ in self._runs:
-            grads = [p.grad for p in col]
-            if grads[0] is None:
-                view.grad = None
-                continue
-            view.grad = _stacked(grads)  # type: ignore[arg-type]
-        return None
+            got.append(grads)
+        for (view, _, _), grads in zip(self._runs, got):
+            view.grad = None if grads[0] is None else _stacked(grads)  # type: ignore[arg-type]
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
