@@ -189,3 +189,41 @@ def test_gathering_its_state_by_parameter_is_refused_by_name() -> None:
                                    MGRITOptions(max_levels=1))
     with pytest.raises(TypeError, match="FlatAdam"):
         model.gather_optimizer_state(FlatAdam(model.parameters()))
+
+
+def test_a_layer_parallel_backwards_rows_are_gathered_once_then_reused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward writes each pass's gradients into the last pass's rows where nothing
+    else holds them; the step then reuses the gather it worked out (and holds the rows
+    only weakly, so that the reuse goes on).  A `.grad` the user keeps makes new rows:
+    the gather is worked out again.  Every step equals Adam's."""
+    from layerpar.parallel import adjoint
+    from layerpar.parallel import flatadam as fa
+
+    net, ref = twins()
+    opts = MGRITOptions(max_levels=2, cfactor=2, tol=1e-13, max_iter=50)
+    model = layerpar.LayerParallel(net, None, opts, opts)
+    opt, want = FlatAdam(model.parameters(), lr=1e-2), \
+        torch.optim.Adam(ref.parameters(), lr=1e-2, fused=True)
+    worked, reused = [], []
+    of, rows_reused = fa._Gather.of, adjoint.AdjointApp._rows_reused
+    monkeypatch.setattr(fa._Gather, "of", staticmethod(lambda g: worked.append(1) or of(g)))
+
+    def counted(*a: Any) -> Any:
+        got = rows_reused(*a)
+        reused.append(got is not None)
+        return got
+
+    monkeypatch.setattr(adjoint.AdjointApp, "_rows_reused", counted)
+    kept = None
+    for k in range(6):
+        n_worked = len(worked)
+        step(model, opt, k)
+        step(ref, want, k)
+        assert_same(model.whole_net, ref, F64.converged)
+        if k in (1, 2, 5):  # the rows of the pass before, written again: nothing worked out
+            assert reused[-2:] == [True, True] and len(worked) == n_worked, (k, reused)
+        if k == 3:  # a row held (below) at the pass before: new rows, worked out again
+            assert reused[-2:] != [True, True] and len(worked) > n_worked
+        kept = opt._runs[0][1][0].grad if k == 2 else None  # a row of a segment
+    assert kept is None

@@ -27,7 +27,10 @@ over the same parameters, not into a ``torch.optim.Adam``.
 """
 from __future__ import annotations
 
+import operator
+import weakref
 from collections.abc import Iterable
+from itertools import repeat
 from typing import Any, Callable, Optional
 
 import torch
@@ -46,6 +49,8 @@ ROW_LIMIT = 4096
 
 #: the per-tensor state entries of ``torch.optim.Adam`` (the scalar "step" aside)
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+_GRAD = operator.attrgetter("grad")
 
 
 class FlatAdam(torch.optim.Adam):
@@ -71,6 +76,11 @@ class FlatAdam(torch.optim.Adam):
             raise TypeError("FlatAdam chooses `fused` itself; do not pass `fused` or "
                             "`foreach`")
         self._runs: list[tuple[Tensor, list[Tensor], list[int]]] = []
+        # per run (by the view's id): the last step's gradients (weakly: a layer-parallel
+        # backward reuses its rows only while nothing else holds them) and how they
+        # became the run's gradient (`_Gather`), for the next step to reuse where its
+        # gradients are the same tensors
+        self._gathers: dict[int, tuple[list[weakref.ref], _Gather]] = {}
         self._alone: set[int] = set()  # ids of parameters kept out of runs
         proxies = self._layout()
         try:
@@ -144,6 +154,7 @@ class FlatAdam(torch.optim.Adam):
                 break
             self._alone.update(id(p) for col in apart for p in col)
         self.state.clear()
+        self._gathers.clear()  # (keyed by the old views)
         by_view = {id(v): col for v, col, _ in self._runs}
         for t in proxies:
             col = by_view.get(id(t))
@@ -161,18 +172,35 @@ class FlatAdam(torch.optim.Adam):
     def _grads(self) -> None:
         """Each run's view gets its gradient (`_stacked`: in place, gathered or
         stacked); a run whose parameters moved or whose gradients are only partly
-        present is laid out again first."""
+        present is laid out again first.  Where a run's gradients are the tensors of
+        the last step (a layer-parallel backward writes each pass's into the same rows,
+        `AdjointApp._rows_reused`), their layout is not worked out again: one identity
+        test per parameter, in C (at 512 layers, working it out cost about as much as
+        the step)."""
         got = []
         for _, col, ptrs in self._runs:
-            grads = [p.grad for p in col]
-            missing = sum(g is None for g in grads)
-            if [p.data_ptr() for p in col] != ptrs or 0 < missing < len(col):
+            grads = list(map(_GRAD, col))
+            missing = sum(map(operator.is_, grads, repeat(None)))
+            if list(map(Tensor.data_ptr, col)) != ptrs or 0 < missing < len(col):
                 self._alone.update(id(p) for p, g in zip(col, grads) if g is None)
                 self._relayout()
                 return self._grads()
             got.append(grads)
         for (view, _, _), grads in zip(self._runs, got):
-            view.grad = None if grads[0] is None else _stacked(grads)  # type: ignore[arg-type]
+            if grads[0] is None:
+                view.grad = None
+                continue
+            last = self._gathers.get(id(view))
+            if last is not None and all(map(operator.is_, grads, (r() for r in last[0]))):
+                view.grad = last[1].apply(grads[0])
+                continue
+            gather = _Gather.of(grads)
+            if gather is None:
+                self._gathers.pop(id(view), None)
+                view.grad = _stacked(grads)
+            else:
+                self._gathers[id(view)] = ([weakref.ref(g) for g in grads], gather)
+                view.grad = gather.apply(grads[0])
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
@@ -207,24 +235,52 @@ class FlatAdam(torch.optim.Adam):
                 p.grad.zero_()
 
 
-def _stacked(grads: list[Tensor]) -> Tensor:
-    """The gradients as one [len, *shape] tensor: a view where they are consecutive
-    rows of one tensor in order, one gather where they are rows of one tensor in
-    another order (a layer-parallel backward stacks a segment's gradients in the
-    order its sweeps computed them), else a stack."""
-    g0 = grads[0]
-    base = g0._base
-    if base is not None and base.is_contiguous() and base.dim() == g0.dim() + 1 and \
-            base.shape[1:] == g0.shape:
+class _Gather:
+    """How gradients that are rows of one contiguous tensor (their `_base`) make the
+    run's [len, *shape] gradient: rows `first` onwards in order (a view), or the rows
+    `index` names (one gather: a layer-parallel backward stacks a segment's gradients
+    in the order its sweeps computed them)."""
+
+    __slots__ = ("first", "count", "index")
+
+    def __init__(self, first: int, count: int, index: Optional[Tensor]) -> None:
+        self.first, self.count, self.index = first, count, index
+
+    @staticmethod
+    def of(grads: list[Tensor]) -> Optional[_Gather]:
+        """The gather that makes `grads` one tensor, None where they are not rows of
+        one contiguous tensor."""
+        g0 = grads[0]
+        base = g0._base
+        if base is None or not base.is_contiguous() or base.dim() != g0.dim() + 1 or \
+                base.shape[1:] != g0.shape:
+            return None
         strides = base.stride()[1:]
-        if all(t._base is base and t.stride() == strides for t in grads):
-            size, start = g0.numel() * g0.element_size(), base.data_ptr()
-            offsets = [t.data_ptr() - start for t in grads]
-            if all(o % size == 0 for o in offsets):
-                index = [o // size for o in offsets]
-                first = index[0]
-                if index == list(range(first, first + len(index))):
-                    return base[first:first + len(index)]
-                return base.index_select(0, torch.tensor(index, device=base.device))
+        if not all(t._base is base and t.stride() == strides for t in grads):
+            return None
+        size, start = g0.numel() * g0.element_size(), base.data_ptr()
+        offsets = [t.data_ptr() - start for t in grads]
+        if not all(o % size == 0 for o in offsets):
+            return None
+        index = [o // size for o in offsets]
+        first = index[0]
+        if index == list(range(first, first + len(index))):
+            return _Gather(first, len(index), None)
+        return _Gather(first, len(index), torch.tensor(index, device=base.device))
+
+    def apply(self, g0: Tensor) -> Tensor:
+        """The run's gradient from the base of its first row `g0`."""
+        base = g0._base
+        if self.index is None:
+            return base[self.first:self.first + self.count]
+        return base.index_select(0, self.index)
+
+
+def _stacked(grads: list[Tensor]) -> Tensor:
+    """The gradients as one [len, *shape] tensor: a view or one gather where they are
+    rows of one tensor (`_Gather`), else a stack."""
+    gather = _Gather.of(grads)
+    if gather is not None:
+        return gather.apply(grads[0])
     got = rows(grads)
     return got if got is not None else torch.stack(grads)
