@@ -287,8 +287,9 @@ def test_step_seconds_cuts_a_clearly_slower_candidate(monkeypatch: pytest.Monkey
 def test_solo_runs_at_the_thread_count_measured_fastest(monkeypatch: pytest.MonkeyPatch
                                                         ) -> None:
     """`SoloMethod.tune_threads` times the step at each count, the most first and each
-    against the fastest so far, keeps the fastest (the fewest on a tie) and leaves
-    torch's thread count as it was; a bad count is refused by name.  A clock that each
+    against the fastest so far (a warm-up step before the first count only), keeps the
+    fastest (the fewest on a tie) and leaves torch's thread count as it was; a bad
+    count is refused by name.  A clock that each
     step advances by its thread count's duration: the test does not depend on the
     machine."""
     import types
@@ -301,8 +302,11 @@ def test_solo_runs_at_the_thread_count_measured_fastest(monkeypatch: pytest.Monk
     x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 5, (8,))
     before = torch.get_num_threads()
 
+    ran: list[int] = []
+
     def clocked(durations: dict[int, float]):
         def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            ran.append(torch.get_num_threads())
             now[0] += durations[torch.get_num_threads()]
             return nn.functional.cross_entropy(out, target)
         return loss_fn
@@ -310,6 +314,8 @@ def test_solo_runs_at_the_thread_count_measured_fastest(monkeypatch: pytest.Monk
     solo = SoloMethod(one_segment())
     per = solo.tune_threads(x, y, clocked({1: 0.3, 2: 0.1, 4: 0.2}), counts=[4, 1, 2])
     assert solo.threads == 2 and per[2] == pytest.approx(0.1) and set(per) == {1, 2, 4}
+    # 4: a warm-up and two agreeing steps; 2: two steps; 1: one step, clearly slower
+    assert ran == [4, 4, 4, 2, 2, 1], ran
     assert per[4] == pytest.approx(0.2) and per[1] >= 0.3  # (cut: GIVE_UP x 0.1)
     assert torch.get_num_threads() == before
     assert all(p.grad is None for p in solo.parameters())

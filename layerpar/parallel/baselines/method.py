@@ -220,17 +220,17 @@ class SerialMethod(TrainingMethod):
 
 
 def step_seconds(method: TrainingMethod, x: Tensor, y: Any, loss_fn: LossFn,
-                 repeats: int, bound: float = float("inf")) -> float:
+                 repeats: int, bound: float = float("inf"), warm: bool = False) -> float:
     """Fewest seconds of `method`'s ``train_step`` on the batch, the slowest rank's
     (of those whose clock times it, `TrainingMethod.clocks_step`), on every rank
-    (collective): a warm-up step, then at most `repeats` timed ones, by the
-    rule the auto-tuning times its passes with (`timing.gauged_seconds`, against
-    `bound`, the time to beat: a clearly slower candidate is not timed further).
-    `.grad` is cleared after (nothing steps)."""
+    (collective): a warm-up step (none if `warm`: the method ran this batch already),
+    then at most `repeats` timed ones, by the rule the auto-tuning times its passes
+    with (`timing.gauged_seconds`, against `bound`, the time to beat: a clearly slower
+    candidate is not timed further).  `.grad` is cleared after (nothing steps)."""
     try:
         return gauged_seconds(lambda: method.train_step(x, y, loss_fn), method.transport,
-                              repeats, bound, cuda=x.is_cuda, what="the step timings",
-                              counted=method.clocks_step)
+                              repeats, bound, warm=warm, cuda=x.is_cuda,
+                              what="the step timings", counted=method.clocks_step)
     finally:
         for p in method.parameters():
             p.grad = None
@@ -314,8 +314,10 @@ class SoloMethod(TrainingMethod):
         `thread_counts()`: 1, 2, 4, ... and every core), the most first, each by
         `step_seconds` against the fastest so far (and `bound`), and keep the fastest
         as `threads` (the fewest on a tie): a small net runs a batch fastest on one
-        thread, where every core would cost it several times over.  Returns the
-        seconds per count, the same on every rank (collective)."""
+        thread, where every core would cost it several times over.  Only the first
+        count has a warm-up step: the batch's one-time costs are paid by then, and
+        fewer threads start none (the most go first).  Returns the seconds per count,
+        the same on every rank (collective)."""
         err: Optional[BaseException] = None
         try:
             tried = thread_counts() if counts is None else sorted(
@@ -333,7 +335,8 @@ class SoloMethod(TrainingMethod):
         for k in reversed(tried):
             self.threads = k
             per[k] = step_seconds(self, x, y, loss_fn, repeats,
-                                  min(bound, *per.values()) if per else bound)
+                                  min(bound, *per.values()) if per else bound,
+                                  warm=bool(per))
         self.threads = min(per, key=lambda k: (per[k], k))
         return per
 
