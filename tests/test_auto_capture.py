@@ -181,7 +181,7 @@ def test_checks_are_spaced_by_the_replayed_step(monkeypatch: pytest.MonkeyPatch)
     the replayed step's measured time (`observe_step`), several times shorter than
     the eager pass the tuning timed, so the checks stay at `CHECK_SHARE` of the
     training's time instead of several times that."""
-    import layerpar.parallel.autotune as at
+    import layerpar.parallel.tuner as tn
 
     model, net, x, y = _tuned(monkeypatch)
     tuner, ctl = model.tuner, model.accuracy
@@ -189,8 +189,8 @@ def test_checks_are_spaced_by_the_replayed_step(monkeypatch: pytest.MonkeyPatch)
     cap = _FakeCapture()
     step = AutoCapturedStep(model, opt, CE, x, y, capture=cap)
     calls: list[tuple] = []
-    interval = at._check_interval
-    monkeypatch.setattr(at, "_check_interval",
+    interval = tn._check_interval
+    monkeypatch.setattr(tn, "_check_interval",
                         lambda *a: calls.append(a) or interval(*a))
     step.observe_step(None)  # nothing replayed yet: nothing changes
     assert tuner.step_seconds is None
@@ -202,12 +202,12 @@ def test_checks_are_spaced_by_the_replayed_step(monkeypatch: pytest.MonkeyPatch)
     assert len(calls) == 2 and calls[1][3] == 0.002
     assert ctl.min_every == interval(*calls[1])
     # the interval's formula: a check's eager passes over CHECK_SHARE of a step
-    assert at._check_interval(0.03, 0.1, 0.25) == math.ceil(
-        (0.03 + 0.1 * 1.25) / (at.CHECK_SHARE * 0.03))
-    assert at._check_interval(0.03, 0.1, 0.25, 0.01) == math.ceil(
-        (0.03 + 0.1 * 1.25) / (at.CHECK_SHARE * 0.01))
+    assert tn._check_interval(0.03, 0.1, 0.25) == math.ceil(
+        (0.03 + 0.1 * 1.25) / (tn.CHECK_SHARE * 0.03))
+    assert tn._check_interval(0.03, 0.1, 0.25, 0.01) == math.ceil(
+        (0.03 + 0.1 * 1.25) / (tn.CHECK_SHARE * 0.01))
     for bad in (0.0, math.inf, math.nan):  # no usable step time: the pass's
-        assert at._check_interval(0.03, 0.1, 0.25, bad) == at._check_interval(0.03, 0.1,
+        assert tn._check_interval(0.03, 0.1, 0.25, bad) == tn._check_interval(0.03, 0.1,
                                                                              0.25)
     # a step that failed to capture (eager) does not report replays
     cap.fail = True

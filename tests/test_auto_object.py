@@ -14,7 +14,7 @@ from layerpar import LayerParallel, MGRITOptions, ODENet
 from layerpar.ode import blocks
 from layerpar.parallel import Auto
 from layerpar.parallel.adaptive import AccuracyController, AccuracyPolicy
-from layerpar.parallel.autotune import AutoAccuracy, AutoTuner
+from layerpar.parallel.tuner import AutoAccuracy, AutoTuner
 
 FWD = MGRITOptions(max_levels=2, cfactor=4, max_iter=2, tol=0.0)
 

@@ -29,6 +29,7 @@ from layerpar.apps.nets import problem_net
 from layerpar.mgrit import MGRITOptions
 from layerpar.parallel import LayerParallel, timing
 from layerpar.parallel import autotune as at
+from layerpar.parallel import tuner as tn
 from layerpar.parallel.adaptive import AccuracyPolicy
 from layerpar.parallel.autotune import Candidate, Measurement, choose
 
@@ -420,7 +421,7 @@ def test_retuning_reuses_timings_and_the_remaining_budget(
     monkeypatch.setattr(at, "_time_passes", lambda *a, **k: calls.append(a[1]) or timed(*a, **k))
     seen: list[Any] = []
     tune = at.tune
-    monkeypatch.setattr(at, "tune", lambda *a, **k: seen.append(a[7]) or tune(*a, **k))
+    monkeypatch.setattr(tn, "tune", lambda *a, **k: seen.append(a[7]) or tune(*a, **k))
     model.tune(x, y, torch.nn.functional.cross_entropy, steps=1000)
     n_first = len(calls)
     for _ in range(10):
@@ -662,7 +663,7 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
             assert m.within == (m.rel_error <= want and m.cosine >= got.bound.min_cosine)
     assert not got.choice.candidate.exact, got.lines()  # t_final 1: MGRIT is accurate
     assert model.accuracy.policy == got.bound
-    assert model.accuracy.policy.check_backoff == at.CHECK_BACKOFF
+    assert model.accuracy.policy.check_backoff == tn.CHECK_BACKOFF
     # the tuning's own check of the choice counts as the first: the next is due after
     # 2 x check_every batches, not check_every, and no sooner than the checks' share
     # of the training allows (CHECK_SHARE: here exact propagation costs 5 MGRIT passes)
@@ -671,9 +672,9 @@ def test_measured_bound_and_explicit_bound(monkeypatch: pytest.MonkeyPatch) -> N
     assert ctl.backoff == 2
     exact = min(m.seconds for m in got.table if m.candidate.exact)
     share = model.tuner._noise_share()
-    assert ctl.min_every == at._check_interval(got.choice.seconds, exact, share) == \
+    assert ctl.min_every == tn._check_interval(got.choice.seconds, exact, share) == \
         math.ceil((got.choice.seconds + exact * (1 + share))
-                  / (at.CHECK_SHARE * got.choice.seconds))
+                  / (tn.CHECK_SHARE * got.choice.seconds))
     due = max(2 * every, ctl.min_every)
     assert not ctl.check_due(every) and not ctl.check_due(2 * every) and ctl.check_due(due)
     ctl.min_every = 0  # without the share: every 2 x check_every
@@ -836,21 +837,21 @@ def test_pinned_bound_measures_the_noise_every_few_checks(
         calls.append(1.0)
         return noise(*a)
 
-    monkeypatch.setattr(at, "gradient_noise", counted)
+    monkeypatch.setattr(tn, "gradient_noise", counted)  # (the checks')
     frac = at.NOISE_FRACTION
     # below the margin: every check measures it
-    auto.noise = 0.99 * at.NOISE_MARGIN * at.NOISE_CAP / frac
+    auto.noise = 0.99 * tn.NOISE_MARGIN * at.NOISE_CAP / frac
     model.check_gradients(x, y, torch.nn.functional.cross_entropy)
     assert len(calls) == 1 and auto.noise == noise(model, x, y,
                                                    torch.nn.functional.cross_entropy)
     # pinned with room (as when the batch noise is large): every NOISE_EVERY-th check
     calls.clear()
-    auto.noise, auto.checks_since_noise = 1.01 * at.NOISE_MARGIN * at.NOISE_CAP / frac, 0
+    auto.noise, auto.checks_since_noise = 1.01 * tn.NOISE_MARGIN * at.NOISE_CAP / frac, 0
     bound = model.accuracy.policy
-    for k in range(1, 2 * at.NOISE_EVERY + 1):
+    for k in range(1, 2 * tn.NOISE_EVERY + 1):
         model.check_gradients(x, y, torch.nn.functional.cross_entropy)
-        assert len(calls) == k // at.NOISE_EVERY, (k, len(calls))
-        if k < at.NOISE_EVERY:  # skipped: the bound in force is unchanged
+        assert len(calls) == k // tn.NOISE_EVERY, (k, len(calls))
+        if k < tn.NOISE_EVERY:  # skipped: the bound in force is unchanged
             assert model.accuracy.policy is bound
     model.close()
 

@@ -429,7 +429,7 @@ class TrainConfig:
         that interval."""
         from dataclasses import replace
 
-        from ..parallel.autotune import auto_policy
+        from ..parallel.tuner import auto_policy
 
         if isinstance(self.auto, AccuracyPolicy):
             return self.auto

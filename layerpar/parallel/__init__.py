@@ -32,6 +32,7 @@ accuracy.py   check_gradients: the inexact gradient against the exact one, measu
               (a measurement: it imports no model)
 adaptive.py   adaptive accuracy: iteration counts against a bound on gradient error
 autotune.py   Auto's tuning: candidates timed, gradient error against a measured bound
+tuner.py      AutoTuner: the tuning's choice run, checked during training, tuned again
 replicated.py every rank runs the whole net serially: auto's step aside at P > 1 ranks
 choose.py     choose_method: layer-parallel, data-parallel and pipelined training timed on
               the user's batch, the fastest kept (above the model and the baselines)

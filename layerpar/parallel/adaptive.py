@@ -247,7 +247,7 @@ class AccuracyController:
     costs: Optional[CostWindow] = None  # the cost rule's timings (made from the policy)
     backoff: int = 1  # the interval between checks, in units of check_every
     #: the least interval between checks under MGRIT, in batches (0: none): set by
-    #: auto from what a check costs against a pass (`autotune.CHECK_SHARE`)
+    #: auto from what a check costs against a pass (`tuner.CHECK_SHARE`)
     min_every: int = 0
     #: the batch `check_due` last said yes to (where the last check ran; 0 before
     #: any): the next is due an interval after it

@@ -3,7 +3,7 @@
 A `LayerParallel` runs one fixed setting (its MGRIT options, or exact propagation
 inside `exact()`).  `Auto` holds one and decides, for every pass, what it runs:
 
-- ``options="auto"``: the settings are chosen by measurement (`autotune.AutoTuner`:
+- ``options="auto"``: the settings are chosen by measurement (`tuner.AutoTuner`:
   MGRIT candidates, exact propagation, replicated serial, timed on the user's own
   batches and held to a bound on the gradient error), and the chosen setting, a twin
   of the model over the same parameter tensors, is watched by the adaptive policy.
@@ -29,8 +29,9 @@ from ..mgrit.options import MGRITOptions
 from ..mgrit.result import MGRITResult
 from . import accuracy as _accuracy
 from .adaptive import AccuracyController, apply_iterations, as_policy, forward_adaptive
-from .autotune import AutoAccuracy, AutoTuner, Limit, auto_policy
+from .autotune import Limit
 from .model import LayerParallel, register_above
+from .tuner import AutoAccuracy, AutoTuner, auto_policy
 
 __all__ = ["Auto"]
 
@@ -75,7 +76,7 @@ class Auto:
         by `tune`); or `MGRITOptions` run under the adaptive `policy`.
     policy: an `AccuracyPolicy`, True (the default bound) or None; ``accuracy=`` is
         the same argument under the model's name for it.  With "auto", None means the
-        measured bound (`autotune.auto_policy`); with fixed options it is required.
+        measured bound (`tuner.auto_policy`); with fixed options it is required.
 
     `model` is the `LayerParallel` (its setting: exact propagation under "auto", the
     given options otherwise); `tuner` the `AutoTuner` (None without "auto");
@@ -213,7 +214,7 @@ class Auto:
              steps: Optional[int] = None, online: bool = False, *,
              to_beat: Optional[float] = None, limit: Limit = None) -> Any:
         """With ``options="auto"``: measure the candidate settings on this batch with
-        this loss and choose (collective; `autotune.AutoTuner.tune`; `steps`, the
+        this loss and choose (collective; `tuner.AutoTuner.tune`; `steps`, the
         training steps to come, bounds the tuning's time).  Returns the `TuneResult`
         (candidate table and choice), identical on every rank.
 

@@ -229,7 +229,7 @@ class AutoCapturedStep:
         """The measured seconds of a replayed step (the training loop times them
         without waiting for the GPU: `layerpar.parallel.timing.SpanTimer`), given to
         the tuner before a gradient check: checks run eagerly, and their interval is
-        set for them to take `autotune.CHECK_SHARE` of the training's time, which is
+        set for them to take `tuner.CHECK_SHARE` of the training's time, which is
         this step's, several times shorter than the eager pass the tuning timed (on
         the H200, the 1,024-layer dense net's L3 cf8 1/1: a 27.4 ms eager pass, an 8.6 ms captured
         step).  None (nothing replayed yet) changes nothing."""
