@@ -518,7 +518,7 @@ def _write(out: Path, results: list[tuple[Case, list[Run], float]], command: str
            "What auto measured and chose:", ""]
     for case, runs, _ in results:
         for r in runs:
-            if not r.serial:
+            if not r.serial and r.log:  # (a method that chose nothing logged nothing)
                 md += [f"({case.key}) {r.method}:", "", "```", *r.log, "```", ""]
     md += ["![accuracy against seconds](tta.png)", ""]
     (out / "README.md").write_text("\n".join(md))
