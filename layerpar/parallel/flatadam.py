@@ -269,8 +269,10 @@ class _Gather:
         return _Gather(first, len(index), torch.tensor(index, device=base.device))
 
     def apply(self, g0: Tensor) -> Tensor:
-        """The run's gradient from the base of its first row `g0`."""
+        """The run's gradient from the base of its first row `g0` (a row: it has one)."""
         base = g0._base
+        if base is None:
+            raise RuntimeError("FlatAdam: a gathered run's gradient is not a row any more")
         if self.index is None:
             return base[self.first:self.first + self.count]
         return base.index_select(0, self.index)
