@@ -51,6 +51,7 @@ ROW_LIMIT = 4096
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 _GRAD = operator.attrgetter("grad")
+_DEREF = operator.methodcaller("__call__")  # a weak reference's object (Python 3.10)
 
 
 class FlatAdam(torch.optim.Adam):
@@ -170,7 +171,7 @@ class FlatAdam(torch.optim.Adam):
         self.param_groups[0]["params"] = proxies
 
     def _grads(self) -> None:
-        """Each run's view gets its gradient (`_stacked`: in place, gathered or
+        """Each run's view gets its gradient (in place or gathered, `_Gather`, else
         stacked); a run whose parameters moved or whose gradients are only partly
         present is laid out again first.  Where a run's gradients are the tensors of
         the last step (a layer-parallel backward writes each pass's into the same rows,
@@ -191,13 +192,14 @@ class FlatAdam(torch.optim.Adam):
                 view.grad = None
                 continue
             last = self._gathers.get(id(view))
-            if last is not None and all(map(operator.is_, grads, (r() for r in last[0]))):
+            if last is not None and all(map(operator.is_, grads, map(_DEREF, last[0]))):
                 view.grad = last[1].apply(grads[0])
                 continue
             gather = _Gather.of(grads)
-            if gather is None:
+            if gather is None:  # (serial autograd: gradients of their own) one copy
                 self._gathers.pop(id(view), None)
-                view.grad = _stacked(grads)
+                stacked = rows(grads)
+                view.grad = stacked if stacked is not None else torch.stack(grads)
             else:
                 self._gathers[id(view)] = ([weakref.ref(g) for g in grads], gather)
                 view.grad = gather.apply(grads[0])
@@ -277,12 +279,3 @@ class _Gather:
             return base[self.first:self.first + self.count]
         return base.index_select(0, self.index)
 
-
-def _stacked(grads: list[Tensor]) -> Tensor:
-    """The gradients as one [len, *shape] tensor: a view or one gather where they are
-    rows of one tensor (`_Gather`), else a stack."""
-    gather = _Gather.of(grads)
-    if gather is not None:
-        return gather.apply(grads[0])
-    got = rows(grads)
-    return got if got is not None else torch.stack(grads)
