@@ -392,6 +392,60 @@ def test_within_the_bound_picks_mgrit_and_watches(monkeypatch: pytest.MonkeyPatc
     model.close()
 
 
+def test_a_retuning_takes_what_its_check_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-tuning after a check confirmed the running setting outside the bound runs
+    on that check's batch and takes what the check measured there: the bound, the
+    exact pass and the running setting's error are not measured again, and its table
+    is the one a tuning measuring them all gets."""
+    _fixed_cost(monkeypatch)
+    net, x, y = _stiff_batch(1.0)
+    loss = torch.nn.functional.cross_entropy
+    model = LayerParallel(net, None, "auto")  # the measured bound
+    first = model.tune(x, y, loss)
+    ran = first.choice
+    assert not ran.candidate.exact and ran.rel_error is not None, first.lines()
+    # the cap falls below the running setting's error: the checks find it outside
+    # (and the next check measures the noise again, to find it)
+    for mod in (at, tn):
+        monkeypatch.setattr(mod, "NOISE_CAP", ran.rel_error * 0.999)
+    model.tuner.noise = None
+    calls: dict[str, int] = {}
+
+    def counted(mod: Any, name: str) -> None:
+        fn = getattr(mod, name)
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*a, **k)
+
+        monkeypatch.setattr(mod, name, wrapped)
+
+    for name in ("gradient_noise", "exact_reference", "check_gradients"):
+        counted(at, name)  # (the tuning's)
+    model.check_gradients(x, y, loss)
+    assert model.tuner.unconfirmed and calls == {}, model.tuner.last_check
+    got = model.check_gradients(x, y, loss)  # confirmed: tunes again, here
+    assert len(model.tuner.results) == 2 and got.param_grad_error == ran.rel_error
+    again = model.tuner.results[1]
+    # no noise or exact pass measured again; the running setting not checked again
+    assert "gradient_noise" not in calls and "exact_reference" not in calls, calls
+    checked = [m for m in again.table if m.rel_error is not None and not m.candidate.exact]
+    assert calls.get("check_gradients", 0) == len(checked) - 1, (calls, again.lines())
+    row = next(m for m in again.table if m.candidate == ran.candidate)
+    assert row.rel_error == ran.rel_error and not row.within and row.seconds == ran.seconds
+    assert "the check's at batch" in again.bound_note, again.lines()
+    # a tuning of the same batch that measures everything: the same table and choice
+    full = model.tuner.tune(model.model, x, y, loss)
+    assert full.bound == again.bound, (full.lines(), again.lines())
+    assert [(m.candidate, m.seconds, m.within) for m in full.table] == \
+        [(m.candidate, m.seconds, m.within) for m in again.table], (full.lines(), again.lines())
+    for a, b in zip(full.table, again.table):
+        assert (a.rel_error is None) == (b.rel_error is None)
+        assert a.rel_error is None or a.rel_error == pytest.approx(b.rel_error, rel=1e-12)
+    assert full.choice.candidate == again.choice.candidate
+    model.close()
+
+
 def test_the_budget_stops_short_of_a_candidate_it_has_no_room_for(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The budget is a cap: an MGRIT candidate is measured only where the budget has

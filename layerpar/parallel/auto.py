@@ -244,14 +244,16 @@ class Auto:
         return got
 
     def measure_gradients(self, x: Tensor, y: Any,
-                          loss_fn: Callable[[Tensor, Any], Tensor]) -> Any:
+                          loss_fn: Callable[[Tensor, Any], Tensor], *,
+                          reference: Optional[_accuracy.ExactReference] = None) -> Any:
         """`check_gradients` of the setting as the controller runs it, without the
         controller observing the result (auto confirms a check outside its bound
-        before anything changes)."""
+        before anything changes); `reference`: this batch's exact pass, run already
+        (`check_gradients`')."""
         if self.tuner is None:
             apply_iterations(self.model, self.accuracy)  # MGRIT as the controller runs it
         with self.model.checking():
-            return _accuracy.check_gradients(self.model, x, y, loss_fn)
+            return _accuracy.check_gradients(self.model, x, y, loss_fn, reference=reference)
 
     def refine(self, factor: int = 2, interpolation: str = "constant") -> Any:
         """`LayerParallel.refine` (nested iteration), under the same bound: the refined

@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.autograd.variable import Variable
 
 from ..ode.net import ODENet
-from .accuracy import GradientCheck
+from .accuracy import GradientCheck, exact_reference
 from .adaptive import AccuracyController, AccuracyEvent, AccuracyPolicy
 from .autotune import (
     BUDGET,
@@ -38,6 +38,7 @@ from .autotune import (
     NOISE_CAP,
     NOISE_FRACTION,
     Candidate,
+    Checked,
     Limit,
     Measurement,
     TuneResult,
@@ -297,7 +298,8 @@ class AutoTuner:
              built: Optional[dict[Candidate, ReplicatedSerial]] = None,
              trial: Optional[tuple[int, float, int]] = None, batch: Optional[int] = None,
              step_seconds: Optional[float] = None, to_beat: Optional[float] = None,
-             limit: Limit = None) -> Optional[TuneResult]:
+             limit: Limit = None, checked: Optional[Checked] = None
+             ) -> Optional[TuneResult]:
         """Measure and choose on this batch (collective); the choice runs from now on.
         `steps`: the training steps to come, if known (they bound the tuning's time; a
         later call without them counts what is left of the first call's).
@@ -318,7 +320,8 @@ class AutoTuner:
         batch whose data `x` is, numbered as the training counts them (default: the
         next).  step_seconds: the trial's timed training step (`tune`'s).  to_beat,
         limit: a time per pass found outside layer-parallel training, and the seconds
-        the tuning may take (`tune`'s)."""
+        the tuning may take (`tune`'s).  checked: what the check that asked for this
+        tuning measured on this batch (`tune`'s)."""
         # (a tuning asked for: the first backward's, still to come, or its check, no more)
         self.awaiting = self.provisional = False
         if self.trial is not None:  # asked again before the steps decided: tune now
@@ -337,7 +340,7 @@ class AutoTuner:
             got = tune(model, x, y, loss_fn, self.policy, self.repeats,
                        self.batches + 1 if batch is None else batch, steps,
                        known=dict(known), built=built, step_seconds=step_seconds,
-                       to_beat=to_beat, limit=limit)
+                       to_beat=to_beat, limit=limit, checked=checked)
         for m in got.table:
             known.setdefault(m.candidate, m.seconds)
         if trial is not None:  # (the trial's steps came first; its timed step decided)
@@ -564,6 +567,7 @@ class AutoTuner:
         # on the loss itself at once, against the bound it was chosen by, and tuned
         # again at once where it is outside (no second check to confirm)
         provisional, self.provisional = self.provisional and ctl is not None, False
+        noise: Optional[float] = None  # measured on this batch
         if self.policy.noise_fraction is not None and ctl is not None and not provisional:
             if self.noise_due():
                 noise = gradient_noise(model, x, y, loss_fn)
@@ -579,7 +583,13 @@ class AutoTuner:
             got = self.chosen.check_gradients(x, y, loss_fn)
             self.last_check = (batch, self.bound, f"{name} is exact: nothing to change")
             return got
-        got = self.chosen.measure_gradients(x, y, loss_fn)
+        # the running setting as the check runs it, and the batch's exact pass run
+        # apart, so that a re-tuning on this batch takes both (`Checked`)
+        ran = replace(self.results[-1].choice.candidate, fwd_iters=ctl.fwd_iters,
+                      bwd_iters=ctl.bwd_iters)
+        with self.chosen.model.checking():
+            exact = exact_reference(self.chosen.model, x, y, loss_fn)
+        got = self.chosen.measure_gradients(x, y, loss_fn, reference=exact)
         bound = self.bound
         if not _within(got, bound) and not self.unconfirmed and not provisional and \
                 len(self.results) <= self.max_retunes:
@@ -600,7 +610,11 @@ class AutoTuner:
         if _within(got, bound):
             self.last_check = (batch, bound, f"{name} within the bound")
         elif len(self.results) <= self.max_retunes:
-            self.tune(model, x, y, loss_fn, batch=batch)
+            # (a provisional choice's bound was measured on the output's gradient: the
+            # tuning measures the loss's own)
+            self.tune(model, x, y, loss_fn, batch=batch, checked=Checked(
+                ran, got, exact, None if provisional else bound, noise,
+                "" if provisional else self._bound_note(batch, bound, noise)))
             self.last_check = (batch, bound, f"auto tuned again on this batch and chose "
                                f"{self.choice_name(model.size)}")
         else:
@@ -609,6 +623,22 @@ class AutoTuner:
                                f"controller's answer): it has tuned {len(self.results)} "
                                f"times, its most (max_retunes={self.max_retunes})")
         return got
+
+    def _bound_note(self, batch: int, bound: AccuracyPolicy,
+                    noise: Optional[float]) -> str:
+        """How the bound in force came about, for a re-tuning that takes it from the
+        check at `batch` (`TuneResult.bound_note`); `noise`: measured on that batch."""
+        if self.policy.noise_fraction is None:
+            return (f"given: relative error <= {bound.max_rel_error:g}, cosine >= "
+                    f"{bound.min_cosine:g}")
+        held = f"relative error <= {bound.max_rel_error:.3g}"
+        if noise is None:
+            return (f"the check's at batch {batch}, {held} (the gradient noise was not "
+                    "measured on that batch: the bound of the last measurement)")
+        return (f"the check's at batch {batch}: the batch gradient's relative sampling "
+                f"error is {noise:.3g}; a candidate may have {self.policy.noise_fraction:g} x "
+                f"that = {held}" + (f" (capped at {NOISE_CAP:g})"
+                                    if self.policy.noise_fraction * noise > NOISE_CAP else ""))
 
     def _pinned(self) -> bool:
         """Whether the last noise measurement pinned the measured bound at `NOISE_CAP`
