@@ -170,3 +170,48 @@ def test_the_budget_counts_a_pipelines_setup() -> None:
     assert cal.spent(3 * 3, serial_long=True) is None
     why = cal.spent(3 * 3, serial_long=True, setup=3 * ch.PIPELINE_SETUP)
     assert why is not None and "9 more steps and about 0.60 s to set up" in why, why
+
+
+def test_a_pipeline_no_faster_than_its_floor_is_not_built() -> None:
+    """Solo's serial step at the ranks' thread count bounds a pipeline's step from
+    below (the stages share its work; with one micro-batch they run one after
+    another): where that floor is no faster than the fastest candidate, the pipeline
+    is not built, and the table says why; where ranks run different thread counts,
+    or solo was not timed at theirs, nothing is concluded."""
+    import torch
+
+    from layerpar.parallel import choose as ch
+
+    class TwoRanks:  # (what `_pipeline_floor` asks of the transport)
+        size = 2
+
+        def __init__(self, counts: list[int]) -> None:
+            self.counts = counts
+
+        def allgather_object(self, value: object, what: str) -> list[object]:
+            return list(self.counts)
+
+    threads = torch.get_num_threads()
+    cal = ch._Calibration(TwoRanks([threads, threads]), torch.zeros(4, 2), None,
+                          lambda o, y: o.sum(), 2, lambda name, s: s, steps_to_come=None,
+                          share=0.05)
+    cal.held["data"] = (lambda: None, 0.10)
+    cal.solo = {threads: 0.15}
+    why = ch._pipeline_floor(cal, one_micro=True)  # 150 ms >= 100 ms
+    assert why is not None and "at least the serial step, 150.0 ms" in why, why
+    assert "(100.0 ms)" in why, why
+    assert ch._pipeline_floor(cal, one_micro=False) is None  # 75 ms: it may win
+    cal.solo = {threads: 0.25}
+    why = ch._pipeline_floor(cal, one_micro=False)  # 125 ms over two ranks
+    assert why is not None and "250.0 ms over 2 ranks, 125.0 ms" in why, why
+    cal.solo = {threads + 1: 0.25}  # solo not timed at the ranks' count
+    assert ch._pipeline_floor(cal, one_micro=True) is None
+    cal.solo = {threads: 0.25}
+    cal.transport = TwoRanks([threads, threads + 1])  # the ranks disagree
+    assert ch._pipeline_floor(cal, one_micro=True) is None
+    # in the table: each schedule stands aside with the reason, nothing built
+    cal.transport = TwoRanks([threads, threads])
+    ch._time_pipelines(cal, lambda: None, None, ("gpipe", "1f1b"), (1,), True)  # type: ignore[arg-type, return-value]
+    assert [(t.name, t.seconds) for t in cal.trials] == \
+        [("pipeline gpipe", None), ("pipeline 1f1b", None)]
+    assert all(t.note.startswith("not timed: its stages run") for t in cal.trials)

@@ -23,6 +23,9 @@ thread count until it is closed, `SoloMethod.hold_threads`, so the optimizer's s
 at it too).  The table, the choice and the reason are in the returned method's
 `choice` (`Choice.lines`).
 
+A pipeline is not built where solo's step at the ranks' thread count says it cannot
+be the fastest (`_pipeline_floor`: its stages share the serial step's work).
+
 Choosing costs time the training could have used: given the steps to come, it stops
 timing candidates once it has cost `calibration_share` of them (cheapest to time
 first), and says which it left out.
@@ -256,6 +259,8 @@ class _Calibration:
         #: seconds per pass that layer-parallel's tuning measured for the methods it
         #: runs itself ("serial": replicated serial, "data": the batch split)
         self.tabled: dict[str, float] = {}
+        #: solo's seconds per step by torch thread count (where it was timed)
+        self.solo: dict[int, float] = {}
 
     def agreed(self, value: float) -> float:
         """The largest of the ranks' `value` (every rank gets the same number)."""
@@ -312,14 +317,45 @@ class _Calibration:
         self.held[name] = (method, s)
 
 
+def _pipeline_floor(cal: _Calibration, one_micro: bool) -> Optional[str]:
+    """Why no pipeline can be the fastest (None: one may): its stages run the serial
+    net's layers, one per rank, so a step costs at least the serial step's work at
+    the ranks' thread count spread over the ranks (its micro-batches add work per
+    layer, never remove it), and with one micro-batch the stages run one after
+    another: the whole serial step.  Solo timed that step at this thread count; where
+    that floor is no faster than the fastest candidate, the pipeline is not built
+    (on the MNIST-1D conv ResNet with batch norm, its one-micro-batch pipeline took
+    1.1 s of a 5.2 s choice to time, at 200 ms a step against solo's 158 and the
+    batch split's 122).  The same on every rank: solo's times and the thread counts
+    are agreed."""
+    counts = cal.transport.allgather_object(torch.get_num_threads(), "the thread counts")
+    threads, ranks = counts[0], cal.transport.size
+    serial = cal.solo.get(threads)
+    if serial is None or any(k != threads for k in counts) or ranks < 2:
+        return None
+    floor = serial if one_micro else serial / ranks
+    best = cal.fastest()
+    if floor < best:
+        return None
+    how = (f"the serial step, {1000 * serial:.1f} ms (one micro-batch, for batch norm: "
+           "its stages run one after another)" if one_micro else
+           f"the serial step's {1000 * serial:.1f} ms over {ranks} ranks, "
+           f"{1000 * floor:.1f} ms")
+    return (f"not timed: its stages run at {threads} thread(s) a rank, where solo timed "
+            f"the serial step, so its step takes at least {how}: no faster than the "
+            f"fastest so far ({1000 * best:.1f} ms)")
+
+
 def _time_pipelines(cal: _Calibration, fresh: Callable[[], ODENet], comm: Any,
                     schedules: Sequence[str], counts: tuple[int, ...], one_micro: bool
                     ) -> None:
     """Each pipeline schedule at its fastest micro-batch count (`PipelineNet.
-    tune_microbatches`), while the budget lasts."""
+    tune_microbatches`), while the budget lasts and while one may be the fastest
+    (`_pipeline_floor`)."""
+    floor = _pipeline_floor(cal, one_micro)
     for sched in schedules:
-        why = cal.spent(len(counts) * (1 + cal.steps), serial_long=True,
-                        setup=len(counts) * PIPELINE_SETUP)
+        why = floor or cal.spent(len(counts) * (1 + cal.steps), serial_long=True,
+                                 setup=len(counts) * PIPELINE_SETUP)
         if why is not None:
             cal.trials.append(Trial(f"pipeline {sched}", None, why))
             continue
@@ -359,6 +395,7 @@ def _time_one(cal: _Calibration, what: str, fresh: Callable[[], ODENet], comm: A
     elif what == "solo":
         solo = SoloMethod(fresh(), comm)
         per = solo.tune_threads(cal.x, cal.y, cal.loss_fn, cal.steps, cal.fastest())
+        cal.solo = dict(per)
         tried = ", ".join(f"{k}: {1000 * s:.1f} ms" for k, s in sorted(per.items()))
         cal.measure("solo", solo, f"rank 0 alone with {solo.threads} torch thread(s), the "
                     f"others waiting (serial at the thread count measured fastest: {tried})",
