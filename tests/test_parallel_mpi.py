@@ -135,3 +135,25 @@ def test_checkpoint_resume_on_another_number_of_ranks(tmp_path: Path) -> None:
     # and 5 Adam steps from the same seed give the same losses on 1 rank as on 3
     one = _losses(run_mpi(WORKERS / "lp_checkpoint.py", 1, timeout=120))
     assert all(abs(a - b) <= F64.roundoff * abs(b) for a, b in zip(one["full"], saved["full"]))
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_fixed_iterations_where_a_rank_holds_no_residual_point(nprocs: int) -> None:
+    """With fixed iteration counts the residual norms are read back once after the
+    solve, reduced over the ranks; a rank that holds no coarse point (4 ranks of a
+    16-layer net at cf8) has no norm of its own and must join that reduction all the
+    same (it did not, and the job hung).  Outputs and gradients equal those with the
+    norms reduced in every iteration, and so do the histories, on every rank."""
+    proc = run_mpi(WORKERS / "lp_deferred_norms.py", nprocs, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    reports = {int(m.group(1)): json.loads(m.group(2)) for m in
+               re.finditer(r"RANK (\d+) (\{.*\})$", proc.stdout, re.MULTILINE)}
+    assert sorted(reports) == list(range(nprocs)), proc.stdout
+    for rank, report in reports.items():
+        for path, got in report.items():
+            assert got["out"] == 0.0 and got["grad"] == 0.0, (rank, path, got)
+            for deferred, reduced in (got["fwd"], got["bwd"]):
+                assert [len(h) for h in deferred] == [1] and \
+                    [len(h) for h in reduced] == [1], (rank, path, got)
+                assert deferred[0] == pytest.approx(reduced[0], rel=F64.converged), got
+            assert got["fwd"] == reports[0][path]["fwd"], (rank, path)

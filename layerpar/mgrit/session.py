@@ -70,24 +70,34 @@ class EngineSession:
         stats = MGRITResult(iterations=core.iterations, converged=core.converged,
                            n_levels=core.n_levels, timings=core.timings,
                            step_counts=core.step_counts(), batch_counts=core.batch_counts())
+        # the iterations that measured a residual: the same on every rank (a rank that
+        # holds no residual point has no norm of its own, yet joins the reduction)
+        measured = len(core.residual_history)
         if self.deferred is None:
             stats._history = core.residual_history
-        elif not self.deferred:
+        elif not measured:
             stats._history = []
         else:
             norms = list(self.deferred)
-            read = self._reader(norms)
+            if norms and len(norms) != measured:
+                raise RuntimeError(f"{self.what}: {len(norms)} deferred residual norms "
+                                   f"for {measured} measured iterations")
+            read = self._reader(norms, measured)
             if lazy_history and self.transport.size == 1:
                 stats._lazy = read
             else:  # a collective: every rank reads now
                 stats._history = read()
         return stats
 
-    def _reader(self, norms: list[torch.Tensor]) -> Callable[[], list[float]]:
+    def _reader(self, norms: list[torch.Tensor], measured: int
+                ) -> Callable[[], list[float]]:
+        """The history's reader: this rank's squared norms (`measured` zeros where it
+        holds no residual point) summed over the ranks."""
         transport, what = self.transport, self.what
 
         def read() -> list[float]:
-            local = (torch.stack(norms) ** 2).tolist()  # the one read-back of the solve
+            # the one read-back of the solve
+            local = (torch.stack(norms) ** 2).tolist() if norms else [0.0] * measured
             hist = [math.sqrt(v) if v >= 0 else math.nan
                     for v in transport.allreduce_sum(local)]
             if not all(math.isfinite(v) for v in hist):
