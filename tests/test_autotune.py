@@ -1134,3 +1134,34 @@ def test_replicated_serial_follows_a_relayout_of_the_parameters(nprocs: int) -> 
         assert len(steps) == 3, (r, got)
         for s in steps:
             assert float(s[3]) <= F64.roundoff and float(s[5]) <= F64.roundoff, (r, got)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [1, 2, 4])
+def test_a_retuning_takes_its_checks_measurements_alike_on_every_rank(nprocs: int
+                                                                      ) -> None:
+    """At 1, 2 and 4 ranks a re-tuning after a confirmed check measures neither the
+    noise nor the exact pass again, and its table (times, errors, which are within)
+    and choice are those of a tuning of the same batch that measures everything, on
+    every rank alike (`workers/lp_retune_checked.py`)."""
+    proc = run_mpi(WORKERS / "lp_retune_checked.py", nprocs, timeout=240)
+    assert proc.returncode == 0, describe(proc)
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == list(range(nprocs)), describe(proc)
+    assert all(lines[r] == lines[0] for r in lines), lines
+    assert lines[0][-1] == "DONE", lines[0]
+    got = dict(ln.split(" ", 1) for ln in lines[0][:-1])
+    assert got["tunings"] == "2", lines[0]
+    assert got["measured"] == "exact_reference=0 gradient_noise=0", lines[0]
+    again = [r.split() for r in got["retune"].split("; ")]
+    full = [r.split() for r in got["full"].split("; ")]
+    assert len(again) == len(full) >= 3, lines[0]
+    for a, f in zip(again, full):
+        # name and seconds, then the error (equal to round-off) and within
+        assert a[:-2] == f[:-2] and a[-1] == f[-1], (a, f)
+        assert (a[-2] == "None") == (f[-2] == "None"), (a, f)
+        if a[-2] != "None":
+            assert float(a[-2]) == pytest.approx(float(f[-2]), rel=1e-10), (a, f)
+    names = got["choices"].split()
+    assert names[: len(names) // 2] == names[len(names) // 2:], got["choices"]
+    assert got["bound"] == "True", lines[0]
