@@ -255,6 +255,20 @@ class Checked:
     note: str = ""
 
 
+def given_note(bound: AccuracyPolicy) -> str:
+    """How a bound the caller gave reads in a tuning's table (`TuneResult.bound_note`)."""
+    return f"given: relative error <= {bound.max_rel_error:g}, cosine >= {bound.min_cosine:g}"
+
+
+def measured_note(fraction: float, noise: float, bound: AccuracyPolicy) -> str:
+    """How a bound measured from the batch gradient's `noise` reads in a tuning's
+    table: `fraction` of it, capped at `NOISE_CAP` (`TuneResult.bound_note`)."""
+    return (f"the batch gradient's relative sampling error is {noise:.3g} (exact "
+            f"gradients of the two half batches); a candidate may have {fraction:g} x "
+            f"that = relative error <= {bound.max_rel_error:.3g}"
+            + (f" (capped at {NOISE_CAP:g})" if fraction * noise > NOISE_CAP else ""))
+
+
 def _why_no_mgrit(table: list[Measurement], base: Measurement, what: str,
                   ranks: int) -> str:
     """Why no MGRIT setting was chosen over `base` (the fastest exact setting)."""
@@ -617,9 +631,7 @@ class _Tuning:
         self.bound: Optional[AccuracyPolicy] = None if policy.noise_fraction is not None \
             else policy
         self.noise: Optional[float] = None
-        self.note = ("" if self.bound is None else
-                     f"given: relative error <= {policy.max_rel_error:g}, "
-                     f"cosine >= {policy.min_cosine:g}")
+        self.note = "" if self.bound is None else given_note(policy)
         self.exact: list[ExactReference] = []  # the batch's exact pass, run for the first check
         self.checked = checked
         if checked is not None:  # (what a check measured on this batch: `Checked`)
@@ -729,12 +741,8 @@ class _Tuning:
             if policy.noise_fraction is None:
                 raise RuntimeError("a measured bound needs the policy's `noise_fraction` set")
             self.bound = policy.measured(noise, NOISE_CAP)
-            self.note = (f"measured: the batch gradient's relative sampling error is "
-                         f"{noise:.3g} (exact gradients of the two half batches); a "
-                         f"candidate may have {policy.noise_fraction:g} x that = relative "
-                         f"error <= {self.bound.max_rel_error:.3g}"
-                         + (f" (capped at {NOISE_CAP:g})" if policy.noise_fraction * noise
-                            > NOISE_CAP else ""))
+            self.note = "measured: " + measured_note(policy.noise_fraction, noise,
+                                                     self.bound)
         return self.bound
 
     def measure(self, cand: Candidate) -> Measurement:

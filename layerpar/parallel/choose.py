@@ -328,10 +328,13 @@ def _pipeline_floor(cal: _Calibration, one_micro: bool) -> Optional[str]:
     1.1 s of a 5.2 s choice to time, at 200 ms a step against solo's 158 and the
     batch split's 122).  The same on every rank: solo's times and the thread counts
     are agreed."""
+    ranks = cal.transport.size
+    if not cal.solo or ranks < 2:  # (alike on every rank: nothing to exchange)
+        return None
     counts = cal.transport.allgather_object(torch.get_num_threads(), "the thread counts")
-    threads, ranks = counts[0], cal.transport.size
+    threads = counts[0]
     serial = cal.solo.get(threads)
-    if serial is None or any(k != threads for k in counts) or ranks < 2:
+    if serial is None or any(k != threads for k in counts):
         return None
     floor = serial if one_micro else serial / ranks
     best = cal.fastest()

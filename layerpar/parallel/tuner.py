@@ -49,7 +49,9 @@ from .autotune import (
     _surrogate_loss,
     _within,
     choose,
+    given_note,
     gradient_noise,
+    measured_note,
     plain_serial,
     tune,
 )
@@ -629,16 +631,13 @@ class AutoTuner:
         """How the bound in force came about, for a re-tuning that takes it from the
         check at `batch` (`TuneResult.bound_note`); `noise`: measured on that batch."""
         if self.policy.noise_fraction is None:
-            return (f"given: relative error <= {bound.max_rel_error:g}, cosine >= "
-                    f"{bound.min_cosine:g}")
-        held = f"relative error <= {bound.max_rel_error:.3g}"
+            return given_note(bound)
         if noise is None:
-            return (f"the check's at batch {batch}, {held} (the gradient noise was not "
-                    "measured on that batch: the bound of the last measurement)")
-        return (f"the check's at batch {batch}: the batch gradient's relative sampling "
-                f"error is {noise:.3g}; a candidate may have {self.policy.noise_fraction:g} x "
-                f"that = {held}" + (f" (capped at {NOISE_CAP:g})"
-                                    if self.policy.noise_fraction * noise > NOISE_CAP else ""))
+            return (f"the check's at batch {batch}, relative error <= "
+                    f"{bound.max_rel_error:.3g} (the gradient noise was not measured on "
+                    "that batch: the bound of the last measurement)")
+        return (f"the check's at batch {batch}: "
+                + measured_note(self.policy.noise_fraction, noise, bound))
 
     def _pinned(self) -> bool:
         """Whether the last noise measurement pinned the measured bound at `NOISE_CAP`
