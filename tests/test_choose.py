@@ -66,6 +66,20 @@ def test_serial_and_the_batch_split_stand_on_layer_parallel_tuning(ranks: int) -
 
 
 @pytest.mark.mpi
+def test_exact_propagation_is_timed_only_where_it_may_count() -> None:
+    """Exact propagation runs the layers one after another, so a caller's serial step
+    is the least its pass takes: where that is clearly slower than the time to beat,
+    it is not timed unless an MGRIT setting's gradient check needs it (its time then
+    prices the checks), and the choice says why it was not; a floor below the time to
+    beat changes nothing (passes clocked at fixed times, alike on every rank)."""
+    lines = _run("floor", 2)
+    assert lines[0] == lines[1]
+    assert lines[0][:3] == ["CASE floor beaten exact=0 checked=0 note=True",
+                            "CASE floor checked exact=1 checked=1 note=False",
+                            "CASE floor below exact=1 checked=0 note=False"], lines[0]
+
+
+@pytest.mark.mpi
 def test_ranks_whose_clocks_disagree_keep_one_method() -> None:
     lines = _run("disagree", 2)
     assert lines[0] == lines[1] and lines[0][0].startswith("CASE disagree CHOSE ")
@@ -79,9 +93,10 @@ def test_batch_norm_keeps_the_serial_statistics() -> None:
         assert data in (["CASE bn DATA measured=True kept=True aside=False"],
                         ["CASE bn DATA measured=True kept=False aside=True"]), got
         assert "CASE bn CHOSE pipeline_gpipe_m=1" in got, got
-        # layer-parallel's tuning cannot time the split under batch norm: it goes first;
-        # solo (the serial run a user would make) before layer-parallel's tuning
-        assert "CASE bn ORDER data,solo,layerparallel,serial,pipeline,pipeline" in got, got
+        # solo (the serial run a user would make) first, its serial gradient the
+        # split's check; layer-parallel's tuning cannot time the split under batch
+        # norm: it goes before
+        assert "CASE bn ORDER solo,data,layerparallel,serial,pipeline,pipeline" in got, got
         assert any(ln.startswith("CASE bn OK") for ln in got), got
 
 
@@ -115,9 +130,11 @@ def test_the_batch_splits_check_runs_each_share_once_for_the_same_figures(ranks:
     """The split's gradient error under batch norm, from each rank's share run once
     and averaged, equals its own step's against serial's; at 2 ranks the sampling
     error from the two shares equals the two halves' serial gradients' (as `Auto`
-    measures it); at 4, the four shares' spread gives one."""
+    measures it); at 4, the four shares' spread gives one.  From the serial gradient
+    solo's timing steps kept (rank 0's alone), no serial copy is run and every rank
+    has the same error."""
     for got in _run("splitcheck", ranks).values():
-        assert got[0] == "CASE splitcheck err=True noise=True", got
+        assert got[0] == "CASE splitcheck err=True noise=True solo=True", got
 
 
 @pytest.mark.mpi

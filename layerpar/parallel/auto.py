@@ -212,7 +212,8 @@ class Auto:
     # -- the policy ---------------------------------------------------------------------------
     def tune(self, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any], Tensor],
              steps: Optional[int] = None, online: bool = False, *,
-             to_beat: Optional[float] = None, limit: Limit = None) -> Any:
+             to_beat: Optional[float] = None, limit: Limit = None,
+             serial_floor: Optional[float] = None) -> Any:
         """With ``options="auto"``: measure the candidate settings on this batch with
         this loss and choose (collective; `tuner.AutoTuner.tune`; `steps`, the
         training steps to come, bounds the tuning's time).  Returns the `TuneResult`
@@ -226,11 +227,13 @@ class Auto:
         to_beat: seconds per pass of a way of training outside layer-parallel
         training timed already (`choose_method`'s candidates): an MGRIT setting no
         faster is not checked.  limit: seconds the tuning may take at most, or a
-        function of the fastest seconds per pass found (`autotune.tune`)."""
+        function of the fastest seconds per pass found.  serial_floor: the serial
+        step at the ranks' thread count, timed by the caller: exact propagation's
+        pass takes at least that (`autotune.tune`)."""
         if self.tuner is None:
             raise RuntimeError("tune() needs a LayerParallel built with options='auto'")
         return self.tuner.tune(self.model, x, y, loss_fn, steps, online, to_beat=to_beat,
-                               limit=limit)
+                               limit=limit, serial_floor=serial_floor)
 
     def check_gradients(self, x: Tensor, y: Any,
                         loss_fn: Callable[[Tensor, Any], Tensor]) -> Any:

@@ -287,10 +287,12 @@ def _why_no_mgrit(table: list[Measurement], base: Measurement, what: str,
             f"({1e3 * base.seconds:.1f} ms per pass)")
 
 
-def choose(table: list[Measurement], ranks: int, unit: str = "pass"
+def choose(table: list[Measurement], ranks: int, unit: str = "pass",
+           exact_untimed: str = "the budget had no room for it"
            ) -> tuple[Measurement, str]:
     """The fastest measurement within the bound (ties: the earlier one), and why
-    (`unit`: what the table's times are of, a pass or a training step).
+    (`unit`: what the table's times are of, a pass or a training step;
+    `exact_untimed`: why exact propagation is not in the table, where it is not).
 
     A pure function of the table: the same table gives the same choice everywhere.
     """
@@ -303,7 +305,7 @@ def choose(table: list[Measurement], ranks: int, unit: str = "pass"
     best = min(ok, key=lambda m: (m.seconds, table.index(m)))
     what = "serial autograd" if ranks == 1 else "exact propagation"
     if best is rep:
-        vs = ("exact propagation not timed (the budget had no room for it)" if exact is rep else
+        vs = (f"exact propagation not timed ({exact_untimed})" if exact is rep else
               f"against {1e3 * exact.seconds:.1f} ms for exact propagation")
         share = (" on its share of the batch's rows (one all-reduce sums the gradients)"
                  if rep.candidate.split else "")
@@ -545,7 +547,8 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
          known: Optional[dict[Candidate, float]] = None,
          built: Optional[dict[Candidate, ReplicatedSerial]] = None,
          step_seconds: Optional[float] = None, to_beat: Optional[float] = None,
-         limit: Limit = None, checked: Optional[Checked] = None) -> TuneResult:
+         limit: Limit = None, checked: Optional[Checked] = None,
+         serial_floor: Optional[float] = None) -> TuneResult:
     """Measure the candidates on one batch and choose (collective; every rank passes
     the same `x`, `y`).  See the module docstring.  Nothing the training sees
     changes (gradients by `torch.autograd.grad`, the random generator put back).
@@ -583,6 +586,15 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     at these parameter values: its bound, exact pass and the running setting's error
     are taken, not measured again (`Checked`).
 
+    serial_floor: seconds of the serial net's forward and backward on this batch at
+    the ranks' thread count, where a caller timed it (`choose_method`'s solo).  Exact
+    propagation runs the layers one after another, so its pass takes at least that;
+    where that is at least `timing.SLOWER` x the time to beat (replicated serial's,
+    or `to_beat`), exact propagation cannot be chosen and is timed only once a
+    gradient check needs the batch's exact pass, its time then pricing the checks
+    (on the MNIST-1D conv ResNet, 2 ranks, where the batch split's 123 ms beat every
+    setting, its timing took 0.4 s of a 4 s choice for a pass of 200 ms).
+
     The buffers (batch-norm running statistics and their counts), the random generators
     and the model's last solve statistics are put back afterwards: the candidates'
     passes are measurements, not training (they updated a batch norm's statistics four
@@ -590,7 +602,7 @@ def tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, Any
     serial's)."""
     with _Restore(model):
         return _tune(model, x, y, loss_fn, policy, repeats, batch, steps, known, built,
-                     step_seconds, to_beat, limit, checked)
+                     step_seconds, to_beat, limit, checked, serial_floor)
 
 
 class _Tuning:
@@ -604,8 +616,15 @@ class _Tuning:
                  known: Optional[dict[Candidate, float]],
                  built: Optional[dict[Candidate, ReplicatedSerial]],
                  step_seconds: Optional[float], to_beat: Optional[float] = None,
-                 limit: Limit = None, checked: Optional[Checked] = None) -> None:
+                 limit: Limit = None, checked: Optional[Checked] = None,
+                 serial_floor: Optional[float] = None) -> None:
         self.t_start = time.perf_counter()
+        #: the serial step at the ranks' thread count, where a caller timed it: what
+        #: exact propagation's pass takes at least (`time_exact`)
+        self.serial_floor = serial_floor
+        #: why exact propagation is not timed yet, where its timing waits for the
+        #: first gradient check (`time_exact`), else None
+        self.exact_untimed: Optional[str] = None
         #: a time per pass found outside layer-parallel training (a caller choosing
         #: between methods), which an MGRIT candidate must beat to be checked
         self.to_beat = math.inf if to_beat is None else to_beat
@@ -692,6 +711,24 @@ class _Tuning:
                 self.over(EXACT_SETUP + (repeats + 1) * self.best_t):
             self.stopped = True  # a small net: the budget has no room for exact propagation
             return
+        floor, beat = self.serial_floor, min(self.best_t, self.to_beat)
+        if floor is not None and Candidate(1) not in known and self.table and \
+                not _serial_alone(model) and floor >= SLOWER * beat:
+            # exact propagation runs the layers one after another: no faster than the
+            # serial step, clearly slower than the time to beat; it is timed only
+            # where a gradient check needs the batch's exact pass (`measure`)
+            self.exact_untimed = (f"its pass, the layers one after another, takes at "
+                                  f"least the serial step, {1e3 * floor:.1f} ms, against "
+                                  f"{1e3 * beat:.1f} ms to beat")
+            return
+        self.time_exact_propagation()
+
+    def time_exact_propagation(self) -> None:
+        """Exact propagation's pass timed (or known): a candidate, and what a gradient
+        check's exact pass costs; the budget counted from the fastest exact setting."""
+        model, x, repeats, known, steps = self.model, self.x, self.repeats, self.known, \
+            self.steps
+        self.exact_untimed = None
         if Candidate(1) in known:
             t_exact = known[Candidate(1)]
             self.reused += 1
@@ -784,6 +821,8 @@ class _Tuning:
             if t >= beat:
                 return Measurement(cand, t)
             limit_ = self.held_to()
+            if self.exact_untimed is not None:  # (what the checks will cost)
+                self.time_exact_propagation()
             self.rng.restore()
             if not self.exact:
                 self.exact.append(exact_reference(model, x, y, loss_fn))
@@ -914,7 +953,9 @@ class _Tuning:
         self.rng.restore()
         for rep in self.built.values():  # (built, not timed: not kept)
             rep.close()
-        choice, reason = choose(self.table, self.ranks)
+        choice, reason = choose(self.table, self.ranks,
+                                exact_untimed=self.exact_untimed or
+                                "the budget had no room for it")
         if self.skipped:
             reason += (f" ({self.skipped} structure(s) coarsening less not timed: the "
                        f"{SLOWER_STRUCTURES} before them took at least {SLOWER:g} x "
@@ -940,9 +981,10 @@ def _tune(model: LayerParallel, x: Tensor, y: Any, loss_fn: Callable[[Tensor, An
           known: Optional[dict[Candidate, float]],
           built: Optional[dict[Candidate, ReplicatedSerial]],
           step_seconds: Optional[float] = None, to_beat: Optional[float] = None,
-          limit: Limit = None, checked: Optional[Checked] = None) -> TuneResult:
+          limit: Limit = None, checked: Optional[Checked] = None,
+          serial_floor: Optional[float] = None) -> TuneResult:
     run = _Tuning(model, x, y, loss_fn, policy, repeats, batch, steps, known, built,
-                  step_seconds, to_beat, limit, checked)
+                  step_seconds, to_beat, limit, checked, serial_floor)
     run.time_exact()
     # (no tune() call: the first training pass's backward revealed the loss)
     loss_note = ("the gradients are the training loss's to first order, from its "

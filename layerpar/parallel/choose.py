@@ -16,7 +16,9 @@ with the tuning's).
 Solo (the serial run a user would make) comes first, then layer-parallel: its own
 tuning times replicated serial and the batch split beside exact propagation and
 MGRIT on passes of the batch, and those times stand for the serial and data
-candidates, which are then built only if chosen.
+candidates, which are then built only if chosen (with batch norm, which the tuning's
+split does not run, the batch split is timed before it, its check against the
+serial gradient solo's steps computed).
 The times are gathered from every rank before anything is decided, so every rank
 keeps the same candidate; the others are closed (a chosen solo holds rank 0 at its
 thread count until it is closed, `SoloMethod.hold_threads`, so the optimizer's step runs
@@ -194,8 +196,10 @@ def _split_error(cal: _Calibration, data: DataParallelNet, fresh: Callable[[], O
     error capped at ``NOISE_CAP``.
 
     Each rank runs its share through the split's net once (its gradient, before the
-    average, is an exact gradient of that share) and the whole batch through a serial
-    copy once.  The shares' spread is the sampling error: at 2 ranks
+    average, is an exact gradient of that share); the serial net's gradient of the
+    whole batch is the one solo's timing steps left on rank 0 (`_Calibration.
+    serial_grads`: rank 0 compares, and every rank takes its figure), else each rank
+    runs the batch through a serial copy once.  The shares' spread is the sampling error: at 2 ranks
     ``|g1 - g2| / |g1 + g2|`` of the two halves, as `Auto` measures it
     (`autotune.gradient_noise`); at P ranks the same estimate from P shares,
     ``sqrt(sum |g_i - g|^2 / (P (P - 1))) / |g|``, g their mean (the split's
@@ -204,15 +208,16 @@ def _split_error(cal: _Calibration, data: DataParallelNet, fresh: Callable[[], O
 
     x, y, loss_fn, transport = cal.x, cal.y, cal.loss_fn, data.transport
     data._check_batch(x, y)  # (rows that do not split evenly: refused alike)
-    serial = SerialMethod(fresh())
-    serial.train_step(x, y, loss_fn)
-    exact = _flat_grads(serial)
+    exact = cal.serial_grads  # solo's, on rank 0, where its timing kept them
+    if exact is None:
+        serial = SerialMethod(fresh())
+        serial.train_step(x, y, loss_fn)
+        exact = _flat_grads(serial)
+        serial._zero_grad()
     data._zero_grad()
     loss_fn(data.net(data.shard(x)), data.shard(y)).backward()  # this rank's share alone
     own = _flat_grads(data)
-    for m in (serial, data):
-        for p in m.parameters():
-            p.grad = None
+    data._zero_grad()
     names = sorted(own)
     flat = torch.cat([own[k] for k in names]) if names else torch.zeros(0, dtype=torch.float64)
     ranks = transport.size
@@ -221,7 +226,11 @@ def _split_error(cal: _Calibration, data: DataParallelNet, fresh: Callable[[], O
         transport.allreduce_start(flat, "the batch split's gradient").wait()
     mean = flat / ranks  # the split's gradient: the shares' average
     sizes = [int(own[k].numel()) for k in names]
-    err = _rel(dict(zip(names, mean.split(sizes))), exact)
+    from_solo = cal.serial_grads is not None and ranks > 1  # (rank 0's figure)
+    err = _rel(dict(zip(names, mean.split(sizes))), exact) \
+        if not from_solo or transport.rank == 0 else math.nan
+    if from_solo:
+        err = float(transport.bcast_object(err, 0))
     if bound is None and ranks > 1:
         mean_sq = float(mean.square().sum())
         spread = max(0.0, sum(transport.allgather_object(own_sq, "the shares' gradients"))
@@ -261,6 +270,12 @@ class _Calibration:
         self.tabled: dict[str, float] = {}
         #: solo's seconds per step by torch thread count (where it was timed)
         self.solo: dict[int, float] = {}
+        #: whether the batch split's check will need the serial net's gradient of the
+        #: batch (`_split_error`), which solo's timing steps then keep
+        self.wants_serial_grads = False
+        #: that gradient, by parameter name, from solo's timing steps: rank 0's (an
+        #: empty dict elsewhere); None where they did not keep it (alike on every rank)
+        self.serial_grads: Optional[dict[str, Tensor]] = None
 
     def agreed(self, value: float) -> float:
         """The largest of the ranks' `value` (every rank gets the same number)."""
@@ -317,6 +332,19 @@ class _Calibration:
         self.held[name] = (method, s)
 
 
+def _serial_step(cal: _Calibration) -> Optional[float]:
+    """The serial step's seconds at the torch thread count every rank runs, where solo
+    timed it there (None otherwise: solo not timed, or the ranks' counts differ).  The
+    same on every rank: solo's times and the thread counts are agreed."""
+    if not cal.solo:  # (alike on every rank: nothing to exchange)
+        return None
+    counts = cal.transport.allgather_object(torch.get_num_threads(), "the thread counts") \
+        if cal.transport.size > 1 else [torch.get_num_threads()]
+    if any(k != counts[0] for k in counts):
+        return None
+    return cal.solo.get(counts[0])
+
+
 def _pipeline_floor(cal: _Calibration, one_micro: bool) -> Optional[str]:
     """Why no pipeline can be the fastest (None: one may): its stages run the serial
     net's layers, one per rank, so a step costs at least the serial step's work at
@@ -326,15 +354,10 @@ def _pipeline_floor(cal: _Calibration, one_micro: bool) -> Optional[str]:
     that floor is no faster than the fastest candidate, the pipeline is not built
     (on the MNIST-1D conv ResNet with batch norm, its one-micro-batch pipeline took
     1.1 s of a 5.2 s choice to time, at 200 ms a step against solo's 158 and the
-    batch split's 122).  The same on every rank: solo's times and the thread counts
-    are agreed."""
+    batch split's 122).  The same on every rank."""
     ranks = cal.transport.size
-    if not cal.solo or ranks < 2:  # (alike on every rank: nothing to exchange)
-        return None
-    counts = cal.transport.allgather_object(torch.get_num_threads(), "the thread counts")
-    threads = counts[0]
-    serial = cal.solo.get(threads)
-    if serial is None or any(k != threads for k in counts):
+    serial = _serial_step(cal) if ranks > 1 else None
+    if serial is None:
         return None
     floor = serial if one_micro else serial / ranks
     best = cal.fastest()
@@ -344,9 +367,9 @@ def _pipeline_floor(cal: _Calibration, one_micro: bool) -> Optional[str]:
            "its stages run one after another)" if one_micro else
            f"the serial step's {1000 * serial:.1f} ms over {ranks} ranks, "
            f"{1000 * floor:.1f} ms")
-    return (f"not timed: its stages run at {threads} thread(s) a rank, where solo timed "
-            f"the serial step, so its step takes at least {how}: no faster than the "
-            f"fastest so far ({1000 * best:.1f} ms)")
+    return (f"not timed: its stages run at {torch.get_num_threads()} thread(s) a rank, "
+            f"where solo timed the serial step, so its step takes at least {how}: no "
+            f"faster than the fastest so far ({1000 * best:.1f} ms)")
 
 
 def _time_pipelines(cal: _Calibration, fresh: Callable[[], ODENet], comm: Any,
@@ -397,7 +420,11 @@ def _time_one(cal: _Calibration, what: str, fresh: Callable[[], ODENet], comm: A
                     "every rank runs the whole net (replicated serial)")
     elif what == "solo":
         solo = SoloMethod(fresh(), comm)
-        per = solo.tune_threads(cal.x, cal.y, cal.loss_fn, cal.steps, cal.fastest())
+        per = solo.tune_threads(cal.x, cal.y, cal.loss_fn, cal.steps, cal.fastest(),
+                                keep_grads=cal.wants_serial_grads)
+        if cal.wants_serial_grads:  # (its steps are the serial net's on this batch)
+            cal.serial_grads = _flat_grads(solo) if solo.rank == 0 else {}
+            solo._zero_grad()
         cal.solo = dict(per)
         tried = ", ".join(f"{k}: {1000 * s:.1f} ms" for k, s in sorted(per.items()))
         cal.measure("solo", solo, f"rank 0 alone with {solo.threads} torch thread(s), the "
@@ -430,8 +457,9 @@ def _time_layerparallel(cal: _Calibration, fresh: Callable[[], ODENet], comm: An
     """The layer-parallel candidate: under ``options="auto"`` its own tuning on this
     batch (bounded by the steps to come) chooses its setting, and the setting's pass
     time there is its time; the tuning's times of replicated serial and the batch
-    split stand for the serial and data candidates (`_Calibration.tabled`).  A fixed
-    setting is timed on steps."""
+    split stand for the serial and data candidates (`_Calibration.tabled`), and
+    solo's serial step is the least exact propagation's pass takes (`autotune.tune`'s
+    `serial_floor`).  A fixed setting is timed on steps."""
     kw = {"options": "auto", **(layerparallel or {})}
     lp = LayerParallelMethod(fresh(), comm, **kw)
     if kw["options"] != "auto":
@@ -448,7 +476,7 @@ def _time_layerparallel(cal: _Calibration, fresh: Callable[[], ODENet], comm: An
             return max(0.0, steps * fastest - spent)
 
     lp.model.tune(cal.x, cal.y, cal.loss_fn, steps=cal.steps_to_come, to_beat=best,
-                  limit=limit)
+                  limit=limit, serial_floor=_serial_step(cal))
     got = lp.model.tuner.results[-1]
     for m in got.table:
         if m.candidate.replicated:
@@ -501,7 +529,8 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
 
     methods: which of "serial" (every rank the whole net), "data", "layerparallel",
         "solo" (rank 0 with every core), "pipeline" to time, timed in that order
-        (solo before layer-parallel; with batch norm, data before both).
+        (solo before layer-parallel and data; with batch norm, data before
+        layer-parallel).
     layerparallel: `LayerParallel`'s keyword arguments for its candidate (default
         ``options="auto"``: its own setting chosen by `Auto`, tuned on this batch, held
         to its bound on the gradient error).
@@ -557,13 +586,17 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
         # first, so that its time is one the tuning must beat and its budget counts
         order.remove("data")
         order.insert(order.index("layerparallel"), "data")
-    if "layerparallel" in order and "solo" in order:
+    if "solo" in order and ("layerparallel" in order or "data" in order):
         # the serial run a user would make (rank 0 with every core) costs a few steps:
-        # timed before layer-parallel's tuning, which may spend the whole share (the
-        # pre-norm MNIST-1D net's did, and solo, 10 % faster per step there than the
-        # replicated serial chosen, was never timed)
+        # timed first, before layer-parallel's tuning, which may spend the whole share
+        # (the pre-norm MNIST-1D net's did, and solo, 10 % faster per step there than
+        # the replicated serial chosen, was never timed), and before the batch split,
+        # whose check under batch norm takes the serial gradient its steps computed
         order.remove("solo")
-        order.insert(order.index("layerparallel"), "solo")
+        order.insert(min(order.index(m) for m in ("layerparallel", "data") if m in order),
+                     "solo")
+    cal.wants_serial_grads = exact and "data" in order and "solo" in order \
+        and has_batch_norm(base) and _stands_aside(base, "data", exact)[0] is None
     for what in order:
         why, one_micro = _stands_aside(base, what, exact)
         why = why or (None if what == "pipeline" or what in cal.tabled else

@@ -300,8 +300,8 @@ class AutoTuner:
              built: Optional[dict[Candidate, ReplicatedSerial]] = None,
              trial: Optional[tuple[int, float, int]] = None, batch: Optional[int] = None,
              step_seconds: Optional[float] = None, to_beat: Optional[float] = None,
-             limit: Limit = None, checked: Optional[Checked] = None
-             ) -> Optional[TuneResult]:
+             limit: Limit = None, checked: Optional[Checked] = None,
+             serial_floor: Optional[float] = None) -> Optional[TuneResult]:
         """Measure and choose on this batch (collective); the choice runs from now on.
         `steps`: the training steps to come, if known (they bound the tuning's time; a
         later call without them counts what is left of the first call's).
@@ -323,7 +323,8 @@ class AutoTuner:
         next).  step_seconds: the trial's timed training step (`tune`'s).  to_beat,
         limit: a time per pass found outside layer-parallel training, and the seconds
         the tuning may take (`tune`'s).  checked: what the check that asked for this
-        tuning measured on this batch (`tune`'s)."""
+        tuning measured on this batch (`tune`'s).  serial_floor: the serial step a
+        caller timed, at least exact propagation's pass (`tune`'s)."""
         # (a tuning asked for: the first backward's, still to come, or its check, no more)
         self.awaiting = self.provisional = False
         if self.trial is not None:  # asked again before the steps decided: tune now
@@ -342,7 +343,8 @@ class AutoTuner:
             got = tune(model, x, y, loss_fn, self.policy, self.repeats,
                        self.batches + 1 if batch is None else batch, steps,
                        known=dict(known), built=built, step_seconds=step_seconds,
-                       to_beat=to_beat, limit=limit, checked=checked)
+                       to_beat=to_beat, limit=limit, checked=checked,
+                       serial_floor=serial_floor)
         for m in got.table:
             known.setdefault(m.candidate, m.seconds)
         if trial is not None:  # (the trial's steps came first; its timed step decided)

@@ -17,6 +17,11 @@ Usage: lp_choose.py CASE.  Cases:
   that is a function of the fastest pass found, none once the tuning's own exact
   settings beat ``to_beat`` (none timed), ample (some timed); prints ``RANK <r> CASE
   outside <arg> mgrit=<timed> checked=<with an error measured>``.
+- ``floor``: that tuning given the serial step as a floor for exact propagation's
+  pass, with the passes' clocks fixed (replicated serial 1 s, exact propagation 2 s,
+  MGRIT 0.5 s): exact propagation is timed only once an MGRIT setting's check needs
+  it; prints ``RANK <r> CASE floor <arg> exact=<timed> checked=<MGRIT checked>
+  note=<the reason names the floor>``.
 - ``disagree``: each rank's timer says another candidate is fastest; the choice is
   printed (it must be the same on every rank).
 - ``bn``: a net with batch norm, the pipeline made fastest: the batch split's
@@ -43,7 +48,7 @@ from torch import nn
 import layerpar
 from layerpar.ode import blocks
 from layerpar.parallel import choose_method
-from layerpar.parallel.baselines import SerialMethod
+from layerpar.parallel.baselines import SerialMethod, SoloMethod
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
 from tolerances import F64, SOLVER_TOL  # noqa: E402
@@ -162,6 +167,34 @@ def case_outside() -> None:
         lp.close()
 
 
+def case_floor() -> None:
+    """Exact propagation's timing waits for the first gradient check where the
+    caller's serial step says it cannot be chosen."""
+    from layerpar import LayerParallel
+    from layerpar.parallel import autotune
+    from layerpar.parallel.replicated import ReplicatedSerial
+
+    def fixed(model, m, *args, **kwargs) -> float:  # (alike on every rank)
+        return 1.0 if isinstance(m, ReplicatedSerial) else 2.0 if m is model else 0.5
+
+    real, autotune._time_passes = autotune._time_passes, fixed
+    x, y = batch(0)
+    try:
+        for name, kw in (("beaten", {"to_beat": 1e-9, "serial_floor": 10.0}),
+                         ("checked", {"serial_floor": 10.0}),
+                         ("below", {"to_beat": 1e-9, "serial_floor": 1.1e-9})):
+            lp = LayerParallel(dense_net(), comm, "auto")
+            got = lp.tune(x, y, loss_fn, **kw)
+            exact = [m for m in got.table if m.candidate.exact and not m.candidate.replicated]
+            mgrit = [m for m in got.table if not m.candidate.exact]
+            say(f"CASE floor {name} exact={len(exact)} "
+                f"checked={sum(m.rel_error is not None for m in mgrit)} "
+                f"note={'layers one after another' in got.reason}")
+            lp.close()
+    finally:
+        autotune._time_passes = real
+
+
 def case_disagree() -> None:
     mine = ("data", "pipeline")[rank % 2]
     x, y = batch(0)
@@ -229,9 +262,27 @@ def case_splitcheck() -> None:
     full_err = _rel(_flat_grads(data), exact)
     g1, g2 = halves
     full_noise = _rel({k: 2 * g1[k] for k in g1}, {k: g1[k] + g2[k] for k in g1})
+    # the same check from the serial gradient solo's timing steps kept on rank 0
+    # (`choose_method` times solo first): no serial copy is built, every rank takes
+    # rank 0's figure
+    solo = SoloMethod(copy.deepcopy(net), comm)
+    solo.tune_threads(x, y, loss_fn, 1, keep_grads=True)
+    kept = _flat_grads(solo)
+    cal.serial_grads = kept if rank == 0 else {}
+    solo._zero_grad()
+
+    def no_copy() -> None:
+        raise AssertionError("the check built a serial copy")
+
+    _, from_solo = _split_error(cal, data, no_copy, None)  # type: ignore[arg-type]
+    solo_err = float(from_solo.split("gradient error ")[1].split()[0])
+    solo_ok = abs(solo_err - full_err) <= 5e-3 * full_err and \
+        (rank == 0) == any(bool(v.abs().sum()) for v in kept.values())
     # (the figures are printed to 3 significant digits)
     say(f"CASE splitcheck err={abs(err - full_err) <= 5e-3 * full_err} "
-        f"noise={abs(noise - full_noise) <= 5e-3 * full_noise if size == 2 else noise > 0}")
+        f"noise={abs(noise - full_noise) <= 5e-3 * full_noise if size == 2 else noise > 0} "
+        f"solo={solo_ok}")
+    solo.close()
     data.close()
 
 
@@ -260,5 +311,6 @@ def case_refusal() -> None:
 
 {"pick": case_pick, "tabled": case_tabled, "outside": case_outside,
  "disagree": case_disagree, "bn": case_bn, "budget": case_budget,
- "bnbound": case_bnbound, "splitcheck": case_splitcheck, "refusal": case_refusal}[sys.argv[1]]()
+ "bnbound": case_bnbound, "floor": case_floor, "splitcheck": case_splitcheck,
+ "refusal": case_refusal}[sys.argv[1]]()
 say("DONE")

@@ -220,20 +220,27 @@ class SerialMethod(TrainingMethod):
 
 
 def step_seconds(method: TrainingMethod, x: Tensor, y: Any, loss_fn: LossFn,
-                 repeats: int, bound: float = float("inf"), warm: bool = False) -> float:
+                 repeats: int, bound: float = float("inf"), warm: bool = False,
+                 keep_grads: bool = False) -> float:
     """Fewest seconds of `method`'s ``train_step`` on the batch, the slowest rank's
     (of those whose clock times it, `TrainingMethod.clocks_step`), on every rank
     (collective): a warm-up step (none if `warm`: the method ran this batch already),
     then at most `repeats` timed ones, by the rule the auto-tuning times its passes
     with (`timing.gauged_seconds`, against `bound`, the time to beat: a clearly slower
-    candidate is not timed further).  `.grad` is cleared after (nothing steps)."""
+    candidate is not timed further).  `.grad` is cleared after (nothing steps), unless
+    `keep_grads`: then the last step's gradient of the batch stays (the caller clears
+    it)."""
     try:
-        return gauged_seconds(lambda: method.train_step(x, y, loss_fn), method.transport,
-                              repeats, bound, warm=warm, cuda=x.is_cuda,
-                              what="the step timings", counted=method.clocks_step)
-    finally:
-        for p in method.parameters():
-            p.grad = None
+        seconds = gauged_seconds(lambda: method.train_step(x, y, loss_fn),
+                                 method.transport, repeats, bound, warm=warm,
+                                 cuda=x.is_cuda, what="the step timings",
+                                 counted=method.clocks_step)
+    except BaseException:
+        method._zero_grad()
+        raise
+    if not keep_grads:
+        method._zero_grad()
+    return seconds
 
 
 def node_cores() -> int:
@@ -309,7 +316,8 @@ class SoloMethod(TrainingMethod):
 
     def tune_threads(self, x: Tensor, y: Any, loss_fn: LossFn, repeats: int = 3,
                      bound: float = float("inf"),
-                     counts: Optional[Sequence[int]] = None) -> dict[int, float]:
+                     counts: Optional[Sequence[int]] = None,
+                     keep_grads: bool = False) -> dict[int, float]:
         """Time the step at each torch thread count of `counts` (default
         `thread_counts()`: 1, 2, 4, ... and every core), the most first, each by
         `step_seconds` against the fastest so far (and `bound`), and keep the fastest
@@ -317,7 +325,8 @@ class SoloMethod(TrainingMethod):
         thread, where every core would cost it several times over.  Only the first
         count has a warm-up step: the batch's one-time costs are paid by then, and
         fewer threads start none (the most go first).  Returns the seconds per count,
-        the same on every rank (collective)."""
+        the same on every rank (collective).  `keep_grads`: rank 0's parameters keep
+        the last step's gradient of the batch, the serial net's (`step_seconds`)."""
         err: Optional[BaseException] = None
         try:
             tried = thread_counts() if counts is None else sorted(
@@ -336,7 +345,7 @@ class SoloMethod(TrainingMethod):
             self.threads = k
             per[k] = step_seconds(self, x, y, loss_fn, repeats,
                                   min(bound, *per.values()) if per else bound,
-                                  warm=bool(per))
+                                  warm=bool(per), keep_grads=keep_grads)
         self.threads = min(per, key=lambda k: (per[k], k))
         return per
 
