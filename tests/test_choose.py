@@ -101,6 +101,25 @@ def test_batch_norm_keeps_the_serial_statistics() -> None:
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_a_training_too_short_to_time_each_candidate_times_on_its_own_steps(ranks: int
+                                                                           ) -> None:
+    """``online=True`` where the share of the steps to come pays for less than a
+    warm-up and a timed step of each candidate: nothing is timed apart, layer-parallel
+    under auto is returned with its trial of the exact settings running, the training's
+    own steps decide it, alike on every rank, and it trains as serial does; a longer
+    training times the candidates apart."""
+    lines = _run("online", ranks)
+    assert len({tuple(g[:1] + g[2:]) for g in lines.values()}) == 1  # (errors: own)
+    for got in lines.values():
+        # (at one rank layer-parallel is serial autograd itself, tuned at once)
+        assert got[0] == "CASE online CHOSE layerparallel LayerParallelMethod TIMED 0 " \
+            f"TRIAL {ranks > 1}", got
+        assert got[1].startswith(f"CASE online DECIDED True ONLINE {ranks > 1} OK"), got
+        assert got[2] == "CASE online LONG TIMED True", got
+
+
+@pytest.mark.mpi
 def test_bad_arguments_fail_alike() -> None:
     for got in _run("refusal", 2).values():
         assert got[0] == "CASE refusal RAISED True", got

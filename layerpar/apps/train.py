@@ -449,7 +449,7 @@ def _tune(run: _Run) -> None:
         with run.clock:
             chosen = choose_method(run.net, run.comm, x0, y0, nn.functional.cross_entropy,
                                    steps_to_come=run.config.epochs * len(run.loader),
-                                   **run.choose)
+                                   online=True, **run.choose)
         run.choice = chosen.choice  # type: ignore[attr-defined]
         run.model = chosen.model if isinstance(chosen, LayerParallelMethod) else \
             chosen  # type: ignore[assignment]

@@ -707,9 +707,11 @@ class _Tuning:
         if split_supported(model) is None and x.shape[0] >= self.ranks and (
                 split in known or not self.over((repeats + 1) * self.best_t)):
             self.best_t = min(self.best_t, self.replicated(split))
-        if self.step_seconds is None and Candidate(1) not in known and \
+        if self.step_seconds is None and Candidate(1) not in known and self.table and \
                 self.over(EXACT_SETUP + (repeats + 1) * self.best_t):
-            self.stopped = True  # a small net: the budget has no room for exact propagation
+            # a small net: the budget has no room for exact propagation (where a
+            # replicated setting was timed: the choice needs one exact setting)
+            self.stopped = True
             return
         floor, beat = self.serial_floor, min(self.best_t, self.to_beat)
         if floor is not None and Candidate(1) not in known and self.table and \

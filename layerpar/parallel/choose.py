@@ -126,10 +126,14 @@ class Choice:
     calibration_seconds: float
     """Wall seconds the whole choice took on this rank (building and timing every
     candidate): training time spent before the first training step."""
+    why: str = ""
+    """Why the chosen candidate was kept, where no timing compared it (else empty)."""
 
     @property
     def reason(self) -> str:
         """Why the chosen candidate won, in one phrase."""
+        if self.why:
+            return self.why
         best = next(t for t in self.trials if t.name == self.chosen)
         # the others, without the ones that run the same computation as the chosen
         others = sorted((t for t in self.trials if t.seconds is not None and t is not best
@@ -144,9 +148,11 @@ class Choice:
     def lines(self) -> list[str]:
         """The table and the choice as text lines (what ``layerpar train --auto``
         prints)."""
+        timed = (f"seconds per step (slowest rank, fewest of at most {self.steps}; "
+                 if any(t.seconds is not None for t in self.trials) else
+                 "none timed on steps of its own (")
         out = [f"auto (parallelism): {len(self.trials)} candidates at {self.ranks} rank(s), "
-               f"seconds per step (slowest rank, fewest of at most {self.steps}; choosing took "
-               f"{self.calibration_seconds:.1f} s):"]
+               f"{timed}choosing took {self.calibration_seconds:.1f} s):"]
         for t in self.trials:
             got = "—" if t.seconds is None else f"{1000 * t.seconds:9.1f} ms"
             mark = " <- chosen" if t.name == self.chosen else ""
@@ -497,9 +503,43 @@ def _timed_steps(steps: int, steps_to_come: Optional[int], share: float,
     depends on the arguments alone."""
     if steps_to_come is None:
         return steps
-    n = sum(len(schedules) * len(microbatches) if m == "pipeline" else
-            solo_counts if m == "solo" else 1 for m in methods)
+    n = _timings(methods, schedules, microbatches, solo_counts)
     return max(1, min(steps, int(share * steps_to_come / max(n, 1)) - 1))
+
+
+def _timings(methods: Sequence[str], schedules: Sequence[str],
+             microbatches: Sequence[int], solo_counts: int) -> int:
+    """The step timings choosing runs at most: one per candidate, a pipeline's one per
+    schedule and micro-batch count, solo's one per thread count."""
+    return sum(len(schedules) * len(microbatches) if m == "pipeline" else
+               solo_counts if m == "solo" else 1 for m in methods)
+
+
+def _online(base: ODENet, comm: Any, x: Tensor, y: Any, loss_fn: LossFn,
+            layerparallel: Optional[dict[str, Any]], steps_to_come: int, share: float,
+            order: Sequence[str], timings: int, t0: float) -> TrainingMethod:
+    """Layer-parallel under auto, tuning on the training's own steps: its exact
+    settings, replicated serial and (where it runs) the batch split, train the first
+    steps in turn, timed, and the faster trains on (`AutoTuner.tune` with
+    ``online=True``; where its first timed step finds the budget has room, its full
+    tuning runs then).  For a training too short to pay for a step of each candidate
+    timed apart (`choose_method`'s ``online``)."""
+    lp = LayerParallelMethod(copy.deepcopy(base), comm,
+                             **{"options": "auto", **(layerparallel or {})})
+    lp.model.tune(x, y, loss_fn, steps=steps_to_come, online=True)
+    paid = share * steps_to_come
+    aside = (f"not timed: the share ({100 * share:g} %) of the {steps_to_come} steps to "
+             f"come pays for {paid:.3g} step(s), fewer than a warm-up and a timed step "
+             f"for each of the {timings} timings choosing would run")
+    trials = [Trial("layerparallel", None, "auto's exact settings (replicated serial, and "
+                    "the batch split where it runs) timed on the training's own steps")]
+    trials += [Trial(m, None, aside) for m in order if m != "layerparallel"]
+    why = ("the training is too short to time the candidates apart: layer-parallel's "
+           "auto times its exact settings on the training's own steps, which cost "
+           "nothing beyond them")
+    lp.choice = Choice(lp.size, 0, tuple(trials), "layerparallel",  # type: ignore[attr-defined]
+                       time.perf_counter() - t0, why)
+    return lp
 
 
 def _given_bound(layerparallel: Optional[dict[str, Any]]) -> Optional[float]:
@@ -520,7 +560,7 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
                   schedules: Sequence[str] = DEFAULT_SCHEDULES,
                   microbatches: Sequence[int] = (1, 2, 4, 8),
                   steps_to_come: Optional[int] = None, calibration_share: float = 0.05,
-                  timer: Optional[Timer] = None) -> TrainingMethod:
+                  timer: Optional[Timer] = None, online: bool = False) -> TrainingMethod:
     """The fastest way of training `net` on the ranks of `comm`, measured on the batch
     (`x`, `y`) with `loss_fn` (collective: call it on every rank with the same
     arguments and batch).  Returns the chosen `TrainingMethod`, holding a copy of
@@ -545,6 +585,13 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
         bounded by them too (`Auto.tune`).
     timer: maps a candidate's name and measured seconds to the seconds the decision
         uses (default: the measurement).
+    online: the returned method trains from the next step on (``layerpar train``).
+        Where `calibration_share` of the steps to come pays for fewer steps than a
+        warm-up and a timed step of each candidate, nothing is timed apart: the
+        layer-parallel candidate under auto is returned, its exact settings
+        (replicated serial, and the batch split where it runs) timed on the
+        training's own steps, the faster kept (on digits, 240 steps of 4 ms, choosing
+        had cost 0.1 s of a half-second training).
     """
     transport = make_transport(comm)
     err: Optional[BaseException] = None
@@ -563,9 +610,10 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
         err = exc
     transport.agree({"methods": list(methods), "steps": steps, "exact": exact,
                      "schedules": list(schedules), "microbatches": list(microbatches),
-                     "steps_to_come": steps_to_come, "share": calibration_share},
+                     "steps_to_come": steps_to_come, "share": calibration_share,
+                     "online": online},
                     err, "choose_method's arguments (methods, steps, exact, schedules, "
-                    "microbatches, steps_to_come, calibration_share)")
+                    "microbatches, steps_to_come, calibration_share, online)")
     # the thread counts solo tries are rank 0's (`SoloMethod.tune_threads`)
     solo_counts = len(transport.bcast_object(thread_counts(), 0)) if "solo" in methods \
         and transport.size > 1 else len(thread_counts())
@@ -595,6 +643,13 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
         order.remove("solo")
         order.insert(min(order.index(m) for m in ("layerparallel", "data") if m in order),
                      "solo")
+    timings = _timings(order, schedules, microbatches, solo_counts)
+    if online and steps_to_come is not None and "layerparallel" in order and \
+            (layerparallel or {}).get("options", "auto") == "auto" and \
+            calibration_share * steps_to_come < 2 * timings:
+        transport.close()
+        return _online(base, comm, x, y, loss_fn, layerparallel, steps_to_come,
+                       calibration_share, order, timings, cal.t0)
     cal.wants_serial_grads = exact and "data" in order and "solo" in order \
         and has_batch_norm(base) and _stands_aside(base, "data", exact)[0] is None
     for what in order:

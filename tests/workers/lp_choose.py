@@ -35,6 +35,13 @@ Usage: lp_choose.py CASE.  Cases:
   at 2 ranks the two halves' serial gradients.
 - ``budget``: one step to come: only the first candidate (solo) is timed; the chosen
   solo holds rank 0 at its thread count until closed.
+- ``online``: ``online=True`` with 20 steps to come (the share pays for one step):
+  nothing is timed apart, layer-parallel under auto is returned with its trial of
+  the exact settings running (at one rank it is serial autograd, tuned at once); twelve
+  training steps decide it; prints ``RANK <r> CASE online CHOSE <name> <class> TIMED
+  <timed apart> TRIAL <running>``, ``... DECIDED <tuned> ONLINE <on the steps> OK
+  <error>`` against serial's training; with 2,000 steps to come, the
+  candidates are timed apart as without ``online``.
 - ``refusal``: an unknown method name raises the same ValueError on every rank.
 """
 import copy
@@ -301,6 +308,35 @@ def case_budget() -> None:
     say(f"CASE budget threads held={held} back={back}")
 
 
+def case_online() -> None:
+    """A training too short to time each candidate apart: layer-parallel's auto
+    times its exact settings on the training's own steps."""
+    net = dense_net()
+    x, y = batch(0)
+    m = choose_method(net, comm, x, y, loss_fn, steps_to_come=20, online=True)
+    timed = sum(t.seconds is not None for t in m.choice.trials)
+    trial = m.model.tuner.trial
+    say(f"CASE online CHOSE {m.choice.chosen} {type(m).__name__} TIMED {timed} "
+        f"TRIAL {trial is not None}")
+    serial = SerialMethod(copy.deepcopy(net))
+    for meth in (m, serial):
+        opt = torch.optim.Adam(meth.parameters(), lr=1e-2)
+        for k in range(12):
+            xk, yk = batch(k)
+            meth.train_step(xk, yk, loss_fn)
+            opt.step()
+    got, want = m.gather_state_dict(), serial.gather_state_dict()
+    err = max(rel(got[k].double(), want[k].double()) for k in want)
+    result = m.model.tuner.results[-1] if m.model.tuner.results else None
+    say(f"CASE online DECIDED {result is not None} "
+        f"ONLINE {result is not None and result.timed_online} "
+        f"{'OK' if err <= F64.roundoff else 'FAIL'} {err:.3e}")
+    m.close()
+    m = choose_method(net, comm, x, y, loss_fn, steps=1, steps_to_come=2000, online=True)
+    say(f"CASE online LONG TIMED {sum(t.seconds is not None for t in m.choice.trials) > 1}")
+    m.close()
+
+
 def case_refusal() -> None:
     x, y = batch(0)
     try:
@@ -312,5 +348,5 @@ def case_refusal() -> None:
 {"pick": case_pick, "tabled": case_tabled, "outside": case_outside,
  "disagree": case_disagree, "bn": case_bn, "budget": case_budget,
  "bnbound": case_bnbound, "floor": case_floor, "splitcheck": case_splitcheck,
- "refusal": case_refusal}[sys.argv[1]]()
+ "online": case_online, "refusal": case_refusal}[sys.argv[1]]()
 say("DONE")
