@@ -205,8 +205,8 @@ def _split_error(cal: _Calibration, data: DataParallelNet, fresh: Callable[[], O
     average, is an exact gradient of that share); the serial net's gradient of the
     whole batch is the one solo's timing steps left on rank 0 (`_Calibration.
     serial_grads`: rank 0 compares, and every rank takes its figure), else each rank
-    runs the batch through a serial copy once.  The shares' spread is the sampling error: at 2 ranks
-    ``|g1 - g2| / |g1 + g2|`` of the two halves, as `Auto` measures it
+    runs the batch through a serial copy once.  The shares' spread is the sampling
+    error: at 2 ranks ``|g1 - g2| / |g1 + g2|`` of the two halves, as `Auto` measures it
     (`autotune.gradient_noise`); at P ranks the same estimate from P shares,
     ``sqrt(sum |g_i - g|^2 / (P (P - 1))) / |g|``, g their mean (the split's
     gradient).  Every rank computes the same numbers."""
@@ -519,8 +519,8 @@ def _online(base: ODENet, comm: Any, x: Tensor, y: Any, loss_fn: LossFn,
             layerparallel: Optional[dict[str, Any]], steps_to_come: int, share: float,
             order: Sequence[str], timings: int, t0: float) -> TrainingMethod:
     """Layer-parallel under auto, tuning on the training's own steps: its exact
-    settings, replicated serial and (where it runs) the batch split, train the first
-    steps in turn, timed, and the faster trains on (`AutoTuner.tune` with
+    settings, replicated serial and the batch split, train the first steps in turn,
+    timed, and the faster trains on (`AutoTuner.tune` with
     ``online=True``; where its first timed step finds the budget has room, its full
     tuning runs then).  For a training too short to pay for a step of each candidate
     timed apart (`choose_method`'s ``online``)."""
@@ -531,8 +531,8 @@ def _online(base: ODENet, comm: Any, x: Tensor, y: Any, loss_fn: LossFn,
     aside = (f"not timed: the share ({100 * share:g} %) of the {steps_to_come} steps to "
              f"come pays for {paid:.3g} step(s), fewer than a warm-up and a timed step "
              f"for each of the {timings} timings choosing would run")
-    trials = [Trial("layerparallel", None, "auto's exact settings (replicated serial, and "
-                    "the batch split where it runs) timed on the training's own steps")]
+    trials = [Trial("layerparallel", None, "auto's exact settings (replicated serial and "
+                    "the batch split) timed on the training's own steps")]
     trials += [Trial(m, None, aside) for m in order if m != "layerparallel"]
     why = ("the training is too short to time the candidates apart: layer-parallel's "
            "auto times its exact settings on the training's own steps, which cost "
@@ -587,11 +587,12 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
         uses (default: the measurement).
     online: the returned method trains from the next step on (``layerpar train``).
         Where `calibration_share` of the steps to come pays for fewer steps than a
-        warm-up and a timed step of each candidate, nothing is timed apart: the
+        warm-up and a timed step of each candidate, and layer-parallel's replicated
+        settings can split the batch (no batch norm), nothing is timed apart: the
         layer-parallel candidate under auto is returned, its exact settings
-        (replicated serial, and the batch split where it runs) timed on the
-        training's own steps, the faster kept (on digits, 240 steps of 4 ms, choosing
-        had cost 0.1 s of a half-second training).
+        (replicated serial and the batch split) timed on the training's own steps,
+        the faster kept (on digits, 240 steps of 4 ms, choosing had cost 0.1 s of a
+        half-second training); solo and the pipeline are then not timed.
     """
     transport = make_transport(comm)
     err: Optional[BaseException] = None
@@ -646,7 +647,11 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     timings = _timings(order, schedules, microbatches, solo_counts)
     if online and steps_to_come is not None and "layerparallel" in order and \
             (layerparallel or {}).get("options", "auto") == "auto" and \
-            calibration_share * steps_to_come < 2 * timings:
+            calibration_share * steps_to_come < 2 * timings and \
+            split_refusal(base) is None and x.dim() > 0 and x.shape[0] >= transport.size:
+        # (only where its trial times the batch split too: with batch norm replicated
+        # serial alone would stand for every method, and on the conv ResNet, 250
+        # steps, it trained at 183 ms a batch against the batch split's 127)
         transport.close()
         return _online(base, comm, x, y, loss_fn, layerparallel, steps_to_come,
                        calibration_share, order, timings, cal.t0)

@@ -40,8 +40,9 @@ Usage: lp_choose.py CASE.  Cases:
   the exact settings running (at one rank it is serial autograd, tuned at once); twelve
   training steps decide it; prints ``RANK <r> CASE online CHOSE <name> <class> TIMED
   <timed apart> TRIAL <running>``, ``... DECIDED <tuned> ONLINE <on the steps> OK
-  <error>`` against serial's training; with 2,000 steps to come, the
-  candidates are timed apart as without ``online``.
+  <error>`` against serial's training; with 2,000 steps to come, or with batch norm
+  (which the trial's batch split does not run), the candidates are timed apart as
+  without ``online``.
 - ``refusal``: an unknown method name raises the same ValueError on every rank.
 """
 import copy
@@ -334,6 +335,12 @@ def case_online() -> None:
     m.close()
     m = choose_method(net, comm, x, y, loss_fn, steps=1, steps_to_come=2000, online=True)
     say(f"CASE online LONG TIMED {sum(t.seconds is not None for t in m.choice.trials) > 1}")
+    m.close()
+    # batch norm: layer-parallel's trial cannot split the batch, so however short the
+    # training the candidates are timed apart (the batch split among them)
+    m = choose_method(dense_net(bn=True), comm, x, y, loss_fn, steps=1, steps_to_come=20,
+                      online=True)
+    say(f"CASE online BN TIMED {sum(t.seconds is not None for t in m.choice.trials) > 0}")
     m.close()
 
 
