@@ -629,21 +629,7 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     def fresh() -> ODENet:  # (nothing trains `base` itself: a copy is in its state)
         return copy.deepcopy(base)
 
-    order = sorted(methods, key=METHOD_NAMES.index)
-    if "layerparallel" in order and "data" in order and split_refusal(base) is not None:
-        # layer-parallel's tuning will not time the batch split (batch norm): time it
-        # first, so that its time is one the tuning must beat and its budget counts
-        order.remove("data")
-        order.insert(order.index("layerparallel"), "data")
-    if "solo" in order and ("layerparallel" in order or "data" in order):
-        # the serial run a user would make (rank 0 with every core) costs a few steps:
-        # timed first, before layer-parallel's tuning, which may spend the whole share
-        # (the pre-norm MNIST-1D net's did, and solo, 10 % faster per step there than
-        # the replicated serial chosen, was never timed), and before the batch split,
-        # whose check under batch norm takes the serial gradient its steps computed
-        order.remove("solo")
-        order.insert(min(order.index(m) for m in ("layerparallel", "data") if m in order),
-                     "solo")
+    order = _order(methods, base)
     timings = _timings(order, schedules, microbatches, solo_counts)
     if online and steps_to_come is not None and "layerparallel" in order and \
             (layerparallel or {}).get("options", "auto") == "auto" and \
@@ -673,6 +659,36 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
         except (ValueError, TypeError, NotImplementedError) as exc:
             # refusals raised alike on every rank by the methods' own agreements
             cal.trials.append(Trial(what, None, f"refused: {exc}"))
+    method = _keep_fastest(cal, pristine)
+    transport.close()
+    return method
+
+
+def _order(methods: Sequence[str], base: ODENet) -> list[str]:
+    """The order the candidates of `methods` are timed in (`METHOD_NAMES`' order,
+    but for solo and, with batch norm, the batch split; see the module)."""
+    order = sorted(methods, key=METHOD_NAMES.index)
+    if "layerparallel" in order and "data" in order and split_refusal(base) is not None:
+        # layer-parallel's tuning will not time the batch split (batch norm): time it
+        # first, so that its time is one the tuning must beat and its budget counts
+        order.remove("data")
+        order.insert(order.index("layerparallel"), "data")
+    if "solo" in order and ("layerparallel" in order or "data" in order):
+        # the serial run a user would make (rank 0 with every core) costs a few steps:
+        # timed first, before layer-parallel's tuning, which may spend the whole share
+        # (the pre-norm MNIST-1D net's did, and solo, 10 % faster per step there than
+        # the replicated serial chosen, was never timed), and before the batch split,
+        # whose check under batch norm takes the serial gradient its steps computed
+        order.remove("solo")
+        order.insert(min(order.index(m) for m in ("layerparallel", "data") if m in order),
+                     "solo")
+    return order
+
+
+def _keep_fastest(cal: _Calibration, pristine: dict[str, Tensor]) -> TrainingMethod:
+    """The fastest candidate timed (on equal times the earlier name), built where it
+    was timed inside layer-parallel's tuning, its buffers put back to `pristine`, with
+    its `Choice`; the others closed (alike on every rank: the times are agreed)."""
     held = cal.held
     if not held:
         raise ValueError("no candidate of `methods` runs this net here: " + "; ".join(
@@ -686,9 +702,8 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     if isinstance(method, SoloMethod):
         method.hold_threads()  # (the optimizer's step too, until it is closed)
     _restore_buffers(method, pristine)
-    method.choice = Choice(transport.size, cal.steps, tuple(cal.trials), chosen,  # type: ignore[attr-defined]
-                           time.perf_counter() - cal.t0)
-    transport.close()
+    method.choice = Choice(cal.transport.size, cal.steps,  # type: ignore[attr-defined]
+                           tuple(cal.trials), chosen, time.perf_counter() - cal.t0)
     return method
 
 
