@@ -288,11 +288,11 @@ def _why_no_mgrit(table: list[Measurement], base: Measurement, what: str,
 
 
 def choose(table: list[Measurement], ranks: int, unit: str = "pass",
-           exact_untimed: str = "the budget had no room for it"
-           ) -> tuple[Measurement, str]:
+           exact_untimed: Optional[str] = None) -> tuple[Measurement, str]:
     """The fastest measurement within the bound (ties: the earlier one), and why
     (`unit`: what the table's times are of, a pass or a training step;
-    `exact_untimed`: why exact propagation is not in the table, where it is not).
+    `exact_untimed`: why exact propagation is not in the table, where it is not and
+    the budget is not why).
 
     A pure function of the table: the same table gives the same choice everywhere.
     """
@@ -305,7 +305,8 @@ def choose(table: list[Measurement], ranks: int, unit: str = "pass",
     best = min(ok, key=lambda m: (m.seconds, table.index(m)))
     what = "serial autograd" if ranks == 1 else "exact propagation"
     if best is rep:
-        vs = (f"exact propagation not timed ({exact_untimed})" if exact is rep else
+        vs = (f"exact propagation not timed "
+              f"({exact_untimed or 'the budget had no room for it'})" if exact is rep else
               f"against {1e3 * exact.seconds:.1f} ms for exact propagation")
         share = (" on its share of the batch's rows (one all-reduce sums the gradients)"
                  if rep.candidate.split else "")
@@ -955,9 +956,7 @@ class _Tuning:
         self.rng.restore()
         for rep in self.built.values():  # (built, not timed: not kept)
             rep.close()
-        choice, reason = choose(self.table, self.ranks,
-                                exact_untimed=self.exact_untimed or
-                                "the budget had no room for it")
+        choice, reason = choose(self.table, self.ranks, exact_untimed=self.exact_untimed)
         if self.skipped:
             reason += (f" ({self.skipped} structure(s) coarsening less not timed: the "
                        f"{SLOWER_STRUCTURES} before them took at least {SLOWER:g} x "

@@ -494,17 +494,14 @@ def _time_layerparallel(cal: _Calibration, fresh: Callable[[], ODENet], comm: An
 
 
 def _timed_steps(steps: int, steps_to_come: Optional[int], share: float,
-                 methods: Sequence[str], schedules: Sequence[str],
-                 microbatches: Sequence[int], solo_counts: int = 1) -> int:
+                 timings: int) -> int:
     """Timed steps per candidate: `steps`, fewer where the training to come is short,
-    so that every candidate's warm-up and timed steps together cost about the
-    calibration's share of it (each pipeline schedule times every micro-batch count,
-    solo every one of its `solo_counts` thread counts).  The same on every rank: it
-    depends on the arguments alone."""
+    so that the `timings` (`_timings`), each a warm-up and the timed steps, together
+    cost about the calibration's share of it.  The same on every rank: it depends on
+    the arguments alone."""
     if steps_to_come is None:
         return steps
-    n = _timings(methods, schedules, microbatches, solo_counts)
-    return max(1, min(steps, int(share * steps_to_come / max(n, 1)) - 1))
+    return max(1, min(steps, int(share * steps_to_come / max(timings, 1)) - 1))
 
 
 def _timings(methods: Sequence[str], schedules: Sequence[str],
@@ -618,17 +615,7 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     # the thread counts solo tries are rank 0's (`SoloMethod.tune_threads`)
     solo_counts = len(transport.bcast_object(thread_counts(), 0)) if "solo" in methods \
         and transport.size > 1 else len(thread_counts())
-    cal = _Calibration(transport, x, y, loss_fn,
-                       _timed_steps(steps, steps_to_come, calibration_share, methods,
-                                    schedules, microbatches, solo_counts),
-                       timer or (lambda name, s: s), steps_to_come, calibration_share)
-    cal.exact = exact
-    # (the buffers the timing steps move are put back from it in the chosen method)
-    pristine = {k: v.detach().clone() for k, v in base.state_dict().items()}
-
-    def fresh() -> ODENet:  # (nothing trains `base` itself: a copy is in its state)
-        return copy.deepcopy(base)
-
+    t0 = time.perf_counter()
     order = _order(methods, base)
     timings = _timings(order, schedules, microbatches, solo_counts)
     if online and steps_to_come is not None and "layerparallel" in order and \
@@ -640,7 +627,17 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
         # steps, it trained at 183 ms a batch against the batch split's 127)
         transport.close()
         return _online(base, comm, x, y, loss_fn, layerparallel, steps_to_come,
-                       calibration_share, order, timings, cal.t0)
+                       calibration_share, order, timings, t0)
+    cal = _Calibration(transport, x, y, loss_fn,
+                       _timed_steps(steps, steps_to_come, calibration_share, timings),
+                       timer or (lambda name, s: s), steps_to_come, calibration_share)
+    cal.t0, cal.exact = t0, exact
+    # (the buffers the timing steps move are put back from it in the chosen method)
+    pristine = {k: v.detach().clone() for k, v in base.state_dict().items()}
+
+    def fresh() -> ODENet:  # (nothing trains `base` itself: a copy is in its state)
+        return copy.deepcopy(base)
+
     cal.wants_serial_grads = exact and "data" in order and "solo" in order \
         and has_batch_norm(base) and _stands_aside(base, "data", exact)[0] is None
     for what in order:
