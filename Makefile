@@ -144,18 +144,21 @@ bench-versus-smoke: build
 
 # The device rows (results: docs/results/tta/README.md): time to accuracy on one GPU,
 # case a; on the 16 CPU cores
-# beside it, the per-batch scaling study at 1-16 ranks and time to accuracy at 16 ranks.
+# beside it, the per-batch scaling study at 1-16 ranks (MGRIT structures of 3-5 levels,
+# cfactor 4 and 8: the fastest at each rank count is printed) and time to accuracy at
+# 16 ranks.
 # On a lent device machine (`device` tool): no network there, and its python3
 # (GPU_PYTHON) holds CUDA torch, Cython, mpi4py and Open MPI, numpy, scipy, matplotlib
 # and scikit-learn, but not mnist1d.  So:
 #   here, once:  make device-wheels      (mnist1d's wheel into .whl/, ignored by git)
 #   there, one call per target, carrying .whl (a call may take 10 minutes; on the H200:
 #   bench-tta-gpu ~340 s (413 s on an H100), study-cpu-16core-tta ~240 s,
-#   study-cpu-16core-scale ~75 s):
+#   study-cpu-16core-scale ~75 s with one structure, before it scanned six: expect
+#   about five times that):
 #     make DEVICE=1 bench-tta-gpu && cp -r docs/results/tta/gpu $OUT/
 #     make DEVICE=1 bench-tta-gpu-compiled   (serial also under torch.compile: not run
 #         yet; expect about 10 minutes in all)
-#     make DEVICE=1 study-cpu-16core-scale && cp docs/results/scaling/cpu-16core/*.csv $OUT/
+#     make DEVICE=1 study-cpu-16core-scale && cp docs/results/scaling/cpu-16core-scan/* $OUT/
 #     make DEVICE=1 study-cpu-16core-tta && cp docs/results/tta/cpu-16core/* $OUT/
 #     make DEVICE=1 bench-gpu && cp docs/results/gpu/bench-gpu-rows.csv $OUT/
 #     make DEVICE=1 test-gpu   (the GPU tests alone: run them first)
@@ -203,8 +206,8 @@ bench-tta-gpu-compiled: cuda-check device-setup
 study-cpu-16core: study-cpu-16core-scale study-cpu-16core-tta
 study-cpu-16core-scale: $(DEVICE_PREP)
 	$(DEVICE_PY) -m layerpar.apps.cli scale --ranks 1,2,4,8,16 --layers 1024 --width 32 \
-	    --batch 128 --levels 3 --cfactor 4 --fwd-iters 1 --bwd-iters 1 --no-progress \
-	    --out docs/results/scaling/cpu-16core
+	    --batch 128 --levels 3,4,5 --cfactor 4,8 --fwd-iters 1 --bwd-iters 1 --no-progress \
+	    --out docs/results/scaling/cpu-16core-scan
 study-cpu-16core-tta: $(DEVICE_PREP)
 	$(DEVICE_PY) -m layerpar.bench tta --np 16 --cases a --bounds default \
 	    --out docs/results/tta/cpu-16core

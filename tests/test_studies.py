@@ -278,3 +278,25 @@ def test_layer_parallel_run_without_solve_statistics_says_so(monkeypatch) -> Non
            "cfactor": 2, "steps": 1, "warmup": 0}
     with pytest.raises(RuntimeError, match="no forward MGRIT solve"):
         worker.run_layer_parallel(cfg, MPI.COMM_SELF)
+
+
+def test_a_scan_reports_the_fastest_structure_at_each_rank_count() -> None:
+    """`fastest_per_ranks`: per problem and rank count the run with the least seconds per
+    batch, whatever its structure, iterations or threads; failed runs (no finite time)
+    left out; problems in the order the rows name them, ranks ascending.  `_structure`
+    names the levels the layers give where ``--levels`` asked for more."""
+    def row(layers: int, ranks: int, levels: int, cf: int, t: object) -> dict:
+        return {"model": "dense", "layers": str(layers), "width": "32", "batch": "64",
+                "ranks": str(ranks), "threads": "1", "levels": str(levels),
+                "cfactor": str(cf), "fwd_iters": "1", "bwd_iters": "1",
+                "seconds_per_batch": str(t)}
+
+    rows = [row(1024, 16, 3, 4, 0.0268), row(1024, 16, 5, 4, 0.0151),
+            row(1024, 16, 4, 8, "nan"), row(1024, 2, 3, 4, 0.0471), row(1024, 2, 5, 4, 0.05),
+            row(256, 2, 3, 8, 0.012), row(256, 2, 5, 8, 0.0117), row(1024, 8, 4, 4, "")]
+    got = runner.fastest_per_ranks(rows)
+    assert [(r["layers"], r["ranks"], r["levels"]) for r in got] == [
+        ("1024", "2", "3"), ("1024", "16", "5"), ("256", "2", "5")]
+    assert cli._structure(got[1]) == "L5 cf4"
+    assert cli._structure(got[2]) == "L3 cf8 (asked 5 levels)"
+    assert runner.fastest_per_ranks([row(64, 1, 2, 2, "nan")]) == []

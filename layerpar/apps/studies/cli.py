@@ -155,13 +155,25 @@ def _error(args: argparse.Namespace, message: str) -> int:
     return 2
 
 
+def _structure(row: dict[str, Any]) -> str:
+    """A run's MGRIT structure as "L<levels> cf<cfactor>", with the levels its layers
+    give where those are fewer than asked (``--levels`` is a maximum)."""
+    from ...mgrit.grid import build_levels
+    from ...mgrit.options import MGRITOptions
+
+    asked, cf = int(float(row["levels"])), int(float(row["cfactor"]))
+    built = len(build_levels(int(float(row["layers"])),
+                             MGRITOptions(max_levels=asked, cfactor=cf)))
+    return f"L{built} cf{cf}" + ("" if built == asked else f" (asked {asked} levels)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the study the parsed options describe; print a summary; 0 if all runs ran.
 
     Bad options, an output folder that cannot be written and a damaged results file are
     reported as one line on stderr with exit status 2, before anything is measured.
     """
-    from .runner import StudyFileError, check_output_dir, expand_grid, run_study
+    from .runner import StudyFileError, check_output_dir, expand_grid, fastest_per_ranks, run_study
 
     out = Path(args.out)
     try:
@@ -199,6 +211,14 @@ def run(args: argparse.Namespace) -> int:
     print(" ".join(f"{c:>10.10s}" for c in cols))
     for r in res.rows:
         print(" ".join(f"{_g(r.get(c)):>10.10s}" for c in cols))
+    fastest = fastest_per_ranks(res.rows)
+    if len(fastest) < len(res.rows):  # (a scan: several runs per rank count)
+        print("fastest per rank count (seconds per batch; speed-up over the best serial):")
+        for r in fastest:
+            print(f"  {r.get('layers')} layers, {r.get('ranks')} rank(s): "
+                  f"{_structure(r)} {r.get('fwd_iters')}/"
+                  f"{r.get('bwd_iters')}, {r.get('threads')} thread(s): "
+                  f"{_g(r.get('seconds_per_batch'))} s, {_g(r.get('speedup'))}x")
     s = res.summary
     if s:
         print(f"model: call overhead {s['call_overhead_s'] * 1e6:.1f} us, step overhead "

@@ -440,6 +440,26 @@ def _num(row: dict[str, Any], col: str) -> float:
         return float("nan")
 
 
+def fastest_per_ranks(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fastest run (least ``seconds_per_batch``) of each problem (layers, width,
+    batch, model) at each rank count, ordered by problem and ranks: what a scan over
+    MGRIT structures (levels, cfactor), iterations and threads per rank says the rank
+    count reaches per batch, since the best structure changes with the ranks (the
+    coarsest grid is solved sequentially across them).  Runs without a finite time
+    (failed or still to run) are left out."""
+    problems: dict[tuple, int] = {}  # (in the order the rows first name them)
+    best: dict[tuple, dict[str, Any]] = {}
+    for row in rows:
+        t = _num(row, "seconds_per_batch")
+        if not (math.isfinite(t) and t > 0):
+            continue
+        problem = _key(row, ("model", "layers", "width", "batch"))
+        at = (problems.setdefault(problem, len(problems)), int(_num(row, "ranks")))
+        if at not in best or t < _num(best[at], "seconds_per_batch"):
+            best[at] = row
+    return [best[at] for at in sorted(best)]
+
+
 def _finish_row(raw: dict[str, Any], serial: dict[str, Any], costs: perfmodel.Costs,
                 cores: int) -> dict[str, Any]:
     row = dict(raw)
