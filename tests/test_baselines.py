@@ -341,3 +341,63 @@ def test_a_solo_holding_its_threads_gives_them_back_when_closed() -> None:
     assert torch.get_num_threads() == other
     solo.close()
     assert torch.get_num_threads() == before
+
+
+def _user_cases(case: str, ranks: int = 2) -> dict[str, str]:
+    """`workers/lp_baseline_users.py`'s verdicts by method, alike on every rank."""
+    proc = run_mpi(WORKERS / "lp_baseline_users.py", ranks, case, timeout=300)
+    assert proc.returncode == 0, describe(proc)
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == list(range(ranks)) and all(
+        got[-1] == "DONE" for got in lines.values()), describe(proc)
+    assert len({tuple(got) for got in lines.values()}) == 1, describe(proc)
+    return dict(ln.split(" ", 2)[1:] for ln in lines[0] if ln.startswith("CASE "))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_parameter_shared_across_ranks_trains_as_serial_or_is_refused(ranks: int) -> None:
+    """A weight tied between a layer before the segment and one after it, and one block
+    module for every step: data parallelism trains as serial; a pipeline, whose ranks
+    would each train a copy with their own stages' gradient, refuses it by name."""
+    got = _user_cases("tied", ranks)
+    for kind in ("tied", "shared"):
+        assert got[f"{kind}/data"].startswith("OK"), got
+        assert got[f"{kind}/pipeline"].startswith("RAISED ValueError: `layers.") and \
+            "is the same tensor as" in got[f"{kind}/pipeline"], got
+
+
+@pytest.mark.mpi
+def test_data_parallelism_follows_replaced_and_unfrozen_parameters() -> None:
+    """`load_state_dict(..., assign=True)` between steps replaces the parameters, and a
+    layer frozen when the method was built is unfrozen later: both engines average the
+    new ones (the ranks would otherwise step apart) and train as serial."""
+    got = _user_cases("reload")
+    for case in ("reload", "unfreeze"):
+        for engine in ("allreduce", "ddp"):
+            assert got[f"{case}/{engine}"].startswith("OK"), got
+
+
+@pytest.mark.mpi
+def test_a_summed_loss_is_refused_where_the_batch_is_cut() -> None:
+    """A loss with reduction="sum", applied to each rank's share or micro-batch and
+    averaged, would give 1/parts of serial's gradient: refused by name, alike on every
+    rank; a pipeline of one micro-batch applies it to the whole batch, as serial."""
+    got = _user_cases("sum")
+    for name in ("data", "pipeline-m2"):
+        assert got[f"sum/{name}"].startswith(
+            "RAISED ValueError: `loss_fn` is not a mean over the batch's rows"), got
+    assert got["sum/pipeline-m1"].startswith("OK"), got
+
+
+@pytest.mark.mpi
+def test_dropout_keeps_the_ranks_random_streams_in_step() -> None:
+    """Dropout on one pipeline stage, and in each rank's share of the batch: the ranks'
+    generators stay in step (a shuffling DataLoader loads the same batch everywhere);
+    a block drawing random numbers itself is refused by the pipeline; `choose_method`
+    leaves the generators as it found them (its timing steps ran on some ranks only)."""
+    got = _user_cases("streams")
+    assert got["streams/data"].startswith("STREAMS"), got
+    assert got["streams/pipeline"].startswith("STREAMS"), got
+    assert got["streams/rand"].startswith("RAISED RuntimeError: the net drew random"), got
+    assert got["streams/choose"].endswith("kept=True"), got

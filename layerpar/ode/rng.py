@@ -19,8 +19,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-__all__ = ["DROPOUT_TYPES", "MAX_SEED", "PLAIN", "REPLICA", "GeneratorStates", "needs_rng",
-           "layer_rng", "own_generators", "plain_rng", "draw_seed", "mix_seed"]
+__all__ = ["DROPOUT_TYPES", "MAX_SEED", "PLAIN", "REPLICA", "STEP", "GeneratorStates",
+           "StepStreams", "needs_rng", "layer_rng", "own_generators", "plain_rng", "draw_seed",
+           "mix_seed"]
 
 #: Module types whose forward draws from the global generator.
 DROPOUT_TYPES: tuple[type[nn.Module], ...] = (
@@ -39,6 +40,9 @@ PLAIN = -1
 #: The first key of a data replica's pass seed, ``mix_seed(seed, REPLICA, d)`` for
 #: replica d of a process grid: each replica draws masks of its own.
 REPLICA = -2
+#: The first key of a rank's generator in a data-parallel or pipeline training step,
+#: ``layer_rng(seed, STEP, rank)`` (`StepStreams`): each rank draws masks of its own.
+STEP = -3
 #: The largest seed torch's generators accept (``torch.manual_seed`` takes 64 bits; a
 #: larger int fails deep inside torch as "Overflow when unpacking long long").
 MAX_SEED = _MASK64
@@ -146,3 +150,33 @@ def draw_seed() -> int:
     """Draw one int in [0, 2**62) from the global CPU generator (once per forward pass;
     a layer-parallel pass draws it on every rank, so their generators stay in step)."""
     return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+
+
+class StepStreams:
+    """The random streams of a training step that runs a different part of `net` on
+    each rank (a data-parallel rank's share of the batch, a pipeline rank's stages).
+
+    Drawn from the global generator, a rank's dropout masks would move that rank's
+    generator alone (a pipeline's; the ranks' shuffling DataLoaders would then load
+    different batches), or repeat on every rank (data parallelism's shares, all drawn
+    from one state).  Where `net` holds dropout that is active (`DROPOUT_TYPES` in
+    training mode, p > 0), each step instead draws one seed on every rank alike
+    (`draw_seed`: the generators stay in step) and runs under ``layer_rng(seed, STEP,
+    rank)``: masks of the rank's own, new each step.  A net without it draws nothing
+    (its streams stay serial training's).  The dropout modules are found once, here:
+    checking them each step costs a few attribute reads, not a walk of the net."""
+
+    def __init__(self, net: nn.Module, rank: int) -> None:
+        self.rank = rank
+        self._dropouts = [m for m in net.modules() if isinstance(m, DROPOUT_TYPES)
+                          and float(getattr(m, "p", 0.0)) > 0]
+
+    def active(self) -> bool:
+        """Whether a step now draws masks from the modules found (training mode)."""
+        return any(m.training for m in self._dropouts)
+
+    def step(self) -> contextlib.AbstractContextManager[None]:
+        """The context one training step runs in (collective: every rank enters it)."""
+        if self.active():
+            return layer_rng(draw_seed(), STEP, self.rank)
+        return contextlib.nullcontext()

@@ -60,8 +60,8 @@ import torch
 from torch import Tensor, nn
 
 from ..mgrit.transport import make_transport
-from ..ode.net import ODENet
-from ..ode.rng import DROPOUT_TYPES
+from ..ode.net import ODENet, Segment
+from ..ode.rng import DROPOUT_TYPES, GeneratorStates
 from .baselines import (
     DataParallelNet,
     LayerParallelMethod,
@@ -640,6 +640,26 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
 
     cal.wants_serial_grads = exact and "data" in order and "solo" in order \
         and has_batch_norm(base) and _stands_aside(base, "data", exact)[0] is None
+    # the timing steps draw from the generators on some ranks only (solo's on rank 0, a
+    # pipeline's on its dropout's stage): put back, every rank's streams stay in step,
+    # and as serial training would have them (a shuffling DataLoader's next order)
+    streams = GeneratorStates([m for m in base.layers if not isinstance(m, Segment)])
+    try:
+        method = _time_candidates(cal, base, order, fresh, comm, exact, solo_counts,
+                                  schedules, microbatches, layerparallel, pristine)
+    finally:
+        streams.restore()
+    transport.close()
+    return method
+
+
+def _time_candidates(cal: _Calibration, base: ODENet, order: list[str],
+                     fresh: Callable[[], ODENet], comm: Any, exact: bool, solo_counts: int,
+                     schedules: Sequence[str], microbatches: Sequence[int],
+                     layerparallel: Optional[dict[str, Any]],
+                     pristine: dict[str, Tensor]) -> TrainingMethod:
+    """`choose_method`'s timings, candidate by candidate in `order`, and the fastest
+    kept (`_keep_fastest`)."""
     for what in order:
         why, one_micro = _stands_aside(base, what, exact)
         why = why or (None if what == "pipeline" or what in cal.tabled else
@@ -656,9 +676,7 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
         except (ValueError, TypeError, NotImplementedError) as exc:
             # refusals raised alike on every rank by the methods' own agreements
             cal.trials.append(Trial(what, None, f"refused: {exc}"))
-    method = _keep_fastest(cal, pristine)
-    transport.close()
-    return method
+    return _keep_fastest(cal, pristine)
 
 
 def _order(methods: Sequence[str], base: ODENet) -> list[str]:

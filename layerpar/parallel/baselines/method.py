@@ -16,6 +16,7 @@ the baselines.  `METHODS` maps a name to each class; `make_method` builds one by
 """
 from __future__ import annotations
 
+import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -49,6 +50,31 @@ def as_net(net: Union[ODENet, Callable[[], ODENet]]) -> ODENet:
 
 def _rows(t: Any) -> Optional[int]:
     return int(t.shape[0]) if isinstance(t, Tensor) and t.dim() > 0 else None
+
+
+def mean_loss_error(loss_fn: LossFn, out: Tensor, y: Any, parts: int) -> Optional[str]:
+    """Why `loss_fn` is not a mean over the rows of a batch, or None: a method that
+    applies it to `parts` shares of the batch and averages their gradients (data
+    parallelism's ranks, a pipeline's micro-batches) equals serial only for a mean.
+    The test: the share (`out`, `y`) twice over gives the loss once over (a sum gives
+    twice, so its gradient would come out 1/`parts` of serial's).  Without grad, on
+    detached outputs; a `y` that is not a batch tensor is not tested."""
+    if out.dim() == 0 or out.shape[0] == 0 or not (
+            y is None or isinstance(y, Tensor) and y.dim() > 0 and y.shape[0] == out.shape[0]):
+        return None
+    with torch.no_grad():
+        o = out.detach()
+        once = float(loss_fn(o, y))
+        twice = float(loss_fn(torch.cat([o, o]), None if y is None else torch.cat([y, y])))
+    tol = 1e-2 if o.dtype in (torch.float16, torch.bfloat16) else 1e-5
+    if not (math.isfinite(once) and math.isfinite(twice)) or \
+            abs(twice - once) <= tol * max(abs(once), abs(twice)):
+        return None
+    return (f"`loss_fn` is not a mean over the batch's rows (a share of the batch twice "
+            f"over gave {twice:.6g} against {once:.6g} once): the batch is cut into "
+            f"{parts} parts whose losses are averaged, so a sum (reduction='sum') would "
+            f"give 1/{parts} of serial's gradient. Use a mean (reduction='mean', and a "
+            "learning rate scaled by the batch size for the same steps)")
 
 
 class TrainingMethod(ABC):

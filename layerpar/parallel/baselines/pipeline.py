@@ -28,8 +28,11 @@ batch (the rows must divide by `microbatches`); torch scales the gradients by
 torch.distributed.pipelining needs a torch.distributed process group: under
 torchrun pass ``torch.distributed.group.WORLD``; under mpiexec pass the mpi4py
 communicator and the world group is initialised from it (`process_group_from_mpi`).
-Dropout draws its masks from each rank's own generator (not the serial net's seeds),
-and batch norm sees micro-batch statistics.
+Dropout draws masks of each rank's own, new every step (`StepStreams`: not the serial
+net's), with every rank's generators kept in step; other random draws in a stage are
+refused at the first step.  Batch norm sees micro-batch statistics.  A parameter used by
+stages on different ranks (tied weights, a shared block) is refused: each rank would
+train its own copy.  `loss_fn` must be a mean over the rows with several micro-batches.
 """
 from __future__ import annotations
 
@@ -44,11 +47,19 @@ from ..._checks import positive_int
 from ...mgrit.grid import Partition
 from ...mgrit.transport import DEFAULT_TIMEOUT, check_timeout, make_transport
 from ...ode.net import ODENet, Segment
+from ...ode.rng import StepStreams
 from ..agree import layer_key
 from ..checkpoint import _name_order
 from ..move import Like, move
 from .dist import as_process_group
-from .method import LossFn, TrainingMethod, as_net, check_check_inputs, step_seconds
+from .method import (
+    LossFn,
+    TrainingMethod,
+    as_net,
+    check_check_inputs,
+    mean_loss_error,
+    step_seconds,
+)
 
 __all__ = ["SCHEDULES", "PipelineNet", "StagePlan"]
 
@@ -213,6 +224,40 @@ class _Stage(nn.Module):
         return x
 
 
+def _stream_states() -> tuple[Tensor, Optional[Tensor]]:
+    """The global generators' states now (CPU; CUDA's current device where initialised)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None
+
+
+def _same_states(a: tuple[Tensor, Optional[Tensor]],
+                 b: tuple[Tensor, Optional[Tensor]]) -> bool:
+    return torch.equal(a[0], b[0]) and (a[1] is None) == (b[1] is None) and (
+        a[1] is None or b[1] is None or torch.equal(a[1], b[1]))
+
+
+def _refuse_shared_across_ranks(net: ODENet, plan: StagePlan) -> None:
+    """ValueError where one parameter or buffer serves stages on different ranks (a
+    block module shared by several layers, tied weights): each rank would train its
+    own copy with its own stages' share of the gradient, silently apart from serial.
+    Stages on one rank may share them (autograd adds their gradients).  From the
+    whole net, which every rank holds: raised alike on every rank."""
+    owner: dict[int, tuple[int, str]] = {}  # id -> (rank, first name)
+    for s, units in enumerate(plan.stages):
+        stage = _Stage(net, units)
+        tensors = [*stage.named_parameters(remove_duplicate=False),
+                   *stage.named_buffers(remove_duplicate=False)]
+        for name, t in tensors:
+            rank, first = owner.setdefault(id(t), (plan.ranks[s], name))
+            if rank != plan.ranks[s]:
+                raise ValueError(
+                    f"`{name}` is the same tensor as `{first}`, and the pipeline puts "
+                    f"them on ranks {rank} and {plan.ranks[s]}: each rank would train "
+                    "its own copy with its own stages' gradient (not serial's). Untie "
+                    "them, or train with DataParallelNet or LayerParallel, which handle "
+                    "a parameter shared by several layers")
+
+
 class PipelineNet(TrainingMethod):
     """Train `net` as a pipeline over the ranks of `comm` (`torch.distributed.pipelining`).
 
@@ -252,6 +297,7 @@ class PipelineNet(TrainingMethod):
             self.check_inputs = check_check_inputs(check_inputs)
             timeout = check_timeout(timeout)
             self.schedule = schedule
+            _refuse_shared_across_ranks(net, self.plan)
             self._local = {q: _Stage(net, self.plan.stages[q])
                            for q in self.plan.stages_of(self.transport.rank)}
             self.device = next(iter(net.parameters())).device
@@ -269,9 +315,13 @@ class PipelineNet(TrainingMethod):
             raise TypeError(f"`net` must build an ODENet, got {type(net).__name__}")
         self.transport.timeout = timeout
         self.net = net
+        self._streams = StepStreams(net, self.rank)
         self._built: dict[tuple, Any] = {}  # (input shape, dtype, m) -> torch schedule
         self._shapes: dict[tuple, list[tuple[int, ...]]] = {}
         self._loss_fn: Optional[LossFn] = None
+        self._mean_loss: Optional[LossFn] = None  # the last loss found to be a mean
+        self._unchecked = False  # this step's test of the loss (`_loss`) is still to come
+        self._bad: Optional[str] = None  # what that test found
 
     # -- shapes and torch's objects --------------------------------------------------------
     def _stage_shapes(self, x: Tensor) -> list[tuple[int, ...]]:
@@ -331,6 +381,9 @@ class PipelineNet(TrainingMethod):
     def _loss(self, out: Tensor, target: Any) -> Tensor:
         if self._loss_fn is None:
             raise RuntimeError("PipelineNet has no loss function to apply")
+        if self._unchecked and self.microbatches > 1:  # (the step's first micro-batch)
+            self._bad = mean_loss_error(self._loss_fn, out, target, self.microbatches)
+            self._unchecked = False
         return self._loss_fn(out, target)
 
     def _holds(self, stage: int) -> bool:
@@ -351,13 +404,32 @@ class PipelineNet(TrainingMethod):
         self._loss_fn = loss_fn
         losses: list[Tensor] = []
         last = len(self.plan.stages) - 1
+        drawn = self._streams.active()
+        before = None if drawn else _stream_states()
+        self._unchecked, self._bad = loss_fn is not self._mean_loss, None
         try:
-            sched.step(x, target=y, losses=losses, return_outputs=False)
+            with self._streams.step():  # (dropout: masks of this rank's own stages)
+                sched.step(x, target=y, losses=losses, return_outputs=False)
         finally:
             self._loss_fn = None
         value = sum(float(t.detach()) for t in losses) / len(losses) \
             if self._holds(last) else 0.0
-        return self.transport.allreduce_sum([value])[0]
+        moved = 0.0 if before is None else float(not _same_states(before, _stream_states()))
+        value, moved, flagged = self.transport.allreduce_sum(
+            [value, moved, float(self._bad is not None)])
+        if flagged:  # (the last stage's rank's message, on every rank; not to be stepped)
+            said = self.transport.allgather_object(self._bad, "the loss's test")
+            raise ValueError(next(m for m in said if m is not None))
+        self._mean_loss = loss_fn
+        if moved:
+            raise RuntimeError(
+                f"the net drew random numbers on {int(moved)} rank(s) outside the dropout "
+                "modules layerpar finds (torch.nn's Dropout kinds, in training mode): a "
+                "pipeline runs each stage on one rank, whose global generator then moved "
+                "alone, and the ranks' random streams (a shuffling DataLoader's) fell out "
+                "of step. Draw them in torch.nn dropout modules, or train with "
+                "DataParallelNet or LayerParallel")
+        return value
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_parameters()]

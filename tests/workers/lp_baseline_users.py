@@ -1,0 +1,205 @@
+"""Worker: what users write, through the data-parallel and pipeline methods and
+`choose_method` (mpi4py; the pipeline initialises gloo from the communicator).
+
+Every case prints ``RANK <r> CASE <case>/<method> <verdict>`` lines, then ``RANK <r>
+DONE``.  Verdicts: ``OK <max relative error against serial training>``, ``RAISED
+<type>: <message>``, ``STREAMS <digest of the CPU generator>`` (the same on every rank
+when the ranks' random streams are in step).
+
+- tied: a weight shared by the first and the last layer, and one block module for
+  every step of a segment: data parallelism trains as serial; the pipeline refuses.
+- reload: `load_state_dict(..., assign=True)` between steps, then layer 0 frozen at
+  the start and unfrozen later: data parallelism (both engines) follows, as serial.
+- sum: a loss with reduction="sum": refused by data parallelism and a pipeline of 2
+  micro-batches; a pipeline of one micro-batch trains as serial.
+- streams: nn.Dropout on stage 0, three steps of each method, then the CPU generator's
+  digest (in step on every rank); a block drawing torch.rand itself: the pipeline
+  refuses it; `choose_method` on a dropout net leaves the generators as they were.
+"""
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import layerpar
+from layerpar.ode import blocks
+from layerpar.ode.net import Segment
+from layerpar.parallel import choose_method
+from layerpar.parallel.baselines import DataParallelNet, PipelineNet, process_group_from_mpi
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
+from tolerances import F64  # noqa: E402
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+torch.set_num_threads(1)
+W, B = 4, 8
+CE = nn.functional.cross_entropy
+GROUP = None
+
+
+def group():
+    global GROUP
+    if GROUP is None:
+        GROUP = process_group_from_mpi(comm)
+    return GROUP
+
+
+def say(case, method, verdict):
+    print(f"RANK {rank} CASE {case}/{method} {verdict}", flush=True)
+
+
+def net(kind="plain"):
+    torch.manual_seed(0)
+    first, last = nn.Linear(3, W), nn.Linear(W, 5)
+
+    def step(k):
+        return blocks.Dense(W)
+    if kind == "tied":  # a square layer before the segment and one after, one weight
+        a, b = nn.Linear(W, W), nn.Linear(W, W)
+        b.weight = a.weight
+        return layerpar.ODENet(layers=[first, a, Segment(step, 8, 1.0), b, last]).double()
+    if kind == "shared":
+        one = blocks.Dense(W)
+
+        def step(k):
+            return one
+    if kind == "dropout":
+        first = nn.Sequential(nn.Linear(3, W), nn.Dropout(0.3))
+    if kind == "rand":
+        class Noisy(nn.Module):
+            def forward(self, x):
+                return x + 0.01 * torch.rand_like(x)
+        first = nn.Sequential(nn.Linear(3, W), Noisy())
+    return layerpar.ODENet(layers=[first, nn.Tanh(), Segment(step, 8, 1.0), last]).double()
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(B, 3, generator=g, dtype=torch.float64),
+             torch.randint(0, 5, (B,), generator=g)) for _ in range(4)]
+
+
+def serial_run(n, loss=CE, between=None):
+    """Serial training of `n` (three SGD steps; `between(n, k)` before step k)."""
+    opt = torch.optim.SGD(n.parameters(), lr=0.1)
+    for k, (x, y) in enumerate(data()[:3]):
+        if between is not None:
+            opt = between(n, k) or opt
+        opt.zero_grad()
+        loss(n(x), y).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in n.state_dict().items()}
+
+
+def method_run(m, loss=CE, between=None):
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for k, (x, y) in enumerate(data()[:3]):
+        if between is not None and between(m.net, k):
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m.train_step(x, y, loss)
+        opt.step()
+    return m.gather_state_dict()
+
+
+def error(a, b):
+    return max(float((a[k].double() - b[k].double()).norm() / max(b[k].double().norm(), 1e-300))
+               for k in b)
+
+
+def attempt(case, name, build, loss=CE, between=None, serial=None):
+    try:
+        m = build()
+        try:
+            got = method_run(m, loss, between)
+        finally:
+            m.close()
+        err = error(got, serial)
+        say(case, name, f"OK {err:.3g}" if err <= F64.roundoff else f"WRONG {err:.3g}")
+    except Exception as exc:  # noqa: BLE001
+        say(case, name, f"RAISED {type(exc).__name__}: {str(exc)[:160]}")
+
+
+def case_tied():
+    for kind in ("tied", "shared"):
+        ref = serial_run(net(kind))
+        attempt(kind, "data", lambda kind=kind: DataParallelNet(net(kind), comm), serial=ref)
+        attempt(kind, "pipeline", lambda kind=kind: PipelineNet(
+            net(kind), group(), schedule="gpipe", microbatches=2), serial=ref)
+
+
+def case_reload():
+    path = Path(f"/tmp/lp_baseline_users_{comm.bcast(str(id(comm)), 0)}.pt")
+    if rank == 0:
+        torch.save(net().state_dict(), path)
+    comm.Barrier()
+
+    def reload(n, k):
+        if k == 1:
+            n.load_state_dict(torch.load(path), assign=True)
+            return True
+
+    ref = serial_run(net(), between=lambda n, k: torch.optim.SGD(n.parameters(), lr=0.1)
+                     if reload(n, k) else None)
+    for engine in ("allreduce", "ddp"):
+        attempt("reload", engine, lambda engine=engine: DataParallelNet(
+            net(), group() if engine == "ddp" else comm, engine=engine),
+            between=reload, serial=ref)
+
+    def unfreeze(n, k):
+        if k in (0, 2):
+            for p in n.layers[0].parameters():
+                p.requires_grad_(k == 2)
+            return True
+
+    ref = serial_run(net(), between=lambda n, k: torch.optim.SGD(
+        [p for p in n.parameters() if p.requires_grad], lr=0.1) if unfreeze(n, k) else None)
+    for engine in ("allreduce", "ddp"):
+        attempt("unfreeze", engine, lambda engine=engine: DataParallelNet(
+            net(), group() if engine == "ddp" else comm, engine=engine),
+            between=unfreeze, serial=ref)
+    comm.Barrier()
+    if rank == 0:
+        path.unlink()
+
+
+def case_sum():
+    loss = lambda o, t: CE(o, t, reduction="sum")  # noqa: E731
+    ref = serial_run(net(), loss)
+    attempt("sum", "data", lambda: DataParallelNet(net(), comm), loss, serial=ref)
+    attempt("sum", "pipeline-m2", lambda: PipelineNet(net(), group(), schedule="gpipe",
+                                                     microbatches=2), loss, serial=ref)
+    attempt("sum", "pipeline-m1", lambda: PipelineNet(net(), group(), schedule="gpipe",
+                                                     microbatches=1), loss, serial=ref)
+
+
+def digest():
+    return hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()[:8]
+
+
+def case_streams():
+    for name, build in (("data", lambda: DataParallelNet(net("dropout"), comm)),
+                        ("pipeline", lambda: PipelineNet(net("dropout"), group(),
+                                                         schedule="1f1b", microbatches=2))):
+        torch.manual_seed(5)
+        m = build()
+        for x, y in data()[:3]:
+            m.train_step(x, y, CE)
+        m.close()
+        say("streams", name, f"STREAMS {digest()}")
+    attempt("streams", "rand", lambda: PipelineNet(net("rand"), group(), schedule="gpipe",
+                                                   microbatches=2), serial={})
+    n, (x, y) = net("dropout"), data()[0]
+    before = digest()
+    m = choose_method(n, comm, x, y, CE, steps=1, microbatches=(1, 2))
+    m.close()
+    say("streams", "choose", f"STREAMS {digest()} kept={digest() == before}")
+
+
+if __name__ == "__main__":
+    {"tied": case_tied, "reload": case_reload, "sum": case_sum,
+     "streams": case_streams}[sys.argv[1]]()
+    print(f"RANK {rank} DONE", flush=True)
