@@ -401,3 +401,13 @@ def test_dropout_keeps_the_ranks_random_streams_in_step() -> None:
     assert got["streams/pipeline"].startswith("STREAMS"), got
     assert got["streams/rand"].startswith("RAISED RuntimeError: the net drew random"), got
     assert got["streams/choose"].endswith("kept=True"), got
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_clipping_the_gradient_norm_trains_as_serial(ranks: int) -> None:
+    """`method.clip_grad_norm_` clips by the whole net's norm on every rank: a pipeline
+    rank holds only its stages' gradients, whose own norm torch's function would use."""
+    got = _user_cases("clip", ranks)
+    for name in ("data", "gpipe", "interleaved"):
+        assert got[f"clip/{name}"].startswith("OK"), got

@@ -4,8 +4,8 @@ any number of ranks (or into the serial `ODENet`)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, Optional
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -137,6 +137,24 @@ def clip_grad_norm(model: _Model, max_norm: float, norm_type: float = 2.0,
     """`LayerParallel.clip_grad_norm_`: the whole network's gradient norm, the ranks'
     parts summed in rank order (the same on every rank), every gradient scaled by
     ``max_norm / total`` where the total exceeds it (collective)."""
+    params = [q for q in model.parameters() if q.grad is not None]
+    # a parameter whose layers lie on several ranks has the same gradient on each:
+    # counted once, on the first of them
+    counted = params if model._shared is None else \
+        [q for q in params if model._shared.counts_here(q, model.rank)]
+    return clip_over_ranks(params, counted, None if model.size == 1 else lambda local: (
+        model.guard(lambda: model.transport.allgather_object(local, "clip_grad_norm_"))),
+        max_norm, norm_type, error_if_nonfinite)
+
+
+def clip_over_ranks(params: Sequence[Tensor], counted: Sequence[Tensor],
+                    gather: Optional[Callable[[float], list[float]]], max_norm: float,
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+    """`torch.nn.utils.clip_grad_norm_` of a net whose gradients lie on several ranks:
+    the norm of this rank's `counted` gradients (each gradient counted on one rank
+    only), the ranks' parts combined through `gather` (this rank's part -> every
+    rank's, in rank order; None: one rank), and `params`' gradients scaled by
+    ``max_norm / total`` where the total exceeds it.  Returns the total (float64)."""
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or \
             not max_norm >= 0:  # (NaN fails the comparison)
         raise ValueError(f"`max_norm` must be a number >= 0, got {max_norm!r}")
@@ -144,17 +162,13 @@ def clip_grad_norm(model: _Model, max_norm: float, norm_type: float = 2.0,
             not norm_type > 0:
         raise ValueError(f"`norm_type` must be a number > 0 (or inf), got {norm_type!r}")
     p = float(norm_type)
-    params = [q for q in model.parameters() if q.grad is not None]
+    params = [q for q in params if q.grad is not None]
+    grads = [q.grad for q in counted if q.grad is not None]
     local = 0.0
-    # a parameter whose layers lie on several ranks has the same gradient on each:
-    # counted once, on the first of them
-    counted = params if model._shared is None else \
-        [q for q in params if model._shared.counts_here(q, model.rank)]
-    if counted:
-        part = float(torch.nn.utils.get_total_norm([q.grad for q in counted], p))
+    if grads:
+        part = float(torch.nn.utils.get_total_norm(grads, p))
         local = part if p == float("inf") else part ** p
-    parts = [local] if model.size == 1 else model.guard(
-        lambda: model.transport.allgather_object(local, "clip_grad_norm_"))
+    parts = [local] if gather is None else gather(local)
     total = max(parts) if p == float("inf") else sum(parts) ** (1.0 / p)
     if error_if_nonfinite and not math.isfinite(total):
         raise RuntimeError(f"the total norm of order {p:g} of the gradients is "

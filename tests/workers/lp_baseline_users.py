@@ -12,6 +12,8 @@ when the ranks' random streams are in step).
   the start and unfrozen later: data parallelism (both engines) follows, as serial.
 - sum: a loss with reduction="sum": refused by data parallelism and a pipeline of 2
   micro-batches; a pipeline of one micro-batch trains as serial.
+- clip: gradients clipped to a norm each step (`method.clip_grad_norm_`): the
+  pipeline's ranks combine their stages' parts; as serial.
 - streams: nn.Dropout on stage 0, three steps of each method, then the CPU generator's
   digest (in step on every rank); a block drawing torch.rand itself: the pipeline
   refuses it; `choose_method` on a dropout net leaves the generators as they were.
@@ -83,24 +85,29 @@ def data():
              torch.randint(0, 5, (B,), generator=g)) for _ in range(4)]
 
 
-def serial_run(n, loss=CE, between=None):
-    """Serial training of `n` (three SGD steps; `between(n, k)` before step k)."""
+def serial_run(n, loss=CE, between=None, clip=None):
+    """Serial training of `n` (three SGD steps; `between(n, k)` before step k; the
+    gradients clipped to norm `clip`)."""
     opt = torch.optim.SGD(n.parameters(), lr=0.1)
     for k, (x, y) in enumerate(data()[:3]):
         if between is not None:
             opt = between(n, k) or opt
         opt.zero_grad()
         loss(n(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(n.parameters(), clip)
         opt.step()
     return {k: v.detach().clone() for k, v in n.state_dict().items()}
 
 
-def method_run(m, loss=CE, between=None):
+def method_run(m, loss=CE, between=None, clip=None):
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     for k, (x, y) in enumerate(data()[:3]):
         if between is not None and between(m.net, k):
             opt = torch.optim.SGD(m.parameters(), lr=0.1)
         m.train_step(x, y, loss)
+        if clip is not None:
+            m.clip_grad_norm_(clip)
         opt.step()
     return m.gather_state_dict()
 
@@ -110,11 +117,11 @@ def error(a, b):
                for k in b)
 
 
-def attempt(case, name, build, loss=CE, between=None, serial=None):
+def attempt(case, name, build, loss=CE, between=None, serial=None, clip=None):
     try:
         m = build()
         try:
-            got = method_run(m, loss, between)
+            got = method_run(m, loss, between, clip)
         finally:
             m.close()
         err = error(got, serial)
@@ -176,6 +183,14 @@ def case_sum():
                                                      microbatches=1), loss, serial=ref)
 
 
+def case_clip():
+    ref = serial_run(net(), clip=0.05)
+    attempt("clip", "data", lambda: DataParallelNet(net(), comm), serial=ref, clip=0.05)
+    for schedule in ("gpipe", "interleaved"):
+        attempt("clip", schedule, lambda schedule=schedule: PipelineNet(
+            net(), group(), schedule=schedule, microbatches=2), serial=ref, clip=0.05)
+
+
 def digest():
     return hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()[:8]
 
@@ -200,6 +215,6 @@ def case_streams():
 
 
 if __name__ == "__main__":
-    {"tied": case_tied, "reload": case_reload, "sum": case_sum,
+    {"tied": case_tied, "reload": case_reload, "sum": case_sum, "clip": case_clip,
      "streams": case_streams}[sys.argv[1]]()
     print(f"RANK {rank} DONE", flush=True)

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from ..._checks import nonneg_int, positive_int
 from ...mgrit.transport import SerialTransport, Transport, make_transport
 from ...ode.net import ODENet
+from ..checkpoint import clip_over_ranks
 from ..timing import gauged_seconds
 
 __all__ = ["LayerParallelMethod", "LossFn", "SerialMethod", "SoloMethod", "TrainingMethod",
@@ -161,6 +162,18 @@ class TrainingMethod(ABC):
     def eval(self) -> TrainingMethod:
         """Evaluation mode (`train(False)`)."""
         return self.train(False)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over the whole net's gradients, the same
+        norm on every rank (collective: call it on every rank after `train_step`).
+        Here every rank holds the whole net's gradients (serial, data parallelism);
+        a method whose ranks hold parts (the pipeline, layer-parallel) combines the
+        ranks' parts, where ``clip_grad_norm_(method.parameters(), ...)`` would clip
+        each rank by its own part.  Returns the total norm (float64)."""
+        params = self.parameters()
+        return clip_over_ranks(params, params, None, max_norm, norm_type,
+                               error_if_nonfinite)
 
     # -- helpers for subclasses ------------------------------------------------------------
     def _zero_grad(self) -> None:
@@ -451,6 +464,10 @@ class LayerParallelMethod(TrainingMethod):
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> Tensor:
+        return self.model.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         return ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)

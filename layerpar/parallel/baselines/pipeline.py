@@ -49,7 +49,7 @@ from ...mgrit.transport import DEFAULT_TIMEOUT, check_timeout, make_transport
 from ...ode.net import ODENet, Segment
 from ...ode.rng import StepStreams
 from ..agree import layer_key
-from ..checkpoint import _name_order
+from ..checkpoint import _name_order, clip_over_ranks
 from ..move import Like, move
 from .dist import as_process_group
 from .method import (
@@ -433,6 +433,16 @@ class PipelineNet(TrainingMethod):
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_parameters()]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> Tensor:
+        """The whole net's gradient norm, the ranks' stages' parts combined in rank
+        order (no parameter serves two ranks: refused), every gradient scaled by
+        ``max_norm / total`` where it exceeds it (collective)."""
+        params = self.parameters()
+        return clip_over_ranks(params, params, None if self.size == 1 else (
+            lambda local: self.transport.allgather_object(local, "clip_grad_norm_")),
+            max_norm, norm_type, error_if_nonfinite)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         seen: set[int] = set()
