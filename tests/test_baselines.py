@@ -411,3 +411,12 @@ def test_clipping_the_gradient_norm_trains_as_serial(ranks: int) -> None:
     got = _user_cases("clip", ranks)
     for name in ("data", "gpipe", "interleaved"):
         assert got[f"clip/{name}"].startswith("OK"), got
+
+
+@pytest.mark.mpi
+def test_data_parallel_batch_norm_evaluates_alike_on_every_rank() -> None:
+    """Each rank's batch norm updates its running statistics from its own share; after
+    each step every rank takes rank 0's, so the state dicts and the evaluation after
+    training are the same on every rank (both engines)."""
+    got = _user_cases("bn")  # (every rank's lines alike: `_user_cases`)
+    assert got["bn/allreduce"].startswith("STATE") and got["bn/ddp"].startswith("STATE")

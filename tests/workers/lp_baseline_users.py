@@ -12,6 +12,8 @@ when the ranks' random streams are in step).
   the start and unfrozen later: data parallelism (both engines) follows, as serial.
 - sum: a loss with reduction="sum": refused by data parallelism and a pipeline of 2
   micro-batches; a pipeline of one micro-batch trains as serial.
+- bn: batch norm under data parallelism: after training, every rank's state dict and
+  evaluation are the same (rank 0's running statistics).
 - clip: gradients clipped to a norm each step (`method.clip_grad_norm_`): the
   pipeline's ranks combine their stages' parts; as serial.
 - streams: nn.Dropout on stage 0, three steps of each method, then the CPU generator's
@@ -191,6 +193,24 @@ def case_clip():
             net(), group(), schedule=schedule, microbatches=2), serial=ref, clip=0.05)
 
 
+def case_bn():
+    def bn_net():
+        torch.manual_seed(0)
+        return layerpar.ODENet(layers=[nn.Linear(3, W), nn.BatchNorm1d(W), nn.Tanh(),
+                                       Segment(lambda k: blocks.Dense(W), 8, 1.0),
+                                       nn.Linear(W, 5)]).double()
+    x = data()[3][0]
+    for engine in ("allreduce", "ddp"):
+        m = DataParallelNet(bn_net(), group() if engine == "ddp" else comm, engine=engine)
+        method_run(m)
+        state = m.gather_state_dict()
+        out = m.eval().eval_forward(x)
+        m.close()
+        seen = hashlib.sha1(b"".join(v.numpy().tobytes() for v in state.values())
+                            + out.numpy().tobytes()).hexdigest()[:8]
+        say("bn", engine, f"STATE {seen}")
+
+
 def digest():
     return hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()[:8]
 
@@ -215,6 +235,6 @@ def case_streams():
 
 
 if __name__ == "__main__":
-    {"tied": case_tied, "reload": case_reload, "sum": case_sum, "clip": case_clip,
+    {"tied": case_tied, "reload": case_reload, "sum": case_sum, "clip": case_clip, "bn": case_bn,
      "streams": case_streams}[sys.argv[1]]()
     print(f"RANK {rank} DONE", flush=True)

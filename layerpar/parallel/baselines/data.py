@@ -19,7 +19,9 @@ rank starts from the same net whatever each built.  The engine follows the train
 parameters from step to step (replaced by ``load_state_dict(..., assign=True)``, frozen
 or unfrozen).  `loss_fn` must be a mean over the rows (tested at its first step: a sum
 is refused).  Dropout draws masks of each rank's own share, new every step
-(`StepStreams`: not the serial net's masks), the generators kept in step.
+(`StepStreams`: not the serial net's masks), the generators kept in step.  Batch norm
+normalises each share by its own statistics; rank 0's running statistics are given to
+every rank after each step, so every rank evaluates and saves the same net.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ def _count_registrations() -> None:
         _REGISTERED[0] += 1
 
     _COUNTING.append(nn.modules.module.register_module_parameter_registration_hook(count))
+    _COUNTING.append(nn.modules.module.register_module_buffer_registration_hook(count))
 
 
 class DataParallelNet(TrainingMethod):
@@ -134,6 +137,7 @@ class DataParallelNet(TrainingMethod):
         the 1,024-layer dense net): `_follow_parameters` runs it only where a parameter
         was registered anywhere since, and reads the flags of the list it made."""
         self._params = list(self.net.parameters())
+        self._buffers = [b for b in self.net.buffers() if b is not None]
         self._registered = _REGISTERED[0]
         return tuple((id(p), p.requires_grad) for p in self._params)
 
@@ -201,6 +205,28 @@ class DataParallelNet(TrainingMethod):
             self._averager.add([self._order[self._queued].grad])
             self._queued += 1
 
+    def _share_buffers(self) -> None:
+        """Rank 0's buffers (batch norm's running statistics and batch counters, which
+        each rank updated from its own share) on every rank, one broadcast per dtype:
+        as `DistributedDataParallel` broadcasts them, but after the step, so that every
+        rank evaluates and saves the same net."""
+        if self.size == 1 or not self._buffers:
+            return
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for b in self._buffers:
+            by_dtype.setdefault(b.dtype, []).append(b)
+        with torch.no_grad():
+            for dtype, bufs in by_dtype.items():
+                flat = torch.cat([b.reshape(-1) for b in bufs]) if self.rank == 0 else None
+                got = self.transport.bcast_tensor(
+                    flat, 0, (sum(b.numel() for b in bufs),), dtype, bufs[0].device,
+                    "rank 0's buffers (batch-norm statistics)")
+                if self.rank != 0:
+                    at = 0
+                    for b in bufs:
+                        b.copy_(got[at:at + b.numel()].view_as(b))
+                        at += b.numel()
+
     def average_gradients(self) -> None:
         """Finish averaging this pass's gradients over the ranks ("allreduce" engine;
         `train_step` calls it; DistributedDataParallel does it inside backward)."""
@@ -250,6 +276,7 @@ class DataParallelNet(TrainingMethod):
         finally:
             self._in_step = False
         self.average_gradients()
+        self._share_buffers()
         value = self._loss_value(loss)
         if self.size > 1:
             total, flagged = self.transport.allreduce_sum([value, float(bad is not None)])
@@ -273,8 +300,9 @@ class DataParallelNet(TrainingMethod):
             return self.net(x)
 
     def gather_state_dict(self) -> dict[str, Tensor]:
-        """This rank's copy of the net's state (parameters are the same on every rank;
-        buffers such as batch-norm statistics are this rank's)."""
+        """This rank's copy of the net's state, the same on every rank (parameters
+        stepped alike; buffers such as batch-norm statistics rank 0's after each
+        `train_step`)."""
         return {k: v.detach().cpu() for k, v in self.net.state_dict().items()}
 
     def close(self) -> None:

@@ -262,7 +262,9 @@ class PipelineNet(TrainingMethod):
     """Train `net` as a pipeline over the ranks of `comm` (`torch.distributed.pipelining`).
 
     net: an `ODENet`, or a zero-argument factory returning one (called on every rank:
-        seed the global generator first, or load one state dict everywhere).
+        seed the global generator first, or load one state dict everywhere).  Each rank
+        trains only its stages' layers of it: the others stay as they were there, so
+        the trained net is `gather_state_dict()` (or `eval_forward`), not ``.net``.
     comm: a torch.distributed process group, or an mpi4py communicator spanning the job
         (the world group is then initialised from it with gloo: `process_group_from_mpi`).
     schedule: "gpipe", "1f1b", "interleaved", "looped-bfs", "zero-bubble" or "zbv"
