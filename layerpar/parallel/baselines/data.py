@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors
 
 from ...mgrit.transport import DEFAULT_TIMEOUT, check_timeout, make_transport
 from ...ode.net import ODENet
@@ -137,7 +138,12 @@ class DataParallelNet(TrainingMethod):
         the 1,024-layer dense net): `_follow_parameters` runs it only where a parameter
         was registered anywhere since, and reads the flags of the list it made."""
         self._params = list(self.net.parameters())
-        self._buffers = [b for b in self.net.buffers() if b is not None]
+        groups: dict[torch.dtype, list[Tensor]] = {}  # (floating buffers by dtype)
+        for b in self.net.buffers():
+            if b is not None and (b.is_floating_point() or b.is_complex()):
+                groups.setdefault(b.dtype, []).append(b)
+        self._buffers = [(dtype, bufs, [b.numel() for b in bufs])
+                         for dtype, bufs in groups.items()]
         self._registered = _REGISTERED[0]
         return tuple((id(p), p.requires_grad) for p in self._params)
 
@@ -206,26 +212,24 @@ class DataParallelNet(TrainingMethod):
             self._queued += 1
 
     def _share_buffers(self) -> None:
-        """Rank 0's buffers (batch norm's running statistics and batch counters, which
-        each rank updated from its own share) on every rank, one broadcast per dtype:
-        as `DistributedDataParallel` broadcasts them, but after the step, so that every
-        rank evaluates and saves the same net."""
+        """Rank 0's floating-point buffers (batch norm's running statistics, which each
+        rank updated from its own share) on every rank, one broadcast per dtype: as
+        `DistributedDataParallel` broadcasts them, but after the step, so that every
+        rank evaluates and saves the same net.  Integer buffers (batch norm's batch
+        counters) count steps alike on every rank and are left alone.  (The conv
+        ResNet's 262 statistics: about 0.3 ms a step.)"""
         if self.size == 1 or not self._buffers:
             return
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for b in self._buffers:
-            by_dtype.setdefault(b.dtype, []).append(b)
         with torch.no_grad():
-            for dtype, bufs in by_dtype.items():
-                flat = torch.cat([b.reshape(-1) for b in bufs]) if self.rank == 0 else None
+            for dtype, bufs, sizes in self._buffers:
+                flat = _flatten_dense_tensors(bufs) if self.rank == 0 else None
                 got = self.transport.bcast_tensor(
-                    flat, 0, (sum(b.numel() for b in bufs),), dtype, bufs[0].device,
+                    flat, 0, (sum(sizes),), dtype, bufs[0].device,
                     "rank 0's buffers (batch-norm statistics)")
                 if self.rank != 0:
-                    at = 0
-                    for b in bufs:
-                        b.copy_(got[at:at + b.numel()].view_as(b))
-                        at += b.numel()
+                    parts = got.split(sizes)
+                    torch._foreach_copy_(bufs, [p if p.shape == b.shape else p.view(b.shape)
+                                                for p, b in zip(parts, bufs)])
 
     def average_gradients(self) -> None:
         """Finish averaging this pass's gradients over the ranks ("allreduce" engine;
