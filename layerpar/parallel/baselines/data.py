@@ -188,6 +188,8 @@ class DataParallelNet(TrainingMethod):
         key = [(n, tuple(p.shape)) for n, p in self.named_parameters()]
         self.transport.agree(key, None, "the trainable parameters (changed since the last "
                              "step: every rank must replace, freeze or unfreeze alike)")
+        if self.engine == "allreduce":  # (new tensors: rank 0's, as when built; DDP's
+            self._broadcast_state()     # construction broadcasts them itself)
         self._attach()
 
     # -- the "allreduce" engine ------------------------------------------------------------
