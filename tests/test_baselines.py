@@ -213,7 +213,7 @@ def test_baselines_refuse_alike_on_every_rank() -> None:
     assert got["microbatches"].startswith("ValueError: `microbatches` must be a positive")
     assert got["engine"].startswith("ValueError: `engine` must be one of")
     assert got["differ"].startswith("RankMismatchError:") and "`microbatches`" in got["differ"]
-    assert "do not split evenly over 2 ranks" in got["rows"]
+    assert "fewer than the 2 ranks" in got["rows"]
     assert got["batch-differ"].startswith("RankMismatchError:")
     assert "`microbatches`=2 equal micro-batches" in got["pipe-rows"]
 
@@ -420,3 +420,12 @@ def test_data_parallel_batch_norm_evaluates_alike_on_every_rank() -> None:
     training are the same on every rank (both engines)."""
     got = _user_cases("bn")  # (every rank's lines alike: `_user_cases`)
     assert got["bn/allreduce"].startswith("STATE") and got["bn/ddp"].startswith("STATE")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_data_parallelism_takes_batches_that_do_not_split_evenly(ranks: int) -> None:
+    """Batches of 7, 7 and 5 rows (an epoch's last batch is often smaller): shares as
+    even as can be, each rank's mean loss weighted by its rows, train as serial."""
+    got = _user_cases("ragged", ranks)
+    assert got["ragged/allreduce"].startswith("OK") and got["ragged/ddp"].startswith("OK"), got

@@ -213,7 +213,7 @@ def _split_error(cal: _Calibration, data: DataParallelNet, fresh: Callable[[], O
     from .autotune import NOISE_CAP, NOISE_FRACTION
 
     x, y, loss_fn, transport = cal.x, cal.y, cal.loss_fn, data.transport
-    data._check_batch(x, y)  # (rows that do not split evenly: refused alike)
+    data._check_batch(x, y)  # (fewer rows than ranks: refused alike)
     exact = cal.serial_grads  # solo's, on rank 0, where its timing kept them
     if exact is None:
         serial = SerialMethod(fresh())
@@ -221,7 +221,9 @@ def _split_error(cal: _Calibration, data: DataParallelNet, fresh: Callable[[], O
         exact = _flat_grads(serial)
         serial._zero_grad()
     data._zero_grad()
-    loss_fn(data.net(data.shard(x)), data.shard(y)).backward()  # this rank's share alone
+    # this rank's share alone, weighted by its rows (`DataParallelNet.share_weight`)
+    (loss_fn(data.net(data.shard(x)), data.shard(y)) * data.share_weight(x.shape[0])
+     ).backward()
     own = _flat_grads(data)
     data._zero_grad()
     names = sorted(own)

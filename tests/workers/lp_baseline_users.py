@@ -12,6 +12,8 @@ when the ranks' random streams are in step).
   the start and unfrozen later: data parallelism (both engines) follows, as serial.
 - sum: a loss with reduction="sum": refused by data parallelism and a pipeline of 2
   micro-batches; a pipeline of one micro-batch trains as serial.
+- ragged: batches of 7, 7 and 5 rows (shares of unequal rows, weighted): data
+  parallelism trains as serial.
 - bn: batch norm under data parallelism: after training, every rank's state dict and
   evaluation are the same (rank 0's running statistics).
 - clip: gradients clipped to a norm each step (`method.clip_grad_norm_`): the
@@ -211,6 +213,29 @@ def case_bn():
         say("bn", engine, f"STATE {seen}")
 
 
+def case_ragged():
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(n, 3, generator=g, dtype=torch.float64),
+                torch.randint(0, 5, (n,), generator=g)) for n in (7, 7, 5)]
+    n = net()
+    opt = torch.optim.SGD(n.parameters(), lr=0.1)
+    for x, y in batches:
+        opt.zero_grad()
+        CE(n(x), y).backward()
+        opt.step()
+    ref = n.state_dict()
+    for engine in ("allreduce", "ddp"):
+        m = DataParallelNet(net(), group() if engine == "ddp" else comm, engine=engine)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses = []
+        for x, y in batches:
+            losses.append(m.train_step(x, y, CE))
+            opt.step()
+        err = error(m.gather_state_dict(), ref)
+        m.close()
+        say("ragged", engine, f"OK {err:.3g}" if err <= F64.roundoff else f"WRONG {err:.3g}")
+
+
 def digest():
     return hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()[:8]
 
@@ -235,6 +260,6 @@ def case_streams():
 
 
 if __name__ == "__main__":
-    {"tied": case_tied, "reload": case_reload, "sum": case_sum, "clip": case_clip, "bn": case_bn,
-     "streams": case_streams}[sys.argv[1]]()
+    {"tied": case_tied, "reload": case_reload, "sum": case_sum, "clip": case_clip,
+     "bn": case_bn, "ragged": case_ragged, "streams": case_streams}[sys.argv[1]]()
     print(f"RANK {rank} DONE", flush=True)

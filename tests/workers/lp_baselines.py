@@ -169,8 +169,8 @@ def refusals():
         # a setting that differs between ranks
         "differ": lambda: PipelineNet(make(), comm, microbatches=2 + rank),
         "rows": lambda: DataParallelNet(make(), comm).train_step(
-            torch.zeros(size * 2 + 1, 3, dtype=torch.float64),
-            torch.zeros(size * 2 + 1, dtype=torch.long), loss_fn),
+            torch.zeros(size - 1, 3, dtype=torch.float64),
+            torch.zeros(size - 1, dtype=torch.long), loss_fn),
         # a rank passing a batch of another shape
         "batch-differ": lambda: PipelineNet(make(), comm, microbatches=2).train_step(
             torch.zeros(4 * (rank + 1), 3, dtype=torch.float64),

@@ -78,10 +78,11 @@ class DataParallelNet(TrainingMethod):
     check_inputs: for this many first steps compare the batch's shapes between ranks.
     timeout: seconds any wait of the "allreduce" engine may take (None: unbounded).
 
-    `train_step` takes the whole batch on every rank (its rows must divide by the
-    number of ranks) and runs this rank's share; `forward(x_share)` runs a share the
-    user chose, as `DistributedDataParallel` does (then call ``backward`` and
-    `average_gradients` yourself with the "allreduce" engine).
+    `train_step` takes the whole batch on every rank (at least a row per rank; shares
+    as even as can be, each rank's loss weighted by its rows: `share_weight`) and runs
+    this rank's share; `forward(x_share)` runs a share the user chose, as
+    `DistributedDataParallel` does (then call ``backward`` and `average_gradients`
+    yourself with the "allreduce" engine).
     """
 
     name = "data"
@@ -253,18 +254,33 @@ class DataParallelNet(TrainingMethod):
 
     def _batch_error(self, x: Tensor, y: Any) -> Optional[BaseException]:
         err = super()._batch_error(x, y)
-        if err is None and x.shape[0] % self.size:
-            err = ValueError(f"the batch has {x.shape[0]} rows, which do not split evenly "
-                             f"over {self.size} ranks: `x` must have a multiple of "
-                             f"{self.size} rows")
+        if err is None and x.shape[0] < self.size:
+            err = ValueError(f"the batch has {x.shape[0]} rows, fewer than the {self.size} "
+                             "ranks: `x` must give every rank a row")
         return err
 
+    def _share(self, rows: int) -> tuple[int, int]:
+        """(first, stop) of this rank's rows of a batch of `rows`: as even as can be,
+        the first ``rows % size`` ranks one row more."""
+        q, r = divmod(rows, self.size)
+        first = self.rank * q + min(self.rank, r)
+        return first, first + q + (self.rank < r)
+
     def shard(self, t: Any) -> Any:
-        """This rank's equal share of the rows of `t` (anything not a batch as it is)."""
+        """This rank's share of the rows of `t` (`_share`; anything not a batch as it
+        is)."""
         if not isinstance(t, Tensor) or t.dim() == 0:
             return t
-        n = t.shape[0] // self.size
-        return t[self.rank * n:(self.rank + 1) * n]
+        first, stop = self._share(t.shape[0])
+        return t[first:stop]
+
+    def share_weight(self, rows: int) -> float:
+        """What this rank's mean loss is scaled by before its backward pass, so that
+        the average over the ranks is the whole batch's mean loss's gradient: P x its
+        rows / the batch's (1 where the rows split evenly; an epoch's last, smaller
+        batch need not)."""
+        first, stop = self._share(rows)
+        return (stop - first) * self.size / rows
 
     def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
         self._check_batch(x, y)
@@ -278,19 +294,20 @@ class DataParallelNet(TrainingMethod):
                 loss = loss_fn(out, ys)
                 if self.size > 1 and loss_fn is not self._mean_loss:
                     bad = mean_loss_error(loss_fn, out, ys, self.size)
-                loss.backward()
+                weight = self.share_weight(x.shape[0])
+                (loss if weight == 1.0 else loss * weight).backward()
         finally:
             self._in_step = False
         self.average_gradients()
         self._share_buffers()
-        value = self._loss_value(loss)
+        value = self._loss_value(loss) * weight
         if self.size > 1:
             total, flagged = self.transport.allreduce_sum([value, float(bad is not None)])
             if flagged:  # (the first such rank's message, on every rank; not to be stepped)
                 said = self.transport.allgather_object(bad, "the loss's test")
                 raise ValueError(next(m for m in said if m is not None))
             self._mean_loss = loss_fn
-            value = total / self.size
+            value = total / self.size  # (each rank's mean loss, weighted by its rows)
         return value
 
     def parameters(self) -> list[nn.Parameter]:
