@@ -153,8 +153,8 @@ bench-versus-smoke: build
 #   here, once:  make device-wheels      (mnist1d's wheel into .whl/, ignored by git)
 #   there, one call per target, carrying .whl (a call may take 10 minutes; on the H200:
 #   bench-tta-gpu ~340 s (413 s on an H100), study-cpu-16core-tta ~240 s,
-#   study-cpu-16core-scale ~75 s with one structure, before it scanned six: expect
-#   about five times that):
+#   study-cpu-16core-scale ~75 s with one structure, before it scanned six: not
+#   timed since):
 #     make DEVICE=1 bench-tta-gpu && cp -r docs/results/tta/gpu $OUT/
 #     make DEVICE=1 bench-tta-gpu-compiled   (serial also under torch.compile: not run
 #         yet; expect about 10 minutes in all)

@@ -392,12 +392,14 @@ def test_a_summed_loss_is_refused_where_the_batch_is_cut() -> None:
 
 @pytest.mark.mpi
 def test_dropout_keeps_the_ranks_random_streams_in_step() -> None:
-    """Dropout on one pipeline stage, and in each rank's share of the batch: the ranks'
-    generators stay in step (a shuffling DataLoader loads the same batch everywhere);
+    """Dropout on one pipeline stage, and in each rank's share of the batch (each share
+    masked by draws of its own, not one mask repeated): the ranks' generators stay in
+    step (a shuffling DataLoader loads the same batch everywhere);
     a block drawing random numbers itself is refused by the pipeline; `choose_method`
     leaves the generators as it found them (its timing steps ran on some ranks only)."""
     got = _user_cases("streams")
-    assert got["streams/data"].startswith("STREAMS"), got
+    assert got["streams/data"].startswith("STREAMS") and \
+        got["streams/data"].endswith("distinct=True"), got  # each share its own masks
     assert got["streams/pipeline"].startswith("STREAMS"), got
     assert got["streams/rand"].startswith("RAISED RuntimeError: the net drew random"), got
     assert got["streams/choose"].endswith("kept=True"), got

@@ -77,6 +77,16 @@ class GeneratorStates:
         self._cuda = torch.cuda.get_rng_state_all() if cuda else None
         self._own = [(g, g.get_state()) for m in modules for _, g in own_generators(m)]
 
+    def moved(self) -> bool:
+        """Whether any of the generators drew since (its state differs from the one
+        taken)."""
+        if not torch.equal(torch.get_rng_state(), self._cpu):
+            return True
+        if self._cuda is not None and any(
+                not torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), self._cuda)):
+            return True
+        return any(not torch.equal(g.get_state(), state) for g, state in self._own)
+
     def restore(self) -> None:
         torch.set_rng_state(self._cpu)
         if self._cuda is not None:

@@ -246,10 +246,19 @@ def case_streams():
                                                          schedule="1f1b", microbatches=2))):
         torch.manual_seed(5)
         m = build()
+        masks = []  # (this rank's dropout masks, where its stages or share hold them)
+        drop = m.net.layers[0][1]
+        hook = drop.register_forward_hook(lambda mod, i, o, masks=masks: masks.append(o == 0))
         for x, y in data()[:3]:
             m.train_step(x, y, CE)
+        hook.remove()
         m.close()
-        say("streams", name, f"STREAMS {digest()}")
+        mine = torch.cat(masks).flatten() if masks else torch.zeros(0, dtype=torch.bool)
+        every = comm.allgather(mine)
+        # data parallelism: each rank's share masked by its own draws, not one mask
+        # repeated on every share (4 x 4 masks of p = 0.3, three steps)
+        distinct = all(not torch.equal(every[0], e) for e in every[1:])
+        say("streams", name, f"STREAMS {digest()} distinct={distinct}")
     attempt("streams", "rand", lambda: PipelineNet(net("rand"), group(), schedule="gpipe",
                                                    microbatches=2), serial={})
     n, (x, y) = net("dropout"), data()[0]

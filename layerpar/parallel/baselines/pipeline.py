@@ -47,7 +47,7 @@ from ..._checks import positive_int
 from ...mgrit.grid import Partition
 from ...mgrit.transport import DEFAULT_TIMEOUT, check_timeout, make_transport
 from ...ode.net import ODENet, Segment
-from ...ode.rng import StepStreams
+from ...ode.rng import GeneratorStates, StepStreams
 from ..agree import layer_key
 from ..checkpoint import _name_order, clip_over_ranks
 from ..move import Like, move
@@ -224,18 +224,6 @@ class _Stage(nn.Module):
         return x
 
 
-def _stream_states() -> tuple[Tensor, Optional[Tensor]]:
-    """The global generators' states now (CPU; CUDA's current device where initialised)."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    return torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None
-
-
-def _same_states(a: tuple[Tensor, Optional[Tensor]],
-                 b: tuple[Tensor, Optional[Tensor]]) -> bool:
-    return torch.equal(a[0], b[0]) and (a[1] is None) == (b[1] is None) and (
-        a[1] is None or b[1] is None or torch.equal(a[1], b[1]))
-
-
 def _refuse_shared_across_ranks(net: ODENet, plan: StagePlan) -> None:
     """ValueError where one parameter or buffer serves stages on different ranks (a
     block module shared by several layers, tied weights): each rank would train its
@@ -407,7 +395,7 @@ class PipelineNet(TrainingMethod):
         losses: list[Tensor] = []
         last = len(self.plan.stages) - 1
         drawn = self._streams.active()
-        before = None if drawn else _stream_states()
+        before = None if drawn else GeneratorStates()
         self._unchecked, self._bad = loss_fn is not self._mean_loss, None
         try:
             with self._streams.step():  # (dropout: masks of this rank's own stages)
@@ -416,7 +404,7 @@ class PipelineNet(TrainingMethod):
             self._loss_fn = None
         value = sum(float(t.detach()) for t in losses) / len(losses) \
             if self._holds(last) else 0.0
-        moved = 0.0 if before is None else float(not _same_states(before, _stream_states()))
+        moved = 0.0 if before is None else float(before.moved())
         value, moved, flagged = self.transport.allreduce_sum(
             [value, moved, float(self._bad is not None)])
         if flagged:  # (the last stage's rank's message, on every rank; not to be stepped)
