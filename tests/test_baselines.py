@@ -202,8 +202,8 @@ def test_baselines_train_as_the_serial_net(launcher: str, nprocs: int) -> None:
 
 @pytest.mark.mpi
 def test_baselines_refuse_alike_on_every_rank() -> None:
-    """Bad settings, settings that differ between ranks, a batch that does not split,
-    and a rank passing a batch of another shape raise the same way on every rank."""
+    """Bad settings, settings that differ between ranks, a batch of fewer rows than
+    ranks, and a rank passing a batch of another shape raise the same way on every rank."""
     proc = run_torchrun(WORKERS / "lp_baselines.py", 2, "refusals", timeout=200)
     assert proc.returncode == 0, describe(proc)
     cases = _cases(proc)
@@ -215,7 +215,6 @@ def test_baselines_refuse_alike_on_every_rank() -> None:
     assert got["differ"].startswith("RankMismatchError:") and "`microbatches`" in got["differ"]
     assert "fewer than the 2 ranks" in got["rows"]
     assert got["batch-differ"].startswith("RankMismatchError:")
-    assert "`microbatches`=2 equal micro-batches" in got["pipe-rows"]
 
 
 @pytest.mark.mpi
@@ -426,8 +425,11 @@ def test_data_parallel_batch_norm_evaluates_alike_on_every_rank() -> None:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_data_parallelism_takes_batches_that_do_not_split_evenly(ranks: int) -> None:
+def test_batches_that_do_not_split_evenly_train_as_serial(ranks: int) -> None:
     """Batches of 7, 7 and 5 rows (an epoch's last batch is often smaller): shares as
-    even as can be, each rank's mean loss weighted by its rows, train as serial."""
+    even as can be, each rank's mean loss weighted by its rows, train as serial; a
+    pipeline of 4 micro-batches takes batches of 6 and 7 rows as the most micro-batches
+    that divide them (under GPipe where 1F1B refuses that count), as serial."""
     got = _user_cases("ragged", ranks)
-    assert got["ragged/allreduce"].startswith("OK") and got["ragged/ddp"].startswith("OK"), got
+    for name in ("allreduce", "ddp", *SCHEDULES):
+        assert got[f"ragged/{name}"].startswith("OK"), got

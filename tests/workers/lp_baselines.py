@@ -175,9 +175,6 @@ def refusals():
         "batch-differ": lambda: PipelineNet(make(), comm, microbatches=2).train_step(
             torch.zeros(4 * (rank + 1), 3, dtype=torch.float64),
             torch.zeros(4 * (rank + 1), dtype=torch.long), loss_fn),
-        "pipe-rows": lambda: PipelineNet(make(), comm, microbatches=2).train_step(
-            torch.zeros(3, 3, dtype=torch.float64), torch.zeros(3, dtype=torch.long),
-            loss_fn),
     }
     for name, fn in cases.items():
         try:

@@ -21,8 +21,11 @@ Each rank builds (or is given) the whole net, keeps its stages' layers, and trai
 only those: `parameters()` are its stages' parameters, `gather_state_dict()` merges
 every rank's.  The loss lives on the rank of the last stage and is broadcast, so
 `train_step` returns it on every rank.  Micro-batches are equal row slices of the
-batch (the rows must divide by `microbatches`); torch scales the gradients by
-1/`microbatches`, so they are the serial net's for the mean loss over the batch.
+batch, `microbatches` of them; torch scales the gradients by 1/count, so they are the
+serial net's for the mean loss over the batch.  A batch whose rows do not divide by
+`microbatches` (an epoch's last, smaller one) runs as the most micro-batches that
+divide them, under a schedule of the same stage placement where the one asked for
+refuses that count (1F1B with fewer micro-batches than stages runs as GPipe).
 `tune_microbatches` chooses the count by timing a few steps of each candidate.
 
 torch.distributed.pipelining needs a torch.distributed process group: under
@@ -72,6 +75,11 @@ SCHEDULES: dict[str, tuple[str, str]] = {
     "zero-bubble": ("ScheduleInterleavedZeroBubble", "loop"),
     "zbv": ("ScheduleZBVZeroBubble", "v"),
 }
+
+#: where a batch's rows do not divide by `microbatches` and torch's schedule refuses
+#: every count that does divide them (1F1B asks at least as many as stages), the
+#: schedule of the same stage placement that runs it
+_FALLBACK = {"1f1b": "gpipe", "interleaved": "looped-bfs", "zero-bubble": "looped-bfs"}
 
 _TAG = 31107
 
@@ -257,8 +265,9 @@ class PipelineNet(TrainingMethod):
         (the world group is then initialised from it with gloo: `process_group_from_mpi`).
     schedule: "gpipe", "1f1b", "interleaved", "looped-bfs", "zero-bubble" or "zbv"
         (see the module docstring for where each puts the stages).
-    microbatches: micro-batches per batch (the batch's rows must divide by it; torch
-        asks at least as many as stages of "1f1b" and "zbv").  `tune_microbatches`
+    microbatches: micro-batches per batch (torch asks at least as many as stages of
+        "1f1b" and "zbv"); a batch whose rows it does not divide runs as fewer (see
+        the module docstring).  `tune_microbatches`
         chooses it by measurement.
     stages_per_rank: stages per rank of the looped schedules (default: the number of
         segments, or 2 with one segment); must be a multiple of the number of segments.
@@ -292,7 +301,8 @@ class PipelineNet(TrainingMethod):
                            for q in self.plan.stages_of(self.transport.rank)}
             self.device = next(iter(net.parameters())).device
             one = [(1,)] * len(self.plan.stages)
-            self._build(1, one, one, torch.float64)  # torch's refusals, before any message
+            # torch's refusals, before any message
+            self._build(1, one, one, torch.float64, schedule, self.microbatches)
             key = {"schedule": schedule, "microbatches": microbatches,
                    "stages_per_rank": stages_per_rank, "check_inputs": check_inputs,
                    **{n: v for k, m in enumerate(net.layers) for n, v in
@@ -306,10 +316,12 @@ class PipelineNet(TrainingMethod):
         self.transport.timeout = timeout
         self.net = net
         self._streams = StepStreams(net, self.rank)
-        self._built: dict[tuple, Any] = {}  # (input shape, dtype, m) -> torch schedule
+        # (input shape, dtype, m) -> torch's schedule, its micro-batch count
+        self._built: dict[tuple, tuple[Any, int]] = {}
         self._shapes: dict[tuple, list[tuple[int, ...]]] = {}
         self._loss_fn: Optional[LossFn] = None
         self._mean_loss: Optional[LossFn] = None  # the last loss found to be a mean
+        self._parts = self.microbatches  # micro-batches of this step's batch
         self._unchecked = False  # this step's test of the loss (`_loss`) is still to come
         self._bad: Optional[str] = None  # what that test found
 
@@ -335,23 +347,44 @@ class PipelineNet(TrainingMethod):
             self._shapes[key] = got
         return got
 
-    def _torch_schedule(self, x: Tensor) -> Any:
+    def _torch_schedule(self, x: Tensor) -> tuple[Any, int]:
+        """torch's schedule for batches of `x`'s shape and dtype, and its micro-batch
+        count: `microbatches` where the rows divide by it; else (an epoch's last,
+        smaller batch) the most micro-batches that divide them, under the schedule
+        asked for where torch takes that count, else under the one of the same
+        placement that does (`_FALLBACK`).  Cached; the choice depends only on the
+        rows, `microbatches`, the schedule and the ranks, so it is the same on every
+        rank (a ValueError only where the rows divide by `microbatches` and torch
+        refuses that count, which construction already tried)."""
         m = self.microbatches
         key = (tuple(x.shape), x.dtype, m)
-        sched = self._built.get(key)
-        if sched is None:
-            outs = self._stage_shapes(x)
-            sched = self._build(x.shape[0] // m, [tuple(x.shape[1:]), *outs[:-1]], outs,
-                                x.dtype)
-            self._built[key] = sched
-        return sched
+        got = self._built.get(key)
+        if got is not None:
+            return got
+        outs = self._stage_shapes(x)
+        ins = [tuple(x.shape[1:]), *outs[:-1]]
+        rows = x.shape[0]
+        tries = [(self.schedule, m)] if rows % m == 0 else [
+            (name, d) for d in range(min(m, rows), 0, -1) if rows % d == 0
+            for name in dict.fromkeys((self.schedule, _FALLBACK.get(self.schedule,
+                                                                     self.schedule)))]
+        for k, (name, d) in enumerate(tries, 1):
+            try:
+                got = self._built[key] = \
+                    self._build(rows // d, ins, outs, x.dtype, name, d), d
+                return got
+            except ValueError:  # torch refuses this count for this schedule
+                if k == len(tries):
+                    raise
+        raise AssertionError("unreachable: the last try returns or raises")
 
     def _build(self, rows: int, ins: Sequence[tuple[int, ...]],
-               outs: Sequence[tuple[int, ...]], dtype: torch.dtype) -> Any:
-        """torch's stages of this rank and its schedule, for micro-batches of `rows`
-        rows; per stage the input and output shapes without the batch dimension.  No
-        message: torch's own refusals (too few micro-batches for the schedule) come
-        out as ValueError, alike on every rank."""
+               outs: Sequence[tuple[int, ...]], dtype: torch.dtype, schedule: str,
+               microbatches: int) -> Any:
+        """torch's stages of this rank and `schedule`'s object, for `microbatches`
+        micro-batches of `rows` rows; per stage the input and output shapes without
+        the batch dimension.  No message: torch's own refusals (too few micro-batches
+        for the schedule) come out as ValueError, alike on every rank."""
         import torch.distributed.pipelining as pp
 
         n = len(self.plan.stages)
@@ -364,15 +397,15 @@ class PipelineNet(TrainingMethod):
             output_args=torch.empty((rows, *outs[s]), dtype=dtype, device=self.device,
                                     requires_grad=True),
             group=self.group) for s, mod in self._local.items()]
-        cls = getattr(pp, SCHEDULES[self.schedule][0])
-        single = SCHEDULES[self.schedule][1] == "single"
-        return cls(stages[0] if single else stages, self.microbatches, loss_fn=self._loss)
+        cls = getattr(pp, SCHEDULES[schedule][0])
+        single = SCHEDULES[schedule][1] == "single"
+        return cls(stages[0] if single else stages, microbatches, loss_fn=self._loss)
 
     def _loss(self, out: Tensor, target: Any) -> Tensor:
         if self._loss_fn is None:
             raise RuntimeError("PipelineNet has no loss function to apply")
-        if self._unchecked and self.microbatches > 1:  # (the step's first micro-batch)
-            self._bad = mean_loss_error(self._loss_fn, out, target, self.microbatches)
+        if self._unchecked and self._parts > 1:  # (the step's first micro-batch)
+            self._bad = mean_loss_error(self._loss_fn, out, target, self._parts)
             self._unchecked = False
         return self._loss_fn(out, target)
 
@@ -380,16 +413,9 @@ class PipelineNet(TrainingMethod):
         return self.plan.ranks[stage] == self.rank
 
     # -- the interface ---------------------------------------------------------------------
-    def _batch_error(self, x: Tensor, y: Any) -> Optional[BaseException]:
-        err = super()._batch_error(x, y)
-        if err is None and x.shape[0] % self.microbatches:
-            err = ValueError(f"the batch has {x.shape[0]} rows, which do not split into "
-                             f"`microbatches`={self.microbatches} equal micro-batches")
-        return err
-
     def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
         self._check_batch(x, y)
-        sched = self._torch_schedule(x)
+        sched, self._parts = self._torch_schedule(x)
         self._zero_grad()
         self._loss_fn = loss_fn
         losses: list[Tensor] = []
