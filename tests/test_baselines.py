@@ -378,15 +378,20 @@ def test_data_parallelism_follows_replaced_and_unfrozen_parameters() -> None:
 
 
 @pytest.mark.mpi
-def test_a_summed_loss_is_refused_where_the_batch_is_cut() -> None:
-    """A loss with reduction="sum", applied to each rank's share or micro-batch and
-    averaged, would give 1/parts of serial's gradient: refused by name, alike on every
-    rank; a pipeline of one micro-batch applies it to the whole batch, as serial."""
-    got = _user_cases("sum")
-    for name in ("data", "pipeline-m2"):
-        assert got[f"sum/{name}"].startswith(
-            "RAISED ValueError: `loss_fn` is not a mean over the batch's rows"), got
-    assert got["sum/pipeline-m1"].startswith("OK"), got
+def test_any_loss_trains_as_serial_or_is_refused_where_the_batch_is_cut() -> None:
+    """A sum, class weights and ignored rows are not means over the rows: averaging the
+    losses of a batch's parts is not the batch's loss.  Data parallelism applies the
+    loss to the gathered whole output (both engines: as serial); a pipeline of 2
+    micro-batches refuses them by name, alike on every rank, and takes label
+    smoothing (a mean); one micro-batch takes any loss."""
+    got = _user_cases("losses")
+    for kind in ("sum", "weighted", "ignored", "smoothed"):
+        for name in ("data", "ddp", "pipeline-m1"):
+            assert got[f"{kind}/{name}"].startswith("OK"), got
+    for kind in ("sum", "weighted", "ignored"):
+        assert got[f"{kind}/pipeline-m2"].startswith(
+            "RAISED ValueError: `loss_fn` on the whole batch gave"), got
+    assert got["smoothed/pipeline-m2"].startswith("OK"), got
 
 
 @pytest.mark.mpi

@@ -202,7 +202,8 @@ def _split_error(cal: _Calibration, data: DataParallelNet, fresh: Callable[[], O
     error capped at ``NOISE_CAP``.
 
     Each rank runs its share through the split's net once (its gradient, before the
-    average, is an exact gradient of that share); the serial net's gradient of the
+    average: P x its rows' part of the whole batch's, for a mean loss that share's own
+    gradient weighted by its rows); the serial net's gradient of the
     whole batch is the one solo's timing steps left on rank 0 (`_Calibration.
     serial_grads`: rank 0 compares, and every rank takes its figure), else each rank
     runs the batch through a serial copy once.  The shares' spread is the sampling
@@ -221,9 +222,8 @@ def _split_error(cal: _Calibration, data: DataParallelNet, fresh: Callable[[], O
         exact = _flat_grads(serial)
         serial._zero_grad()
     data._zero_grad()
-    # this rank's share alone, weighted by its rows (`DataParallelNet.share_weight`)
-    (loss_fn(data.net(data.shard(x)), data.shard(y)) * data.share_weight(x.shape[0])
-     ).backward()
+    # this rank's rows' part of the whole batch's loss, times P, through the bare net
+    (data.whole_loss(x, y, loss_fn, engine=False) * data.size).backward()
     own = _flat_grads(data)
     data._zero_grad()
     names = sorted(own)

@@ -16,7 +16,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Like", "load_state_vector", "move", "state_vector"]
+__all__ = ["Like", "gather_rows", "load_state_vector", "move", "state_vector"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,24 @@ def load_state_vector(module: nn.Module, vec: Tensor) -> None:
 
 
 Item = Union[Tensor, nn.Module, Like, None]
+
+
+def gather_rows(transport: Any, mine: Tensor, counts: Sequence[int], what: str) -> Tensor:
+    """Every rank's rows, concatenated in rank order, on every rank (collective): rank
+    q holds ``counts[q]`` rows, this rank's are `mine` (no graph: detach first).  One
+    all-gather; equal counts are gathered straight into the whole, unequal ones padded
+    to the largest first."""
+    size, width = len(counts), max(counts)
+    if all(c == width for c in counts):
+        got = mine.new_empty((sum(counts), *mine.shape[1:]))
+        transport.allgather_start(mine.contiguous(), got.view(size, width, *mine.shape[1:]),
+                                  what).wait()
+        return got
+    padded = mine.new_zeros((width, *mine.shape[1:]))
+    padded[:mine.shape[0]] = mine
+    got = padded.new_empty((size, *padded.shape))
+    transport.allgather_start(padded, got, what).wait()
+    return torch.cat([got[q, :c] for q, c in enumerate(counts)])
 
 
 def move(transport: Any, moves: Sequence[tuple[int, int, Item]], *, tag: int,

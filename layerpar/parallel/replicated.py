@@ -52,6 +52,7 @@ from ..mgrit.options import MGRITOptions
 from ..ode.flat import generation as flat_generation
 from ..ode.rng import DROPOUT_TYPES
 from .grads import hooks_held
+from .move import gather_rows
 
 if TYPE_CHECKING:
     from .model import LayerParallel
@@ -113,18 +114,9 @@ class _SplitBatch(torch.autograd.Function):
         ctx.anchored = bool(own) and not rep._own
         if whole:
             return out.detach()
-        if n % size == 0:  # equal shares: gathered straight into the whole output
-            got = out.new_empty((n, *out.shape[1:]))
-            rep.transport.allgather_start(out.detach().contiguous(),
-                                          got.view(size, hi - lo, *out.shape[1:]),
-                                          "the outputs of the batch's shares").wait()
-            return got
-        width = -(-n // size)  # rows per rank, padded to the largest share
-        mine = out.detach().new_zeros((width, *out.shape[1:]))
-        mine[:hi - lo] = out.detach()
-        got = mine.new_empty((size, *mine.shape))
-        rep.transport.allgather_start(mine, got, "the outputs of the batch's shares").wait()
-        return torch.cat([got[q, :(q + 1) * n // size - q * n // size] for q in range(size)])
+        return gather_rows(rep.transport, out.detach(),
+                           [(q + 1) * n // size - q * n // size for q in range(size)],
+                           "the outputs of the batch's shares")
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:

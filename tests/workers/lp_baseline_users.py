@@ -10,8 +10,9 @@ when the ranks' random streams are in step).
   every step of a segment: data parallelism trains as serial; the pipeline refuses.
 - reload: `load_state_dict(..., assign=True)` between steps, then layer 0 frozen at
   the start and unfrozen later: data parallelism (both engines) follows, as serial.
-- sum: a loss with reduction="sum": refused by data parallelism and a pipeline of 2
-  micro-batches; a pipeline of one micro-batch trains as serial.
+- losses: a sum, class weights, rows ignored (ignore_index), label smoothing: data
+  parallelism (both engines) and a pipeline of one micro-batch train as serial; a
+  pipeline of 2 micro-batches refuses all but label smoothing (a mean over the rows).
 - ragged: batches of 7, 7 and 5 rows (shares of unequal rows, weighted): data
   parallelism trains as serial; batches of 8, 6 and 7 rows through a pipeline of 4
   micro-batches, every schedule (fewer micro-batches where 4 do not divide): as serial.
@@ -183,14 +184,24 @@ def case_reload():
         path.unlink()
 
 
-def case_sum():
-    loss = lambda o, t: CE(o, t, reduction="sum")  # noqa: E731
-    ref = serial_run(net(), loss)
-    attempt("sum", "data", lambda: DataParallelNet(net(), comm), loss, serial=ref)
-    attempt("sum", "pipeline-m2", lambda: PipelineNet(net(), group(), schedule="gpipe",
-                                                     microbatches=2), loss, serial=ref)
-    attempt("sum", "pipeline-m1", lambda: PipelineNet(net(), group(), schedule="gpipe",
-                                                     microbatches=1), loss, serial=ref)
+LOSSES = {  # a loss that is not a mean over the rows, by kind; and one that is
+    "sum": lambda o, t: CE(o, t, reduction="sum"),
+    "weighted": lambda o, t: CE(o, t, weight=torch.arange(1.0, 6.0, dtype=o.dtype)),
+    "ignored": lambda o, t: CE(o, torch.where(t == 0, -100, t)),  # (class 0's rows)
+    "smoothed": lambda o, t: CE(o, t, label_smoothing=0.1),
+}
+
+
+def case_losses():
+    for kind, loss in LOSSES.items():
+        ref = serial_run(net(), loss)
+        attempt(kind, "data", lambda: DataParallelNet(net(), comm), loss, serial=ref)
+        attempt(kind, "ddp", lambda: DataParallelNet(net(), group(), engine="ddp"), loss,
+                serial=ref)
+        attempt(kind, "pipeline-m2", lambda: PipelineNet(net(), group(), schedule="gpipe",
+                                                        microbatches=2), loss, serial=ref)
+        attempt(kind, "pipeline-m1", lambda: PipelineNet(net(), group(), schedule="gpipe",
+                                                        microbatches=1), loss, serial=ref)
 
 
 def case_clip():
@@ -293,6 +304,6 @@ def case_streams():
 
 
 if __name__ == "__main__":
-    {"tied": case_tied, "reload": case_reload, "sum": case_sum, "clip": case_clip,
+    {"tied": case_tied, "reload": case_reload, "losses": case_losses, "clip": case_clip,
      "bn": case_bn, "ragged": case_ragged, "streams": case_streams}[sys.argv[1]]()
     print(f"RANK {rank} DONE", flush=True)

@@ -1,9 +1,12 @@
 """Data parallelism: the whole `ODENet` on every rank, the batch split over the ranks.
 
-Each rank runs the net on its equal share of the batch's rows and back-propagates
-that share's mean loss; the gradients are then averaged over the ranks, so every
-rank holds the gradient of the mean loss over the whole batch (the serial net's)
-and identical optimizers keep identical parameters.  Two engines average them:
+Each rank runs the net on its share of the batch's rows (as even as can be); the
+shares' outputs are gathered, so every rank applies the loss to the whole batch's
+output, as serial training does, and back-propagates it through its own rows (times
+P); the gradients are then averaged over the ranks, so every rank holds serial's
+gradient, for any loss (a mean, a sum, class weights, ignored rows), and identical
+optimizers keep identical parameters.  The gather is one all-gather of the outputs a
+step (a classifier's: a few kilobytes).  Two engines average the gradients:
 
 - ``"ddp"``: torch's `DistributedDataParallel` over a torch.distributed process group
   (gloo on CPU, NCCL on CUDA): bucketed all-reduces started by autograd hooks as the
@@ -17,8 +20,7 @@ and identical optimizers keep identical parameters.  Two engines average them:
 Rank 0's parameters and buffers are broadcast when the method is built, so every
 rank starts from the same net whatever each built.  The engine follows the trainable
 parameters from step to step (replaced by ``load_state_dict(..., assign=True)``, frozen
-or unfrozen).  `loss_fn` must be a mean over the rows (tested at its first step: a sum
-is refused).  Dropout draws masks of each rank's own share, new every step
+or unfrozen).  Dropout draws masks of each rank's own share, new every step
 (`StepStreams`: not the serial net's masks), the generators kept in step.  Batch norm
 normalises each share by its own statistics; rank 0's running statistics are given to
 every rank after each step, so every rank evaluates and saves the same net.
@@ -38,8 +40,9 @@ from ...mgrit.transport import DEFAULT_TIMEOUT, check_timeout, make_transport
 from ...ode.net import ODENet
 from ...ode.rng import StepStreams
 from ..agree import layer_key
+from ..move import gather_rows
 from ..replicas import GradAverager
-from .method import LossFn, TrainingMethod, as_net, check_check_inputs, mean_loss_error
+from .method import LossFn, TrainingMethod, as_net, check_check_inputs
 
 __all__ = ["DataParallelNet"]
 
@@ -78,11 +81,11 @@ class DataParallelNet(TrainingMethod):
     check_inputs: for this many first steps compare the batch's shapes between ranks.
     timeout: seconds any wait of the "allreduce" engine may take (None: unbounded).
 
-    `train_step` takes the whole batch on every rank (at least a row per rank; shares
-    as even as can be, each rank's loss weighted by its rows: `share_weight`) and runs
-    this rank's share; `forward(x_share)` runs a share the user chose, as
-    `DistributedDataParallel` does (then call ``backward`` and `average_gradients`
-    yourself with the "allreduce" engine).
+    `train_step` takes the whole batch on every rank (at least a row per rank) and runs
+    this rank's share, the loss applied to the whole output (`whole_loss`);
+    `forward(x_share)` runs a share the user chose, as `DistributedDataParallel` does
+    (then call ``backward`` and `average_gradients` yourself with the "allreduce"
+    engine).
     """
 
     name = "data"
@@ -126,7 +129,6 @@ class DataParallelNet(TrainingMethod):
         # trained otherwise as well
         self._streams = StepStreams(net, self.rank)
         _count_registrations()
-        self._mean_loss: Optional[LossFn] = None  # the last loss found to be a mean
         if engine == "allreduce":
             self._broadcast_state()
             self._averager = GradAverager(self.transport)
@@ -259,12 +261,13 @@ class DataParallelNet(TrainingMethod):
                              "ranks: `x` must give every rank a row")
         return err
 
-    def _share(self, rows: int) -> tuple[int, int]:
-        """(first, stop) of this rank's rows of a batch of `rows`: as even as can be,
-        the first ``rows % size`` ranks one row more."""
+    def _share(self, rows: int, rank: Optional[int] = None) -> tuple[int, int]:
+        """(first, stop) of this rank's (or `rank`'s) rows of a batch of `rows`: as
+        even as can be, the first ``rows % size`` ranks one row more."""
+        rank = self.rank if rank is None else rank
         q, r = divmod(rows, self.size)
-        first = self.rank * q + min(self.rank, r)
-        return first, first + q + (self.rank < r)
+        first = rank * q + min(rank, r)
+        return first, first + q + (rank < r)
 
     def shard(self, t: Any) -> Any:
         """This rank's share of the rows of `t` (`_share`; anything not a batch as it
@@ -274,41 +277,40 @@ class DataParallelNet(TrainingMethod):
         first, stop = self._share(t.shape[0])
         return t[first:stop]
 
-    def share_weight(self, rows: int) -> float:
-        """What this rank's mean loss is scaled by before its backward pass, so that
-        the average over the ranks is the whole batch's mean loss's gradient: P x its
-        rows / the batch's (1 where the rows split evenly; an epoch's last, smaller
-        batch need not)."""
+    def whole_loss(self, x: Tensor, y: Any, loss_fn: LossFn, *, engine: bool = True
+                   ) -> Tensor:
+        """The loss of the whole batch's output, on every rank, its graph through this
+        rank's rows only (collective): each rank runs its share of `x`'s rows (through
+        the engine, else the bare net), the shares' outputs are gathered (one
+        all-gather), and `loss_fn` is applied to the whole output and the whole `y`,
+        as serial training applies it.  Its gradient summed over the ranks is serial's
+        for any loss: a mean, a sum, a weighted mean (class weights, ignored rows), one
+        of the batch's statistics."""
+        out = (self.forward if engine else self.net)(self.shard(x))
+        if self.size == 1:
+            return loss_fn(out, y)
+        rows = x.shape[0]
         first, stop = self._share(rows)
-        return (stop - first) * self.size / rows
+        counts = [self._share(rows, q)[1] - self._share(rows, q)[0] for q in range(self.size)]
+        whole = gather_rows(self.transport, out.detach(), counts,
+                            "the outputs of the batch's shares")
+        return loss_fn(torch.cat([whole[:first], out, whole[stop:]]), y)
 
     def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
         self._check_batch(x, y)
         self._follow_parameters()
         self._zero_grad()
         self._in_step = True
-        bad: Optional[str] = None
         try:
             with self._streams.step():  # (dropout: masks of this rank's own)
-                out, ys = self.forward(self.shard(x)), self.shard(y)
-                loss = loss_fn(out, ys)
-                if self.size > 1 and loss_fn is not self._mean_loss:
-                    bad = mean_loss_error(loss_fn, out, ys, self.size)
-                weight = self.share_weight(x.shape[0])
-                (loss if weight == 1.0 else loss * weight).backward()
+                loss = self.whole_loss(x, y, loss_fn)
+                # (each rank's rows' part, times P: the average over the ranks is the sum)
+                (loss if self.size == 1 else loss * self.size).backward()
         finally:
             self._in_step = False
         self.average_gradients()
         self._share_buffers()
-        value = self._loss_value(loss) * weight
-        if self.size > 1:
-            total, flagged = self.transport.allreduce_sum([value, float(bad is not None)])
-            if flagged:  # (the first such rank's message, on every rank; not to be stepped)
-                said = self.transport.allgather_object(bad, "the loss's test")
-                raise ValueError(next(m for m in said if m is not None))
-            self._mean_loss = loss_fn
-            value = total / self.size  # (each rank's mean loss, weighted by its rows)
-        return value
+        return self._loss_value(loss)  # (the same on every rank: the same whole output)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.net.parameters() if p.requires_grad]

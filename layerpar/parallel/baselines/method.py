@@ -6,8 +6,8 @@ a batch split and a pipeline drives each through the same five calls
 and returns the loss; the caller's optimizer, built over ``parameters()``, then steps.
 The input and target are the *whole* batch, given alike on every rank (as
 `LayerParallel` takes them); each method splits them its own way.  After
-``train_step`` every rank's parameters hold the gradient of the mean loss over the
-whole batch (the serial net's, for that rank's parameters), so one model, one
+``train_step`` every rank's parameters hold the gradient of the loss of the whole
+batch (the serial net's, for that rank's parameters), so one model, one
 initialisation and one optimizer compare across methods.
 
 `SerialMethod` (the net on one process) and `LayerParallelMethod` (a `LayerParallel`)
@@ -53,29 +53,41 @@ def _rows(t: Any) -> Optional[int]:
     return int(t.shape[0]) if isinstance(t, Tensor) and t.dim() > 0 else None
 
 
-def mean_loss_error(loss_fn: LossFn, out: Tensor, y: Any, parts: int) -> Optional[str]:
-    """Why `loss_fn` is not a mean over the rows of a batch, or None: a method that
-    applies it to `parts` shares of the batch and averages their gradients (data
-    parallelism's ranks, a pipeline's micro-batches) equals serial only for a mean.
-    The test: the share (`out`, `y`) twice over gives the loss once over (a sum gives
-    twice, so its gradient would come out 1/`parts` of serial's).  Without grad, on
-    detached outputs; a `y` that is not a batch tensor is not tested."""
-    if out.dim() == 0 or out.shape[0] == 0 or not (
-            y is None or isinstance(y, Tensor) and y.dim() > 0 and y.shape[0] == out.shape[0]):
-        return None
+def parts_loss_error(loss_fn: LossFn, parts: Sequence[tuple[Tensor, Any]],
+                     losses: Sequence[Tensor]) -> Optional[str]:
+    """Why the mean of `losses`, `loss_fn` on each part of a batch (outputs and targets
+    in `parts`; a pipeline's micro-batches), is not `loss_fn` on the whole batch, or
+    None.  A method that averages its parts' gradients (torch's pipeline schedules)
+    equals serial only where it is: for a mean over the rows, not for a sum (the
+    whole's loss is the parts' sum) or a weighted mean (class weights, ignored rows:
+    each part is normalised by its own weights).  Without grad, on detached outputs;
+    targets must be tensors with a row per output row, or None."""
+    outs = [o for o, _ in parts]
+    targets = [t for _, t in parts]
+    if all(t is None for t in targets):
+        whole_y: Any = None
+    elif all(isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == o.shape[0]
+             for o, t in parts):
+        whole_y = torch.cat(targets)
+    else:
+        return ("the targets of a batch cut into micro-batches must be a tensor with a "
+                "row per sample, or None: the loss of the whole batch is compared with its "
+                "micro-batches' mean every step")
     with torch.no_grad():
-        o = out.detach()
-        once = float(loss_fn(o, y))
-        twice = float(loss_fn(torch.cat([o, o]), None if y is None else torch.cat([y, y])))
-    tol = 1e-2 if o.dtype in (torch.float16, torch.bfloat16) else 1e-5
-    if not (math.isfinite(once) and math.isfinite(twice)) or \
-            abs(twice - once) <= tol * max(abs(once), abs(twice)):
+        whole = float(loss_fn(torch.cat(outs), whole_y))
+        mean = sum(float(v.detach()) for v in losses) / len(losses)
+    tol = 1e-2 if outs[0].dtype in (torch.float16, torch.bfloat16) else 1e-5
+    if not (math.isfinite(whole) and math.isfinite(mean)) or \
+            abs(whole - mean) <= tol * max(abs(whole), abs(mean)):
         return None
-    return (f"`loss_fn` is not a mean over the batch's rows (a share of the batch twice "
-            f"over gave {twice:.6g} against {once:.6g} once): the batch is cut into "
-            f"{parts} parts whose losses are averaged, so a sum (reduction='sum') would "
-            f"give 1/{parts} of serial's gradient. Use a mean (reduction='mean', and a "
-            "learning rate scaled by the batch size for the same steps)")
+    return (f"`loss_fn` on the whole batch gave {whole:.6g}, the mean of its "
+            f"{len(parts)} micro-batches' losses {mean:.6g}: the schedule averages the "
+            "micro-batches' gradients, so the step's would not be serial's. A sum "
+            "(reduction='sum') or a weighted mean (class weights, ignore_index: each "
+            "micro-batch normalised by its own weights) is not a mean over the rows; use "
+            "one (reduction='mean' without weights), one micro-batch (microbatches=1), "
+            "or DataParallelNet or LayerParallel, which apply the loss to the whole "
+            "batch's output")
 
 
 class TrainingMethod(ABC):
@@ -84,10 +96,11 @@ class TrainingMethod(ABC):
     The contract (every call is collective: make it on every rank, in the same order):
 
     - ``train_step(x, y, loss_fn) -> float``: `x` and `y` are the whole batch, the same
-      on every rank; ``loss_fn(output, target)`` is the mean loss over the rows it is
-      given.  Sets each of this rank's parameters' ``.grad`` to the gradient of the mean
-      loss over the whole batch (earlier gradients are dropped, not accumulated) and
-      returns that loss, the same on every rank.
+      on every rank; ``loss_fn(output, target)`` is the batch's loss (a pipeline of
+      several micro-batches asks a mean over the rows: `parts_loss_error`).  Sets each
+      of this rank's parameters' ``.grad`` to the gradient of the loss of the whole
+      batch (earlier gradients are dropped, not accumulated) and returns that loss,
+      the same on every rank.
     - ``parameters()``: this rank's trainable parameters (build the optimizer over them).
     - ``eval_forward(x)``: the whole output for the batch `x`, on every rank, without
       gradients, in the modules' current mode (call ``net.eval()`` first for batch norm

@@ -35,7 +35,10 @@ Dropout draws masks of each rank's own, new every step (`StepStreams`: not the s
 net's), with every rank's generators kept in step; other random draws in a stage are
 refused at the first step.  Batch norm sees micro-batch statistics.  A parameter used by
 stages on different ranks (tied weights, a shared block) is refused: each rank would
-train its own copy.  `loss_fn` must be a mean over the rows with several micro-batches.
+train its own copy.  With several micro-batches `loss_fn` must be a mean over the rows
+(no sum, no class weights, no ignored rows): every step the last stage's rank compares
+the whole batch's loss with its micro-batches' mean and refuses the step where they
+differ.
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ from .method import (
     TrainingMethod,
     as_net,
     check_check_inputs,
-    mean_loss_error,
+    parts_loss_error,
     step_seconds,
 )
 
@@ -320,10 +323,9 @@ class PipelineNet(TrainingMethod):
         self._built: dict[tuple, tuple[Any, int]] = {}
         self._shapes: dict[tuple, list[tuple[int, ...]]] = {}
         self._loss_fn: Optional[LossFn] = None
-        self._mean_loss: Optional[LossFn] = None  # the last loss found to be a mean
         self._parts = self.microbatches  # micro-batches of this step's batch
-        self._unchecked = False  # this step's test of the loss (`_loss`) is still to come
-        self._bad: Optional[str] = None  # what that test found
+        # this step's micro-batches' (outputs, targets), detached, on the last stage's rank
+        self._seen: list[tuple[Tensor, Any]] = []
 
     # -- shapes and torch's objects --------------------------------------------------------
     def _stage_shapes(self, x: Tensor) -> list[tuple[int, ...]]:
@@ -404,9 +406,8 @@ class PipelineNet(TrainingMethod):
     def _loss(self, out: Tensor, target: Any) -> Tensor:
         if self._loss_fn is None:
             raise RuntimeError("PipelineNet has no loss function to apply")
-        if self._unchecked and self._parts > 1:  # (the step's first micro-batch)
-            self._bad = mean_loss_error(self._loss_fn, out, target, self._parts)
-            self._unchecked = False
+        if self._parts > 1:  # (compared with the whole batch's loss after the step)
+            self._seen.append((out.detach(), target))
         return self._loss_fn(out, target)
 
     def _holds(self, stage: int) -> bool:
@@ -422,21 +423,24 @@ class PipelineNet(TrainingMethod):
         last = len(self.plan.stages) - 1
         drawn = self._streams.active()
         before = None if drawn else GeneratorStates()
-        self._unchecked, self._bad = loss_fn is not self._mean_loss, None
         try:
             with self._streams.step():  # (dropout: masks of this rank's own stages)
                 sched.step(x, target=y, losses=losses, return_outputs=False)
+            try:
+                bad = parts_loss_error(loss_fn, self._seen, losses) if self._seen else None
+            except Exception as exc:  # noqa: BLE001 - said on every rank below
+                bad = (f"`loss_fn` on the whole batch's output (compared every step with "
+                       f"its micro-batches' mean) raised {type(exc).__name__}: {exc}")
         finally:
-            self._loss_fn = None
+            self._loss_fn, self._seen = None, []
         value = sum(float(t.detach()) for t in losses) / len(losses) \
             if self._holds(last) else 0.0
         moved = 0.0 if before is None else float(before.moved())
         value, moved, flagged = self.transport.allreduce_sum(
-            [value, moved, float(self._bad is not None)])
+            [value, moved, float(bad is not None)])
         if flagged:  # (the last stage's rank's message, on every rank; not to be stepped)
-            said = self.transport.allgather_object(self._bad, "the loss's test")
+            said = self.transport.allgather_object(bad, "the loss's test")
             raise ValueError(next(m for m in said if m is not None))
-        self._mean_loss = loss_fn
         if moved:
             raise RuntimeError(
                 f"the net drew random numbers on {int(moved)} rank(s) outside the dropout "
