@@ -438,3 +438,49 @@ def test_batches_that_do_not_split_evenly_train_as_serial(ranks: int) -> None:
     got = _user_cases("ragged", ranks)
     for name in ("allreduce", "ddp", *SCHEDULES):
         assert got[f"ragged/{name}"].startswith("OK"), got
+
+
+@pytest.mark.mpi
+def test_what_a_pipeline_step_cannot_run_as_serial_is_refused_by_name() -> None:
+    """A buffer updated in forward (a call counter; spectral norm's vectors) runs once a
+    step with one micro-batch (as serial: the shapes' probe does not count) and is
+    refused with two; one block module in two stages of one rank (torch scales each
+    stage's gradients apart) and a micro-batch whose rows are all ignored by the loss
+    (its loss NaN, the whole's finite) are refused."""
+    got = _user_cases("stages")
+    assert got["stages/counter-m1"].startswith("OK"), got
+    for name in ("counter-m2", "spectral-m2"):
+        assert got[f"stages/{name}"].startswith(
+            "RAISED ValueError: the net updated its buffer(s)"), got
+    assert "is the same tensor as" in got["stages/shared04"] and \
+        "on rank 0" in got["stages/shared04"], got
+    assert got["stages/ignored-part"].startswith(
+        "RAISED ValueError: `loss_fn` on the whole batch gave"), got
+
+
+@pytest.mark.mpi
+def test_a_penalty_on_the_parameters_trains_as_serial_or_is_refused() -> None:
+    """A loss adding a penalty on the net's weights: data parallelism counts it once
+    (the output's gradient alone is scaled by the ranks), as serial; a pipeline, whose
+    last stage's rank holds stale copies of the other stages, refuses it by name."""
+    got = _user_cases("penalty")
+    assert got["penalty/data"].startswith("OK") and got["penalty/ddp"].startswith("OK"), got
+    assert got["penalty/pipeline"].startswith(
+        "RAISED ValueError: `loss_fn` reached parameters of stages on other ranks"), got
+
+
+@pytest.mark.mpi
+def test_inputs_and_calls_the_methods_cannot_serve_are_refused_by_name() -> None:
+    """An input that requires grad (no rank holds its whole gradient), targets that are
+    not a tensor (torch cuts them into micro-batches), autocast around a pipeline (its
+    buffers are the net's dtype), a closed method: refused by name on every rank; a
+    dropout pipeline's eval_forward in training mode keeps the generators in step."""
+    got = _user_cases("usage")
+    for name in ("data", "pipeline"):
+        assert got[f"usage/grad-x/{name}"].startswith("RAISED ValueError: `x` requires grad"), got
+        assert got[f"usage/closed/{name}"].startswith("RAISED RuntimeError: this ") and \
+            "was closed" in got[f"usage/closed/{name}"], got
+    assert got["usage/tuple-y/pipeline"].startswith("RAISED TypeError: `y` must be a tensor"), got
+    assert got["usage/autocast/pipeline"].startswith(
+        "RAISED RuntimeError: PipelineNet does not run under torch.autocast"), got
+    assert got["usage/eval-dropout"].startswith("STREAMS"), got

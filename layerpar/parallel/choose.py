@@ -223,7 +223,7 @@ def _split_error(cal: _Calibration, data: DataParallelNet, fresh: Callable[[], O
         serial._zero_grad()
     data._zero_grad()
     # this rank's rows' part of the whole batch's loss, times P, through the bare net
-    (data.whole_loss(x, y, loss_fn, engine=False) * data.size).backward()
+    data.whole_loss(x, y, loss_fn, engine=False).backward()
     own = _flat_grads(data)
     data._zero_grad()
     names = sorted(own)

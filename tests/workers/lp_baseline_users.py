@@ -87,6 +87,24 @@ def net(kind="plain"):
             def forward(self, x):
                 return x + 0.01 * torch.rand_like(x)
         first = nn.Sequential(nn.Linear(3, W), Noisy())
+    if kind == "counter":  # counts its forward calls in a buffer
+        class Counter(nn.Linear):
+            def __init__(self):
+                super().__init__(3, W)
+                self.register_buffer("calls", torch.zeros(()))
+
+            def forward(self, x):
+                self.calls += 1
+                return super().forward(x)
+        first = Counter()
+    if kind == "spectral":  # its power iteration updates buffers in forward
+        from torch.nn.utils.parametrizations import spectral_norm
+        first = spectral_norm(nn.Linear(3, W))
+    if kind == "shared04":  # blocks 0 and 4: one rank's two stages when looped at 2 ranks
+        one = blocks.Dense(W)
+
+        def step(k):
+            return one if k in (0, 4) else blocks.Dense(W)
     return layerpar.ODENet(layers=[first, nn.Tanh(), Segment(step, 8, 1.0), last]).double()
 
 
@@ -303,7 +321,90 @@ def case_streams():
     say("streams", "choose", f"STREAMS {digest()} kept={digest() == before}")
 
 
+def case_stages():
+    ref = serial_run(net("counter"))
+    for m in (1, 2):
+        attempt("stages", f"counter-m{m}", lambda m=m: PipelineNet(
+            net("counter"), group(), schedule="gpipe", microbatches=m), serial=ref)
+    attempt("stages", "spectral-m2", lambda: PipelineNet(
+        net("spectral"), group(), schedule="gpipe", microbatches=2), serial={})
+    attempt("stages", "shared04", lambda: PipelineNet(
+        net("shared04"), group(), schedule="interleaved", microbatches=2), serial={})
+    ref = serial_run(net(), lambda o, t: CE(o, torch.where(torch.arange(len(t)) < 4, -100, t)))
+    attempt("stages", "ignored-part", lambda: PipelineNet(net(), group(), schedule="gpipe",
+                                                          microbatches=2),
+            lambda o, t: CE(o, torch.where(torch.arange(len(t)) < 4, -100, t)), serial=ref)
+
+
+def case_penalty():
+    """A loss with a penalty on the net's own parameters (each method's copy)."""
+    def penalised(n):
+        return lambda o, t: CE(o, t) + 0.05 * sum((p ** 2).sum() for p in n.parameters())
+    n = net()
+    ref = serial_run(n, penalised(n))
+    for name, build in (("data", lambda: DataParallelNet(net(), comm)),
+                        ("ddp", lambda: DataParallelNet(net(), group(), engine="ddp")),
+                        ("pipeline", lambda: PipelineNet(net(), group(), schedule="gpipe",
+                                                         microbatches=1))):
+        try:
+            m = build()
+            try:
+                opt = torch.optim.SGD(m.parameters(), lr=0.1)
+                for x, y in data()[:3]:
+                    m.train_step(x, y, penalised(m.net))
+                    opt.step()
+                err = error(m.gather_state_dict(), ref)
+            finally:
+                m.close()
+            say("penalty", name, f"OK {err:.3g}" if err <= F64.roundoff else f"WRONG {err:.3g}")
+        except Exception as exc:  # noqa: BLE001
+            say("penalty", name, f"RAISED {type(exc).__name__}: {str(exc)[:160]}")
+
+
+def case_usage():
+    """Inputs and calls a method refuses by name: an input that requires grad, targets
+    the pipeline cannot cut, autocast around a pipeline, a closed method; and
+    `eval_forward` of a dropout pipeline in training mode keeps the generators in step."""
+    x, y = data()[0]
+    calls = {
+        "grad-x/data": lambda: DataParallelNet(net(), comm).train_step(
+            x.clone().requires_grad_(), y, CE),
+        "grad-x/pipeline": lambda: PipelineNet(net(), group(), schedule="gpipe",
+                                               microbatches=2).train_step(
+            x.clone().requires_grad_(), y, CE),
+        "tuple-y/pipeline": lambda: PipelineNet(net(), group(), schedule="gpipe",
+                                                microbatches=1).train_step(
+            x, (y,), lambda o, t: CE(o, t[0])),
+        "closed/data": lambda: closed(DataParallelNet(net(), comm)).train_step(x, y, CE),
+        "closed/pipeline": lambda: closed(PipelineNet(net(), group())).train_step(x, y, CE),
+    }
+
+    def autocast():
+        m = PipelineNet(net().float(), group(), schedule="gpipe", microbatches=2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m.train_step(x.float(), y, CE)
+    calls["autocast/pipeline"] = autocast
+    for name, call in calls.items():
+        try:
+            call()
+            say("usage", name, "NORAISE")
+        except Exception as exc:  # noqa: BLE001
+            say("usage", name, f"RAISED {type(exc).__name__}: {str(exc)[:160]}")
+    torch.manual_seed(5)
+    m = PipelineNet(net("dropout"), group(), schedule="gpipe", microbatches=2)
+    for _ in range(2):
+        m.eval_forward(x)
+    m.close()
+    say("usage", "eval-dropout", f"STREAMS {digest()}")
+
+
+def closed(m):
+    m.close()
+    return m
+
+
 if __name__ == "__main__":
     {"tied": case_tied, "reload": case_reload, "losses": case_losses, "clip": case_clip,
-     "bn": case_bn, "ragged": case_ragged, "streams": case_streams}[sys.argv[1]]()
+     "bn": case_bn, "ragged": case_ragged, "streams": case_streams, "stages": case_stages,
+     "penalty": case_penalty, "usage": case_usage}[sys.argv[1]]()
     print(f"RANK {rank} DONE", flush=True)

@@ -254,6 +254,10 @@ class DataParallelNet(TrainingMethod):
 
     __call__ = forward
 
+    @property
+    def splits_batch(self) -> bool:
+        return self.size > 1
+
     def _batch_error(self, x: Tensor, y: Any) -> Optional[BaseException]:
         err = super()._batch_error(x, y)
         if err is None and x.shape[0] < self.size:
@@ -283,12 +287,16 @@ class DataParallelNet(TrainingMethod):
         rank's rows only (collective): each rank runs its share of `x`'s rows (through
         the engine, else the bare net), the shares' outputs are gathered (one
         all-gather), and `loss_fn` is applied to the whole output and the whole `y`,
-        as serial training applies it.  Its gradient summed over the ranks is serial's
-        for any loss: a mean, a sum, a weighted mean (class weights, ignored rows), one
-        of the batch's statistics."""
+        as serial training applies it.  The gradient reaching this rank's output is
+        scaled by P, so the ranks' average of the gradients is serial's for any loss: a
+        mean, a sum, a weighted mean (class weights, ignored rows), one of the batch's
+        statistics, a penalty on the parameters (which each rank's backward counts
+        once, unscaled)."""
         out = (self.forward if engine else self.net)(self.shard(x))
         if self.size == 1:
             return loss_fn(out, y)
+        if out.requires_grad:  # (P x its rows' part: the ranks' average is their sum)
+            out.register_hook(lambda g: g * self.size)
         rows = x.shape[0]
         first, stop = self._share(rows)
         counts = [self._share(rows, q)[1] - self._share(rows, q)[0] for q in range(self.size)]
@@ -304,8 +312,7 @@ class DataParallelNet(TrainingMethod):
         try:
             with self._streams.step():  # (dropout: masks of this rank's own)
                 loss = self.whole_loss(x, y, loss_fn)
-                # (each rank's rows' part, times P: the average over the ranks is the sum)
-                (loss if self.size == 1 else loss * self.size).backward()
+                loss.backward()
         finally:
             self._in_step = False
         self.average_gradients()

@@ -77,9 +77,10 @@ def parts_loss_error(loss_fn: LossFn, parts: Sequence[tuple[Tensor, Any]],
         whole = float(loss_fn(torch.cat(outs), whole_y))
         mean = sum(float(v.detach()) for v in losses) / len(losses)
     tol = 1e-2 if outs[0].dtype in (torch.float16, torch.bfloat16) else 1e-5
-    if not (math.isfinite(whole) and math.isfinite(mean)) or \
+    finite = math.isfinite(whole), math.isfinite(mean)
+    if finite == (False, False) or all(finite) and \
             abs(whole - mean) <= tol * max(abs(whole), abs(mean)):
-        return None
+        return None  # (a part's NaN where the whole is finite: a part all ignored rows)
     return (f"`loss_fn` on the whole batch gave {whole:.6g}, the mean of its "
             f"{len(parts)} micro-batches' losses {mean:.6g}: the schedule averages the "
             "micro-batches' gradients, so the step's would not be serial's. A sum "
@@ -151,7 +152,8 @@ class TrainingMethod(ABC):
         """The whole net's state dict on every rank (loads into the serial `ODENet`)."""
 
     def close(self) -> None:
-        """Release the duplicated communicator (collective)."""
+        """Release the duplicated communicator (collective); the method is done."""
+        self._closed = True
         self.transport.close()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -202,11 +204,25 @@ class TrainingMethod(ABC):
         if ry is not None and ry != x.shape[0]:
             return ValueError(f"`y` has {ry} rows but `x` has {x.shape[0]}: they must be "
                               "the same batch")
+        if x.requires_grad and self.splits_batch:
+            return ValueError(f"`x` requires grad: {type(self).__name__} runs parts of the "
+                              "batch on different ranks, so no rank would hold the input's "
+                              "gradient (train with SerialMethod or LayerParallel, which "
+                              "give it)")
         return None
+
+    @property
+    def splits_batch(self) -> bool:
+        """Whether ranks run parts of the batch's rows (data parallelism, a pipeline's
+        stages): the input's gradient is then no rank's whole."""
+        return False
 
     def _check_batch(self, x: Tensor, y: Any) -> None:
         """Raise the batch's error the same way on every rank; for the first
         `check_inputs` steps also compare the shapes and dtypes between ranks."""
+        if getattr(self, "_closed", False):
+            raise RuntimeError(f"this {type(self).__name__} was closed (its communicator "
+                               "released): build a new one to train on")
         err = self._batch_error(x, y)
         self._steps += 1
         if self.size > 1 and self._steps <= self.check_inputs:

@@ -34,11 +34,11 @@ communicator and the world group is initialised from it (`process_group_from_mpi
 Dropout draws masks of each rank's own, new every step (`StepStreams`: not the serial
 net's), with every rank's generators kept in step; other random draws in a stage are
 refused at the first step.  Batch norm sees micro-batch statistics.  A parameter used by
-stages on different ranks (tied weights, a shared block) is refused: each rank would
-train its own copy.  With several micro-batches `loss_fn` must be a mean over the rows
-(no sum, no class weights, no ignored rows): every step the last stage's rank compares
-the whole batch's loss with its micro-batches' mean and refuses the step where they
-differ.
+two stages (tied weights, a shared block) is refused: ranks would train copies of
+their own, and torch scales each stage's gradients apart.  With several micro-batches
+`loss_fn` must be a mean over the rows (no sum, no class weights, no ignored rows):
+every step the last stage's rank compares the whole batch's loss with its
+micro-batches' mean and refuses the step where they differ.
 """
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ from ...mgrit.transport import DEFAULT_TIMEOUT, check_timeout, make_transport
 from ...ode.net import ODENet, Segment
 from ...ode.rng import GeneratorStates, StepStreams
 from ..agree import layer_key
+from ..batched import buffer_versions
 from ..checkpoint import _name_order, clip_over_ranks
 from ..move import Like, move
 from .dist import as_process_group
@@ -235,26 +236,31 @@ class _Stage(nn.Module):
         return x
 
 
-def _refuse_shared_across_ranks(net: ODENet, plan: StagePlan) -> None:
-    """ValueError where one parameter or buffer serves stages on different ranks (a
-    block module shared by several layers, tied weights): each rank would train its
-    own copy with its own stages' share of the gradient, silently apart from serial.
-    Stages on one rank may share them (autograd adds their gradients).  From the
-    whole net, which every rank holds: raised alike on every rank."""
-    owner: dict[int, tuple[int, str]] = {}  # id -> (rank, first name)
+def _refuse_shared_across_stages(net: ODENet, plan: StagePlan) -> None:
+    """ValueError where one parameter or buffer serves two stages (a block module
+    shared by several layers, tied weights): stages on different ranks would each
+    train their own copy with their own share of the gradient, and torch scales each
+    stage's gradients by 1/micro-batches, so one tensor of two stages on one rank is
+    scaled twice: silently apart from serial either way.  Within a stage it may be
+    shared.  From the whole net, which every rank holds: raised alike on every rank."""
+    owner: dict[int, tuple[int, str]] = {}  # id -> (stage, first name)
     for s, units in enumerate(plan.stages):
         stage = _Stage(net, units)
         tensors = [*stage.named_parameters(remove_duplicate=False),
                    *stage.named_buffers(remove_duplicate=False)]
         for name, t in tensors:
-            rank, first = owner.setdefault(id(t), (plan.ranks[s], name))
-            if rank != plan.ranks[s]:
+            first_stage, first = owner.setdefault(id(t), (s, name))
+            if first_stage != s:
+                where = (f"ranks {plan.ranks[first_stage]} and {plan.ranks[s]}: each rank "
+                         "would train its own copy with its own stages' gradient"
+                         if plan.ranks[first_stage] != plan.ranks[s] else
+                         f"rank {plan.ranks[s]}, whose schedule scales each stage's "
+                         "gradients by 1/micro-batches, so this tensor's twice")
                 raise ValueError(
                     f"`{name}` is the same tensor as `{first}`, and the pipeline puts "
-                    f"them on ranks {rank} and {plan.ranks[s]}: each rank would train "
-                    "its own copy with its own stages' gradient (not serial's). Untie "
-                    "them, or train with DataParallelNet or LayerParallel, which handle "
-                    "a parameter shared by several layers")
+                    f"them in stages {first_stage} and {s}, on {where} (not serial's). "
+                    "Untie them, or train with DataParallelNet or LayerParallel, which "
+                    "handle a parameter shared by several layers")
 
 
 class PipelineNet(TrainingMethod):
@@ -299,7 +305,7 @@ class PipelineNet(TrainingMethod):
             self.check_inputs = check_check_inputs(check_inputs)
             timeout = check_timeout(timeout)
             self.schedule = schedule
-            _refuse_shared_across_ranks(net, self.plan)
+            _refuse_shared_across_stages(net, self.plan)
             self._local = {q: _Stage(net, self.plan.stages[q])
                            for q in self.plan.stages_of(self.transport.rank)}
             self.device = next(iter(net.parameters())).device
@@ -319,6 +325,16 @@ class PipelineNet(TrainingMethod):
         self.transport.timeout = timeout
         self.net = net
         self._streams = StepStreams(net, self.rank)
+        local = {id(t) for mod in self._local.values() for t in mod.parameters()}
+        # the net's parameters this rank does not train: a loss reaching them (a penalty
+        # on the whole net's weights) would move stale copies, not their owners'
+        self._elsewhere = [(n, t) for n, t in net.named_parameters() if id(t) not in local]
+        # this rank's buffers that forward() must not update with several micro-batches
+        # (all but batch norm's statistics, documented as the micro-batches')
+        self._updated = [(f"{n}.{b}" if n else b, t) for mod in self._local.values()
+                         for n, m in mod.named_modules()
+                         if not isinstance(m, nn.modules.batchnorm._NormBase)
+                         for b, t in m.named_buffers(recurse=False)]
         # (input shape, dtype, m) -> torch's schedule, its micro-batch count
         self._built: dict[tuple, tuple[Any, int]] = {}
         self._shapes: dict[tuple, list[tuple[int, ...]]] = {}
@@ -336,6 +352,8 @@ class PipelineNet(TrainingMethod):
         got = self._shapes.get(key)
         if got is None:
             modes = [(m, m.training) for m in self.net.modules()]
+            # (a forward that counts its calls in a buffer must not count this one)
+            kept = [(b, b.clone()) for b in self.net.buffers()]
             self.net.eval()
             try:
                 with torch.no_grad():
@@ -346,6 +364,9 @@ class PipelineNet(TrainingMethod):
             finally:
                 for m, mode in modes:
                     m.training = mode
+                with torch.no_grad():
+                    for b, value in kept:
+                        b.copy_(value)
             self._shapes[key] = got
         return got
 
@@ -414,6 +435,24 @@ class PipelineNet(TrainingMethod):
         return self.plan.ranks[stage] == self.rank
 
     # -- the interface ---------------------------------------------------------------------
+    @property
+    def splits_batch(self) -> bool:
+        return self.size > 1
+
+    def _batch_error(self, x: Tensor, y: Any) -> Optional[BaseException]:
+        err = super()._batch_error(x, y)
+        if err is None and not (y is None or isinstance(y, Tensor) and y.dim() > 0):
+            err = TypeError(f"`y` must be a tensor with a row per sample, or None: torch's "
+                            f"schedules cut the targets into micro-batches, got "
+                            f"{type(y).__name__}")
+        if err is None and any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+            err = RuntimeError("PipelineNet does not run under torch.autocast: torch's "
+                               "stages hand activations between ranks in buffers of the "
+                               "net's dtype, which autocast's outputs would not fill. Cast "
+                               "the net instead (net.to(torch.bfloat16)), or train with "
+                               "DataParallelNet or LayerParallel")
+        return err
+
     def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
         self._check_batch(x, y)
         sched, self._parts = self._torch_schedule(x)
@@ -423,14 +462,11 @@ class PipelineNet(TrainingMethod):
         last = len(self.plan.stages) - 1
         drawn = self._streams.active()
         before = None if drawn else GeneratorStates()
+        versions = buffer_versions(self._updated)
         try:
             with self._streams.step():  # (dropout: masks of this rank's own stages)
                 sched.step(x, target=y, losses=losses, return_outputs=False)
-            try:
-                bad = parts_loss_error(loss_fn, self._seen, losses) if self._seen else None
-            except Exception as exc:  # noqa: BLE001 - said on every rank below
-                bad = (f"`loss_fn` on the whole batch's output (compared every step with "
-                       f"its micro-batches' mean) raised {type(exc).__name__}: {exc}")
+            bad = self._parts_error(loss_fn, losses, versions)
         finally:
             self._loss_fn, self._seen = None, []
         value = sum(float(t.detach()) for t in losses) / len(losses) \
@@ -450,6 +486,38 @@ class PipelineNet(TrainingMethod):
                 "of step. Draw them in torch.nn dropout modules, or train with "
                 "DataParallelNet or LayerParallel")
         return value
+
+    def _parts_error(self, loss_fn: LossFn, losses: list[Tensor], versions: list[int]
+                     ) -> Optional[str]:
+        """Why this step is not serial's (None: it is): the loss reached parameters of
+        other ranks' stages; and cut into several micro-batches, a buffer a stage of
+        this rank updated in forward() (once per micro-batch, where serial updates it
+        once), or on the last stage's rank a loss that is not a mean over the rows
+        (`parts_loss_error`)."""
+        reached = [n for n, t in self._elsewhere if t.grad is not None]
+        for _, t in self._elsewhere:
+            t.grad = None
+        if reached:
+            return (f"`loss_fn` reached parameters of stages on other ranks ({reached[:3]}"
+                    f"{' ...' if len(reached) > 3 else ''}): the loss runs on the last "
+                    "stage's rank, whose copies of them are stale and not trained there, "
+                    "so a penalty on the whole net's weights would miss their owners. Add "
+                    "the penalty to the gradients after train_step (each rank over its "
+                    "parameters()), or train with DataParallelNet or LayerParallel")
+        if self._parts == 1:
+            return None
+        changed = [n for (n, t), v in zip(self._updated, versions) if t._version != v]
+        if changed:
+            return (f"the net updated its buffer(s) {changed} in forward(): a pipeline of "
+                    f"{self._parts} micro-batches runs each stage {self._parts} times a "
+                    "step where serial runs it once, so such a buffer (a counter, spectral "
+                    "norm's vectors, running statistics of a module other than batch norm) "
+                    "would not end as serial's. Train with microbatches=1 or LayerParallel")
+        try:
+            return parts_loss_error(loss_fn, self._seen, losses) if self._seen else None
+        except Exception as exc:  # noqa: BLE001 - said on every rank by train_step
+            return (f"`loss_fn` on the whole batch's output (compared every step with its "
+                    f"micro-batches' mean) raised {type(exc).__name__}: {exc}")
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_parameters()]
@@ -474,14 +542,16 @@ class PipelineNet(TrainingMethod):
 
     def eval_forward(self, x: Tensor) -> Tensor:
         """The whole batch through the stages one after the other (no micro-batches),
-        the output broadcast from the last stage's rank."""
+        the output broadcast from the last stage's rank (collective)."""
         err = TrainingMethod._batch_error(self, x, None)
         if err is not None:
             raise err
         outs = self._stage_shapes(x)
         rows = x.shape[0]
         u: Optional[Tensor] = x
-        with torch.no_grad():
+        # (dropout in training mode: masks of the stages' ranks' own, every rank's
+        # generators in step, as in train_step)
+        with torch.no_grad(), self._streams.step():
             for s in range(len(self.plan.stages)):
                 src = self.plan.ranks[s - 1] if s else self.plan.ranks[0]
                 if src != self.plan.ranks[s]:
