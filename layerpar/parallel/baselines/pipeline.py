@@ -327,8 +327,12 @@ class PipelineNet(TrainingMethod):
         self._streams = StepStreams(net, self.rank)
         local = {id(t) for mod in self._local.values() for t in mod.parameters()}
         # the net's parameters this rank does not train: a loss reaching them (a penalty
-        # on the whole net's weights) would move stale copies, not their owners'
-        self._elsewhere = [(n, t) for n, t in net.named_parameters() if id(t) not in local]
+        # on the whole net's weights) would move stale copies, not their owners' (a hook
+        # notes them: nothing to walk per step)
+        self._reached: list[str] = []
+        self._hooks = [t.register_post_accumulate_grad_hook(
+            lambda t, n=n: self._reached.append(n))
+            for n, t in net.named_parameters() if id(t) not in local and t.requires_grad]
         # this rank's buffers that forward() must not update with several micro-batches
         # (all but batch norm's statistics, documented as the micro-batches')
         self._updated = [(f"{n}.{b}" if n else b, t) for mod in self._local.values()
@@ -494,10 +498,12 @@ class PipelineNet(TrainingMethod):
         this rank updated in forward() (once per micro-batch, where serial updates it
         once), or on the last stage's rank a loss that is not a mean over the rows
         (`parts_loss_error`)."""
-        reached = [n for n, t in self._elsewhere if t.grad is not None]
-        for _, t in self._elsewhere:
-            t.grad = None
+        reached, self._reached = self._reached, []
         if reached:
+            mine = {id(t) for t in self.parameters()}
+            for t in self.net.parameters():  # (the stale copies' gradients)
+                if id(t) not in mine:
+                    t.grad = None
             return (f"`loss_fn` reached parameters of stages on other ranks ({reached[:3]}"
                     f"{' ...' if len(reached) > 3 else ''}): the loss runs on the last "
                     "stage's rank, whose copies of them are stale and not trained there, "
@@ -521,6 +527,14 @@ class PipelineNet(TrainingMethod):
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_parameters()]
+
+    def close(self) -> None:
+        """Remove the hooks on other ranks' stages' parameters and release the
+        duplicated communicator (collective)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        super().close()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> Tensor:
