@@ -262,21 +262,26 @@ def ragged_run(sizes):
     return batches, n.state_dict()
 
 
-def ragged_attempt(name, build, sizes):
-    batches, ref = ragged_run(sizes)
+def trained(case, name, build, batches, ref, loss_of=lambda m: CE):
+    """Say how `build()`'s method, trained by SGD over `batches` with the loss
+    `loss_of(method)`, compares with the state `ref` (or what it raised)."""
     try:
         m = build()
         try:
             opt = torch.optim.SGD(m.parameters(), lr=0.1)
             for x, y in batches:
-                m.train_step(x, y, CE)
+                m.train_step(x, y, loss_of(m))
                 opt.step()
             err = error(m.gather_state_dict(), ref)
         finally:
             m.close()
-        say("ragged", name, f"OK {err:.3g}" if err <= F64.roundoff else f"WRONG {err:.3g}")
+        say(case, name, f"OK {err:.3g}" if err <= F64.roundoff else f"WRONG {err:.3g}")
     except Exception as exc:  # noqa: BLE001
-        say("ragged", name, f"RAISED {type(exc).__name__}: {str(exc)[:160]}")
+        say(case, name, f"RAISED {type(exc).__name__}: {str(exc)[:160]}")
+
+
+def ragged_attempt(name, build, sizes):
+    trained("ragged", name, build, *ragged_run(sizes))
 
 
 def case_ragged():
@@ -346,19 +351,7 @@ def case_penalty():
                         ("ddp", lambda: DataParallelNet(net(), group(), engine="ddp")),
                         ("pipeline", lambda: PipelineNet(net(), group(), schedule="gpipe",
                                                          microbatches=1))):
-        try:
-            m = build()
-            try:
-                opt = torch.optim.SGD(m.parameters(), lr=0.1)
-                for x, y in data()[:3]:
-                    m.train_step(x, y, penalised(m.net))
-                    opt.step()
-                err = error(m.gather_state_dict(), ref)
-            finally:
-                m.close()
-            say("penalty", name, f"OK {err:.3g}" if err <= F64.roundoff else f"WRONG {err:.3g}")
-        except Exception as exc:  # noqa: BLE001
-            say("penalty", name, f"RAISED {type(exc).__name__}: {str(exc)[:160]}")
+        trained("penalty", name, build, data()[:3], ref, lambda m: penalised(m.net))
 
 
 def case_usage():
