@@ -89,6 +89,7 @@ class DataParallelNet(TrainingMethod):
     """
 
     name = "data"
+    splits_rows = True
 
     def __init__(self, net: Union[ODENet, Callable[[], ODENet]], comm: Any = None, *,
                  engine: str = "auto", check_inputs: int = 10,
@@ -254,10 +255,6 @@ class DataParallelNet(TrainingMethod):
 
     __call__ = forward
 
-    @property
-    def splits_batch(self) -> bool:
-        return self.size > 1
-
     def _batch_error(self, x: Tensor, y: Any) -> Optional[BaseException]:
         err = super()._batch_error(x, y)
         if err is None and x.shape[0] < self.size:
@@ -299,7 +296,7 @@ class DataParallelNet(TrainingMethod):
             out.register_hook(lambda g: g * self.size)
         rows = x.shape[0]
         first, stop = self._share(rows)
-        counts = [self._share(rows, q)[1] - self._share(rows, q)[0] for q in range(self.size)]
+        counts = [b - a for a, b in (self._share(rows, q) for q in range(self.size))]
         whole = gather_rows(self.transport, out.detach(), counts,
                             "the outputs of the batch's shares")
         return loss_fn(torch.cat([whole[:first], out, whole[stop:]]), y)

@@ -61,18 +61,9 @@ def parts_loss_error(loss_fn: LossFn, parts: Sequence[tuple[Tensor, Any]],
     equals serial only where it is: for a mean over the rows, not for a sum (the
     whole's loss is the parts' sum) or a weighted mean (class weights, ignored rows:
     each part is normalised by its own weights).  Without grad, on detached outputs;
-    targets must be tensors with a row per output row, or None."""
+    the targets are row slices of one tensor, or None."""
     outs = [o for o, _ in parts]
-    targets = [t for _, t in parts]
-    if all(t is None for t in targets):
-        whole_y: Any = None
-    elif all(isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == o.shape[0]
-             for o, t in parts):
-        whole_y = torch.cat(targets)
-    else:
-        return ("the targets of a batch cut into micro-batches must be a tensor with a "
-                "row per sample, or None: the loss of the whole batch is compared with its "
-                "micro-batches' mean every step")
+    whole_y = None if parts[0][1] is None else torch.cat([t for _, t in parts])
     with torch.no_grad():
         whole = float(loss_fn(torch.cat(outs), whole_y))
         mean = sum(float(v.detach()) for v in losses) / len(losses)
@@ -151,6 +142,10 @@ class TrainingMethod(ABC):
     def gather_state_dict(self) -> dict[str, Tensor]:
         """The whole net's state dict on every rank (loads into the serial `ODENet`)."""
 
+    #: whether ranks run parts of the batch's rows (data parallelism's shares, a
+    #: pipeline's micro-batches): the input's gradient is then no rank's whole
+    splits_rows: ClassVar[bool] = False
+
     def close(self) -> None:
         """Release the duplicated communicator (collective); the method is done."""
         self._closed = True
@@ -204,18 +199,12 @@ class TrainingMethod(ABC):
         if ry is not None and ry != x.shape[0]:
             return ValueError(f"`y` has {ry} rows but `x` has {x.shape[0]}: they must be "
                               "the same batch")
-        if x.requires_grad and self.splits_batch:
+        if x.requires_grad and self.splits_rows and self.size > 1:
             return ValueError(f"`x` requires grad: {type(self).__name__} runs parts of the "
                               "batch on different ranks, so no rank would hold the input's "
                               "gradient (train with SerialMethod or LayerParallel, which "
                               "give it)")
         return None
-
-    @property
-    def splits_batch(self) -> bool:
-        """Whether ranks run parts of the batch's rows (data parallelism, a pipeline's
-        stages): the input's gradient is then no rank's whole."""
-        return False
 
     def _check_batch(self, x: Tensor, y: Any) -> None:
         """Raise the batch's error the same way on every rank; for the first

@@ -276,8 +276,7 @@ class PipelineNet(TrainingMethod):
         (see the module docstring for where each puts the stages).
     microbatches: micro-batches per batch (torch asks at least as many as stages of
         "1f1b" and "zbv"); a batch whose rows it does not divide runs as fewer (see
-        the module docstring).  `tune_microbatches`
-        chooses it by measurement.
+        the module docstring).  `tune_microbatches` chooses it by measurement.
     stages_per_rank: stages per rank of the looped schedules (default: the number of
         segments, or 2 with one segment); must be a multiple of the number of segments.
     check_inputs: for this many first steps compare the batch's shapes between ranks.
@@ -286,6 +285,7 @@ class PipelineNet(TrainingMethod):
     """
 
     name = "pipeline"
+    splits_rows = True
 
     def __init__(self, net: Union[ODENet, Callable[[], ODENet]], comm: Any, *,
                  schedule: str = "1f1b", microbatches: int = 4,
@@ -439,10 +439,6 @@ class PipelineNet(TrainingMethod):
         return self.plan.ranks[stage] == self.rank
 
     # -- the interface ---------------------------------------------------------------------
-    @property
-    def splits_batch(self) -> bool:
-        return self.size > 1
-
     def _batch_error(self, x: Tensor, y: Any) -> Optional[BaseException]:
         err = super()._batch_error(x, y)
         if err is None and not (y is None or isinstance(y, Tensor) and y.dim() > 0):
