@@ -29,10 +29,12 @@ from .serial import SerialTransport
 
 __all__ = ["DEFAULT_TIMEOUT", "ChannelState", "ErrorChannel", "MPITransport", "Pending",
            "SerialTransport", "Transport", "check_timeout", "describe", "guarded", "is_comm",
+           "is_process_group",
            "make_transport", "pack", "unpack", "_UNFINISHED"]
 
 
-def _is_process_group(comm: Any) -> bool:
+def is_process_group(comm: Any) -> bool:
+    """True for a `torch.distributed` process group."""
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch built without distributed
@@ -46,7 +48,7 @@ def _is_mpi_comm(comm: Any) -> bool:
 
 def is_comm(comm: Any) -> bool:
     """True for what `make_transport` accepts besides None."""
-    return _is_mpi_comm(comm) or _is_process_group(comm)
+    return _is_mpi_comm(comm) or is_process_group(comm)
 
 
 def _channel_of(kind: type, errors: Optional[ErrorChannel], what: str) -> Any:
@@ -67,7 +69,7 @@ def make_transport(comm: Any, *, errors: Optional[ErrorChannel] = None,
         return SerialTransport()
     if _is_mpi_comm(comm):
         return MPITransport(comm, errors=_channel_of(MPIErrors, errors, "an mpi4py"))
-    if _is_process_group(comm):
+    if is_process_group(comm):
         from .torchdist import StoreErrors, TorchTransport
 
         return TorchTransport(comm, errors=_channel_of(StoreErrors, errors,

@@ -539,6 +539,15 @@ class Transport:
         self._post_error(describe(exc))
         self._state.broken = RemoteError(self.error_rank, describe(exc))
 
+    def stopped_by(self, exc: BaseException) -> BaseException:
+        """What this rank raises after `exc` broke off work whose messages are not this
+        transport's (torch's own: a pipeline schedule's, DistributedDataParallel's):
+        `exc` itself, posted for the other ranks (`broadcast_error`), or the failure
+        another rank posted where `exc` only says that rank's connection closed
+        (`TorchTransport`)."""
+        self.broadcast_error(exc)
+        return exc
+
     @property
     def error_rank(self) -> int:
         """This rank as the error channel names it (the world rank in a process grid)."""

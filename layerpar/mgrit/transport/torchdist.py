@@ -135,6 +135,37 @@ class StoreErrors:
         self.broken = RemoteError(src, text)
 
 
+#: the tag of `sever`'s receives, which nothing sends
+_SEVER_TAG = 0x5EE
+
+def sever(group: Any) -> None:
+    """Close this rank's connections to the other ranks of `group`, so that a rank
+    blocked in a wait of torch's own on it (a pipeline schedule's receive,
+    DistributedDataParallel's all-reduce) raises at once ("Connection closed by
+    peer", which `TorchTransport.stopped_by` turns into the failure this rank posted)
+    instead of waiting out the group's timeout.  gloo closes the connection of a
+    receive whose timed wait expires: one receive from each other rank on a tag
+    nothing sends, waited for a millisecond.  A NCCL group is aborted.  The group is
+    unusable afterwards; nothing raises here."""
+    try:
+        if "nccl" in str(dist.get_backend(group)).lower():
+            group.abort()
+            return
+        ranks = dist.get_process_group_ranks(group)
+        me = dist.get_rank()
+        buf = torch.empty(1)
+        for q in ranks:
+            if q != me:
+                try:
+                    work = dist.irecv(buf, q, group=group, tag=_SEVER_TAG)
+                    if work is not None:
+                        work.wait(datetime.timedelta(milliseconds=1))
+                except Exception:  # noqa: BLE001 - the expected expiry, which severs
+                    pass
+    except Exception:  # noqa: BLE001 - best effort: the peers' waits still time out
+        pass
+
+
 def _sleep(seconds: float) -> bool:
     """Sleep; False: the wait is not over (a `block` for `TorchTransport._wait`)."""
     time.sleep(seconds)
@@ -282,6 +313,10 @@ class TorchTransport(Transport):
         (posted for the other ranks); anything else is returned as it is."""
         if isinstance(exc, (RemoteError, TimeoutError)) or not _is_lost(exc):
             return exc
+        posted = self._errors.poll(force=True)
+        if posted is not None:  # (a failing rank posts, then may sever: `sever`)
+            self._state.broken = posted
+            return posted
         who = self._global[peer] if peer is not None else None
         how = "its connection closed while this rank waited for it"
         if who is None:
@@ -316,6 +351,19 @@ class TorchTransport(Transport):
 
     def _post_error(self, text: str) -> None:
         self._errors.post(text)
+
+    def stopped_by(self, exc: BaseException) -> BaseException:
+        """As `Transport.stopped_by`; a failure another rank posted first is every
+        rank's (this one's `exc` most likely followed from it: a closed connection,
+        which `sever` makes)."""
+        if self._state.broken is None:
+            first = self._errors.poll(force=True)
+            if first is not None:
+                self._state.broken = first
+                return first
+            if _is_lost(exc):  # (and nothing posted: a process is gone)
+                return self._lost(exc, None)
+        return super().stopped_by(exc)
 
     # -- point to point --------------------------------------------------------------------
     def _on_device(self, device: torch.device) -> bool:
