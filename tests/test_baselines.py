@@ -484,3 +484,33 @@ def test_inputs_and_calls_the_methods_cannot_serve_are_refused_by_name() -> None
     assert got["usage/autocast/pipeline"].startswith(
         "RAISED RuntimeError: PipelineNet does not run under torch.autocast"), got
     assert got["usage/eval-dropout"].startswith("STREAMS"), got
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_failure_on_one_rank_stops_every_rank_with_its_message(ranks: int) -> None:
+    """A block raising on one rank only, in forward or in backward, caught by the
+    user, under data parallelism (both engines), every pipeline schedule (and its
+    eval_forward) and solo; a loss with a weight penalty under the zero-bubble
+    schedules (torch cannot split its backward): every rank raises the failing rank's
+    message within seconds, where the others waited in torch's own messages until the
+    group's timeout; later calls say the method stopped; the user's group and
+    communicator still work."""
+    got = _user_cases("failure", ranks)
+    last = ranks - 1
+    for name, verdict in got.items():
+        if name == "failure/world":
+            assert verdict == f"SUM {ranks} {ranks}", got
+            continue
+        assert verdict.startswith("STOPPED ") and verdict.endswith(
+            "| RuntimeError True | prompt"), (name, got)
+    for case in [f"{e}/{w}" for e in ("allreduce", "ddp") for w in ("forward", "backward")] \
+            + [f"{name}/forward" for name in SCHEDULES]:
+        where = case.split("/")[1]
+        assert f"boom in {where} on rank {last}" in got[f"failure/{case}"], got
+    assert "boom in backward on rank 0" in got["failure/gpipe/backward"], got
+    assert "boom in forward on rank 0" in got["failure/solo/forward"], got
+    assert f"boom in forward on rank {last}" in got["failure/eval/pipeline"], got
+    for name in ("zero-bubble", "zbv"):
+        assert got[f"failure/{name}/penalty"].startswith(
+            "STOPPED ValueError: `loss_fn` reached the parameters of this rank's stages"), got

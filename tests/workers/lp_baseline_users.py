@@ -40,6 +40,7 @@ from layerpar.parallel.baselines import (
     SCHEDULES,
     DataParallelNet,
     PipelineNet,
+    SoloMethod,
     process_group_from_mpi,
 )
 
@@ -391,6 +392,77 @@ def case_usage():
     say("usage", "eval-dropout", f"STREAMS {digest()}")
 
 
+def case_failure():
+    """A failure on one rank inside a step (a block raising in forward or in backward
+    there, caught by the user): every rank raises its message within seconds (the
+    failing rank its own exception, the others RemoteError naming it), later calls
+    raise that the method stopped, and the user's group and communicator still work.
+    Verdicts ``STOPPED <message> | <later call's error type> | <prompt or SLOW>``."""
+    import time
+
+    from layerpar.mgrit.errors import RemoteError
+
+    def armed(m, where, who):
+        """`m`'s Dense blocks raise on rank `who` in `where` ("forward", "backward")."""
+        def forward_hook(mod, inp, out):
+            if rank == who:
+                if where == "forward":
+                    raise RuntimeError(f"boom in forward on rank {who}")
+                if out.requires_grad:  # (not in the pipeline's shape probe)
+                        out.register_hook(lambda g: (_ for _ in ()).throw(
+                        RuntimeError(f"boom in backward on rank {who}")))
+        for mod in m.net.modules():
+            if isinstance(mod, blocks.Dense):
+                mod.register_forward_hook(forward_hook)
+        return m
+
+    def penalised(m):
+        return lambda o, t: CE(o, t) + 0.05 * sum((p ** 2).sum() for p in m.parameters())
+
+    x, y = data()[0]
+    last = size - 1
+    builds = {f"{engine}/{where}": (lambda e=engine, w=where: armed(DataParallelNet(
+        net(), comm if e == "allreduce" else group(), engine=e), w, last), CE)
+        for engine in ("allreduce", "ddp") for where in ("forward", "backward")}
+    for name in SCHEDULES:
+        mb = 2 * size if name in ("1f1b", "zbv") else 2
+        builds[f"{name}/forward"] = (lambda n=name, mb=mb: armed(PipelineNet(
+            net(), group(), schedule=n, microbatches=mb), "forward", last), CE)
+    builds["gpipe/backward"] = (lambda: armed(PipelineNet(
+        net(), group(), schedule="gpipe", microbatches=2), "backward", 0), CE)
+    for name in ("zero-bubble", "zbv"):
+        builds[f"{name}/penalty"] = (lambda n=name: PipelineNet(
+            net(), group(), schedule=n, microbatches=2 * size), penalised)
+    builds["solo/forward"] = (lambda: armed(SoloMethod(net(), comm), "forward", 0), CE)
+    builds["eval/pipeline"] = (lambda: armed(PipelineNet(
+        net(), group(), schedule="gpipe", microbatches=2), "forward", last), None)
+    for name, (build, loss) in builds.items():
+        m = build()
+        start = time.monotonic()
+        try:
+            if loss is None:
+                m.eval_forward(x)
+            else:
+                m.train_step(x, y, loss(m) if loss is penalised else loss)
+            say("failure", name, "NORAISE")
+            continue
+        except BaseException as exc:  # noqa: BLE001
+            text = exc.remote_message if isinstance(exc, RemoteError) else \
+                f"{type(exc).__name__}: {exc}"
+        took = time.monotonic() - start
+        try:
+            m.train_step(x, y, CE)
+            later = "NORAISE"
+        except Exception as exc:  # noqa: BLE001
+            later = f"{type(exc).__name__} {'stopped' in str(exc)}"
+        m.close()
+        say("failure", name, f"STOPPED {text[:90]} | {later} | "
+            f"{'prompt' if took < 20 else 'SLOW'}")
+    whole = torch.ones(1)
+    torch.distributed.all_reduce(whole, group=group())
+    say("failure", "world", f"SUM {whole.item():g} {comm.allreduce(1)}")
+
+
 def closed(m):
     m.close()
     return m
@@ -399,5 +471,5 @@ def closed(m):
 if __name__ == "__main__":
     {"tied": case_tied, "reload": case_reload, "losses": case_losses, "clip": case_clip,
      "bn": case_bn, "ragged": case_ragged, "streams": case_streams, "stages": case_stages,
-     "penalty": case_penalty, "usage": case_usage}[sys.argv[1]]()
+     "penalty": case_penalty, "usage": case_usage, "failure": case_failure}[sys.argv[1]]()
     print(f"RANK {rank} DONE", flush=True)

@@ -23,7 +23,9 @@ parameters from step to step (replaced by ``load_state_dict(..., assign=True)``,
 or unfrozen).  Dropout draws masks of each rank's own share, new every step
 (`StepStreams`: not the serial net's masks), the generators kept in step.  Batch norm
 normalises each share by its own statistics; rank 0's running statistics are given to
-every rank after each step, so every rank evaluates and saves the same net.
+every rank after each step, so every rank evaluates and saves the same net.  A failure
+on one rank during a step stops every rank with its message (`TrainingMethod._apart`;
+over a process group the method sends on a group of its own, which it severs).
 """
 from __future__ import annotations
 
@@ -36,12 +38,13 @@ import torch
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors
 
-from ...mgrit.transport import DEFAULT_TIMEOUT, check_timeout, make_transport
+from ...mgrit.transport import DEFAULT_TIMEOUT, check_timeout, is_process_group, make_transport
 from ...ode.net import ODENet
 from ...ode.rng import StepStreams
 from ..agree import layer_key
 from ..move import gather_rows
 from ..replicas import GradAverager
+from .dist import own_group, release_group
 from .method import LossFn, TrainingMethod, as_net, check_check_inputs
 
 __all__ = ["DataParallelNet"]
@@ -94,7 +97,12 @@ class DataParallelNet(TrainingMethod):
     def __init__(self, net: Union[ODENet, Callable[[], ODENet]], comm: Any = None, *,
                  engine: str = "auto", check_inputs: int = 10,
                  timeout: Optional[float] = DEFAULT_TIMEOUT) -> None:
-        self.transport = make_transport(comm)
+        # over a process group: every message (DistributedDataParallel's, layerpar's)
+        # on a group of the method's own, which a failing rank severs
+        # (`TrainingMethod._apart`): the user's group stays whole
+        self._comm = comm
+        self._groups = (own_group(comm),) if is_process_group(comm) else ()
+        self.transport = make_transport(self._groups[0] if self._groups else comm)
         err: Optional[BaseException] = None
         key: Any = None
         try:
@@ -122,7 +130,6 @@ class DataParallelNet(TrainingMethod):
         self.transport.timeout = timeout
         self.net = net
         self.engine = engine
-        self._comm = comm
         self._averager: Optional[GradAverager] = None
         self._ddp: Optional[nn.Module] = None
         self._hooks: list[Any] = []
@@ -170,7 +177,7 @@ class DataParallelNet(TrainingMethod):
             dev = next(self.net.parameters()).device
             self._ddp = DistributedDataParallel(
                 self.net, device_ids=None if dev.type == "cpu" else [dev],
-                process_group=self._comm)
+                process_group=self._groups[0])
             return
         self._order = list(reversed(self.parameters()))
         self._ready: set[int] = set()
@@ -303,16 +310,18 @@ class DataParallelNet(TrainingMethod):
 
     def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
         self._check_batch(x, y)
-        self._follow_parameters()
+        with self._apart(alike=True):  # (a rank ahead may fail meanwhile)
+            self._follow_parameters()
         self._zero_grad()
         self._in_step = True
         try:
-            with self._streams.step():  # (dropout: masks of this rank's own)
+            # (dropout: masks of this rank's own; a failure here stops every rank)
+            with self._apart(), self._streams.step():
                 loss = self.whole_loss(x, y, loss_fn)
                 loss.backward()
+                self.average_gradients()
         finally:
             self._in_step = False
-        self.average_gradients()
         self._share_buffers()
         return self._loss_value(loss)  # (the same on every rank: the same whole output)
 
@@ -341,4 +350,7 @@ class DataParallelNet(TrainingMethod):
             h.remove()
         self._hooks = []
         self._ddp = None
+        if self._groups and not getattr(self, "_closed", False):
+            release_group(self._groups[0], self._comm,
+                          self.transport.failure is not None)
         super().close()

@@ -14,7 +14,7 @@ import os
 import socket
 from typing import Any, Optional
 
-__all__ = ["as_process_group", "process_group_from_mpi"]
+__all__ = ["as_process_group", "own_group", "process_group_from_mpi", "release_group"]
 
 
 def _free_port() -> int:
@@ -81,3 +81,31 @@ def as_process_group(comm: Any, backend: str = "gloo") -> Any:
         return process_group_from_mpi(comm, backend)
     raise TypeError(f"`comm` must be a torch.distributed process group or an mpi4py "
                     f"communicator, got {type(comm).__name__}")
+
+
+def own_group(group: Any) -> Any:
+    """A new process group of `group`'s ranks for a method's messages, torch's own
+    among them (a pipeline schedule's, DistributedDataParallel's), which a failing
+    rank severs (`TrainingMethod._apart`), leaving `group` whole.  Made only where
+    `group` spans the world (torch names a group made by its members alone after its
+    ranks, and a second one of the same ranks would meet the first's rendezvous
+    keys): a sub-group is returned as it is, to be shared (collective over the world)."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group)
+    return dist.new_group(ranks) if len(ranks) == dist.get_world_size() else group
+
+
+def release_group(made: Any, given: Any, failed: bool) -> None:
+    """Destroy `made` (`own_group`'s) unless it is `given`, the user's, or the method
+    `failed` (a severed group may hold an operation that never ends, whose thread
+    torch's destructor would wait for: it is left to the process's end, as torch
+    leaves a group nobody destroys); nothing raises where torch.distributed is gone."""
+    import torch.distributed as dist
+
+    if made is given or failed:
+        return
+    try:
+        dist.destroy_process_group(made)
+    except Exception:  # noqa: BLE001 - already gone with the default group
+        pass

@@ -16,6 +16,7 @@ the baselines.  `METHODS` maps a name to each class; `make_method` builds one by
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from abc import ABC, abstractmethod
@@ -145,6 +146,49 @@ class TrainingMethod(ABC):
     #: whether ranks run parts of the batch's rows (data parallelism's shares, a
     #: pipeline's micro-batches): the input's gradient is then no rank's whole
     splits_rows: ClassVar[bool] = False
+    #: torch.distributed groups of the method's own on which torch waits itself (a
+    #: pipeline schedule's messages, DistributedDataParallel's all-reduce): `_apart`
+    #: severs them where a step breaks off
+    _groups: Sequence[Any] = ()
+
+    @contextlib.contextmanager
+    def _apart(self, alike: bool = False) -> Iterator[None]:
+        """Around work the ranks do apart (each its part of a step, with messages
+        between them): where it raises on this rank, every rank stops with the
+        message instead of waiting for this one.  The failure is posted on the
+        transport's error channel (a rank waiting in layerpar's messages raises
+        RemoteError naming this rank) and the method's own groups are severed (a rank
+        blocked in torch's waits raises, then reads the posted failure:
+        `Transport.stopped_by`).  The method is stopped then: later calls raise.
+        `alike`: around agreements, whose errors every rank raises alike (refusals,
+        which stop nothing); only a failure another rank posted meanwhile severs."""
+        try:
+            yield
+        except BaseException as exc:
+            if not alike:
+                err = self.transport.stopped_by(exc)
+            elif self.transport.failure is None:
+                raise
+            else:
+                err = exc
+            if self._groups:
+                from ...mgrit.transport.torchdist import sever
+
+                for g in self._groups:
+                    sever(g)
+            if err is exc:
+                raise
+            raise err from exc
+
+    def _usable(self) -> None:
+        """Raise if the method was closed, or stopped by a failure (`_apart`)."""
+        if getattr(self, "_closed", False):
+            raise RuntimeError(f"this {type(self).__name__} was closed (its communicator "
+                               "released): build a new one to train on")
+        failure = self.transport.failure
+        if failure is not None:
+            raise RuntimeError(f"this {type(self).__name__} stopped when a step failed "
+                               f"({failure}): build a new one to train on") from failure
 
     def close(self) -> None:
         """Release the duplicated communicator (collective); the method is done."""
@@ -209,16 +253,15 @@ class TrainingMethod(ABC):
     def _check_batch(self, x: Tensor, y: Any) -> None:
         """Raise the batch's error the same way on every rank; for the first
         `check_inputs` steps also compare the shapes and dtypes between ranks."""
-        if getattr(self, "_closed", False):
-            raise RuntimeError(f"this {type(self).__name__} was closed (its communicator "
-                               "released): build a new one to train on")
+        self._usable()
         err = self._batch_error(x, y)
         self._steps += 1
         if self.size > 1 and self._steps <= self.check_inputs:
             key = tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, Tensor) else
                         type(t).__name__ for t in (x, y))
-            self.transport.agree(key, err, "the batch's shapes and dtypes (`x`, `y`): "
-                                 "every rank must pass the whole batch")
+            with self._apart(alike=True):  # (a rank ahead may fail meanwhile)
+                self.transport.agree(key, err, "the batch's shapes and dtypes (`x`, `y`): "
+                                     "every rank must pass the whole batch")
         elif err is not None:
             raise err
 
@@ -414,7 +457,8 @@ class SoloMethod(TrainingMethod):
         keep = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
-            value = fn()
+            with self._apart():  # (a failure here stops the waiting ranks too)
+                value = fn()
         finally:
             torch.set_num_threads(keep)
         return self.transport.bcast_object(value, 0) if self.size > 1 else value

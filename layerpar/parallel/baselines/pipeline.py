@@ -38,10 +38,13 @@ two stages (tied weights, a shared block) is refused: ranks would train copies o
 their own, and torch scales each stage's gradients apart.  With several micro-batches
 `loss_fn` must be a mean over the rows (no sum, no class weights, no ignored rows):
 every step the last stage's rank compares the whole batch's loss with its
-micro-batches' mean and refuses the step where they differ.
+micro-batches' mean and refuses the step where they differ.  A failure on one rank
+during a step stops every rank with its message (`TrainingMethod._apart`): the
+schedules send on a group of the method's own, which the failing rank severs.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -58,7 +61,7 @@ from ..agree import layer_key
 from ..batched import buffer_versions
 from ..checkpoint import _name_order, clip_over_ranks
 from ..move import Like, move
-from .dist import as_process_group
+from .dist import as_process_group, own_group, release_group
 from .method import (
     LossFn,
     TrainingMethod,
@@ -86,6 +89,9 @@ SCHEDULES: dict[str, tuple[str, str]] = {
 _FALLBACK = {"1f1b": "gpipe", "interleaved": "looped-bfs", "zero-bubble": "looped-bfs"}
 
 _TAG = 31107
+
+#: how torch's stages begin the RuntimeError they wrap a forward's or backward's in
+_WRAPS = ("[Stage ", "Failed to run stage backward")
 
 # a unit of a stage: (index in net.layers, (first step, stop step) of a segment, or None
 # for a plain layer)
@@ -295,7 +301,11 @@ class PipelineNet(TrainingMethod):
             raise TypeError("`comm` must be a torch.distributed process group or an mpi4py "
                             "communicator: a pipeline needs torch.distributed")
         self.group = as_process_group(comm)
-        self.transport = make_transport(self.group)
+        # every message (the schedules', layerpar's) on a group of the method's own,
+        # which a failing rank severs (`TrainingMethod._apart`): the user's stays whole
+        self._p2p = own_group(self.group)
+        self._groups = (self._p2p,)
+        self.transport = make_transport(self._p2p)
         err: Optional[BaseException] = None
         key: Any = None
         try:
@@ -423,7 +433,7 @@ class PipelineNet(TrainingMethod):
                                    requires_grad=s > 0),
             output_args=torch.empty((rows, *outs[s]), dtype=dtype, device=self.device,
                                     requires_grad=True),
-            group=self.group) for s, mod in self._local.items()]
+            group=self._p2p) for s, mod in self._local.items()]
         cls = getattr(pp, SCHEDULES[schedule][0])
         single = SCHEDULES[schedule][1] == "single"
         return cls(stages[0] if single else stages, microbatches, loss_fn=self._loss)
@@ -455,27 +465,33 @@ class PipelineNet(TrainingMethod):
 
     def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
         self._check_batch(x, y)
-        sched, self._parts = self._torch_schedule(x)
         self._zero_grad()
         self._loss_fn = loss_fn
         losses: list[Tensor] = []
         last = len(self.plan.stages) - 1
         drawn = self._streams.active()
         before = None if drawn else GeneratorStates()
-        versions = buffer_versions(self._updated)
+        said: list[Optional[str]] = []
         try:
-            with self._streams.step():  # (dropout: masks of this rank's own stages)
-                sched.step(x, target=y, losses=losses, return_outputs=False)
-            bad = self._parts_error(loss_fn, losses, versions)
+            # (a failure in here, until every rank has its end of the step, stops every
+            # rank: `_apart`)
+            with self._apart():
+                sched, self._parts = self._torch_schedule(x)
+                versions = buffer_versions(self._updated)
+                # (dropout: masks of this rank's own stages)
+                with self._streams.step(), self._said_as():
+                    sched.step(x, target=y, losses=losses, return_outputs=False)
+                bad = self._parts_error(loss_fn, losses, versions)
+                value = sum(float(t.detach()) for t in losses) / len(losses) \
+                    if self._holds(last) else 0.0
+                moved = 0.0 if before is None else float(before.moved())
+                value, moved, flagged = self.transport.allreduce_sum(
+                    [value, moved, float(bad is not None)])
+                if flagged:  # (the last stage's rank's message, on every rank)
+                    said = self.transport.allgather_object(bad, "the loss's test")
         finally:
             self._loss_fn, self._seen = None, []
-        value = sum(float(t.detach()) for t in losses) / len(losses) \
-            if self._holds(last) else 0.0
-        moved = 0.0 if before is None else float(before.moved())
-        value, moved, flagged = self.transport.allreduce_sum(
-            [value, moved, float(bad is not None)])
-        if flagged:  # (the last stage's rank's message, on every rank; not to be stepped)
-            said = self.transport.allgather_object(bad, "the loss's test")
+        if said:  # (refused alike on every rank: not to be stepped)
             raise ValueError(next(m for m in said if m is not None))
         if moved:
             raise RuntimeError(
@@ -486,6 +502,34 @@ class PipelineNet(TrainingMethod):
                 "of step. Draw them in torch.nn dropout modules, or train with "
                 "DataParallelNet or LayerParallel")
         return value
+
+    @contextlib.contextmanager
+    def _said_as(self) -> Iterator[None]:
+        """torch's errors in a schedule's step said as what they mean: a failure in a
+        stage's forward or backward comes out as raised there (torch wraps it in a
+        RuntimeError of its arguments' shapes); under a zero-bubble schedule, which runs
+        the weights' gradients in a backward pass of their own, a loss that reaches the
+        last stage's parameters other than through its output (a penalty on the
+        weights) comes out as that."""
+        try:
+            yield
+        except RuntimeError as exc:
+            err: BaseException = exc
+            while isinstance(err, RuntimeError) and err.__cause__ is not None and \
+                    str(err).lstrip().startswith(_WRAPS):
+                err = err.__cause__
+            if SCHEDULES[self.schedule][0].endswith("ZeroBubble") and \
+                    "backward through the graph a second time" in str(err):
+                raise ValueError(
+                    f"`loss_fn` reached the parameters of this rank's stages other than "
+                    f"through the net's output (a penalty on the weights?): schedule "
+                    f"{self.schedule!r} computes the weights' gradients in a backward "
+                    "pass apart from the inputs', which such a loss cannot run. Add the "
+                    "penalty to the gradients after train_step, or use another "
+                    "schedule") from err
+            if err is exc:
+                raise
+            raise err from None
 
     def _parts_error(self, loss_fn: LossFn, losses: list[Tensor], versions: list[int]
                      ) -> Optional[str]:
@@ -525,11 +569,14 @@ class PipelineNet(TrainingMethod):
         return [p for _, p in self.named_parameters()]
 
     def close(self) -> None:
-        """Remove the hooks on other ranks' stages' parameters and release the
-        duplicated communicator (collective)."""
+        """Remove the hooks on other ranks' stages' parameters and release the method's
+        group (collective)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if not getattr(self, "_closed", False):
+            release_group(self._p2p, self.group,
+                          self.transport.failure is not None)
         super().close()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -553,15 +600,16 @@ class PipelineNet(TrainingMethod):
     def eval_forward(self, x: Tensor) -> Tensor:
         """The whole batch through the stages one after the other (no micro-batches),
         the output broadcast from the last stage's rank (collective)."""
+        self._usable()
         err = TrainingMethod._batch_error(self, x, None)
         if err is not None:
             raise err
-        outs = self._stage_shapes(x)
         rows = x.shape[0]
         u: Optional[Tensor] = x
         # (dropout in training mode: masks of the stages' ranks' own, every rank's
-        # generators in step, as in train_step)
-        with torch.no_grad(), self._streams.step():
+        # generators in step, as in train_step; a failure stops every rank)
+        with torch.no_grad(), self._apart(), self._streams.step():
+            outs = self._stage_shapes(x)
             for s in range(len(self.plan.stages)):
                 src = self.plan.ranks[s - 1] if s else self.plan.ranks[0]
                 if src != self.plan.ranks[s]:
@@ -571,10 +619,10 @@ class PipelineNet(TrainingMethod):
                              tag=_TAG, what="a pipeline activation")[0]  # type: ignore[assignment]
                 if self._holds(s):
                     u = self._local[s](u)
-        root = self.plan.ranks[-1]
-        return self.transport.bcast_tensor(u if self.rank == root else None, root,
-                                           (rows, *outs[-1]), x.dtype, self.device,
-                                           "the pipeline's output")
+            root = self.plan.ranks[-1]
+            return self.transport.bcast_tensor(u if self.rank == root else None, root,
+                                               (rows, *outs[-1]), x.dtype, self.device,
+                                               "the pipeline's output")
 
     def gather_state_dict(self) -> dict[str, Tensor]:
         local: dict[str, Tensor] = {}
