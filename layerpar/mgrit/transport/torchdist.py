@@ -138,6 +138,7 @@ class StoreErrors:
 #: the tag of `sever`'s receives, which nothing sends
 _SEVER_TAG = 0x5EE
 
+
 def sever(group: Any) -> None:
     """Close this rank's connections to the other ranks of `group`, so that a rank
     blocked in a wait of torch's own on it (a pipeline schedule's receive,

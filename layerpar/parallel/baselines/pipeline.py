@@ -303,9 +303,9 @@ class PipelineNet(TrainingMethod):
         self.group = as_process_group(comm)
         # every message (the schedules', layerpar's) on a group of the method's own,
         # which a failing rank severs (`TrainingMethod._apart`): the user's stays whole
-        self._p2p = own_group(self.group)
-        self._groups = (self._p2p,)
-        self.transport = make_transport(self._p2p)
+        self._own = own_group(self.group)
+        self._groups = (self._own,)
+        self.transport = make_transport(self._own)
         err: Optional[BaseException] = None
         key: Any = None
         try:
@@ -433,7 +433,7 @@ class PipelineNet(TrainingMethod):
                                    requires_grad=s > 0),
             output_args=torch.empty((rows, *outs[s]), dtype=dtype, device=self.device,
                                     requires_grad=True),
-            group=self._p2p) for s, mod in self._local.items()]
+            group=self._own) for s, mod in self._local.items()]
         cls = getattr(pp, SCHEDULES[schedule][0])
         single = SCHEDULES[schedule][1] == "single"
         return cls(stages[0] if single else stages, microbatches, loss_fn=self._loss)
@@ -575,7 +575,7 @@ class PipelineNet(TrainingMethod):
             h.remove()
         self._hooks = []
         if not getattr(self, "_closed", False):
-            release_group(self._p2p, self.group,
+            release_group(self._own, self.group,
                           self.transport.failure is not None)
         super().close()
 
