@@ -514,3 +514,15 @@ def test_a_failure_on_one_rank_stops_every_rank_with_its_message(ranks: int) -> 
     for name in ("zero-bubble", "zbv"):
         assert got[f"failure/{name}/penalty"].startswith(
             "STOPPED ValueError: `loss_fn` reached the parameters of this rank's stages"), got
+
+
+@pytest.mark.mpi
+def test_a_collective_done_before_a_failure_is_read_returns_its_result() -> None:
+    """A rank that reads a failure posted after a collective it took part in was done
+    (it was descheduled before it saw the collective finish) returns the collective's
+    result, as the failing rank did, and raises the failure at its next wait: every
+    rank stops in the same place (raising at the collective instead, one rank of four
+    stopped in a method's construction while the others stopped in its step)."""
+    got = _user_cases("late", 2)
+    assert got["late/gathered"] == "GOT [0, 1]", got
+    assert got["late/next"] == "NEXT RuntimeError: late failure on rank 0", got

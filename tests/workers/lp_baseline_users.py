@@ -463,6 +463,59 @@ def case_failure():
     say("failure", "world", f"SUM {whole.item():g} {comm.allreduce(1)}")
 
 
+def case_late():
+    """A failure posted after a collective this rank took part in was finished by every
+    rank, read before this rank saw the collective done (descheduled: its work reports
+    unfinished until the transport has read the failure): the collective returns its result,
+    and the next wait, which the failed rank never joins, raises the failure.
+    Verdicts ``GOT <the gathered ranks>`` and ``NEXT <what the next wait raised>``."""
+    import torch.distributed as dist
+
+    from layerpar.mgrit.errors import RemoteError
+    from layerpar.mgrit.transport import make_transport
+    from layerpar.mgrit.transport.torchdist import sever
+
+    group()  # (torch.distributed initialised from the communicator)
+    t = make_transport(dist.new_group(list(range(size))))
+    gather = dist.all_gather
+
+    class Unseen:  # the work as a rank descheduled until the failure was posted sees it
+        def __init__(self, work):
+            self.work = work
+
+        def is_completed(self):  # (unfinished until the transport has read the failure)
+            return self.work.is_completed() and t.errors.broken is not None
+
+        def wait(self, *args):
+            return self.work.wait(*args)
+
+    calls = []
+
+    def late_gather(*a, **k):  # allgather_object's second gather (its bytes)
+        calls.append(1)
+        work = gather(*a, **k)
+        return Unseen(work) if len(calls) == 2 else work
+    if rank:
+        dist.all_gather = late_gather
+    try:
+        got = t.allgather_object(rank, "the ranks")
+    except RemoteError as exc:
+        got = f"RAISED {exc.remote_message}"
+    dist.all_gather = gather
+    say("late", "gathered", f"GOT {got}")
+    if rank == 0:
+        t.stopped_by(RuntimeError("late failure on rank 0"))
+        say("late", "next", "NEXT RuntimeError: late failure on rank 0")
+    else:
+        try:
+            t.allgather_object(rank, "a gather rank 0 never joins")
+            say("late", "next", "NEXT NORAISE")
+        except RemoteError as exc:
+            say("late", "next", f"NEXT {exc.remote_message}")
+    sever(t.group)  # (ends the gather rank 0 never joined)
+    comm.Barrier()
+
+
 def closed(m):
     m.close()
     return m
@@ -471,5 +524,6 @@ def closed(m):
 if __name__ == "__main__":
     {"tied": case_tied, "reload": case_reload, "losses": case_losses, "clip": case_clip,
      "bn": case_bn, "ragged": case_ragged, "streams": case_streams, "stages": case_stages,
-     "penalty": case_penalty, "usage": case_usage, "failure": case_failure}[sys.argv[1]]()
+     "penalty": case_penalty, "usage": case_usage, "failure": case_failure,
+     "late": case_late}[sys.argv[1]]()
     print(f"RANK {rank} DONE", flush=True)

@@ -14,7 +14,8 @@
 - **The error channel** is a key in the job's rendezvous store (the TCPStore that
   torchrun or ``init_process_group`` created): a failing rank writes its message
   there; a waiting rank looks at it at least every 10 ms (one store round trip) and
-  raises `RemoteError`.  It works
+  raises `RemoteError` (where its operation does not finish within `SETTLE` of the
+  read: one that the others had finished returns its result).  It works
   under gloo and NCCL alike and reaches every rank of a process grid.
 - **A rank that dies** (SIGKILL): gloo closes its connections, so a rank waiting for
   it gets an error at once, raises `RankLostError` naming it (when it waited for that
@@ -167,6 +168,11 @@ def sever(group: Any) -> None:
         pass
 
 
+#: seconds an operation may take to finish once a posted failure was read, before the
+#: wait raises it (`TorchTransport._wait`); paid only after a failure
+SETTLE = 1.0
+
+
 def _sleep(seconds: float) -> bool:
     """Sleep; False: the wait is not over (a `block` for `TorchTransport._wait`)."""
     time.sleep(seconds)
@@ -273,27 +279,33 @@ class TorchTransport(Transport):
         return int(self._global[q])
 
     # -- waiting ---------------------------------------------------------------------------
-    def _raise_if_broken(self) -> None:
-        broken = self._state.broken or self._errors.poll(force=False)
-        if broken is not None:
-            self._state.broken = broken
-            raise broken
-
     def _wait(self, done: Callable[[], bool], block: Callable[[float], bool], what: str,
               peer: Optional[int]) -> None:
         """Until `done()`: spin for 2 ms (not at all in a patient wait,
         `Transport.patiently`), then `block(slice)` for slices growing to 10 ms,
-        watching the error channel and the timeout in between."""
+        watching the error channel and the timeout in between.  A posted failure is
+        raised once the operation stalls after it was read (`SETTLE`): the failing
+        rank may have finished its part of this operation (a collective of a method's
+        construction, before it failed in the step after) while this rank, descheduled
+        on a busy host, had not yet seen the rest arrive; raising here would stop this
+        rank in an earlier call than its peers, which stop at their next wait."""
         if self._state.broken is not None:
             raise self._state.broken
         limit = self._state.timeout
         spin = 0.0 if self._state.patient else 0.002
         start = time.monotonic()
         pause = 0.0
+        settle: Optional[float] = None  # when a failure read stops the wait
         while not done():
-            waited = time.monotonic() - start
+            now = time.monotonic()
+            waited = now - start
             if waited >= spin:
-                self._raise_if_broken()
+                broken = self._errors.poll(force=False)
+                if broken is not None:
+                    settle = now + SETTLE if settle is None else settle
+                    if now > settle:
+                        self._state.broken = broken
+                        raise broken
                 if limit is not None and waited > limit:
                     raise self._timeout_error(what, peer, limit)
                 pause = min(0.01, pause + 0.0005)
