@@ -67,6 +67,14 @@ from ..errors import RankMismatchError, RemoteError
 # request completes, so these must never be freed
 _UNFINISHED: list = []
 
+#: seconds an operation may take to finish once a wait has read a posted failure,
+#: before the wait raises it: the failing rank may have finished its part (a
+#: collective of a method's construction, before it failed in the step after) while
+#: this rank, descheduled on a busy host, had not yet seen the rest arrive; raising at
+#: once would stop this rank in an earlier call than its peers.  Paid only after a
+#: failure, in a wait it leaves unfinished
+SETTLE = 1.0
+
 __all__ = ["DEFAULT_TIMEOUT", "ChannelState", "ErrorChannel", "Transport", "check_timeout",
            "describe", "guarded", "pack", "unpack"]
 

@@ -20,6 +20,7 @@ import torch
 from ..errors import RemoteError
 from .base import (
     _UNFINISHED,
+    SETTLE,
     Pending,
     Transport,
     check_partition,
@@ -42,6 +43,16 @@ def _cancel_request(req: Any) -> None:
             req.Wait()
     except Exception:  # noqa: BLE001 - best effort at interpreter exit
         pass
+
+
+def _settles(req: Any) -> bool:
+    """Whether `req` finishes within `SETTLE` seconds (a failure having been read)."""
+    end = time.monotonic() + SETTLE
+    while not req.Test():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 class MPIErrors:
@@ -139,19 +150,23 @@ class MPITransport(Transport):
                       peer: int | None = None, keep: Any = None) -> None:
         """Complete `req`, watching the error channel; with a timeout, raise
         TimeoutError naming `what`, the communicator rank `peer` waited for and the
-        caller's context when it takes longer.  When the wait is given up, `req` and
-        `keep` (its buffers) are kept alive: the operation may still complete."""
+        caller's context when it takes longer.  A posted failure is raised where `req`
+        has not finished `SETTLE` seconds after it was read (one the others had
+        finished returns).  When the wait is given up, `req` and `keep` (its buffers)
+        are kept alive: the operation may still complete."""
         try:
-            if self._state.broken is not None or self._errors.broken is not None:
-                self._raise_remote()
-            reqs = [req, self._errors.req]
-            limit = self._state.timeout
-            if limit is None and not self._state.patient:
-                idx = self._MPI.Request.Waitany(reqs, self._errors.status)
-            else:
-                idx = self._poll(reqs, math.inf if limit is None else limit, what, peer,
-                                 0.0 if self._state.patient else 0.02)
-            if idx == 1:
+            if self._state.broken is None and self._errors.broken is None:
+                reqs = [req, self._errors.req]
+                limit = self._state.timeout
+                if limit is None and not self._state.patient:
+                    idx = self._MPI.Request.Waitany(reqs, self._errors.status)
+                else:
+                    idx = self._poll(reqs, math.inf if limit is None else limit, what,
+                                     peer, 0.0 if self._state.patient else 0.02)
+                if idx == 0:
+                    return
+                self._errors.remote()  # (read: the receive is done)
+            if self._state.broken is not None or not _settles(req):
                 self._raise_remote()
         except BaseException:
             _UNFINISHED.append((req, keep))

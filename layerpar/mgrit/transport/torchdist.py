@@ -40,7 +40,15 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RankLostError, RemoteError
-from .base import _UNFINISHED, Pending, Transport, check_partition, need_tensor, part_of
+from .base import (
+    _UNFINISHED,
+    SETTLE,
+    Pending,
+    Transport,
+    check_partition,
+    need_tensor,
+    part_of,
+)
 
 _LOST = ("Connection closed", "Connection reset", "Broken pipe", "connection refused",
          "Socket closed", "NCCL communicator was aborted")
@@ -168,11 +176,6 @@ def sever(group: Any) -> None:
         pass
 
 
-#: seconds an operation may take to finish once a posted failure was read, before the
-#: wait raises it (`TorchTransport._wait`); paid only after a failure
-SETTLE = 1.0
-
-
 def _sleep(seconds: float) -> bool:
     """Sleep; False: the wait is not over (a `block` for `TorchTransport._wait`)."""
     time.sleep(seconds)
@@ -284,11 +287,8 @@ class TorchTransport(Transport):
         """Until `done()`: spin for 2 ms (not at all in a patient wait,
         `Transport.patiently`), then `block(slice)` for slices growing to 10 ms,
         watching the error channel and the timeout in between.  A posted failure is
-        raised once the operation stalls after it was read (`SETTLE`): the failing
-        rank may have finished its part of this operation (a collective of a method's
-        construction, before it failed in the step after) while this rank, descheduled
-        on a busy host, had not yet seen the rest arrive; raising here would stop this
-        rank in an earlier call than its peers, which stop at their next wait."""
+        raised where the operation has not finished `SETTLE` seconds after it was
+        read (one the others had finished returns its result)."""
         if self._state.broken is not None:
             raise self._state.broken
         limit = self._state.timeout
