@@ -505,7 +505,7 @@ def case_late():
     say("late", "gathered", f"GOT {got}")
     if rank == 0:
         t.stopped_by(RuntimeError("late failure on rank 0"))
-        say("late", "next", "NEXT RuntimeError: late failure on rank 0")
+        say("late", "next", f"NEXT {t.failure.remote_message}")  # (what it posted)
     else:
         try:
             t.allgather_object(rank, "a gather rank 0 never joins")

@@ -302,8 +302,9 @@ class TorchTransport(Transport):
             if waited >= spin:
                 broken = self._errors.poll(force=False)
                 if broken is not None:
-                    settle = now + SETTLE if settle is None else settle
-                    if now > settle:
+                    if settle is None:
+                        settle = now + SETTLE
+                    elif now > settle:
                         self._state.broken = broken
                         raise broken
                 if limit is not None and waited > limit:
