@@ -23,7 +23,7 @@ from typing import Union
 
 import pytest
 
-from layerpar.apps.launch import job_command, kill_job, mpiexec_path
+from layerpar.apps.launch import _descendants, job_command, kill_job, mpiexec_path
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 
@@ -97,13 +97,37 @@ def run_command(cmd: list, timeout: float = 120) -> subprocess.CompletedProcess:
                         timeout, "command")
 
 
+def _dump_stacks(pid: int, settle: float = 3.0) -> None:
+    """Make every Python process below `pid` write its threads' stacks to its stderr
+    (SIGABRT, which the faulthandler `_communicate` enables turns into a dump), and
+    give them `settle` seconds to: a job that timed out then says where it waited."""
+    import signal
+    import time
+
+    hit = False
+    for p in _descendants(pid):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as fh:
+                if b"python" not in fh.read():
+                    continue
+            os.kill(p, signal.SIGABRT)
+            hit = True
+        except (OSError, ProcessLookupError):
+            pass
+    if hit:
+        time.sleep(settle)
+
+
 def _communicate(cmd: list, env: dict, timeout: float,
                  what: str) -> subprocess.CompletedProcess:
+    env = dict(env)
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # (stacks on SIGABRT: `_dump_stacks`)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        _dump_stacks(proc.pid)
         kill_job(proc.pid)
         try:
             out, err = proc.communicate(timeout=30)
