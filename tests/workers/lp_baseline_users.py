@@ -463,6 +463,45 @@ def case_failure():
     say("failure", "world", f"SUM {whole.item():g} {comm.allreduce(1)}")
 
 
+def case_stall():
+    """A stage whose forward outlasts the method's `timeout` once (the last rank sleeps
+    in its first micro-batch): the schedule's receives on the other ranks wait in
+    torch's own messages, in the method's own group, whose timeout is the method's, so
+    every rank raises the timeout within seconds of it instead of waiting for the
+    stage.  Verdict ``STOPPED <message> | <seconds to raise, rounded down, by rank 0's
+    clock>``."""
+    import time
+
+    from layerpar.mgrit.errors import RemoteError
+
+    x, y = data()[0]
+    last = size - 1
+    slept = []
+
+    def slow(mod, inp, out):
+        if rank == last and out.requires_grad and not slept:  # (not the shape probe)
+            slept.append(1)
+            time.sleep(8)
+    for name in ("gpipe", "1f1b"):
+        m = PipelineNet(net(), group(), schedule=name, microbatches=2 * size, timeout=2)
+        slept.clear()
+        for mod in m.net.modules():
+            if isinstance(mod, blocks.Dense):
+                mod.register_forward_hook(slow)
+        start = time.monotonic()
+        try:
+            m.train_step(x, y, CE)
+            text = "NORAISE"
+        except BaseException as exc:  # noqa: BLE001
+            text = exc.remote_message if isinstance(exc, RemoteError) else \
+                f"{type(exc).__name__}: {exc}"
+        took = comm.bcast(time.monotonic() - start, root=0)
+        m.close()
+        comm.Barrier()  # (rank 0 holds the rendezvous store: it waits for the sleeper)
+        said = "gloo timed out" if "Timed out" in text else " ".join(text.split())[:90]
+        say("stall", name, f"STOPPED {said} | {int(took)}")
+
+
 def case_late():
     """A failure posted after a collective this rank took part in was finished by every
     rank, read before this rank saw the collective done (descheduled: its work reports
@@ -525,5 +564,5 @@ if __name__ == "__main__":
     {"tied": case_tied, "reload": case_reload, "losses": case_losses, "clip": case_clip,
      "bn": case_bn, "ragged": case_ragged, "streams": case_streams, "stages": case_stages,
      "penalty": case_penalty, "usage": case_usage, "failure": case_failure,
-     "late": case_late}[sys.argv[1]]()
+     "late": case_late, "stall": case_stall}[sys.argv[1]]()
     print(f"RANK {rank} DONE", flush=True)

@@ -82,7 +82,9 @@ class DataParallelNet(TrainingMethod):
         (layerpar's transport and bucketed averager; any communicator), or "auto"
         (default): "ddp" for a process group, "allreduce" otherwise.
     check_inputs: for this many first steps compare the batch's shapes between ranks.
-    timeout: seconds any wait of the "allreduce" engine may take (None: unbounded).
+    timeout: seconds any wait of the "allreduce" engine may take (None: unbounded);
+        over a process group spanning the world, also the timeout of the method's own
+        group (`own_group`), which bounds DistributedDataParallel's all-reduce.
 
     `train_step` takes the whole batch on every rank (at least a row per rank) and runs
     this rank's share, the loss applied to the whole output (`whole_loss`);
@@ -101,7 +103,7 @@ class DataParallelNet(TrainingMethod):
         # on a group of the method's own, which a failing rank severs
         # (`TrainingMethod._apart`): the user's group stays whole
         self._comm = comm
-        self._groups = (own_group(comm),) if is_process_group(comm) else ()
+        self._groups = (own_group(comm, timeout),) if is_process_group(comm) else ()
         self.transport = make_transport(self._groups[0] if self._groups else comm)
         err: Optional[BaseException] = None
         key: Any = None

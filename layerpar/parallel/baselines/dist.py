@@ -14,6 +14,8 @@ import os
 import socket
 from typing import Any, Optional
 
+from ...mgrit.transport import check_timeout
+
 __all__ = ["as_process_group", "own_group", "process_group_from_mpi", "release_group"]
 
 
@@ -83,17 +85,34 @@ def as_process_group(comm: Any, backend: str = "gloo") -> Any:
                     f"communicator, got {type(comm).__name__}")
 
 
-def own_group(group: Any) -> Any:
+def own_group(group: Any, timeout: Any = None) -> Any:
     """A new process group of `group`'s ranks for a method's messages, torch's own
     among them (a pipeline schedule's, DistributedDataParallel's), which a failing
     rank severs (`TrainingMethod._apart`), leaving `group` whole.  Made only where
     `group` spans the world (torch names a group made by its members alone after its
     ranks, and a second one of the same ranks would meet the first's rendezvous
-    keys): a sub-group is returned as it is, to be shared (collective over the world)."""
+    keys): a sub-group is returned as it is, to be shared (collective over the world).
+
+    timeout: the method's `timeout` (seconds), which then bounds torch's own waits in
+    the new group as it bounds layerpar's: a schedule's receive that never comes
+    raises on the ranks waiting instead of holding them for the world group's
+    timeout.  Anything but a positive finite number (None: unbounded, or a value the
+    method's own checks will refuse, alike on every rank) leaves torch's default."""
     import torch.distributed as dist
 
     ranks = dist.get_process_group_ranks(group)
-    return dist.new_group(ranks) if len(ranks) == dist.get_world_size() else group
+    if len(ranks) != dist.get_world_size():
+        return group
+    try:
+        seconds = check_timeout(timeout)
+    except (TypeError, ValueError):  # (refused by the method's agreement, after this)
+        seconds = None
+    if seconds is None:
+        return dist.new_group(ranks)
+    # (gloo fixes a group's timeout when it connects, its rendezvous included: the
+    # ranks meet on `group` first, whose own timeout bounds how far apart they come)
+    dist.barrier(group=group)
+    return dist.new_group(ranks, timeout=datetime.timedelta(seconds=seconds))
 
 
 def release_group(made: Any, given: Any, failed: bool) -> None:

@@ -287,7 +287,9 @@ class PipelineNet(TrainingMethod):
         segments, or 2 with one segment); must be a multiple of the number of segments.
     check_inputs: for this many first steps compare the batch's shapes between ranks.
     timeout: seconds any wait of layerpar's own messages may take (loss, outputs,
-        agreements); the pipeline's own messages are bounded by the process group's.
+        agreements); where `comm` spans the world, also the timeout of the method's
+        own group (`own_group`), which bounds the schedule's sends and receives
+        (otherwise they are bounded by `comm`'s).
     """
 
     name = "pipeline"
@@ -303,7 +305,7 @@ class PipelineNet(TrainingMethod):
         self.group = as_process_group(comm)
         # every message (the schedules', layerpar's) on a group of the method's own,
         # which a failing rank severs (`TrainingMethod._apart`): the user's stays whole
-        self._own = own_group(self.group)
+        self._own = own_group(self.group, timeout)
         self._groups = (self._own,)
         self.transport = make_transport(self._own)
         err: Optional[BaseException] = None
