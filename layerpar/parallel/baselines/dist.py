@@ -93,11 +93,13 @@ def own_group(group: Any, timeout: Any = None) -> Any:
     ranks, and a second one of the same ranks would meet the first's rendezvous
     keys): a sub-group is returned as it is, to be shared (collective over the world).
 
-    timeout: the method's `timeout` (seconds), which then bounds torch's own waits in
-    the new group as it bounds layerpar's: a schedule's receive that never comes
-    raises on the ranks waiting instead of holding them for the world group's
-    timeout.  Anything but a positive finite number (None: unbounded, or a value the
-    method's own checks will refuse, alike on every rank) leaves torch's default."""
+    timeout: over gloo, the method's `timeout` (seconds), which then bounds torch's
+    own waits in the new group as it bounds layerpar's: a schedule's receive that
+    never comes raises on the ranks waiting instead of holding them for the world
+    group's timeout.  Anything but a positive finite number (None: unbounded, or a
+    value the method's own checks will refuse, alike on every rank), and any other
+    backend (NCCL's timeout ends the process, and its barrier would pick a device),
+    leaves torch's default."""
     import torch.distributed as dist
 
     ranks = dist.get_process_group_ranks(group)
@@ -107,7 +109,7 @@ def own_group(group: Any, timeout: Any = None) -> Any:
         seconds = check_timeout(timeout)
     except (TypeError, ValueError):  # (refused by the method's agreement, after this)
         seconds = None
-    if seconds is None:
+    if seconds is None or dist.get_backend(group) != "gloo":
         return dist.new_group(ranks)
     # (gloo fixes a group's timeout when it connects, its rendezvous included: the
     # ranks meet on `group` first, whose own timeout bounds how far apart they come)
