@@ -518,9 +518,9 @@ def test_a_failure_on_one_rank_stops_every_rank_with_its_message(ranks: int) -> 
 
 @pytest.mark.mpi
 def test_a_pipeline_stage_slower_than_the_timeout_stops_every_rank() -> None:
-    """A stage that outlasts the method's `timeout` (2 s; it sleeps 8 s once): the
+    """A stage that outlasts the method's `timeout` (3 s; it sleeps 9 s once): the
     schedule's receives, torch's own messages, are bounded by it too (the method's own
-    group is made with it), so every rank raises gloo's timeout about 2 s into the step,
+    group is made with it), so every rank raises gloo's timeout about 3 s into the step,
     under GPipe and 1F1B, instead of waiting for the stage (or the user's group's
     timeout, had it never come)."""
     got = _user_cases("stall", 2)
