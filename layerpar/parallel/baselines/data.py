@@ -83,8 +83,9 @@ class DataParallelNet(TrainingMethod):
         (default): "ddp" for a process group, "allreduce" otherwise.
     check_inputs: for this many first steps compare the batch's shapes between ranks.
     timeout: seconds any wait of the "allreduce" engine may take (None: unbounded);
-        over a process group spanning the world, also the timeout of the method's own
-        group (`own_group`), which bounds DistributedDataParallel's all-reduce.
+        over a gloo process group spanning the world, also the timeout of the
+        method's own group (`own_group`), which bounds DistributedDataParallel's
+        all-reduce.
 
     `train_step` takes the whole batch on every rank (at least a row per rank) and runs
     this rank's share, the loss applied to the whole output (`whole_loss`);

@@ -287,9 +287,9 @@ class PipelineNet(TrainingMethod):
         segments, or 2 with one segment); must be a multiple of the number of segments.
     check_inputs: for this many first steps compare the batch's shapes between ranks.
     timeout: seconds any wait of layerpar's own messages may take (loss, outputs,
-        agreements); where `comm` spans the world, also the timeout of the method's
-        own group (`own_group`), which bounds the schedule's sends and receives
-        (otherwise they are bounded by `comm`'s).
+        agreements); over gloo, where `comm` spans the world, also the timeout of
+        the method's own group (`own_group`), which bounds the schedule's sends and
+        receives (otherwise they are bounded by `comm`'s).
     """
 
     name = "pipeline"
