@@ -10,6 +10,7 @@ batch norm is measured; bad arguments fail alike.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,36 @@ def test_batch_norm_keeps_the_serial_statistics() -> None:
         # norm: it goes before
         assert "CASE bn ORDER solo,data,layerparallel,serial,pipeline,pipeline" in got, got
         assert any(ln.startswith("CASE bn OK") for ln in got), got
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_a_users_module_that_couples_rows_or_keeps_statistics_is_found(ranks: int) -> None:
+    """No type tells that a user's block centres by the batch mean, or keeps a running
+    mean in a buffer: the probe of the net's rows finds both, and each method then
+    equals serial training or is measured against it, never silently apart."""
+    for r, got in _run("coupled", ranks).items():
+        line = {ln.split()[1]: ln for ln in got if ln.startswith("CASE coupled/")
+                and "CHOSE" in ln}
+        exact = {ln.split()[1]: ln.split()[2] for ln in got
+                 if ln.startswith("CASE coupled/") and ln.split()[2] in ("EXACT", "INEXACT")}
+        # the pipeline (made fastest) runs one micro-batch, saying why: serial's result
+        for name in ("centred", "tracker"):
+            assert re.search(f"coupled/{name}/pipeline CHOSE pipeline_(gpipe|1f1b)_m=1 ",
+                             line[f"coupled/{name}/pipeline"]), got
+            assert "PIPE_NOTE=True" in line[f"coupled/{name}/pipeline"], got
+            assert exact[f"coupled/{name}/pipeline"] == "EXACT", got
+        # coupled rows: the split is measured against serial's gradient, its note
+        # naming the block (kept within the bound: then inexact, as batch norm's)
+        assert "DATA kept=True measured=True" in line["coupled/centred/data"], got
+        # a running statistic: the split stands aside naming the buffer
+        assert "DATA kept=False measured=False buffer=True" in line["coupled/tracker/data"], got
+        assert "CHOSE data" not in line["coupled/tracker/data"], got
+        assert exact["coupled/tracker/data"] == "EXACT", got
+        # layer-parallel's own tuning times its batch split on the plain net only
+        split = {ln.split()[1]: ln.split()[-1] for ln in got if "coupled/tuning/" in ln}
+        assert split == {"coupled/tuning/plain": str(ranks > 1),
+                         "coupled/tuning/centred": "False"}, (r, got)
 
 
 @pytest.mark.mpi

@@ -705,7 +705,7 @@ class _Tuning:
             self.unit = self.per_step()
             self.limit = None if steps is None else BUDGET * self.unit * steps
         split = Candidate(1, replicated=True, split=True)  # rows shared over the ranks
-        if split_supported(model) is None and x.shape[0] >= self.ranks and (
+        if split_supported(model, x) is None and x.shape[0] >= self.ranks and (
                 split in known or not self.over((repeats + 1) * self.best_t)):
             self.best_t = min(self.best_t, self.replicated(split))
         if self.step_seconds is None and Candidate(1) not in known and self.table and \

@@ -37,7 +37,12 @@ default), or whose error on this batch is within the bound `Auto` holds MGRIT to
 batch split gives batch norm the statistics of each rank's share, so with batch norm
 the split's gradient is compared with serial's on the batch and kept only within
 that bound (half the batch gradient's own sampling error, at most 0.2, or the bound
-the layer-parallel candidate's policy fixes); the pipeline runs one micro-batch.
+the layer-parallel candidate's policy fixes); the pipeline runs one micro-batch.  A
+module of the user's that couples rows is treated as batch norm is, and one that
+keeps a running statistic of its own in a buffer makes the split stand aside (each
+rank's would follow its share), the pipeline run one micro-batch: both found by
+running the net on a few of the batch's rows (`replicated.probe_rows`), where its
+modules are not all of types known to keep rows apart.
 Dropout would draw each rank's masks from its own generator, so with dropout all but
 `LayerParallel` (which reproduces serial dropout) stand aside.  The table says why a
 candidate stood aside, and the error a batch split was kept with.  ``exact=False``
@@ -59,6 +64,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from ..mgrit.errors import RemoteError
 from ..mgrit.transport import make_transport
 from ..ode.net import ODENet, Segment
 from ..ode.rng import DROPOUT_TYPES, GeneratorStates
@@ -71,7 +77,7 @@ from .baselines import (
     TrainingMethod,
 )
 from .baselines.method import LossFn, as_net, step_seconds, thread_counts
-from .replicated import BATCH_NORMS, split_refusal
+from .replicated import BATCH_NORMS, RowProbe, agreed_rows, split_refusal
 
 __all__ = ["METHOD_NAMES", "Choice", "Trial", "choose_method"]
 
@@ -161,23 +167,24 @@ class Choice:
         return out
 
 
-def _stands_aside(net: ODENet, method: str, exact: bool) -> tuple[Optional[str], bool]:
+def _stands_aside(net: ODENet, method: str, exact: bool, rows: RowProbe
+                  ) -> tuple[Optional[str], bool]:
     """(why `method` stands aside for `net`, or None; whether it must run one
-    micro-batch): the batch split and the pipeline's micro-batches change what batch
-    norm computes, and every method but layer-parallel draws dropout masks from each
-    rank's own generator."""
+    micro-batch): the batch split and the pipeline's micro-batches change what a
+    module that couples rows (batch norm, or one of the user's: `rows`) computes, a
+    running statistic a module keeps (`rows.buffers`) would follow each rank's share
+    under the split, and every method but layer-parallel draws dropout masks from
+    each rank's own generator."""
     if not exact or method in ("layerparallel", "solo"):
         return None, False
     mods = list(net.modules())
     if any(isinstance(m, DROPOUT_TYPES) and float(getattr(m, "p", 0.0)) > 0 for m in mods):
         return ("dropout: each rank would draw its own masks, not the serial net's "
                 "(exact=False admits it)"), False
-    return None, method == "pipeline" and has_batch_norm(net)
-
-
-def has_batch_norm(net: nn.Module) -> bool:
-    """Whether `net` holds a batch norm (whose statistics a split batch changes)."""
-    return any(isinstance(m, BATCH_NORMS) for m in net.modules())
+    if method == "data" and rows.buffers is not None:
+        return f"{rows.buffers} (exact=False admits it)", False
+    return None, method == "pipeline" and (rows.coupled is not None
+                                           or rows.buffers is not None)
 
 
 def _flat_grads(method: TrainingMethod) -> dict[str, Tensor]:
@@ -196,8 +203,9 @@ def _rel(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
 
 def _split_error(cal: _Calibration, data: DataParallelNet, fresh: Callable[[], ODENet],
                  bound: Optional[float]) -> tuple[bool, str]:
-    """Whether the batch split's gradient on this batch (batch norm over each rank's
-    share) is within the bound of the serial net's, and the figures: the bound is
+    """Whether the batch split's gradient on this batch (batch norm, or a module of
+    the user's that couples rows, `_Calibration.rows`, over each rank's share) is
+    within the bound of the serial net's, and the figures: the bound is
     `bound` where given, else ``NOISE_FRACTION`` of the batch gradient's sampling
     error capped at ``NOISE_CAP``.
 
@@ -253,7 +261,9 @@ def _split_error(cal: _Calibration, data: DataParallelNet, fresh: Callable[[], O
         bound, how = NOISE_CAP, "one rank: the split is the serial net"
     else:
         how = "the bound given"
-    return err <= bound, (f"batch norm over each rank's share: gradient error {err:.3g} "
+    what = "batch norm" if any(isinstance(m, BATCH_NORMS) for m in data.net.modules()) else \
+        f"rows coupled ({cal.rows.coupled})"
+    return err <= bound, (f"{what} over each rank's share: gradient error {err:.3g} "
                           f"against serial's on this batch, bound {bound:.3g} ({how})")
 
 
@@ -284,6 +294,9 @@ class _Calibration:
         #: that gradient, by parameter name, from solo's timing steps: rank 0's (an
         #: empty dict elsewhere); None where they did not keep it (alike on every rank)
         self.serial_grads: Optional[dict[str, Tensor]] = None
+        #: whether the net's modules couple the batch's rows or keep running statistics
+        #: (`probe_rows`, rank 0's verdict on every rank)
+        self.rows = RowProbe(None, None)
 
     def agreed(self, value: float) -> float:
         """The largest of the ranks' `value` (every rank gets the same number)."""
@@ -405,7 +418,7 @@ def _time_pipelines(cal: _Calibration, fresh: Callable[[], ODENet], comm: Any,
             continue
         tried = ", ".join(f"m={m}: {1000 * s:.1f} ms" for m, s in per.items())
         note = f"micro-batches by measurement ({tried})" + (
-            "; one micro-batch: batch norm" if one_micro else "")
+            f"; one micro-batch: {cal.rows.coupled or cal.rows.buffers}" if one_micro else "")
         cal.measure(f"pipeline {sched} m={pipe.microbatches}", pipe, note,
                     per[pipe.microbatches])
 
@@ -442,7 +455,7 @@ def _time_one(cal: _Calibration, what: str, fresh: Callable[[], ODENet], comm: A
         engine = _data_engine(cal)
         data = DataParallelNet(fresh(), comm, engine=engine)
         note = f"batch split, gradients averaged ({engine})"
-        if cal.exact and has_batch_norm(data.net):
+        if cal.exact and cal.rows.coupled is not None:
             ok, figures = _split_error(cal, data, fresh, _given_bound(layerparallel))
             if not ok:
                 cal.trials.append(Trial("data", None, f"stands aside: {figures}"))
@@ -618,12 +631,15 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     solo_counts = len(transport.bcast_object(thread_counts(), 0)) if "solo" in methods \
         and transport.size > 1 else len(thread_counts())
     t0 = time.perf_counter()
-    order = _order(methods, base)
+    # (what a split batch changes: batch norm by its type, the user's modules measured)
+    rows = agreed_rows(base, x, transport) if exact else RowProbe(None, None)
+    order = _order(methods, base, rows)
     timings = _timings(order, schedules, microbatches, solo_counts)
     if online and steps_to_come is not None and "layerparallel" in order and \
             (layerparallel or {}).get("options", "auto") == "auto" and \
             calibration_share * steps_to_come < 2 * timings and \
-            split_refusal(base) is None and x.dim() > 0 and x.shape[0] >= transport.size:
+            split_refusal(base) is None and rows.coupled is None and x.dim() > 0 and \
+            x.shape[0] >= transport.size:
         # (only where its trial times the batch split too: with batch norm replicated
         # serial alone would stand for every method, and on the conv ResNet, 250
         # steps, it trained at 183 ms a batch against the batch split's 127)
@@ -633,7 +649,7 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     cal = _Calibration(transport, x, y, loss_fn,
                        _timed_steps(steps, steps_to_come, calibration_share, timings),
                        timer or (lambda name, s: s), steps_to_come, calibration_share)
-    cal.t0, cal.exact = t0, exact
+    cal.t0, cal.exact, cal.rows = t0, exact, rows
     # (the buffers the timing steps move are put back from it in the chosen method)
     pristine = {k: v.detach().clone() for k, v in base.state_dict().items()}
 
@@ -641,7 +657,7 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
         return copy.deepcopy(base)
 
     cal.wants_serial_grads = exact and "data" in order and "solo" in order \
-        and has_batch_norm(base) and _stands_aside(base, "data", exact)[0] is None
+        and rows.coupled is not None and _stands_aside(base, "data", exact, rows)[0] is None
     # the timing steps draw from the generators on some ranks only (solo's on rank 0, a
     # pipeline's on its dropout's stage): put back, every rank's streams stay in step,
     # and as serial training would have them (a shuffling DataLoader's next order)
@@ -663,7 +679,7 @@ def _time_candidates(cal: _Calibration, base: ODENet, order: list[str],
     """`choose_method`'s timings, candidate by candidate in `order`, and the fastest
     kept (`_keep_fastest`)."""
     for what in order:
-        why, one_micro = _stands_aside(base, what, exact)
+        why, one_micro = _stands_aside(base, what, exact, cal.rows)
         why = why or (None if what == "pipeline" or what in cal.tabled else
                       cal.spent((solo_counts if what == "solo" else 1) * (1 + cal.steps)))
         if why is not None:
@@ -675,17 +691,29 @@ def _time_candidates(cal: _Calibration, base: ODENet, order: list[str],
                                 (1,) if one_micro else tuple(microbatches), one_micro)
             else:
                 _time_one(cal, what, fresh, comm, layerparallel)
-        except (ValueError, TypeError, NotImplementedError) as exc:
+        except REFUSALS as exc:
             # refusals raised alike on every rank by the methods' own agreements
             cal.trials.append(Trial(what, None, f"refused: {exc}"))
+        except RemoteError as exc:
+            # a refusal one rank's pass found (a layer it owns), the others told of it
+            kind, _, text = exc.remote_message.partition(": ")
+            if kind not in {t.__name__ for t in REFUSALS}:
+                raise
+            cal.trials.append(Trial(what, None, f"refused: {text}"))
     return _keep_fastest(cal, pristine)
 
 
-def _order(methods: Sequence[str], base: ODENet) -> list[str]:
+#: what a candidate raises to refuse the net or its settings (`_time_candidates`)
+REFUSALS = (ValueError, TypeError, NotImplementedError)
+
+
+def _order(methods: Sequence[str], base: ODENet, rows: RowProbe) -> list[str]:
     """The order the candidates of `methods` are timed in (`METHOD_NAMES`' order,
-    but for solo and, with batch norm, the batch split; see the module)."""
+    but for solo and, with batch norm or another module that couples rows (`rows`),
+    the batch split; see the module)."""
     order = sorted(methods, key=METHOD_NAMES.index)
-    if "layerparallel" in order and "data" in order and split_refusal(base) is not None:
+    if "layerparallel" in order and "data" in order and (
+            split_refusal(base) is not None or rows.coupled is not None):
         # layer-parallel's tuning will not time the batch split (batch norm): time it
         # first, so that its time is one the tuning must beat and its budget counts
         order.remove("data")

@@ -19,16 +19,17 @@ net's, on every rank.
   Every pass: a fused optimizer (``torch.optim.Adam(fused=True)``) writes in place
   without bumping version counters, so no cheaper test of change is reliable.
 - **Batch split** (``split=True``; `split_supported`: not with batch norm, whose
-  statistics would be a share's).  Every rank runs the whole net on its share of the
-  batch's rows; the outputs are all-gathered, so every rank holds the whole output
-  and loss; backward, each rank back-propagates its rows, one all-reduce sums the
-  parameter (and input) gradients, flat and laid out by owner, and each keeps its
-  own parameters' sums (one slice of it): the batch's gradient to round-off, the
-  arithmetic shared over the ranks.  The trainable set is read per pass, as the
-  layer-parallel passes read it: each rank's parameters' ``requires_grad`` flags
-  travel with the refresh, so a block frozen or unfrozen on its owner changes the
-  layout on every rank at the same pass; a rank left with nothing trainable joins
-  the backward through an anchor.
+  statistics would be a share's, nor, given the batch, with a module of the user's
+  that couples rows, found by running the net on a few rows: `probe_rows`). Every rank
+  runs the whole net on its share of the batch's rows; the outputs are all-gathered,
+  so every rank holds the whole output and loss; backward, each rank back-propagates
+  its rows, one all-reduce sums the parameter (and input) gradients, flat and laid out
+  by owner, and each keeps its own parameters' sums (one slice of it): the batch's
+  gradient to round-off, the arithmetic shared over the ranks. The trainable set is
+  read per pass, as the layer-parallel passes read it: each rank's parameters'
+  ``requires_grad`` flags travel with the refresh, so a block frozen or unfrozen on
+  its owner changes the layout on every rank at the same pass; a rank left with
+  nothing trainable joins the backward through an anchor.
 - **Moves.**  `apply` (what `.to()`, `.float()`, `.cuda()` ... apply to the model)
   builds the private net again from the model's tensors as they are then.
 - **Identical on every rank.**  The same input, the same parameter values and the
@@ -50,14 +51,15 @@ from torch.autograd.variable import Variable
 
 from ..mgrit.options import MGRITOptions
 from ..ode.flat import generation as flat_generation
-from ..ode.rng import DROPOUT_TYPES
+from ..ode.rng import DROPOUT_TYPES, GeneratorStates
 from .grads import hooks_held
 from .move import gather_rows
 
 if TYPE_CHECKING:
     from .model import LayerParallel
 
-__all__ = ["ReplicatedSerial", "split_supported", "supported"]
+__all__ = ["ReplicatedSerial", "RowProbe", "agreed_rows", "probe_rows", "split_supported",
+           "supported"]
 
 #: the batch norms, whose statistics a split batch changes
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -74,22 +76,224 @@ def supported(model: LayerParallel) -> Optional[str]:
     return None
 
 
-def split_supported(model: LayerParallel) -> Optional[str]:
+def split_supported(model: LayerParallel, x: Optional[Tensor] = None) -> Optional[str]:
     """None if `model` can run replicated with the batch split over the ranks, else
-    why not (on top of `supported`)."""
+    why not (on top of `supported`).  With the batch `x`, a net whose rows its
+    modules couple (`probe_rows` on the whole net, rank 0's verdict on every rank:
+    collective) is refused too, as batch norm is; so is one that cannot run whole on
+    a rank to be probed (the other ranks' layers are stale copies there, left behind
+    by a move to another device)."""
     why = supported(model)
-    return why if why is not None else split_refusal(model.whole_net)
+    if why is None:
+        why = split_refusal(model.whole_net)
+    if why is None and x is not None:
+        rows = agreed_rows(model.whole_net, x, model.transport, refuse_failure=True)
+        why = rows.coupled
+    return why
 
 
 def split_refusal(net: nn.Module) -> Optional[str]:
     """Why the net itself cannot run replicated with the batch split (None: it can):
     batch norm (its statistics would be a share's), or trainable parameters of
-    several dtypes (the gradients' all-reduce is one flat buffer)."""
+    several dtypes (the gradients' all-reduce is one flat buffer).  What only a pass
+    can tell (a module of the user's that couples rows) is `probe_rows`'."""
     if any(isinstance(m, BATCH_NORMS) for m in net.modules()):
         return "the net has batch norm: its statistics would be a share of the batch's"
     if len({p.dtype for p in net.parameters() if p.requires_grad}) > 1:
         return "the net's parameters have several dtypes"
     return None
+
+
+#: the rows `probe_rows` runs the net on (and on half of them): enough for a batch
+#: statistic to differ between the two, few enough to cost nothing beside a step
+PROBE_ROWS = 8
+
+
+#: module types whose forward computes each row on its own and moves no buffer: torch's
+#: and layerpar's, matched by exact type (a subclass's forward may do otherwise), so a
+#: net built of these (and batch norm, known by type) is not run by `probe_rows`
+ROW_WISE: tuple[type, ...] = (
+    nn.Linear, nn.Bilinear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
+    nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Identity, nn.Sequential, nn.ModuleList,
+    nn.ModuleDict, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.Tanh, nn.ReLU, nn.ReLU6,
+    nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU,
+    nn.Softplus, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.AvgPool1d, nn.AvgPool2d,
+    nn.AvgPool3d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d, nn.Embedding, *DROPOUT_TYPES)
+
+
+def _row_wise_by_type(net: nn.Module) -> bool:
+    """Whether every module of `net` is of a type known to keep rows apart (`ROW_WISE`,
+    layerpar's nets and blocks, batch norm, a flatten or unflatten that keeps dim 0)."""
+    from ..ode import blocks
+    from ..ode.net import ODENet, Segment
+
+    ours = (ODENet, Segment, blocks.Dense, blocks.Conv, blocks.Conv1d, blocks.PreNorm,
+            blocks.Transformer)
+    for m in net.modules():
+        t = type(m)
+        if t in ROW_WISE or t in ours or t in BATCH_NORMS:
+            continue
+        if isinstance(m, nn.Flatten) and t is nn.Flatten and m.start_dim >= 1 or \
+                isinstance(m, nn.Unflatten) and t is nn.Unflatten and m.dim >= 1:
+            continue
+        return False
+    return True
+
+
+class RowProbe(NamedTuple):
+    """What `probe_rows` found: why the net's rows are coupled, and why its buffers
+    move in forward (None: they are not, they do not)."""
+
+    coupled: Optional[str]
+    buffers: Optional[str]
+
+
+def probe_rows(net: nn.Module, x: Tensor) -> RowProbe:
+    """Whether `net`, in training mode, computes each row of a batch on its own, and
+    leaves its buffers alone in forward: what splitting a batch (over ranks, or into a
+    pipeline's micro-batches) assumes of it, measured on the batch `x`.
+
+    Batch norm is known by its type, and a net of `ROW_WISE` modules (layerpar's
+    blocks among them) keeps rows apart; a module of the user's that normalises by a
+    batch statistic, or keeps a running one, is known by neither, so the net runs (no autograd,
+    dropout off) on the batch's first `PROBE_ROWS` rows and on the first half of
+    them.  Where the outputs for the shared rows differ beyond round-off (the square
+    root of the dtype's epsilon, relative to the largest entry), both run again with
+    every module's output kept, and the first module (innermost, in the order calls
+    finish) whose output differs is named.  A buffer other than batch norm's whose
+    version moved in the first run is a running statistic, which each rank's share
+    would update apart.  A forward that raises on the half is reported as coupled.
+    Generators, buffers and training flags are put back; no parameter is touched.
+    Local: callers agree on one rank's verdict."""
+    n = int(x.shape[0]) if x.dim() else 0
+    if n < 2:
+        return RowProbe(None, None)
+    if _row_wise_by_type(net):  # (nothing to run: batch norm, if any, by its type)
+        return RowProbe(split_refusal(net) if any(isinstance(m, BATCH_NORMS) for m in
+                                                  net.modules()) else None, None)
+    k = min(n, PROBE_ROWS)
+    h = k // 2
+    bn = {id(t) for m in net.modules() if isinstance(m, BATCH_NORMS)
+          for t in m.buffers(recurse=False)}
+    buffers = list(net.named_buffers())
+    versions = [b._version for _, b in buffers]
+    try:
+        whole, half = _probe_runs(net, x, k, h, None)
+    except _HalfRaised as exc:
+        return RowProbe(str(exc), None)
+    moved = [name for (name, b), v in zip(buffers, versions)
+             if b._version != v and id(b) not in bn]
+    why_buf = None if not moved else (
+        f"buffer(s) {moved[:3]}{f' and {len(moved) - 3} more' if len(moved) > 3 else ''} "
+        "change in forward (a running statistic: over a split batch each rank's would "
+        "follow its own share, and micro-batches would update it once each)")
+    if not _rows_differ(whole, half, h):
+        return RowProbe(None, why_buf)
+    calls: list[list[tuple[nn.Module, Optional[Tensor]]]] = [[], []]
+    _probe_runs(net, x, k, h, calls)
+    names = {id(m): name or "the net" for name, m in net.named_modules()}
+    for (mod, a), (mod2, b) in zip(*calls):
+        if mod is not mod2:
+            break  # (the calls diverged: the net is named)
+        if a is not None and b is not None and _rows_differ(a, b, h):
+            return RowProbe(f"{names.get(id(mod), '?')} ({type(mod).__name__}) gives a "
+                            "row another output when the batch holds other rows (a batch "
+                            f"statistic, found on {h} rows run with {k} and alone)",
+                            why_buf)
+    return RowProbe(f"the net ({type(net).__name__}) gives a row another output when the "
+                    f"batch holds other rows (found on {h} rows run with {k} and alone)",
+                    why_buf)
+
+
+def agreed_rows(net: nn.Module, x: Tensor, transport: Any,
+                refuse_failure: bool = False) -> RowProbe:
+    """`probe_rows` on every rank, rank 0's verdict kept by all (collective).  A forward
+    that raises raises alike on every rank, or (`refuse_failure`) is the verdict
+    "coupled", saying why."""
+    rows, err = RowProbe(None, None), None
+    try:
+        rows = probe_rows(net, x)
+    except Exception as exc:  # noqa: BLE001 - raised alike below, or the verdict
+        if not refuse_failure:
+            err = exc
+        else:
+            rows = RowProbe(f"the net did not run whole on a rank, to check that it keeps "
+                            f"rows apart ({type(exc).__name__}: {exc})", None)
+    if transport.size == 1:
+        if err is not None:
+            raise err
+        return rows
+    transport.agree(None, err, "the probe of the net's rows")
+    return transport.bcast_object(rows, 0)
+
+
+class _HalfRaised(Exception):
+    """The probe's forward on the half batch raised (its text: the verdict)."""
+
+
+def _rows_differ(a: Any, b: Any, h: int) -> bool:
+    """Whether the first `h` rows of output `a` differ from output `b` (`h` rows) beyond
+    round-off; outputs that are not row-indexed floating tensors are not compared."""
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or not a.is_floating_point() \
+            or a.dim() == 0 or b.dim() == 0:
+        return False
+    a = a[:h]
+    if a.shape != b.shape:
+        return True
+    gap = float((a - b).abs().max())
+    scale = float(a.abs().max())
+    return (gap / scale if scale > 0 else gap) > float(torch.finfo(a.dtype).eps) ** 0.5
+
+
+def _probe_runs(net: nn.Module, x: Tensor, k: int, h: int,
+                calls: Optional[list[list[tuple[nn.Module, Optional[Tensor]]]]]
+                ) -> tuple[Any, Any]:
+    """`probe_rows`' two forwards (`k` rows, then `h`) in training mode, dropout off,
+    no autograd, from the same generator states, each module's row-indexed output
+    kept in `calls` where given; buffers, generators and flags put back."""
+    run = [0]
+
+    def hook(mod: nn.Module, _inp: Any, out: Any) -> None:
+        rows = (k, h)[run[0]]
+        keep = out.detach().clone() if isinstance(out, Tensor) and out.dim() \
+            and out.shape[0] == rows else None
+        calls[run[0]].append((mod, keep))  # type: ignore[index]
+
+    buffers = [b for b in net.buffers()]
+    saved = [b.detach().clone() for b in buffers]
+    flags = [(m, m.training) for m in net.modules()]
+    streams = GeneratorStates(list(net.modules()))
+    handles = [m.register_forward_hook(hook) for m in net.modules()] if calls is not None \
+        else []
+    outs = []
+    try:
+        net.train()
+        for m in net.modules():
+            if isinstance(m, DROPOUT_TYPES):
+                m.eval()
+        with torch.no_grad():
+            for i, rows in enumerate((k, h)):
+                run[0] = i
+                streams.restore()
+                try:
+                    outs.append(net(x[:rows]))
+                except Exception as exc:
+                    if i == 0:
+                        raise
+                    raise _HalfRaised(f"its forward on {h} of a batch's rows raised "
+                                      f"{type(exc).__name__}: {exc}") from exc
+                finally:
+                    for b, v in zip(buffers, saved):
+                        b.copy_(v)
+    finally:
+        for hd in handles:
+            hd.remove()
+        for m, flag in flags:
+            m.training = flag
+        streams.restore()
+    return outs[0], outs[1]
 
 
 class _SplitBatch(torch.autograd.Function):

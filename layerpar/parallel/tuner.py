@@ -390,7 +390,7 @@ class AutoTuner:
         t0 = time.perf_counter()
         first = Candidate(1, replicated=True)
         queue = []
-        if split_supported(model) is None and x.shape[0] >= model.size:
+        if split_supported(model, x) is None and x.shape[0] >= model.size:
             queue.append(Candidate(1, replicated=True, split=True))
         rep = ReplicatedSerial(model)
         rep.training = model.training

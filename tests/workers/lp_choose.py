@@ -56,7 +56,7 @@ from torch import nn
 import layerpar
 from layerpar.ode import blocks
 from layerpar.parallel import choose_method
-from layerpar.parallel.baselines import SerialMethod, SoloMethod
+from layerpar.parallel.baselines import LayerParallelMethod, SerialMethod, SoloMethod
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
 from tolerances import F64, SOLVER_TOL  # noqa: E402
@@ -344,6 +344,73 @@ def case_online() -> None:
     m.close()
 
 
+class Centred(nn.Module):
+    """A user's block that normalises by a batch statistic: tanh(W u + b), centred
+    over the batch's rows (no batch-norm type to know it by)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        z = torch.tanh(self.lin(u))
+        return z - z.mean(0, keepdim=True)
+
+
+class Tracker(nn.Module):
+    """A user's block that keeps a running mean of its output in a buffer (its
+    output row by row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("seen", torch.zeros(WIDTH))
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        z = torch.tanh(self.lin(u))
+        if self.training:
+            with torch.no_grad():
+                self.seen.mul_(0.9).add_(0.1 * z.mean(0))
+        return z
+
+
+def user_net(block: type) -> layerpar.ODENet:
+    torch.manual_seed(0)
+    return layerpar.ODENet(open=nn.Linear(3, WIDTH), steps=lambda k: block(), n_steps=8,
+                           close=nn.Linear(WIDTH, 5)).double()
+
+
+def case_coupled() -> None:
+    """A user's modules that couple rows or keep running statistics, which no type
+    tells: with the pipeline made fastest it runs one micro-batch and trains as serial
+    does; the batch split is measured against serial's gradient (coupled rows) or
+    stands aside (a running statistic), its note naming the module or buffer; made
+    fastest, the split is kept only so; layer-parallel's own tuning does not time its
+    batch split on the coupled net (it does on the plain one)."""
+    x, y = batch(0)
+    for name, block in (("centred", Centred), ("tracker", Tracker)):
+        for fast in ("pipeline", "data"):
+            net = user_net(block)
+            m = choose_method(net, comm, x, y, loss_fn, steps=1, timer=forced(fast))
+            data = [t for t in m.choice.trials if t.name == "data"][0]
+            pipe = [t for t in m.choice.trials if t.name.startswith("pipeline")]
+            buffer = "['layers.1.blocks.0.seen'" in data.note
+            say(f"CASE coupled/{name}/{fast} CHOSE {m.choice.chosen.replace(' ', '_')} "
+                f"DATA kept={data.seconds is not None} "
+                f"measured={'rows coupled (layers.1.blocks.0 (Centred)' in data.note} "
+                f"buffer={buffer} "
+                f"PIPE_NOTE={'one micro-batch: ' in (pipe[0].note if pipe else '')}")
+            err = trains_as_serial(m, net)
+            say(f"CASE coupled/{name}/{fast} {'EXACT' if err <= F64.roundoff else 'INEXACT'}")
+            m.close()
+    for name, make in (("plain", dense_net), ("centred", lambda: user_net(Centred))):
+        lp = LayerParallelMethod(make(), comm, options="auto")
+        lp.model.tune(x, y, loss_fn)
+        split = any(m.candidate.split for m in lp.model.tuner.results[-1].table)
+        say(f"CASE coupled/tuning/{name} SPLIT {split}")
+        lp.close()
+
+
 def case_refusal() -> None:
     x, y = batch(0)
     try:
@@ -355,5 +422,5 @@ def case_refusal() -> None:
 {"pick": case_pick, "tabled": case_tabled, "outside": case_outside,
  "disagree": case_disagree, "bn": case_bn, "budget": case_budget,
  "bnbound": case_bnbound, "floor": case_floor, "splitcheck": case_splitcheck,
- "online": case_online, "refusal": case_refusal}[sys.argv[1]]()
+ "online": case_online, "refusal": case_refusal, "coupled": case_coupled}[sys.argv[1]]()
 say("DONE")

@@ -23,7 +23,10 @@ parameters from step to step (replaced by ``load_state_dict(..., assign=True)``,
 or unfrozen).  Dropout draws masks of each rank's own share, new every step
 (`StepStreams`: not the serial net's masks), the generators kept in step.  Batch norm
 normalises each share by its own statistics; rank 0's running statistics are given to
-every rank after each step, so every rank evaluates and saves the same net.  A failure
+every rank after each step, so every rank evaluates and saves the same net.  A module
+of the user's that normalises by a batch statistic, or keeps a running one in a
+buffer, does the same here, as under DistributedDataParallel (`choose_method` finds
+one, `replicated.probe_rows`, and measures or sets the split aside).  A failure
 on one rank during a step stops every rank with its message (`TrainingMethod._apart`;
 over a process group the method sends on a group of its own, which it severs).
 """
