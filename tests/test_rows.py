@@ -172,3 +172,17 @@ def test_what_layerpar_ships_is_trusted_by_type_and_keeps_rows_apart(
         assert ran.coupled is not None and "(BatchNorm1d)" in ran.coupled, ran
     else:
         assert trusted.coupled is None and ran.coupled is None, ran
+
+
+def test_compiled_blocks_are_seen_through_and_run_eagerly() -> None:
+    """A `torch.compile`d block: its original's type is what counts, and the probe's
+    batches compile nothing."""
+    from torch._dynamo.utils import counters
+
+    compiled_dense = user_net(lambda: torch.compile(blocks.Dense(W)), torch.float32)
+    assert replicated._row_wise_by_type(compiled_dense)
+    before = sum(counters["frames"].values())
+    got = probe_rows(user_net(lambda: torch.compile(Centred()), torch.float32),
+                     torch.randn(16, 3))
+    assert got.coupled is not None and "(Centred) gives a row another output" in got.coupled
+    assert sum(counters["frames"].values()) == before

@@ -133,13 +133,19 @@ def _row_wise_by_type(net: nn.Module) -> bool:
             blocks.Transformer)
     for m in net.modules():
         t = type(m)
-        if t in ROW_WISE or t in ours or t in BATCH_NORMS:
-            continue
+        if t in ROW_WISE or t in ours or t in BATCH_NORMS or _compiled(m):
+            continue  # (a compiled module: its original is among the modules)
         if isinstance(m, nn.Flatten) and t is nn.Flatten and m.start_dim >= 1 or \
                 isinstance(m, nn.Unflatten) and t is nn.Unflatten and m.dim >= 1:
             continue
         return False
     return True
+
+
+def _compiled(m: nn.Module) -> bool:
+    """Whether `m` is `torch.compile`'s wrapper of a module (its `_orig_mod`)."""
+    return type(m).__name__ == "OptimizedModule" and isinstance(
+        getattr(m, "_orig_mod", None), nn.Module)
 
 
 class RowProbe(NamedTuple):
@@ -165,6 +171,7 @@ def probe_rows(net: nn.Module, x: Tensor) -> RowProbe:
     finish) whose output differs is named.  A buffer other than batch norm's whose
     version moved in the first run is a running statistic, which each rank's share
     would update apart.  A forward that raises on the half is reported as coupled.
+    Compiled modules run eagerly (no compilation for the probe's batches).
     Generators, buffers and training flags are put back; no parameter is touched.
     Local: callers agree on one rank's verdict."""
     n = int(x.shape[0]) if x.dim() else 0
@@ -273,7 +280,9 @@ def _probe_runs(net: nn.Module, x: Tensor, k: int, h: int,
         for m in net.modules():
             if isinstance(m, DROPOUT_TYPES):
                 m.eval()
-        with torch.no_grad():
+        # (compiled modules run eagerly: the probe's two small batches would each cost
+        # a compilation)
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             for i, rows in enumerate((k, h)):
                 run[0] = i
                 streams.restore()
