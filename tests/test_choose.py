@@ -104,9 +104,10 @@ def test_batch_norm_keeps_the_serial_statistics() -> None:
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_a_users_module_that_couples_rows_or_keeps_statistics_is_found(ranks: int) -> None:
-    """No type tells that a user's block centres by the batch mean, or keeps a running
-    mean in a buffer: the probe of the net's rows finds both, and each method then
-    equals serial training or is measured against it, never silently apart."""
+    """No type tells that a user's block centres by the batch mean, keeps a running
+    mean in a buffer, or draws its dropout mask itself: the probe of the net's rows
+    finds each, and each method then equals serial training or is measured against
+    it, never silently apart (nor does a pipeline's refusal stop the choice)."""
     for r, got in _run("coupled", ranks).items():
         line = {ln.split()[1]: ln for ln in got if ln.startswith("CASE coupled/")
                 and "CHOSE" in ln}
@@ -125,6 +126,13 @@ def test_a_users_module_that_couples_rows_or_keeps_statistics_is_found(ranks: in
         assert "DATA kept=False measured=False buffer=True" in line["coupled/tracker/data"], got
         assert "CHOSE data" not in line["coupled/tracker/data"], got
         assert exact["coupled/tracker/data"] == "EXACT", got
+        # drawing its own random numbers: the split and the pipeline stand aside
+        # (the pipeline would refuse it at its first step), saying so; serial's result
+        for fast in ("pipeline", "data"):
+            got_line = line[f"coupled/drawing/{fast}"]
+            assert re.search(r"CHOSE (serial|solo|layerparallel) ", got_line), got
+            assert "'data'" in got_line and "'pipeline'" in got_line, got
+            assert exact[f"coupled/drawing/{fast}"] == "EXACT", got
         # layer-parallel's own tuning times its batch split on the plain net only
         split = {ln.split()[1]: ln.split()[-1] for ln in got if "coupled/tuning/" in ln}
         assert split == {"coupled/tuning/plain": str(ranks > 1),

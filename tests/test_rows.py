@@ -1,5 +1,6 @@
 """`probe_rows`: what splitting a batch assumes of a net (each row computed on its own,
-no buffer moved in forward), found on a few of the batch's rows where no type tells.
+no buffer moved in forward, no random numbers drawn outside torch's dropout modules),
+found on a few of the batch's rows where no type tells.
 
 Splitting a batch over ranks, or into a pipeline's micro-batches, is exact only for such
 a net; batch norm is known by its type, a user's block that centres by the batch mean
@@ -114,9 +115,9 @@ def test_a_block_that_fails_on_fewer_rows_is_coupled_saying_why() -> None:
 def test_a_row_wise_block_of_the_users_is_run_and_passes() -> None:
     net = user_net(Plain, torch.float32)
     assert not replicated._row_wise_by_type(net)
-    assert probe_rows(net, torch.randn(16, 3)) == (None, None)
+    assert probe_rows(net, torch.randn(16, 3)) == (None, None, None)
     # a batch of one row cannot be split: nothing to find
-    assert probe_rows(user_net(Centred, torch.float32), torch.randn(1, 3)) == (None, None)
+    assert probe_rows(user_net(Centred, torch.float32), torch.randn(1, 3)) == (None, None, None)
 
 
 def test_a_flatten_over_the_rows_is_not_trusted_by_type() -> None:
@@ -186,3 +187,27 @@ def test_compiled_blocks_are_seen_through_and_run_eagerly() -> None:
                      torch.randn(16, 3))
     assert got.coupled is not None and "(Centred) gives a row another output" in got.coupled
     assert sum(counters["frames"].values()) == before
+
+
+class Drawing(nn.Module):
+    """Draws its dropout mask itself (`F.dropout`, no dropout module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(W, W)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(torch.tanh(self.lin(u)), 0.3, self.training)
+
+
+def test_a_block_drawing_random_numbers_itself_is_named_and_the_streams_kept() -> None:
+    net = user_net(Drawing, torch.float32)
+    x = torch.randn(16, 3)
+    rng = torch.get_rng_state()
+    got = probe_rows(net, x)
+    assert got.random is not None and got.random.startswith(
+        "layers.1.blocks.0 (Drawing) draws random numbers"), got
+    assert got.coupled is None  # (its draws differ with the rows: not compared)
+    assert torch.equal(torch.get_rng_state(), rng)
+    # torch's dropout modules are not drawing "itself": they are off in the probe
+    assert probe_rows(user_net(Plain, torch.float32), x).random is None

@@ -173,8 +173,13 @@ def _stands_aside(net: ODENet, method: str, exact: bool, rows: RowProbe
     micro-batch): the batch split and the pipeline's micro-batches change what a
     module that couples rows (batch norm, or one of the user's: `rows`) computes, a
     running statistic a module keeps (`rows.buffers`) would follow each rank's share
-    under the split, and every method but layer-parallel draws dropout masks from
+    under the split, a module drawing random numbers itself (`rows.random`) would
+    draw them apart on each rank (the pipeline refuses it, whether exact or not),
+    and every method but layer-parallel draws dropout masks from
     each rank's own generator."""
+    if rows.random is not None and (method == "pipeline" or method == "data" and exact):
+        # (the pipeline refuses it at its first step; the split would not be serial's)
+        return rows.random + (" (exact=False admits it)" if method == "data" else ""), False
     if not exact or method in ("layerparallel", "solo"):
         return None, False
     mods = list(net.modules())
@@ -632,7 +637,7 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
         and transport.size > 1 else len(thread_counts())
     t0 = time.perf_counter()
     # (what a split batch changes: batch norm by its type, the user's modules measured)
-    rows = agreed_rows(base, x, transport) if exact else RowProbe(None, None)
+    rows = agreed_rows(base, x, transport)
     order = _order(methods, base, rows)
     timings = _timings(order, schedules, microbatches, solo_counts)
     if online and steps_to_come is not None and "layerparallel" in order and \

@@ -149,11 +149,13 @@ def _compiled(m: nn.Module) -> bool:
 
 
 class RowProbe(NamedTuple):
-    """What `probe_rows` found: why the net's rows are coupled, and why its buffers
-    move in forward (None: they are not, they do not)."""
+    """What `probe_rows` found: why the net's rows are coupled, why its buffers move in
+    forward, why it draws random numbers outside torch's dropout modules (None: they
+    are not, they do not, it does not; where it draws, `coupled` is not measured)."""
 
     coupled: Optional[str]
     buffers: Optional[str]
+    random: Optional[str] = None
 
 
 def probe_rows(net: nn.Module, x: Tensor) -> RowProbe:
@@ -186,8 +188,9 @@ def probe_rows(net: nn.Module, x: Tensor) -> RowProbe:
           for t in m.buffers(recurse=False)}
     buffers = list(net.named_buffers())
     versions = [b._version for _, b in buffers]
+    drawn: list[nn.Module] = []
     try:
-        whole, half = _probe_runs(net, x, k, h, None)
+        whole, half = _probe_runs(net, x, k, h, None, drawn)
     except _HalfRaised as exc:
         return RowProbe(str(exc), None)
     moved = [name for (name, b), v in zip(buffers, versions)
@@ -196,11 +199,18 @@ def probe_rows(net: nn.Module, x: Tensor) -> RowProbe:
         f"buffer(s) {moved[:3]}{f' and {len(moved) - 3} more' if len(moved) > 3 else ''} "
         "change in forward (a running statistic: over a split batch each rank's would "
         "follow its own share, and micro-batches would update it once each)")
+    names = {id(m): name or "the net" for name, m in net.named_modules()}
+    if drawn:  # (its draws differ with the batch's size: rows are not compared)
+        mod = drawn[0]
+        return RowProbe(None, why_buf, (
+            f"{names.get(id(mod), '?')} ({type(mod).__name__}) draws random numbers in "
+            "forward() outside torch's dropout modules (F.dropout, torch.rand_like ...): "
+            "split over ranks or stages, each would draw from its own generator, not as "
+            "serial training does"))
     if not _rows_differ(whole, half, h):
         return RowProbe(None, why_buf)
     calls: list[list[tuple[nn.Module, Optional[Tensor]]]] = [[], []]
     _probe_runs(net, x, k, h, calls)
-    names = {id(m): name or "the net" for name, m in net.named_modules()}
     for (mod, a), (mod2, b) in zip(*calls):
         if mod is not mod2:
             break  # (the calls diverged: the net is named)
@@ -255,23 +265,29 @@ def _rows_differ(a: Any, b: Any, h: int) -> bool:
 
 
 def _probe_runs(net: nn.Module, x: Tensor, k: int, h: int,
-                calls: Optional[list[list[tuple[nn.Module, Optional[Tensor]]]]]
-                ) -> tuple[Any, Any]:
+                calls: Optional[list[list[tuple[nn.Module, Optional[Tensor]]]]],
+                drawn: Optional[list[nn.Module]] = None) -> tuple[Any, Any]:
     """`probe_rows`' two forwards (`k` rows, then `h`) in training mode, dropout off,
     no autograd, from the same generator states, each module's row-indexed output
-    kept in `calls` where given; buffers, generators and flags put back."""
+    kept in `calls` where given; buffers, generators and flags put back.  Where the
+    first forward moved a generator, `drawn` gets the first module whose call ended
+    after it moved (found by a forward of `h` rows with hooks)."""
     run = [0]
+    streams = GeneratorStates(list(net.modules()))
 
     def hook(mod: nn.Module, _inp: Any, out: Any) -> None:
+        if calls is None:  # (the search for the module that draws)
+            if drawn is not None and not drawn and streams.moved():
+                drawn.append(mod)
+            return
         rows = (k, h)[run[0]]
         keep = out.detach().clone() if isinstance(out, Tensor) and out.dim() \
             and out.shape[0] == rows else None
-        calls[run[0]].append((mod, keep))  # type: ignore[index]
+        calls[run[0]].append((mod, keep))
 
     buffers = [b for b in net.buffers()]
     saved = [b.detach().clone() for b in buffers]
     flags = [(m, m.training) for m in net.modules()]
-    streams = GeneratorStates(list(net.modules()))
     handles = [m.register_forward_hook(hook) for m in net.modules()] if calls is not None \
         else []
     outs = []
@@ -294,6 +310,16 @@ def _probe_runs(net: nn.Module, x: Tensor, k: int, h: int,
                     raise _HalfRaised(f"its forward on {h} of a batch's rows raised "
                                       f"{type(exc).__name__}: {exc}") from exc
                 finally:
+                    for b, v in zip(buffers, saved):
+                        b.copy_(v)
+                if i == 0 and drawn is not None and streams.moved():
+                    streams.restore()
+                    handles = [m.register_forward_hook(hook) for m in net.modules()]
+                    net(x[:h])
+                    if not drawn:
+                        drawn.append(net)
+                    for hd in handles:
+                        hd.remove()
                     for b, v in zip(buffers, saved):
                         b.copy_(v)
     finally:

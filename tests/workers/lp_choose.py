@@ -91,11 +91,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / max(float(b.norm()), 1e-300))
 
 
-def trains_as_serial(method, net: layerpar.ODENet) -> float:
-    """Two Adam steps with `method` and with the serial net; the largest relative
-    difference between the gathered state dicts (parameters and buffers)."""
+def trains_as_serial(method, net: layerpar.ODENet, seed=None) -> float:
+    """Two Adam steps with `method` and with the serial net (each from the global
+    generator seeded with `seed`, where given); the largest relative difference
+    between the gathered state dicts (parameters and buffers)."""
     serial = SerialMethod(copy.deepcopy(net))
     for m in (method, serial):
+        if seed is not None:
+            torch.manual_seed(seed)
         opt = torch.optim.Adam(m.parameters(), lr=1e-2)
         m.train()
         for k in range(2):
@@ -374,6 +377,17 @@ class Tracker(nn.Module):
         return z
 
 
+class Drawing(nn.Module):
+    """A user's block that draws its dropout mask itself (`F.dropout`, no module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(torch.tanh(self.lin(u)), 0.3, self.training)
+
+
 def user_net(block: type) -> layerpar.ODENet:
     torch.manual_seed(0)
     return layerpar.ODENet(open=nn.Linear(3, WIDTH), steps=lambda k: block(), n_steps=8,
@@ -385,10 +399,12 @@ def case_coupled() -> None:
     tells: with the pipeline made fastest it runs one micro-batch and trains as serial
     does; the batch split is measured against serial's gradient (coupled rows) or
     stands aside (a running statistic), its note naming the module or buffer; made
-    fastest, the split is kept only so; layer-parallel's own tuning does not time its
-    batch split on the coupled net (it does on the plain one)."""
+    fastest, the split is kept only so; a block drawing random numbers itself sets the
+    split and the pipeline aside (the pipeline would refuse it at its first step);
+    layer-parallel's own tuning does not time its batch split on the coupled net (it
+    does on the plain one)."""
     x, y = batch(0)
-    for name, block in (("centred", Centred), ("tracker", Tracker)):
+    for name, block in (("centred", Centred), ("tracker", Tracker), ("drawing", Drawing)):
         for fast in ("pipeline", "data"):
             net = user_net(block)
             m = choose_method(net, comm, x, y, loss_fn, steps=1, timer=forced(fast))
@@ -399,8 +415,9 @@ def case_coupled() -> None:
                 f"DATA kept={data.seconds is not None} "
                 f"measured={'rows coupled (layers.1.blocks.0 (Centred)' in data.note} "
                 f"buffer={buffer} "
-                f"PIPE_NOTE={'one micro-batch: ' in (pipe[0].note if pipe else '')}")
-            err = trains_as_serial(m, net)
+                f"PIPE_NOTE={'one micro-batch: ' in (pipe[0].note if pipe else '')} "
+                f"DRAWS={[t.name for t in m.choice.trials if 'draws random' in t.note]}")
+            err = trains_as_serial(m, net, seed=3)  # (the drawing block: the same draws)
             say(f"CASE coupled/{name}/{fast} {'EXACT' if err <= F64.roundoff else 'INEXACT'}")
             m.close()
     for name, make in (("plain", dense_net), ("centred", lambda: user_net(Centred))):
