@@ -482,6 +482,23 @@ def test_making_parameters_flat_keeps_their_gradients_and_hooks() -> None:
     assert sorted(fired) == ["hook", "post"]
 
 
+def test_nothing_is_made_flat_under_autocast() -> None:
+    """Inside a `torch.autocast` region the casts of the parameters (their autograd
+    nodes) live until the region ends: a parameter swapped for a row then would fail
+    the backward ("poisoned by swap_tensors", as an auto setting built during a pass
+    did), so `flatten` leaves them; after the region it makes them flat."""
+    blks = [torch.nn.Linear(3, 3) for _ in range(3)]
+    x = torch.randn(5, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sum(b(x).float().sum() for b in blks)
+        flat.flatten(blks)
+        out.backward()
+    assert all(b.weight.grad is not None for b in blks)
+    assert flat.rows([b.weight for b in blks]) is None
+    flat.flatten(blks)
+    assert flat.rows([b.weight for b in blks]) is not None
+
+
 def test_auto_keeps_the_first_batchs_gradients() -> None:
     """Under ``options="auto"`` without `tune()`, the first training pass's backward
     tunes (building MGRIT twins of the same blocks) after the gradients were written:

@@ -133,10 +133,30 @@ def test_a_users_module_that_couples_rows_or_keeps_statistics_is_found(ranks: in
             assert re.search(r"CHOSE (serial|solo|layerparallel) ", got_line), got
             assert "'data'" in got_line and "'pipeline'" in got_line, got
             assert exact[f"coupled/drawing/{fast}"] == "EXACT", got
+        # too short a training for timings apart: never layer-parallel's online trial
+        for name in ("drawing", "tracker"):
+            online = [ln for ln in got if ln.startswith(f"CASE coupled/online/{name} ")]
+            assert len(online) == 1 and online[0].endswith(" EXACT"), got
+            assert "CHOSE layerparallel" not in online[0], got
         # layer-parallel's own tuning times its batch split on the plain net only
         split = {ln.split()[1]: ln.split()[-1] for ln in got if "coupled/tuning/" in ln}
         assert split == {"coupled/tuning/plain": str(ranks > 1),
                          "coupled/tuning/centred": "False"}, (r, got)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_under_autocast_the_pipeline_refuses_before_it_is_built(ranks: int) -> None:
+    """Choosing under `torch.autocast` (bfloat16): the pipeline, which does not run
+    under it, stands aside with its reason instead of failing the choice; every other
+    candidate made fastest is kept and trains as serial does under autocast."""
+    for r, got in _run("autocast", ranks).items():
+        cases = [ln for ln in got if ln.startswith("CASE autocast/")]
+        assert len(cases) == 5, got
+        for ln in cases:
+            fast, chose = ln.split()[1].split("/")[1], ln.split()[3]
+            assert chose == ("layerparallel" if fast == "pipeline" else fast), (r, ln)
+            assert "PIPE_REFUSED True OK" in ln, (r, ln)
 
 
 @pytest.mark.mpi

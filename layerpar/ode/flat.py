@@ -63,8 +63,11 @@ def flatten(blocks: Union[Sequence[nn.Module], nn.ModuleList]) -> None:
     `torch.utils.swap_tensors`).  Names that cannot be rows of one tensor (shapes,
     dtypes or devices that differ, a tensor in two blocks, lazy or empty tensors, a
     tensor with hooks, a tensor an autograd node holds) are left as they are; so are
-    names already flat."""
-    if len(blocks) < 2:
+    names already flat.  Nothing is swapped inside a `torch.autocast` region: autocast
+    keeps its casts of the parameters (and their autograd nodes) until the region
+    ends, and a parameter swapped under them would fail the pass's backward ("poisoned
+    by swap_tensors"; an auto setting built during a pass under autocast did)."""
+    if len(blocks) < 2 or any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
         return
     named = [dict(b.named_parameters()) for b in blocks]
     with torch.no_grad():

@@ -77,6 +77,7 @@ from .baselines import (
     TrainingMethod,
 )
 from .baselines.method import LossFn, as_net, step_seconds, thread_counts
+from .baselines.pipeline import step_refusal
 from .replicated import BATCH_NORMS, RowProbe, agreed_rows, split_refusal
 
 __all__ = ["METHOD_NAMES", "Choice", "Trial", "choose_method"]
@@ -643,11 +644,14 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     if online and steps_to_come is not None and "layerparallel" in order and \
             (layerparallel or {}).get("options", "auto") == "auto" and \
             calibration_share * steps_to_come < 2 * timings and \
-            split_refusal(base) is None and rows.coupled is None and x.dim() > 0 and \
-            x.shape[0] >= transport.size:
+            split_refusal(base) is None and rows == RowProbe(None, None) and x.dim() > 0 \
+            and x.shape[0] >= transport.size:
         # (only where its trial times the batch split too: with batch norm replicated
         # serial alone would stand for every method, and on the conv ResNet, 250
-        # steps, it trained at 183 ms a batch against the batch split's 127)
+        # steps, it trained at 183 ms a batch against the batch split's 127; nor where
+        # a module keeps a statistic or draws random numbers of its own, which
+        # layer-parallel refuses once its tuning runs a layer-parallel pass: the
+        # others are timed apart then)
         transport.close()
         return _online(base, comm, x, y, loss_fn, layerparallel, steps_to_come,
                        calibration_share, order, timings, t0)
@@ -685,6 +689,8 @@ def _time_candidates(cal: _Calibration, base: ODENet, order: list[str],
     kept (`_keep_fastest`)."""
     for what in order:
         why, one_micro = _stands_aside(base, what, exact, cal.rows)
+        refused = step_refusal(cal.y) if what == "pipeline" and why is None else None
+        why = why if refused is None else f"refused: {refused}"
         why = why or (None if what == "pipeline" or what in cal.tabled else
                       cal.spent((solo_counts if what == "solo" else 1) * (1 + cal.steps)))
         if why is not None:

@@ -71,7 +71,25 @@ from .method import (
     step_seconds,
 )
 
-__all__ = ["SCHEDULES", "PipelineNet", "StagePlan"]
+__all__ = ["SCHEDULES", "PipelineNet", "StagePlan", "step_refusal"]
+
+def step_refusal(y: Any) -> Optional[BaseException]:
+    """What a pipeline refuses of a step before any message, whatever the net (None:
+    nothing): targets that are not a tensor with a row per sample (or None), and
+    `torch.autocast` (on the CPU or CUDA) around the step.  `choose_method` asks it
+    before building a pipeline."""
+    if not (y is None or isinstance(y, Tensor) and y.dim() > 0):
+        return TypeError(f"`y` must be a tensor with a row per sample, or None: torch's "
+                         f"schedules cut the targets into micro-batches, got "
+                         f"{type(y).__name__}")
+    if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+        return RuntimeError("PipelineNet does not run under torch.autocast: torch's "
+                            "stages hand activations between ranks in buffers of the "
+                            "net's dtype, which autocast's outputs would not fill. Cast "
+                            "the net instead (net.to(torch.bfloat16)), or train with "
+                            "DataParallelNet or LayerParallel")
+    return None
+
 
 #: schedule name -> (torch class name, placement: "single", "loop" or "v")
 SCHEDULES: dict[str, tuple[str, str]] = {
@@ -453,17 +471,7 @@ class PipelineNet(TrainingMethod):
     # -- the interface ---------------------------------------------------------------------
     def _batch_error(self, x: Tensor, y: Any) -> Optional[BaseException]:
         err = super()._batch_error(x, y)
-        if err is None and not (y is None or isinstance(y, Tensor) and y.dim() > 0):
-            err = TypeError(f"`y` must be a tensor with a row per sample, or None: torch's "
-                            f"schedules cut the targets into micro-batches, got "
-                            f"{type(y).__name__}")
-        if err is None and any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
-            err = RuntimeError("PipelineNet does not run under torch.autocast: torch's "
-                               "stages hand activations between ranks in buffers of the "
-                               "net's dtype, which autocast's outputs would not fill. Cast "
-                               "the net instead (net.to(torch.bfloat16)), or train with "
-                               "DataParallelNet or LayerParallel")
-        return err
+        return err if err is not None else step_refusal(y)
 
     def train_step(self, x: Tensor, y: Any, loss_fn: LossFn) -> float:
         self._check_batch(x, y)
