@@ -15,6 +15,7 @@ from typing import Callable
 import pytest
 import torch
 from torch import nn
+from user_blocks import WIDTH, Centred, Drawing, Tracker, user_net
 
 import layerpar
 from layerpar.apps.nets import problem_net
@@ -23,35 +24,7 @@ from layerpar.ode.net import Segment
 from layerpar.parallel import replicated
 from layerpar.parallel.replicated import probe_rows
 
-W = 4
-
-
-class Centred(nn.Module):
-    """tanh(W u + b), centred over the batch's rows: a user's batch normalisation."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(W, W)
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        z = torch.tanh(self.lin(u))
-        return z - z.mean(0, keepdim=True)
-
-
-class Tracker(nn.Module):
-    """Row by row, but a running mean of its output kept in a buffer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(W, W)
-        self.register_buffer("seen", torch.zeros(W))
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        z = torch.tanh(self.lin(u))
-        if self.training:
-            with torch.no_grad():
-                self.seen.mul_(0.9).add_(0.1 * z.mean(0))
-        return z
+W = WIDTH
 
 
 class AtLeastFive(nn.Module):
@@ -79,12 +52,6 @@ class Plain(nn.Module):
         return self.drop(torch.tanh(self.lin(u)))
 
 
-def user_net(block: Callable[[], nn.Module], dtype: torch.dtype) -> layerpar.ODENet:
-    torch.manual_seed(0)
-    return layerpar.ODENet(open=nn.Linear(3, W), steps=lambda k: block(), n_steps=6,
-                           close=nn.Linear(W, 5)).to(dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_block_that_centres_by_the_batch_mean_is_named(dtype: torch.dtype) -> None:
     got = probe_rows(user_net(Centred, dtype), torch.randn(16, 3, dtype=dtype))
@@ -101,7 +68,7 @@ def test_a_buffer_moved_in_forward_is_named_and_the_net_left_as_it_was() -> None
     got = probe_rows(net, x)
     assert got.coupled is None
     assert got.buffers is not None and "['layers.1.blocks.0.seen'" in got.buffers \
-        and "and 3 more" in got.buffers, got
+        and "and 5 more" in got.buffers, got
     assert not any(m.training for m in net.modules())  # its flags put back
     assert all(torch.equal(v, net.state_dict()[k]) for k, v in state.items())
     assert torch.equal(torch.get_rng_state(), rng)
@@ -187,17 +154,6 @@ def test_compiled_blocks_are_seen_through_and_run_eagerly() -> None:
                      torch.randn(16, 3))
     assert got.coupled is not None and "(Centred) gives a row another output" in got.coupled
     assert sum(counters["frames"].values()) == before
-
-
-class Drawing(nn.Module):
-    """Draws its dropout mask itself (`F.dropout`, no dropout module)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(W, W)
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        return nn.functional.dropout(torch.tanh(self.lin(u)), 0.3, self.training)
 
 
 def test_a_block_drawing_random_numbers_itself_is_named_and_the_streams_kept() -> None:

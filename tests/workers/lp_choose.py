@@ -61,6 +61,7 @@ from layerpar.parallel.baselines import LayerParallelMethod, SerialMethod, SoloM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
 from tolerances import F64, SOLVER_TOL  # noqa: E402
+from user_blocks import Centred, Drawing, Tracker, user_net  # noqa: E402
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -349,53 +350,6 @@ def case_online() -> None:
                       online=True)
     say(f"CASE online BN TIMED {sum(t.seconds is not None for t in m.choice.trials) > 0}")
     m.close()
-
-
-class Centred(nn.Module):
-    """A user's block that normalises by a batch statistic: tanh(W u + b), centred
-    over the batch's rows (no batch-norm type to know it by)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        z = torch.tanh(self.lin(u))
-        return z - z.mean(0, keepdim=True)
-
-
-class Tracker(nn.Module):
-    """A user's block that keeps a running mean of its output in a buffer (its
-    output row by row)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(WIDTH, WIDTH)
-        self.register_buffer("seen", torch.zeros(WIDTH))
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        z = torch.tanh(self.lin(u))
-        if self.training:
-            with torch.no_grad():
-                self.seen.mul_(0.9).add_(0.1 * z.mean(0))
-        return z
-
-
-class Drawing(nn.Module):
-    """A user's block that draws its dropout mask itself (`F.dropout`, no module)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        return nn.functional.dropout(torch.tanh(self.lin(u)), 0.3, self.training)
-
-
-def user_net(block: type) -> layerpar.ODENet:
-    torch.manual_seed(0)
-    return layerpar.ODENet(open=nn.Linear(3, WIDTH), steps=lambda k: block(), n_steps=8,
-                           close=nn.Linear(WIDTH, 5)).double()
 
 
 def case_coupled() -> None:
