@@ -40,9 +40,12 @@ that bound (half the batch gradient's own sampling error, at most 0.2, or the bo
 the layer-parallel candidate's policy fixes); the pipeline runs one micro-batch.  A
 module of the user's that couples rows is treated as batch norm is, and one that
 keeps a running statistic of its own in a buffer makes the split stand aside (each
-rank's would follow its share), the pipeline run one micro-batch: both found by
-running the net on a few of the batch's rows (`replicated.probe_rows`), where its
-modules are not all of types known to keep rows apart.
+rank's would follow its share), the pipeline run one micro-batch; one that draws
+random numbers itself (no dropout module) sets the split aside, and the pipeline,
+which refuses it, whatever ``exact``: all found by running the net on a few of the
+batch's rows (`replicated.probe_rows`), where its modules are not all of types known
+to keep rows apart.  Under `torch.autocast` the pipeline (which refuses it) stands
+aside before it is built.
 Dropout would draw each rank's masks from its own generator, so with dropout all but
 `LayerParallel` (which reproduces serial dropout) stand aside.  The table says why a
 candidate stood aside, and the error a batch split was kept with.  ``exact=False``
