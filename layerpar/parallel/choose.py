@@ -81,7 +81,7 @@ from .baselines import (
 )
 from .baselines.method import LossFn, as_net, step_seconds, thread_counts
 from .baselines.pipeline import step_refusal
-from .replicated import BATCH_NORMS, RowProbe, agreed_rows, split_refusal
+from .replicated import BATCH_NORM_WHY, RowProbe, agreed_rows, split_refusal
 
 __all__ = ["METHOD_NAMES", "Choice", "Trial", "choose_method"]
 
@@ -270,7 +270,7 @@ def _split_error(cal: _Calibration, data: DataParallelNet, fresh: Callable[[], O
         bound, how = NOISE_CAP, "one rank: the split is the serial net"
     else:
         how = "the bound given"
-    what = "batch norm" if any(isinstance(m, BATCH_NORMS) for m in data.net.modules()) else \
+    what = "batch norm" if split_refusal(data.net) == BATCH_NORM_WHY else \
         f"rows coupled ({cal.rows.coupled})"
     return err <= bound, (f"{what} over each rank's share: gradient error {err:.3g} "
                           f"against serial's on this batch, bound {bound:.3g} ({how})")

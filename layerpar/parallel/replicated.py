@@ -98,11 +98,19 @@ def split_refusal(net: nn.Module) -> Optional[str]:
     batch norm (its statistics would be a share's), or trainable parameters of
     several dtypes (the gradients' all-reduce is one flat buffer).  What only a pass
     can tell (a module of the user's that couples rows) is `probe_rows`'."""
-    if any(isinstance(m, BATCH_NORMS) for m in net.modules()):
-        return "the net has batch norm: its statistics would be a share of the batch's"
+    if _has_batch_norm(net):
+        return BATCH_NORM_WHY
     if len({p.dtype for p in net.parameters() if p.requires_grad}) > 1:
         return "the net's parameters have several dtypes"
     return None
+
+
+#: why a split batch is not the serial net's where it holds batch norm
+BATCH_NORM_WHY = "the net has batch norm: its statistics would be a share of the batch's"
+
+
+def _has_batch_norm(net: nn.Module) -> bool:
+    return any(isinstance(m, BATCH_NORMS) for m in net.modules())
 
 
 #: the rows `probe_rows` runs the net on (and on half of them): enough for a batch
@@ -166,9 +174,9 @@ def probe_rows(net: nn.Module, x: Tensor) -> RowProbe:
 
     Batch norm is known by its type, and a net of `ROW_WISE` modules (layerpar's
     blocks among them) keeps rows apart; a module of the user's that normalises by a
-    batch statistic, or keeps a running one, is known by neither, so the net runs (no autograd,
-    dropout off) on the batch's first `PROBE_ROWS` rows and on the first half of
-    them.  Where the outputs for the shared rows differ beyond round-off (the square
+    batch statistic, or keeps a running one, is known by neither, so the net runs (no
+    autograd, dropout off) on the batch's first `PROBE_ROWS` rows and on the first
+    half of them.  Where the outputs for the shared rows differ beyond round-off (the square
     root of the dtype's epsilon, relative to the largest entry), both run again with
     every module's output kept, and the first module (innermost, in the order calls
     finish) whose output differs is named.  A buffer other than batch norm's whose
@@ -181,8 +189,7 @@ def probe_rows(net: nn.Module, x: Tensor) -> RowProbe:
     if n < 2:
         return RowProbe(None, None)
     if _row_wise_by_type(net):  # (nothing to run: batch norm, if any, by its type)
-        return RowProbe(split_refusal(net) if any(isinstance(m, BATCH_NORMS) for m in
-                                                  net.modules()) else None, None)
+        return RowProbe(BATCH_NORM_WHY if _has_batch_norm(net) else None, None)
     k = min(n, PROBE_ROWS)
     h = k // 2
     bn = {id(t) for m in net.modules() if isinstance(m, BATCH_NORMS)
@@ -319,13 +326,15 @@ def _probe_runs(net: nn.Module, x: Tensor, k: int, h: int,
                 if i == 0 and drawn is not None and streams.moved():
                     streams.restore()
                     handles = [m.register_forward_hook(hook) for m in net.modules()]
-                    net(x[:h])
+                    try:
+                        net(x[:h])
+                    finally:
+                        for hd in handles:
+                            hd.remove()
+                        for b, v in zip(buffers, saved):
+                            b.copy_(v)
                     if not drawn:
                         drawn.append(net)
-                    for hd in handles:
-                        hd.remove()
-                    for b, v in zip(buffers, saved):
-                        b.copy_(v)
     finally:
         for hd in handles:
             hd.remove()
