@@ -319,6 +319,15 @@ def output_message(block: nn.Module, layer: int, segment: Optional[int], u: Tens
     if out.shape != u.shape:
         return (f"{where} ({type(block).__name__}) changed the state's shape from "
                 f"{tuple(u.shape)} to {tuple(out.shape)}; {rule}")
+    if torch.promote_types(u.dtype, out.dtype) != u.dtype:
+        # u + h*F(u) would change the state's dtype at this layer: every rank's
+        # messages and buffers carry the dtype the state enters the layers with
+        return (f"{where} ({type(block).__name__}) returned F(u) in {out.dtype} for a "
+                f"state in {u.dtype}, which would turn the state into {out.dtype}; the "
+                "state keeps one dtype through the residual layers: return F(u) in the "
+                "state's dtype (under CUDA autocast, a block ending in layer_norm or "
+                "softmax returns float32), or have the opening return the dtype F(u) "
+                "comes in")
     return None
 
 
@@ -705,7 +714,12 @@ class BatchedBlocks:
         fn = self.fn
 
         def branch(v: Tensor) -> Tensor:
-            return fn(p, b, v)
+            # under autocast, vmap's linear with a bias returns float32 (its batching
+            # rule adds the bias after the low-precision product) where the block's own
+            # forward returns the autocast dtype: F(u) takes the state's dtype, as the
+            # per-step path's does (`output_message` refuses a block that widens it)
+            out = fn(p, b, v)
+            return out if out.dtype == v.dtype else out.to(v.dtype)
 
         dt = self.dt(pairs, x)
         if self.fast is not None:  # fused kernels where measured faster, else torch

@@ -13,13 +13,16 @@ rank 1's, ...]}.
 - `random_block`: a block that draws `torch.randn_like` in forward: refused by name
   under MGRIT; in direct mode (one rank, sequential) it is serial autograd.
 - `autocast_grads`: a float32 net under ``torch.autocast("cpu", bfloat16)``: output
-  and parameter gradients against the serial net's under the same autocast.
+  and parameter gradients against the serial net's under the same autocast (layerpar's
+  block and a user's, per-step and vectorised), or the refusal of a block that would
+  widen the state's dtype.  ``lp_rng.py OUT.json autocast`` runs these cases alone.
 - `empty_batch`: a batch of no samples, under MGRIT options and ``options="auto"``.
 - `compiled_blocks`: blocks wrapped in `torch.compile`: the model builds on every rank.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import sys
@@ -153,13 +156,46 @@ def random_block(comm: Any, options: Optional[MGRITOptions],
 
 # --- autocast -----------------------------------------------------------------------------
 
-def autocast_grads(comm: Any, batched: bool) -> dict[str, Any]:
-    """Two-level MGRIT run to exactness (N/cf iterations), float32 under bf16 autocast:
-    the output and this rank's parameter gradients against serial's under autocast."""
+class _UserMLP(nn.Module):
+    """A user's block of two biased linear layers: vectorised through `torch.vmap`,
+    whose linear with a bias returns float32 under autocast."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(u)))
+
+
+class _Widening(nn.Module):
+    """A block returning F(u) in float32 whatever the state's dtype (as CUDA autocast's
+    layer_norm does): it would widen a bfloat16 state."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(u)).float()
+
+
+#: the residual blocks of the autocast cases: layerpar's, a user's, and one widening
+#: the state's dtype
+AUTOCAST_BLOCKS: dict[str, Callable[[], nn.Module]] = {
+    "dense": lambda: blocks.Dense(4, activation="tanh"),
+    "user": lambda: _UserMLP(4),
+    "widening": lambda: _Widening(4),
+}
+
+
+def autocast_grads(comm: Any, batched: bool, block: str = "dense") -> dict[str, Any]:
+    """Two-level MGRIT run to exactness (N/cf iterations), float32 under bf16 autocast
+    (the opening makes the state bfloat16): the output and this rank's parameter
+    gradients against serial's under autocast."""
     torch.manual_seed(4)
-    serial = layerpar.ODENet(open=nn.Linear(3, 4),
-                             steps=lambda k: blocks.Dense(4, activation="tanh"), n_steps=8,
-                             close=nn.Linear(4, 5))
+    serial = layerpar.ODENet(open=nn.Linear(3, 4), steps=lambda k: AUTOCAST_BLOCKS[block](),
+                             n_steps=8, close=nn.Linear(4, 5))
     exact = MGRITOptions(max_levels=2, cfactor=2, max_iter=4, tol=0.0)
     model = layerpar.LayerParallel(copy.deepcopy(serial), comm, exact, batched=batched)
     x = torch.randn(6, 3)
@@ -181,6 +217,13 @@ def autocast_grads(comm: Any, batched: bool) -> dict[str, Any]:
     out.pop("outputs", None)
     model.close()
     return out
+
+
+def autocast_cases(comm: Any) -> dict[str, Callable[[], dict[str, Any]]]:
+    """The autocast cases by name: each block per-step and vectorised."""
+    return {f"autocast, {block}, {path}": functools.partial(
+                autocast_grads, comm, path == "batched", block)
+            for block in AUTOCAST_BLOCKS for path in ("per-step", "batched")}
 
 
 # --- an empty batch -----------------------------------------------------------------------
@@ -330,8 +373,7 @@ def run_all(comm: Any) -> dict[str, Any]:
         "random block, MGRIT": lambda: random_block(comm, CONVERGED),
         "private generator, MGRIT": lambda: random_block(comm, CONVERGED, _PrivateNoise),
         **({"random block, direct": lambda: random_block(comm, None)} if direct else {}),
-        "autocast, per-step": lambda: autocast_grads(comm, False),
-        "autocast, batched": lambda: autocast_grads(comm, True),
+        **autocast_cases(comm),
         "empty batch, MGRIT": lambda: empty_batch(comm, CONVERGED),
         "empty batch, auto": lambda: empty_batch(comm, "auto"),
         "compiled blocks": lambda: compiled_blocks(comm),
@@ -350,7 +392,8 @@ if __name__ == "__main__":
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    results = run_all(world)
+    results = run_all(world) if len(sys.argv) < 3 else \
+        {name: case() for name, case in autocast_cases(world).items()}
     everyone = world.gather(results, root=0)
     if world.Get_rank() == 0:
         with open(sys.argv[1], "w") as f:
