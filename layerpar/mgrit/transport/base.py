@@ -445,6 +445,11 @@ class Transport:
     def isend(self, dest: int, tag: int, state: Any) -> int:
         peer = self._map(dest)
         t = as_tensor_state(state)
+        if t.dtype != self._dtype or t.shape != self._shape:
+            # the receiver sized its buffer from the template: a state of another
+            # dtype or shape would be cut short (MPI) or wait forever (gloo)
+            raise RuntimeError(f"internal: a boundary state of {t.dtype} {tuple(t.shape)} "
+                               f"where the states are {self._dtype} {self._shape}")
         self.count_sent(t.numel() * t.element_size())
         handle = self.post_send(t, peer, tag)
         rid = next(self._ids)
