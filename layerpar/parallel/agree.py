@@ -124,6 +124,89 @@ def check_xbraid(transport: Transport, net: ODENet, options: MGRITOptions,
 LayerParallel = Any
 
 
+#: a module's hook registries, and what each holds
+_HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
+          ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
+#: torch's global module hook registries, what each holds, and the call adding one
+_GLOBAL_HOOKS = (
+    ("_global_forward_pre_hooks", "forward pre-hook", "register_module_forward_pre_hook"),
+    ("_global_forward_hooks", "forward hook", "register_module_forward_hook"),
+    ("_global_backward_pre_hooks", "backward pre-hook",
+     "register_module_full_backward_pre_hook"),
+    ("_global_backward_hooks", "backward hook", "register_module_full_backward_hook"))
+
+
+class _HookSites:
+    """Where the net's module hooks are looked for: the modules whose forward a
+    layer-parallel pass never calls (the ODENet, its segments and this model's shards
+    of them) and the residual blocks' modules, each with its label; and their hook
+    registries as one list, which a pass's check scans at C speed (a module keeps its
+    registries from construction on: registering a hook adds to them)."""
+
+    def __init__(self, model: LayerParallel) -> None:
+        net = model.whole_net
+        self.never: list[tuple[str, nn.Module]] = [("the ODENet", net)]
+        self.blocks: list[tuple[str, nn.Module]] = []
+        for i, (k, seg) in enumerate(net.segments):
+            shard = model.layers[k]  # this rank's blocks of the segment
+            self.never += [(f"segment {i} (layer {k} of the ODENet)", seg),
+                           (f"this model's `layers.{k}`", shard),
+                           (f"this model's `layers.{k}.blocks`", shard.blocks)]
+            for n, blk in enumerate(seg.blocks):
+                where = f"layer {n} of segment {i} ({type(blk).__name__})"
+                self.blocks += [(where + (f", its module `{name}`" if name else ""), m)
+                                for name, m in blk.named_modules()]
+        self.never_hooks = [getattr(m, a) for _, m in self.never for a, _ in _HOOKS]
+        self.block_hooks = [getattr(m, a) for _, m in self.blocks for a, _ in _HOOKS]
+
+    @staticmethod
+    def first(sites: list[tuple[str, nn.Module]]) -> tuple[str, str]:
+        """(label, kind) of the first of `sites` holding a hook."""
+        for where, m in sites:
+            for attr, what in _HOOKS:
+                if getattr(m, attr):
+                    return where, what
+        raise RuntimeError("internal: no module holds the hook found")
+
+
+def hook_refusal(model: LayerParallel) -> Optional[str]:
+    """Why a module hook of the net would not run as it runs in serial training, or
+    None.  A pass never calls the ODENet's or a segment's forward (the model steps the
+    layers itself), so their hooks would never run; and outside sequential passes (one
+    rank, direct) a pass evaluates a block several times (MGRIT's iterations and coarse
+    steps, the adjoint's recomputation) or stacks the layers into one call, so a
+    block's hooks, or a global module hook, would run another number of times, on
+    other inputs, or not at all.  The plain layers' hooks run as in serial training,
+    once per pass on the layer's owner.  (0.1 ms on a net of 1,024 dense blocks.)"""
+    sites = getattr(model, "_hook_sites", None)
+    if sites is None:
+        sites = model._hook_sites = _HookSites(model)
+    if any(sites.never_hooks):
+        where, what = sites.first(sites.never)
+        return (f"{where} has a {what}, which would never run: LayerParallel steps the "
+                "layers itself and calls neither ODENet.forward nor Segment.forward; "
+                "register it on the LayerParallel model instead")
+    if model.size == 1 and (model._direct_exact if model._exact_pass else model._direct):
+        return None  # sequential passes: each layer once per pass, as in serial
+    glob = torch.nn.modules.module
+    for attr, what, call in _GLOBAL_HOOKS:
+        if getattr(glob, attr, None):
+            return f"a global module {what} is registered (torch's {call}): " + _REPEATS
+    if any(sites.block_hooks):
+        where, what = sites.first(sites.blocks)
+        return f"{where} has a {what}: " + _REPEATS
+    return None
+
+
+#: why a block's hook cannot run as in serial training under layer-parallel passes
+_REPEATS = ("layer-parallel passes evaluate a residual block several times per pass "
+            "(MGRIT's iterations and coarse steps, the adjoint's recomputation), or "
+            "the layers of a rank as one stacked call, so the hook would not run once "
+            "per layer and pass as in serial training; remove it (a plain layer's "
+            "hooks run as in serial training; on one rank, passes run the layers in "
+            "order)")
+
+
 def agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     """One collective per forward pass, before any other message: every rank has the
     same input shape, dtype, training and grad mode, and every rank takes the same
@@ -141,15 +224,21 @@ def agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     dev = x.device.type
     cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     key = (tuple(x.shape), str(x.dtype), model.training, grad_mode, str(cast))
+    # the net's module hooks, checked with the input in the first batches
+    hooks = hook_refusal(model) if model._batch <= model.check_inputs else None
     if model._agreements is not None:
-        return agree_on_grid(model, x, key, x_rg, p_rg, seed)
+        return agree_on_grid(model, x, key, x_rg, p_rg, seed, hooks)
     if model.size == 1:
+        if hooks is not None:
+            raise ValueError(hooks)
         return Agreed(grad_mode and (x_rg or p_rg), x_rg, seed)
     probe = values_fingerprint(x) if model._batch <= model.check_inputs else None
     shared = model._shared
     flags = None if shared is None else shared.flags(model.rank)
     got = model.guard(lambda: model.transport.allgather_object(
-        (key, x_rg, p_rg, seed, probe, flags), "the forward pass's agreement on the input"))
+        (key, x_rg, p_rg, seed, probe, flags, hooks),
+        "the forward pass's agreement on the input"))
+    _refuse_hooks([g[6] for g in got])
     keys = [g[0] for g in got]
     if any(k != keys[0] for k in keys):
         raise RankMismatchError(f"the input differs between ranks (shape, dtype, "
@@ -162,8 +251,16 @@ def agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     return Agreed(grad_mode and (any_x or any(g[2] for g in got)), any_x, got[0][3])
 
 
+def _refuse_hooks(found: list[Optional[str]]) -> None:
+    """Raise `hook_refusal`'s finding of the first rank that has one, on every rank
+    (each sees every rank's)."""
+    for q, why in enumerate(found):
+        if why is not None:
+            raise ValueError(f"{why} (found on rank {q})")
+
+
 def agree_on_grid(model: LayerParallel, x: Tensor, key: tuple, x_rg: bool, p_rg: bool,
-                   seed: Optional[int]) -> Agreed:
+                  seed: Optional[int], hooks: Optional[str] = None) -> Agreed:
     """`_agree` on a grid with replicas: one collective over the whole grid, each
     process checking every group from it, so a mismatch raises alike everywhere.
     Replicas hold other samples of the same shapes, and take the same kind of pass
@@ -180,8 +277,9 @@ def agree_on_grid(model: LayerParallel, x: Tensor, key: tuple, x_rg: bool, p_rg:
     model._agreements.set_context(f"batch {model._batch}, forward pass")
     flags = None if model._shared is None else model._shared.flags(model.rank)
     got = model.guard(lambda: model._agreements.allgather_object(
-        (key, model._exact_pass, x_rg, p_rg, seed, probe, flags),
+        (key, model._exact_pass, x_rg, p_rg, seed, probe, flags, hooks),
         "the forward pass's agreement on the input (whole grid)"))
+    _refuse_hooks([g[7] for g in got])
     layers = model.grid.layers
     replicas = [got[d * layers:(d + 1) * layers] for d in range(model.grid.data)]
 
