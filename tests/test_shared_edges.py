@@ -30,6 +30,8 @@ def test_a_deduplicated_or_conflicting_state_dict_loads_as_into_serial() -> None
     ("tied-on-one-rank", "`shared`: rank 0 has [('layers.0', 'layers.2')], rank 1 has []"),
     ("shared-bn", "BatchNorm1d with running statistics is used by several layers"),
     ("deepcopy", "TypeError: a LayerParallel cannot be deep-copied"),
+    ("tuple-head", "TypeError: plain layer 2 (TupleHead) returned a tuple: a "
+                   "LayerParallel model hands one tensor from layer to layer"),
 ])
 def test_refused_by_name_on_every_rank(case: str, says: str) -> None:
     for line in _lines(case):

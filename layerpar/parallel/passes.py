@@ -117,7 +117,7 @@ def forward_pass(model: LayerParallel, ctx: PassRecord, x: Tensor, record: bool,
             if rank == owner:
                 if ctx.direct:  # onto the caller's graph
                     with torch.enable_grad(), plain_rng(seed, k, model.layers[k]):
-                        h = model.layers[k](h)
+                        h = _one_tensor(model, k, model.layers[k](h))
                     continue
                 prev = ctx.plain.get(k - 1) if record else None
                 # a plain layer runs on its owner alone: randomness of its own (not a
@@ -130,6 +130,7 @@ def forward_pass(model: LayerParallel, ctx: PassRecord, x: Tensor, record: bool,
                                        "owner")
                 with plain_rng(seed, k, model.layers[k]):
                     rec = PlainRecord(model.layers[k], h, record, prev)
+                _one_tensor(model, k, rec.y)
                 if before is not None and not torch.equal(before, torch.get_rng_state()):
                     raise ValueError(
                         f"plain layer {k} ({type(model.layers[k]).__name__}) draws random "
@@ -307,6 +308,18 @@ def average_running_stats(model: LayerParallel) -> None:
     model.guard(lambda: (averager.add(copies), averager.finish()))
     for (m, name), t in zip(model._running_stats, copies):
         setattr(m, name, t)
+
+
+def _one_tensor(model: LayerParallel, k: int, y: Any) -> Tensor:
+    """`y`, plain layer k's output, where it is one tensor; else the error naming it
+    (the pass hands one tensor on, between ranks too, and returns one)."""
+    if not isinstance(y, Tensor):
+        raise TypeError(f"plain layer {k} ({type(model.layers[k]).__name__}) returned a "
+                        f"{type(y).__name__}: a LayerParallel model hands one tensor "
+                        "from layer to layer, between ranks, and returns one; return one "
+                        "tensor from the layer, and compute other outputs from the "
+                        "model's output outside it")
+    return y
 
 
 def forward_direct(model: LayerParallel, x: Tensor, seed: Optional[int]) -> Tensor:

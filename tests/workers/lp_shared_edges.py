@@ -10,6 +10,7 @@ Run: mpiexec -n 2 python -m mpi4py tests/workers/lp_shared_edges.py CASE
 - `tied-on-one-rank`: a net tied on rank 0 only: refused at construction.
 - `shared-bn`: one batch norm with running statistics in every step: refused.
 - `deepcopy`: `copy.deepcopy(model)` says why it cannot be done.
+- `tuple-head`: a closing layer returning a tuple: refused by name on every rank.
 - `two-forwards-auto`: under ``options="auto"`` (replicated serial on this tiny net),
   two forwards and one backward with a tied weight: serial's gradients (the refresh
   between the passes wrote into the tied tensor a pending backward had saved).
@@ -48,6 +49,17 @@ def tied(tie: bool = True) -> ODENet:
     if tie:
         net.layers[2].weight = net.layers[0].weight
     return net
+
+
+class TupleHead(torch.nn.Module):
+    """A closing layer returning (logits, features), as a serial net may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4).double()
+
+    def forward(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.linear(u), u
 
 
 def error_of(fn) -> str:
@@ -92,6 +104,11 @@ def main(case: str) -> None:
     elif case == "deepcopy":
         model = LayerParallel(tied(), comm, EXACT)
         say("error " + error_of(lambda: copy.deepcopy(model)))
+    elif case == "tuple-head":
+        net = tied(False)
+        net.layers[2] = TupleHead()
+        model = LayerParallel(net, comm, EXACT)
+        say("error " + error_of(lambda: model(torch.randn(3, 4, dtype=torch.float64))))
     elif case == "two-forwards-auto":
         serial = tied()
         model = LayerParallel(copy.deepcopy(serial), comm, "auto")
