@@ -78,6 +78,10 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
     # nothing to time in an empty batch: the tuning waits for one with samples
     assert all(r["tuned"] is False for r in results["empty batch, auto"])
     assert results["compiled blocks"] == [{"built": True}] * ranks
+    for r in results["compiled model"]:  # (it named an in-place change that was none)
+        assert "error" not in r, r
+        assert r["output"] <= F64.converged and r["grads"] <= F64.converged, r
+        assert r["blocks compiled"], r
     for r in results["dropout modules in eval"]:  # no seed drawn, as serial draws none
         assert r["same as serial"] and r["generator as serial's"], r
         assert r["params"] <= F64.converged, r

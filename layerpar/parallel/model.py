@@ -16,6 +16,7 @@ start at a layer its left neighbour owns: such blocks are kept as read-only
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any, Callable, Optional, Union
 
@@ -400,6 +401,8 @@ class LayerParallel(nn.Module):
         self.last_backward: list[MGRITResult] = []
         self._checking = False  # inside `checking()`: a gradient check's passes
         self._exact_pass = False  # inside `exact()`: passes run exact propagation
+        # the pass with the compiler kept out (`forward`), made where one is loaded
+        self._untraced: Optional[Callable[[Tensor], Tensor]] = None
 
     def _layer_owners(self, net: ODENet) -> list[tuple[str, nn.Module, int]]:
         """(name, module, owner rank) of every layer of the whole net, a segment's
@@ -585,7 +588,19 @@ class LayerParallel(nn.Module):
 
     # -- passes ----------------------------------------------------------------------------------
     def forward(self, x: Tensor) -> Tensor:
-        """Layer-parallel forward pass; pass the same `x` on every rank."""
+        """Layer-parallel forward pass; pass the same `x` on every rank.
+
+        Under ``torch.compile(model)`` the pass runs eagerly (its compiled blocks stay
+        compiled): it exchanges messages between ranks and checks what its blocks do
+        to their inputs, which a traced graph would neither hold nor keep."""
+        if "torch._dynamo" in sys.modules:  # a compiler was loaded: trace none of it
+            untraced = self._untraced
+            if untraced is None:
+                import torch._dynamo
+
+                untraced = self._untraced = torch._dynamo.disable(
+                    self._forward_once, recursive=True)
+            return untraced(x)
         return self._forward_once(x)
 
     def _forward_once(self, x: Tensor) -> Tensor:

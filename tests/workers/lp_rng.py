@@ -18,6 +18,8 @@ rank 1's, ...]}.
   widen the state's dtype.  ``lp_rng.py OUT.json autocast`` runs these cases alone.
 - `empty_batch`: a batch of no samples, under MGRIT options and ``options="auto"``.
 - `compiled_blocks`: blocks wrapped in `torch.compile`: the model builds on every rank.
+- `compiled_model`: ``torch.compile(model)`` over compiled blocks: serial's output and
+  gradients (the pass runs eagerly, the blocks compiled).
 """
 from __future__ import annotations
 
@@ -276,6 +278,48 @@ def compiled_blocks(comm: Any) -> dict[str, Any]:
     return {"built": True}
 
 
+class _Counting:
+    """A `torch.compile` backend running the traced graph as is, counting its runs."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def __call__(self, gm: Any, example: Any) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            self.runs += 1
+            return gm(*args)
+        return run
+
+
+def compiled_model(comm: Any) -> dict[str, Any]:
+    """``torch.compile(model)`` of a model whose blocks are compiled too: the output
+    and this rank's gradients against serial's (the pass runs eagerly; the blocks'
+    compiled graphs still run, counted)."""
+    torch.manual_seed(8)
+    counting = _Counting()
+    net = layerpar.ODENet(
+        open=nn.Linear(3, 4), n_steps=8, close=nn.Linear(4, 5),
+        steps=lambda k: torch.compile(nn.Sequential(nn.Linear(4, 4), nn.Tanh()),
+                                      backend=counting)).double()
+    serial = copy.deepcopy(net)
+    model = layerpar.LayerParallel(net, comm, CONVERGED)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    y = torch.randint(0, 5, (6,))
+    out: dict[str, Any] = {}
+    try:
+        compiled = torch.compile(model, backend="eager")
+        zs = [m(x) for m in (serial, compiled)]
+        for z in zs:
+            ce(z, y).backward()
+        out["output"] = rel(zs[1], zs[0])
+        out["grads"] = _grad_error(model, serial)
+        out["blocks compiled"] = counting.runs > 0
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    model.close()
+    return out
+
+
 # --- dropout switched off by its own eval(), randomness in a plain layer, tensor hooks ----
 
 def dropout_modules_in_eval(comm: Any) -> dict[str, Any]:
@@ -377,6 +421,7 @@ def run_all(comm: Any) -> dict[str, Any]:
         "empty batch, MGRIT": lambda: empty_batch(comm, CONVERGED),
         "empty batch, auto": lambda: empty_batch(comm, "auto"),
         "compiled blocks": lambda: compiled_blocks(comm),
+        "compiled model": lambda: compiled_model(comm),
         "dropout modules in eval": lambda: dropout_modules_in_eval(comm),
         "hooked parameter": lambda: hooked_parameter(comm),
         "hooked parameter, per-step": lambda: hooked_parameter(
