@@ -156,25 +156,14 @@ def test_block_whose_output_is_not_f_of_u_is_named(block: type, says: str, batch
         model(torch.randn(5, 3))
 
 
-class _TupleHead(torch.nn.Module):
-    """A closing layer returning (logits, features), as a serial net may."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(4, 5)
-
-    def forward(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.linear(u), u
-
-
 @pytest.mark.parametrize("levels", [1, 2])
 def test_plain_layer_returning_a_tuple_is_named(levels: int) -> None:
     """A plain layer hands one tensor on (to the next layer, or out of the model):
-    a tuple is named (it was an AttributeError from deep inside the pass)."""
+    a tuple is named, on every path."""
     net = _net(lambda: layerpar.ode.blocks.Dense(4))
-    net.layers[2] = _TupleHead()
+    net.layers[2] = Pair()  # a closing layer giving (logits, features)
     net(torch.randn(5, 3))  # serially it runs
     opts = layerpar.MGRITOptions(max_levels=levels, cfactor=2, max_iter=2)
     model = layerpar.LayerParallel(net, None, opts)
-    with pytest.raises(TypeError, match=r"plain layer 2 \(_TupleHead\) returned a tuple"):
+    with pytest.raises(TypeError, match=r"plain layer 2 \(Pair\) returned a tuple"):
         model(torch.randn(5, 3))
