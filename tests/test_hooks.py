@@ -18,18 +18,21 @@ import lp_hooks  # noqa: E402
 
 #: what each refused case says (every rank says the same: the first rank holding one)
 REFUSED = {
-    "block forward hook": "layer 0 of segment 0 (Dense) has a forward hook: "
+    "block forward hook": "layer 0 of segment 0 (Dense) has a forward hook (_noop): "
                           "layer-parallel passes evaluate a residual block several times",
-    "block pre-hook": "layer 2 of segment 0 (Dense) has a forward pre-hook",
-    "block backward hook": "layer 3 of segment 0 (Dense) has a backward hook",
-    "submodule hook": "layer 7 of segment 0 (Dense), its module `linear` has a forward hook",
-    "hook on the last rank only": "layer 7 of segment 0 (Dense) has a forward hook",
-    "segment hook": "segment 0 (layer 1 of the ODENet) has a forward hook, which would "
-                    "never run",
-    "ODENet hook": "the ODENet has a forward pre-hook, which would never run",
+    "block pre-hook": "layer 2 of segment 0 (Dense) has a forward pre-hook (_noop)",
+    "block backward hook": "layer 3 of segment 0 (Dense) has a backward hook (_noop)",
+    "submodule hook": "layer 7 of segment 0 (Dense), its module `linear` has a "
+                      "forward hook (_noop)",
+    "hook on the last rank only": "layer 7 of segment 0 (Dense) has a forward hook (_noop)",
+    "segment hook": "segment 0 (layer 1 of the ODENet) has a forward hook (_noop), "
+                    "which would never run",
+    "ODENet hook": "the ODENet has a forward pre-hook (_noop), which would never run",
     "global hook": "a global module forward hook is registered (torch's "
                    "register_module_forward_hook)",
-    "block hook, auto": "layer 0 of segment 0 (Dense) has a forward hook",
+    "block hook, auto": "layer 0 of segment 0 (Dense) has a forward hook (_noop)",
+    "old weight norm": "layer 1 of segment 0 (Sequential), its module `0` has a forward "
+                       "pre-hook (WeightNorm)",
 }
 
 

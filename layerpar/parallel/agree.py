@@ -161,11 +161,16 @@ class _HookSites:
 
     @staticmethod
     def first(sites: list[tuple[str, nn.Module]]) -> tuple[str, str]:
-        """(label, kind) of the first of `sites` holding a hook."""
+        """(label, "kind (the hook's name)") of the first of `sites` holding a hook
+        (named, since a helper may have registered it: the old
+        `torch.nn.utils.weight_norm` registers a `WeightNorm` pre-hook)."""
         for where, m in sites:
             for attr, what in _HOOKS:
-                if getattr(m, attr):
-                    return where, what
+                registry = getattr(m, attr)
+                if registry:
+                    hook = next(iter(registry.values()))
+                    name = getattr(hook, "__qualname__", type(hook).__name__)
+                    return where, f"{what} ({name})"
         raise RuntimeError("internal: no module holds the hook found")
 
 

@@ -7,8 +7,9 @@ raised, else what it measured.
 
 - hooks a layer-parallel pass cannot run as serial training does (a residual block's
   forward, pre- and backward hooks, one on a block's submodule, one registered on
-  one rank only, a segment's and the ODENet's, a global module hook; under MGRIT and
-  under ``options="auto"``): refused by name on every rank before any pass runs;
+  one rank only, a segment's and the ODENet's, a global module hook, the old
+  `torch.nn.utils.weight_norm`'s; under MGRIT and under ``options="auto"``): refused
+  by name on every rank before any pass runs;
 - a plain layer's forward hook (modifying its output): the output and gradients
   equal serial's, the hook running once per pass on the layer's owner;
 - on one rank with sequential options (direct passes), a block's hook: serial's
@@ -19,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -107,6 +109,15 @@ def _noop(*args: Any) -> None:
     return None
 
 
+def _old_weight_norm(net: layerpar.ODENet) -> None:
+    """Layer 1's block replaced by one under the deprecated `torch.nn.utils.weight_norm`,
+    which computes the weight in a forward pre-hook."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        linear = torch.nn.utils.weight_norm(nn.Linear(4, 4).double())
+    net.layers[1].blocks[1] = nn.Sequential(linear, nn.Tanh())
+
+
 def run_all(comm: Any) -> dict[str, Any]:
     """Every case on this rank, by name."""
     last = N_STEPS - 1
@@ -133,6 +144,7 @@ def run_all(comm: Any) -> dict[str, Any]:
             comm, CONVERGED, lambda n: module.register_module_forward_hook(_noop)),
         "block hook, auto": lambda: _refused(
             comm, "auto", lambda n: n.layers[1].blocks[0].register_forward_hook(_noop)),
+        "old weight norm": lambda: _refused(comm, CONVERGED, _old_weight_norm),
         "plain layer hook": lambda: _compare(comm, CONVERGED, lambda n: n.layers[0]),
     }
     if comm is None or comm.Get_size() == 1:
