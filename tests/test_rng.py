@@ -78,6 +78,10 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
     # nothing to time in an empty batch: the tuning waits for one with samples
     assert all(r["tuned"] is False for r in results["empty batch, auto"])
     assert results["compiled blocks"] == [{"built": True}] * ranks
+    for name in ("inference mode", "inference mode, auto"):  # (inference tensors have
+        for r in results[name]:  # no version counter, which a pass reads)
+            assert "error" not in r, (name, r)
+            assert r["outputs"] <= F64.converged and r["params"] <= F64.converged, (name, r)
     for r in results["compiled model"]:  # (it named an in-place change that was none)
         assert "error" not in r, r
         assert r["output"] <= F64.converged and r["grads"] <= F64.converged, r

@@ -23,6 +23,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any, Callable, Optional, Union
 
+import torch
 from torch import Tensor, nn
 
 from ..mgrit.options import MGRITOptions
@@ -30,7 +31,7 @@ from ..mgrit.result import MGRITResult
 from . import accuracy as _accuracy
 from .adaptive import AccuracyController, apply_iterations, as_policy, forward_adaptive
 from .autotune import Limit
-from .model import LayerParallel, register_above
+from .model import LayerParallel, outside_inference, register_above
 from .tuner import AutoAccuracy, AutoTuner, auto_policy
 
 __all__ = ["Auto"]
@@ -138,6 +139,8 @@ class Auto:
     def __call__(self, x: Tensor) -> Tensor:
         """A training or evaluation pass, under the policy (pass the same `x` on every
         rank)."""
+        if torch.is_inference_mode_enabled():
+            return outside_inference(self.__call__, x)
         if self._direct_model:
             return self.model(x)
         if self.tuner is not None:

@@ -55,6 +55,16 @@ class _Remote(nn.Module):
         return f"on rank {self.owner}"
 
 
+def outside_inference(forward: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """`forward(x)` called inside ``torch.inference_mode()``, run under
+    ``torch.no_grad()`` instead, on a copy of `x` where it is an inference tensor: a
+    pass keeps and checks version counters (its first-pass check of what a block does
+    to its input, the states it reuses), which inference tensors do not have.  The
+    output is an ordinary tensor without a graph."""
+    with torch.inference_mode(False), torch.no_grad():
+        return forward(x.clone() if isinstance(x, Tensor) and x.is_inference() else x)
+
+
 class _SegmentShard(nn.Module):
     """This rank's blocks of a Segment, registered under their global indices so that
     parameter names match the serial net (``layers.<k>.blocks.<n>.…``)."""
@@ -592,14 +602,17 @@ class LayerParallel(nn.Module):
 
         Under ``torch.compile(model)`` the pass runs eagerly (its compiled blocks stay
         compiled): it exchanges messages between ranks and checks what its blocks do
-        to their inputs, which a traced graph would neither hold nor keep."""
+        to their inputs, which a traced graph would neither hold nor keep.  Under
+        ``torch.inference_mode()`` it runs as under ``torch.no_grad()``
+        (`outside_inference`)."""
+        if torch.is_inference_mode_enabled():
+            return outside_inference(self.forward, x)
         if "torch._dynamo" in sys.modules:  # a compiler was loaded: trace none of it
             untraced = self._untraced
             if untraced is None:
-                import torch._dynamo
-
-                untraced = self._untraced = torch._dynamo.disable(
-                    self._forward_once, recursive=True)
+                dynamo = sys.modules["torch._dynamo"]
+                untraced = self._untraced = dynamo.disable(self._forward_once,
+                                                           recursive=True)
             return untraced(x)
         return self._forward_once(x)
 

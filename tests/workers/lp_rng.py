@@ -20,6 +20,8 @@ rank 1's, ...]}.
 - `compiled_blocks`: blocks wrapped in `torch.compile`: the model builds on every rank.
 - `compiled_model`: ``torch.compile(model)`` over compiled blocks: serial's output and
   gradients (the pass runs eagerly, the blocks compiled).
+- `inference_mode`: validation under ``torch.inference_mode()`` between training
+  steps: serial's outputs and parameters.
 """
 from __future__ import annotations
 
@@ -320,6 +322,37 @@ def compiled_model(comm: Any) -> dict[str, Any]:
     return out
 
 
+def inference_mode(comm: Any, options: Any) -> dict[str, Any]:
+    """Three SGD steps, each followed by the batch evaluated under
+    ``torch.inference_mode()`` (validation between steps): the largest difference of
+    those outputs from serial's, and of the parameters after."""
+    torch.manual_seed(9)
+    serial = layerpar.ODENet(open=nn.Linear(3, 4), n_steps=8, close=nn.Linear(4, 5),
+                             steps=lambda k: blocks.Dense(4, activation="tanh")).double()
+    model = layerpar.LayerParallel(copy.deepcopy(serial), comm, options)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (serial, model)]
+    g = torch.Generator().manual_seed(2)
+    out: dict[str, Any] = {"outputs": 0.0}
+    try:
+        for _ in range(3):
+            x = torch.randn(6, 3, dtype=torch.float64, generator=g)
+            y = torch.randint(0, 5, (6,), generator=g)
+            for m, opt in zip((serial, model), opts):
+                opt.zero_grad()
+                ce(m(x), y).backward()
+                opt.step()
+            with torch.inference_mode():
+                x = torch.randn(6, 3, dtype=torch.float64, generator=g)  # an inference tensor
+                a, b = serial(x), model(x)
+            out["outputs"] = max(out["outputs"], float((a - b).abs().max()))
+        ref = dict(serial.named_parameters())
+        out["params"] = max(float((p - ref[n]).abs().max()) for n, p in model.named_parameters())
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    model.close()
+    return out
+
+
 # --- dropout switched off by its own eval(), randomness in a plain layer, tensor hooks ----
 
 def dropout_modules_in_eval(comm: Any) -> dict[str, Any]:
@@ -422,6 +455,8 @@ def run_all(comm: Any) -> dict[str, Any]:
         "empty batch, auto": lambda: empty_batch(comm, "auto"),
         "compiled blocks": lambda: compiled_blocks(comm),
         "compiled model": lambda: compiled_model(comm),
+        "inference mode": lambda: inference_mode(comm, CONVERGED),
+        "inference mode, auto": lambda: inference_mode(comm, "auto"),
         "dropout modules in eval": lambda: dropout_modules_in_eval(comm),
         "hooked parameter": lambda: hooked_parameter(comm),
         "hooked parameter, per-step": lambda: hooked_parameter(
