@@ -33,6 +33,11 @@ def test_auto_path_is_measured_and_equals_per_step() -> None:
     assert err <= F64.roundoff
 
 
+def test_a_parameter_no_block_uses_keeps_no_gradient_as_in_serial() -> None:
+    # (timing the cycle paths differentiated it and raised torch's allow_unused error)
+    assert lp_passes.unused_parameters(None) <= F64.converged
+
+
 def test_dropped_outputs_hold_no_memory() -> None:
     # 90 more forwards whose outputs are dropped leave no more live tensors behind
     assert lp_passes.dropped_outputs_growth(None) <= 0
@@ -46,6 +51,7 @@ def test_passes_match_serial_mpi(nprocs: int, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     errs = json.loads(out.read_text())
     assert errs.pop("tensor growth") <= 0
+    assert errs.pop("unused parameters") <= F64.converged
     # batched="auto" decides alike on every rank, and either path gives the same result
     assert errs.pop("auto choices agree") is True
     assert errs.pop("auto vs per-step") <= F64.roundoff

@@ -286,7 +286,7 @@ class SegmentRunner:
                 xin = x.detach().requires_grad_()
                 y = bb.step(xin, pairs, params=leaves)
                 torch.autograd.grad(y, [xin, *(t for t in leaves.values()
-                                               if t.requires_grad)], x)
+                                               if t.requires_grad)], x, allow_unused=True)
             bb.new_pass(check=False)  # as a pass would, each repeat makes its own
 
         def per_step() -> None:
@@ -294,7 +294,9 @@ class SegmentRunner:
                 for r, a in enumerate(layers):
                     xin = x[r].detach().requires_grad_()
                     y = self.phi(xin, a, a + 1, tape, update_stats=False)
-                    torch.autograd.grad(y, [xin, *self.layer_params[a]], x[r])
+                    # (a parameter the block does not use has no gradient: allowed)
+                    torch.autograd.grad(y, [xin, *self.layer_params[a]], x[r],
+                                        allow_unused=True)
 
         # a rank whose blocks cannot be vectorised votes for per-step cycles
         mine = (math.inf, 0.0) if bb is None else (best_seconds(vectorised, like.device, repeats),
