@@ -55,6 +55,33 @@ class _Remote(nn.Module):
         return f"on rank {self.owner}"
 
 
+def untraced_pass(model: LayerParallel, x: Tensor) -> Tensor:
+    """`model`'s pass on `x`, with what it cannot run under set aside.  Under
+    ``torch.inference_mode()`` it runs as under ``torch.no_grad()``
+    (`outside_inference`).  Where a compiler is loaded, dynamo is disabled inside the
+    pass, so ``torch.compile(model)`` runs it eagerly, its compiled blocks still
+    compiled: a pass exchanges messages between ranks and checks what the blocks do to
+    their inputs, which a traced graph would neither hold nor keep."""
+    if torch.is_inference_mode_enabled():
+        return outside_inference(model.forward, x)
+    dynamo = sys.modules.get("torch._dynamo")  # (loaded only where something compiles)
+    if dynamo is None:
+        return model._forward_once(x)
+    untraced = _UNTRACED.get("pass")
+    if untraced is None:  # made once per process
+        untraced = _UNTRACED["pass"] = dynamo.disable(_forward_once, recursive=True)
+    return untraced(model, x)
+
+
+def _forward_once(model: LayerParallel, x: Tensor) -> Tensor:
+    """`model._forward_once(x)`, the method looked up at each call."""
+    return model._forward_once(x)
+
+
+#: `_forward_once` with dynamo disabled inside, made where a compiler is loaded
+_UNTRACED: dict[str, Callable[[LayerParallel, Tensor], Tensor]] = {}
+
+
 def outside_inference(forward: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """`forward(x)` called inside ``torch.inference_mode()``, run under
     ``torch.no_grad()`` instead, on a copy of `x` where it is an inference tensor: a
@@ -411,8 +438,6 @@ class LayerParallel(nn.Module):
         self.last_backward: list[MGRITResult] = []
         self._checking = False  # inside `checking()`: a gradient check's passes
         self._exact_pass = False  # inside `exact()`: passes run exact propagation
-        # the pass with the compiler kept out (`forward`), made where one is loaded
-        self._untraced: Optional[Callable[[Tensor], Tensor]] = None
 
     def _layer_owners(self, net: ODENet) -> list[tuple[str, nn.Module, int]]:
         """(name, module, owner rank) of every layer of the whole net, a segment's
@@ -598,23 +623,9 @@ class LayerParallel(nn.Module):
 
     # -- passes ----------------------------------------------------------------------------------
     def forward(self, x: Tensor) -> Tensor:
-        """Layer-parallel forward pass; pass the same `x` on every rank.
-
-        Under ``torch.compile(model)`` the pass runs eagerly (its compiled blocks stay
-        compiled): it exchanges messages between ranks and checks what its blocks do
-        to their inputs, which a traced graph would neither hold nor keep.  Under
-        ``torch.inference_mode()`` it runs as under ``torch.no_grad()``
-        (`outside_inference`)."""
-        if torch.is_inference_mode_enabled():
-            return outside_inference(self.forward, x)
-        if "torch._dynamo" in sys.modules:  # a compiler was loaded: trace none of it
-            untraced = self._untraced
-            if untraced is None:
-                dynamo = sys.modules["torch._dynamo"]
-                untraced = self._untraced = dynamo.disable(self._forward_once,
-                                                           recursive=True)
-            return untraced(x)
-        return self._forward_once(x)
+        """Layer-parallel forward pass; pass the same `x` on every rank (also under
+        ``torch.compile`` and ``torch.inference_mode()``: `untraced_pass`)."""
+        return untraced_pass(self, x)
 
     def _forward_once(self, x: Tensor) -> Tensor:
         if self._closed:
