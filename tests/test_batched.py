@@ -178,6 +178,40 @@ def test_a_block_whose_vmap_fails_falls_back_at_the_first_pass() -> None:
         train(model, x, y)  # once only
 
 
+class Checkpointed(torch.nn.Module):
+    """Recomputes its activations in the backward (`torch.utils.checkpoint`): its
+    forward runs under vmap, its backward does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(5, 8), torch.nn.Linear(8, 5)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(
+            lambda v: self.b(torch.tanh(self.a(v))), u, use_reentrant=False)
+
+
+@pytest.mark.parametrize("batched", [True, None])
+def test_a_block_vmap_cannot_differentiate_falls_back_at_the_first_pass(batched) -> None:
+    """The first pass's probe runs the vectorised step's backward too: a block whose
+    vmapped forward works and whose backward fails steps layer by layer, with the
+    per-step path's gradients (it raised from the path timing or the first adjoint)."""
+    torch.manual_seed(0)
+    net = layerpar.ODENet(open=torch.nn.Linear(3, 5), steps=lambda k: Checkpointed(),
+                          n_steps=12, t_final=2.0, close=torch.nn.Linear(5, 4)).double()
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 4, (6,))
+    _, _, want = train(layerpar.LayerParallel(copy.deepcopy(net), None, *INEXACT,
+                                              batched=False), x, y)
+    model = layerpar.LayerParallel(net, None, *INEXACT, batched=batched)
+    why = model._runners[1].vectorised.probe(torch.zeros(6, 5, dtype=torch.float64))
+    assert why.startswith("vmap's backward failed: RuntimeError"), why
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the one warning per block type may be gone)
+        _, _, got = train(model, x, y)
+    assert model._runners[1].vectorised is None
+    assert max(rel(g, want[n]) for n, g in got.items()) <= F64.roundoff
+
+
 def test_operation_counts_are_pinned() -> None:
     """Operations per training batch (zero_grad, forward, backward, SGD step) on small
     nets: the batched cycle's count is independent of the layers per interval, and a

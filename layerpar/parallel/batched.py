@@ -770,4 +770,48 @@ class BatchedBlocks:
         scale = float(want.abs().max()) + 1e-30
         if not err <= tol * max(scale, 1.0):
             return f"the vectorised output differs from the block's forward by {err:.3g}"
+        return self._vjp_reason(layers, v, tol)
+
+    def _vjp_reason(self, layers: tuple[int, ...], v: Tensor, tol: float) -> Optional[str]:
+        """Why the vectorised step's vector-Jacobian products (the adjoint's and the
+        final sweeps' gradients) cannot stand for the blocks' own, or None: vmap may run
+        a forward it cannot differentiate (a block checkpointing its activations, say),
+        or differentiate it otherwise.  Compared on `v` (one state per layer of
+        `layers`) for the input and the parameters every one of them trains."""
+        blocks = [dict(self.blocks[a].named_parameters()) for a in layers]
+        names = [n for n in self.param_names if all(b[n].requires_grad for b in blocks)]
+        g = torch.Generator(device=v.device).manual_seed(4321)
+        w = torch.randn(v.shape, generator=g, dtype=v.dtype, device=v.device)
+        try:
+            with torch.enable_grad():
+                p, b = self.stacked(layers)
+                leaves = {n: t.detach().requires_grad_(n in names) for n, t in p.items()}
+                vin = v.detach().requires_grad_()
+                got = torch.autograd.grad(self.fn(leaves, b, vin),
+                                          [vin, *(leaves[n] for n in names)], w,
+                                          allow_unused=True)
+                want = []
+                for k, a in enumerate(layers):
+                    vk = v[k].detach().requires_grad_()
+                    want.append(torch.autograd.grad(
+                        self.blocks[a](vk), [vk, *(blocks[k][n] for n in names)], w[k],
+                        allow_unused=True))
+        except Exception as exc:  # noqa: BLE001 - any failure means: do not vectorise
+            return f"vmap's backward failed: {type(exc).__name__}: {exc}"
+        finally:
+            self._stacked = {}
+        for i, mine in enumerate(got):  # (None: no gradient, zeros)
+            shaped = [v[k] if i == 0 else blocks[k][names[i - 1]] for k in range(len(layers))]
+            theirs = torch.stack([torch.zeros_like(t) if wk[i] is None else wk[i]
+                                  for t, wk in zip(shaped, want)])
+            if mine is None:
+                mine = torch.zeros_like(theirs)
+            if theirs.numel() == 0:
+                continue
+            err = float((mine - theirs).abs().max())
+            scale = float(theirs.abs().max())
+            if not err <= tol * max(scale, 1.0):
+                what = "input" if i == 0 else f"`{names[i - 1]}`"
+                return (f"the vectorised step's gradient for its {what} differs from the "
+                        f"block's own by {err:.3g}")
         return None
