@@ -232,6 +232,17 @@ DEEPCOPY_REFUSED = (
     "`model.gather_state_dict()`; for a second model, build one (`model.like()`)")
 
 
+def refuse_pickling(model: Any, protocol: Any = None) -> Any:
+    """`LayerParallel.__reduce_ex__`: ``torch.save(model)`` and ``pickle`` refused by
+    name, with what to save instead (the native solver's state has no pickled form)."""
+    raise TypeError(
+        "a LayerParallel cannot be pickled (torch.save(model), pickle.dumps): it holds a "
+        "communicator and native solver state, and its layers live on several ranks. "
+        "Save `model.gather_state_dict()` (collective: it loads into the serial ODENet "
+        "or into a LayerParallel on any number of ranks) and, for the optimizer, "
+        "`model.gather_optimizer_state(optimizer)`")
+
+
 def this_ranks_part(model: _Model, state_dict: Any, mine: dict[str, Any]) -> dict:
     """What this rank loads from `state_dict`: its own keys, and for a tensor the whole
     net holds under several names (a shared block, tied weights) the value of the last

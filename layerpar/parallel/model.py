@@ -711,6 +711,7 @@ class LayerParallel(nn.Module):
 
     def __deepcopy__(self, memo: dict) -> LayerParallel:
         raise TypeError(checkpoint.DEEPCOPY_REFUSED)
+    __reduce_ex__ = checkpoint.refuse_pickling  # torch.save(model), pickle
 
     def gather_state_dict(self) -> dict[str, Tensor]:
         """The whole network's state dict (loads into the serial `ODENet`), on every rank
