@@ -182,7 +182,8 @@ def hook_refusal(model: LayerParallel) -> Optional[str]:
     steps, the adjoint's recomputation) or stacks the layers into one call, so a
     block's hooks, or a global module hook, would run another number of times, on
     other inputs, or not at all.  The plain layers' hooks run as in serial training,
-    once per pass on the layer's owner.  (0.06 ms a check on 1,024 dense blocks.)"""
+    once per pass on the layer's owner.  Checked on every pass (`agree_pass`): 0.055 ms
+    on 1,024 dense blocks."""
     sites = getattr(model, "_hook_sites", None)
     if sites is None:
         sites = model._hook_sites = _HookSites(model)
@@ -229,8 +230,9 @@ def agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     dev = x.device.type
     cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     key = (tuple(x.shape), str(x.dtype), model.training, grad_mode, str(cast))
-    # the net's module hooks, checked with the input in the first batches
-    hooks = hook_refusal(model) if model._batch <= model.check_inputs else None
+    # the net's module hooks, on every pass (a hook registered mid-training too): the
+    # scan costs a fraction of a millisecond and travels in the agreement's message
+    hooks = hook_refusal(model)
     if model._agreements is not None:
         return agree_on_grid(model, x, key, x_rg, p_rg, seed, hooks)
     if model.size == 1:

@@ -292,8 +292,8 @@ class LayerParallel(nn.Module):
         fingerprint of the input and of the loss gradient between ranks and raise
         `RankMismatchError` when they differ.  Only rank 0's input and the last rank's
         loss gradient are used, so rank-dependent data would otherwise give a wrong
-        model silently.  The same batches look for module hooks a pass cannot run as
-        serial training does (`agree.hook_refusal`) and refuse them by name.
+        model silently.  (Module hooks a pass cannot run as serial training does are
+        looked for on every pass and refused by name: `agree.hook_refusal`.)
     check_finite: check every output and loss gradient for NaN/inf (one flag read back
         from the device per pass; a non-finite one raises `DivergenceError`).  With
         False and fixed iteration counts (tol = rtol = 0) a training step on one GPU

@@ -85,15 +85,21 @@ def _compare(comm: Any, options: Any, hook_on: Callable[[layerpar.ODENet], nn.Mo
 
 
 def _refused(comm: Any, options: Any, hook: Callable[[layerpar.ODENet], Any],
-             only_rank: Optional[int] = None) -> dict[str, Any]:
-    """A model whose net `hook(net)` hooked (on rank `only_rank` alone where given),
-    run on a batch: {"error": what it raised} or {"ran": True}."""
+             only_rank: Optional[int] = None, after: int = 0) -> dict[str, Any]:
+    """A model whose net `hook(net)` hooked (on rank `only_rank` alone where given;
+    after `after` training batches past the input checks), run on a batch:
+    {"error": what it raised} or {"ran": True}."""
     net = _net()
-    handle = hook(net) if only_rank is None or _rank(comm) == only_rank else None
-    model = layerpar.LayerParallel(net, comm, options)
+    mine = only_rank is None or _rank(comm) == only_rank
+    handle = hook(net) if mine and not after else None
+    model = layerpar.LayerParallel(net, comm, options, check_inputs=1)
     x = torch.randn(6, 3, dtype=torch.float64)
     out: dict[str, Any] = {}
     try:
+        for _ in range(after):
+            model(x).sum().backward()
+        if after and mine:
+            handle = hook(net)
         model(x).sum().backward()
         out["ran"] = True
     except Exception as exc:  # noqa: BLE001 - reported for the test to read
@@ -145,6 +151,12 @@ def run_all(comm: Any) -> dict[str, Any]:
         "block hook, auto": lambda: _refused(
             comm, "auto", lambda n: n.layers[1].blocks[0].register_forward_hook(_noop)),
         "old weight norm": lambda: _refused(comm, CONVERGED, _old_weight_norm),
+        "block hook mid-training": lambda: _refused(
+            comm, CONVERGED, lambda n: n.layers[1].blocks[0].register_forward_hook(_noop),
+            after=3),
+        "block hook mid-training, last rank only": lambda: _refused(
+            comm, CONVERGED, lambda n: n.layers[1].blocks[last].register_forward_hook(_noop),
+            only_rank=0 if comm is None else comm.Get_size() - 1, after=3),
         "plain layer hook": lambda: _compare(comm, CONVERGED, lambda n: n.layers[0]),
     }
     if comm is None or comm.Get_size() == 1:
