@@ -40,6 +40,7 @@ refine.py     nested iteration on a LayerParallel (refinement in depth, in place
 sync.py       how replicas stay in step: all-reduce, DASO, Lion Cub; bytes; slow link
 lion.py       the Lion optimizer
 flatadam.py   FlatAdam: Adam stepping each run of a segment's parameter rows as one tensor
+scaler.py     GradScaler: torch's loss scaler with its overflow check agreed between ranks
 """
 # The first `torch.autograd.grad` with tensor `grad_outputs` in a process imports this
 # module (and sympy: ~0.3-0.5 s); every layer-parallel backward makes such calls, so it
@@ -56,10 +57,11 @@ from .grid import ProcessGrid
 from .lion import Lion
 from .model import LayerParallel
 from .plan import Plan
+from .scaler import GradScaler
 from .sync import DASO, AllReduce, LionCub, SlowLink, SyncStrategy
 
 __all__ = ["DASO", "AllReduce", "Auto", "AutoCapturedStep", "CapturedStep", "FlatAdam",
            "LayerParallel", "Lion",
            "LionCub", "Plan", "ProcessGrid", "SlowLink", "SyncStrategy", "capture_step"]
 __all__ += ["DataParallelNet", "PipelineNet", "TrainingMethod"]  # baselines/
-__all__ += ["choose_method"]
+__all__ += ["choose_method", "GradScaler"]

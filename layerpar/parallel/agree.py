@@ -8,6 +8,7 @@ gradients by a cheap fingerprint of their values (`values_fingerprint`,
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -24,7 +25,8 @@ from ..mgrit.xbraid import (
 )
 from ..ode.net import ODENet, Segment
 from ..ode.rng import REPLICA, draw_seed, mix_seed
-from .batched import structure
+from .batched import structure, user_stacklevel
+from .scaler import scaler_agrees
 
 __all__ = ["Agreed", "check_xbraid", "fingerprint", "layer_key", "same_values",
            "values_fingerprint"]
@@ -213,6 +215,14 @@ _REPEATS = ("layer-parallel passes evaluate a residual block several times per p
             "order)")
 
 
+#: said once per model at its first float16-autocast pass that records, at 2+ ranks
+FP16_SCALER = ("layerpar: float16 autocast at several ranks: a torch.amp.GradScaler looks "
+               "for inf and NaN in its own rank's gradients only, so an overflow in one "
+               "rank's layers would skip that rank's step alone and set the ranks' scales "
+               "apart; build layerpar.parallel.GradScaler(model) on every rank instead (or "
+               "train under bfloat16, which needs no loss scaling)")
+
+
 def agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     """One collective per forward pass, before any other message: every rank has the
     same input shape, dtype, training and grad mode, and every rank takes the same
@@ -230,6 +240,10 @@ def agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     dev = x.device.type
     cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     key = (tuple(x.shape), str(x.dtype), model.training, grad_mode, str(cast))
+    if cast == torch.float16 and model.size > 1 and grad_mode and \
+            not getattr(model, "_fp16_warned", False) and not scaler_agrees(model):
+        model._fp16_warned = True
+        warnings.warn(FP16_SCALER, stacklevel=user_stacklevel())
     # the net's module hooks, on every pass (a hook registered mid-training too): the
     # scan costs a fraction of a millisecond and travels in the agreement's message
     hooks = hook_refusal(model)

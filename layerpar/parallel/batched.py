@@ -427,10 +427,10 @@ def warn_once(block: nn.Module, reason: str) -> None:
         warnings.warn(f"layerpar: residual block {type(block).__qualname__} is not "
                       f"vectorised ({reason}); its segment steps one layer at a time, which "
                       "issues one set of tensor operations per layer",
-                      stacklevel=_user_stacklevel())
+                      stacklevel=user_stacklevel())
 
 
-def _user_stacklevel() -> int:
+def user_stacklevel() -> int:
     """The `warnings.warn` stack level, called from the function that calls this one,
     of the first frame outside layerpar and torch (a module's call, an autograd
     Function's apply): the user's line (``LayerParallel(...)``, the first pass),
