@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from mpi_util import WORKERS, run_mpi
 from tolerances import F64
+
+import layerpar
 
 sys.path.insert(0, str(WORKERS))
 import lp_scaler  # noqa: E402
@@ -38,6 +41,23 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
 
 def test_one_rank() -> None:
     check({k: [v] for k, v in lp_scaler.run_all(None).items()}, 1)
+
+
+def test_built_over_what_holds_the_ranks() -> None:
+    """Over the auto policy and a training method the flag lands on the LayerParallel
+    they run (whose passes look for it); anything without a transport is refused."""
+    from layerpar.parallel.baselines import LayerParallelMethod
+    from layerpar.parallel.scaler import GradScaler, scaler_agrees
+
+    auto = layerpar.LayerParallel(lp_scaler._net(), None, "auto")
+    method = LayerParallelMethod(lp_scaler._net(), None, options="auto")
+    for holder in (auto, method):
+        assert not scaler_agrees(holder)
+        GradScaler(holder, "cpu")
+        assert scaler_agrees(holder)
+        holder.close()
+    with pytest.raises(TypeError, match="`model` must be a LayerParallel"):
+        GradScaler(torch.nn.Linear(2, 2), "cpu")
 
 
 @pytest.mark.mpi

@@ -21,10 +21,13 @@ __all__ = ["GradScaler", "scaler_agrees"]
 
 
 def _owner(model: Any) -> Any:
-    """The `LayerParallel` a policy (`Auto`) or a `LayerParallelMethod` runs, else
-    `model` itself."""
-    inner = getattr(model, "model", None)
-    return inner if inner is not None and hasattr(inner, "transport") else model
+    """The `LayerParallel` a policy (`Auto`) or a `LayerParallelMethod` runs (through
+    both where a method runs a policy), else `model` itself."""
+    while True:
+        inner = getattr(model, "model", None)
+        if inner is None or inner is model or not hasattr(inner, "transport"):
+            return model
+        model = inner
 
 
 def scaler_agrees(model: Any) -> bool:
