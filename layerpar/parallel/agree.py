@@ -3,11 +3,14 @@
 Settings are compared by digest (`fingerprint`: a layer's structure), inputs and loss
 gradients by a cheap fingerprint of their values (`values_fingerprint`,
 `same_values`), and what the XBraid engine cannot do is refused by name
-(`check_xbraid`).  Each check raises the same way on every rank.
+(`check_xbraid`); so are module hooks a pass cannot run as serial training does
+(`hook_refusal`) and a module or parameter replaced after the model was built
+(`Layout`).  Each check raises the same way on every rank.
 """
 from __future__ import annotations
 
 import hashlib
+import operator
 import warnings
 from typing import Any, Optional
 
@@ -176,6 +179,89 @@ class _HookSites:
         raise RuntimeError("internal: no module holds the hook found")
 
 
+#: parameters, buffers and modules registered on any module of this process so far
+#: (``setattr`` of a Parameter, a buffer or a Module, ``register_*``,
+#: ``load_state_dict(..., assign=True)``), counted by global registration hooks
+#: installed at the first `registrations` call: a holder of a net walks it again only
+#: where the count moved since it last looked
+_REGISTERED = [0]
+_COUNTING: list[Any] = []
+
+
+def registrations() -> int:
+    """How many parameters, buffers and modules have been registered on modules of this
+    process since counting began (the hooks installed at the first call)."""
+    if not _COUNTING:
+        def count(module: nn.Module, name: str, value: Any) -> None:
+            _REGISTERED[0] += 1
+
+        glob = torch.nn.modules.module
+        _COUNTING.extend([glob.register_module_parameter_registration_hook(count),
+                          glob.register_module_buffer_registration_hook(count),
+                          glob.register_module_module_registration_hook(count)])
+    return _REGISTERED[0]
+
+
+class Layout:
+    """Where this rank's model holds each module and parameter object, as built: the
+    model's own module tree (this rank's blocks and plain layers, and theirs) and the
+    whole net's lists of layers and of each segment's blocks.
+
+    The model computes with the objects it was built with: a segment's parameters are
+    rows of one tensor, the vectorised steps and the passes' autograd inputs hold the
+    parameters found at construction.  A module or parameter assigned anew afterwards
+    (``block.linear = nn.Linear(...)``, ``linear.weight = nn.Parameter(...)``, a
+    parametrization registered, ``net.layers[1].blocks[3] = block``) would not be run,
+    silently unlike serial, so a pass refuses it (`moved`).  New values set in place
+    (``p.copy_``, ``p.data = ...``, ``.to()``) keep the objects and are run."""
+
+    def __init__(self, model: nn.Module, net: ODENet) -> None:
+        self.count = registrations()
+        sites: list[tuple[dict, str, Any, str]] = []
+
+        def add(registry: dict, prefix: str) -> None:
+            sites.extend((registry, key, obj, prefix + key)
+                         for key, obj in registry.items() if obj is not None)
+
+        for path, mod in model.named_modules():
+            add(mod._modules, path + "." if path else "")
+            add(mod._parameters, path + "." if path else "")
+        add(net.layers._modules, "the ODENet's layers.")
+        for k, seg in net.segments:
+            add(seg.blocks._modules, f"the ODENet's layers.{k}.blocks.")
+        self.sites = sites
+        self.registries = [r for r, _, _, _ in sites]
+        self.keys = [k for _, k, _, _ in sites]
+        self.held = [o for _, _, o, _ in sites]
+
+    def moved(self) -> Optional[str]:
+        """Why the model cannot run as built (a site holds another object, or none),
+        or None.  Looked at only where something was registered in the process since
+        the last look (`registrations`): otherwise free."""
+        now = registrations()
+        if now == self.count:
+            return None
+        try:
+            same = all(map(operator.is_, map(operator.getitem, self.registries, self.keys),
+                           self.held))
+        except KeyError:
+            same = False
+        if same:
+            self.count = now
+            return None
+        registry, key, held, name = next(
+            site for site in self.sites if site[0].get(site[1]) is not site[2])
+        kind = "parameter" if isinstance(held, nn.Parameter) else "module"
+        what = "was removed" if registry.get(key) is None else "was replaced by another"
+        return (f"{kind} `{name}` {what} after the LayerParallel was built: the model "
+                f"computes with the modules and parameters it was built with (a "
+                f"segment's parameters are rows of one tensor; the passes hold the "
+                f"parameters they differentiate), so it would not run what the net holds "
+                f"now, unlike serial training; set new values in place (`with "
+                f"torch.no_grad(): p.copy_(new)`), or build a new LayerParallel (and "
+                f"optimizer) from the changed ODENet")
+
+
 def hook_refusal(model: LayerParallel) -> Optional[str]:
     """Why a module hook of the net would not run as it runs in serial training, or
     None.  A pass never calls the ODENet's or a segment's forward (the model steps the
@@ -244,9 +330,11 @@ def agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
             not getattr(model, "_fp16_warned", False) and not scaler_agrees(model):
         model._fp16_warned = True
         warnings.warn(FP16_SCALER, stacklevel=user_stacklevel())
-    # the net's module hooks, on every pass (a hook registered mid-training too): the
-    # scan costs a fraction of a millisecond and travels in the agreement's message
-    hooks = hook_refusal(model)
+    # the net's module hooks and layout, on every pass (a hook registered or a module
+    # replaced mid-training too): the scans cost a fraction of a millisecond (the
+    # layout's nothing, unless a module was registered somewhere since the last pass),
+    # and a finding travels in the agreement's message
+    hooks = hook_refusal(model) or model._layout.moved()
     if model._agreements is not None:
         return agree_on_grid(model, x, key, x_rg, p_rg, seed, hooks)
     if model.size == 1:

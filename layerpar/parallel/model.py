@@ -33,7 +33,7 @@ from ..ode.coarsening import COARSENINGS
 from ..ode.net import ODENet, Segment
 from ..ode.rng import DROPOUT_TYPES as _DROPOUT
 from . import checkpoint
-from .agree import Agreed, agree_pass, check_xbraid, layer_key
+from .agree import Agreed, Layout, agree_pass, check_xbraid, layer_key
 from .grads import GradDelivery
 from .grid import ProcessGrid
 from .passes import backward_pass, forward_direct, forward_pass, refuse_after_failure
@@ -410,7 +410,8 @@ class LayerParallel(nn.Module):
         # parameters several layers use (one block for every step; tied weights):
         # every use's gradient summed, over the ranks too (`sharing`)
         self._shared = SharedParams.build(self._layer_owners(net))
-        self._param_list: Optional[list[nn.Parameter]] = None
+        self._param_list: list[nn.Parameter] = list(self.parameters())
+        self._layout = Layout(self, net)  # (what a pass refuses to find replaced)
         self._deliver = GradDelivery()
         self._closed = False
         # joins the backward on a rank with nothing of its own to differentiate
@@ -636,8 +637,6 @@ class LayerParallel(nn.Module):
             raise TypeError(f"`x` must be a torch.Tensor, got {type(x).__name__}")
         if x.is_meta:
             raise ValueError("`x` is on the meta device: it has a shape but no values")
-        if self._param_list is None:  # walking the module tree costs ~5 us per layer
-            self._param_list = list(self.parameters())
         self._batch += 1
         self.transport.set_context(f"batch {self._batch}, forward pass")
         agreed = agree_pass(self, x)

@@ -44,7 +44,7 @@ from torch._utils import _flatten_dense_tensors
 from ...mgrit.transport import DEFAULT_TIMEOUT, check_timeout, is_process_group, make_transport
 from ...ode.net import ODENet
 from ...ode.rng import StepStreams
-from ..agree import layer_key
+from ..agree import layer_key, registrations
 from ..move import gather_rows
 from ..replicas import GradAverager
 from .dist import own_group, release_group
@@ -53,26 +53,7 @@ from .method import LossFn, TrainingMethod, as_net, check_check_inputs
 __all__ = ["DataParallelNet"]
 
 ENGINES = ("auto", "ddp", "allreduce")
-
-
-#: parameters registered on any module of this process so far (``setattr`` of a
-#: Parameter, ``load_state_dict(..., assign=True)``): counted by one global hook, so
-#: that `DataParallelNet` walks the net again only where one may have been replaced
-_REGISTERED = [0]
-_COUNTING: list[Any] = []  # (the hook's handle, once installed)
 _TRAINED = operator.attrgetter("requires_grad")
-
-
-def _count_registrations() -> None:
-    """Install the global parameter-registration hook behind `_REGISTERED` (once)."""
-    if _COUNTING:
-        return
-
-    def count(module: nn.Module, name: str, param: Any) -> None:
-        _REGISTERED[0] += 1
-
-    _COUNTING.append(nn.modules.module.register_module_parameter_registration_hook(count))
-    _COUNTING.append(nn.modules.module.register_module_buffer_registration_hook(count))
 
 
 class DataParallelNet(TrainingMethod):
@@ -142,7 +123,6 @@ class DataParallelNet(TrainingMethod):
         self._in_step = False  # the hooks act inside train_step only: the net may be
         # trained otherwise as well
         self._streams = StepStreams(net, self.rank)
-        _count_registrations()
         if engine == "allreduce":
             self._broadcast_state()
             self._averager = GradAverager(self.transport)
@@ -161,7 +141,7 @@ class DataParallelNet(TrainingMethod):
                 groups.setdefault(b.dtype, []).append(b)
         self._buffers = [(dtype, bufs, [b.numel() for b in bufs])
                          for dtype, bufs in groups.items()]
-        self._registered = _REGISTERED[0]
+        self._registered = registrations()
         return tuple((id(p), p.requires_grad) for p in self._params)
 
     def _attach(self) -> None:
@@ -196,7 +176,7 @@ class DataParallelNet(TrainingMethod):
         the last step (replaced or frozen or unfrozen), so that every one of them is
         averaged: otherwise the ranks would step apart, silently.  Agreed first (the
         same change on every rank, or every rank raises)."""
-        if _REGISTERED[0] == self._registered and \
+        if registrations() == self._registered and \
                 list(map(_TRAINED, self._params)) == self._flags:
             return  # (0.13 ms for the 1,024-layer dense net)
         if self._trainable() == self._attached:

@@ -1,0 +1,55 @@
+"""Modules and parameters assigned anew after a LayerParallel was built
+(`workers/lp_replaced.py`) at 1, 2 and 4 ranks: refused by name on every rank (the
+model computes with the objects it was built with); values set in place, and modules
+built elsewhere in the process, give serial's output."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mpi_util import WORKERS, run_mpi
+from tolerances import F64
+
+sys.path.insert(0, str(WORKERS))
+import lp_replaced  # noqa: E402
+
+LAST = lp_replaced.N_STEPS - 1
+#: what each refused case names
+REFUSED = {
+    "block parameter": "parameter `layers.1.blocks.0.linear.weight` was replaced by another",
+    "block submodule": f"module `layers.1.blocks.{LAST}.linear` was replaced by another",
+    "block in the net's list": "module `the ODENet's layers.1.blocks.3` was replaced by "
+                               "another",
+    "plain layer parameter, after the checks": "parameter `layers.2.weight` was replaced",
+    "last rank only": f"parameter `layers.1.blocks.{LAST}.linear.bias` was replaced",
+    "parametrization": "parameter `layers.1.blocks.2.linear.weight` was removed",
+}
+
+
+def check(results: dict[str, list[Any]], ranks: int) -> None:
+    for name, says in REFUSED.items():
+        for r in results[name]:
+            assert r.get("error", "").startswith("ValueError: " + says), (name, r)
+            assert "after the LayerParallel was built" in r["error"], (name, r)
+    if ranks > 1:
+        for r in results["last rank only"]:
+            assert f"(found on rank {ranks - 1})" in r["error"], r
+    for name in ("values in place", "modules built elsewhere"):
+        for r in results[name]:
+            assert "error" not in r and r["diff"] <= F64.converged, (name, r)
+
+
+def test_one_rank() -> None:
+    check({k: [v] for k, v in lp_replaced.run_all(None).items()}, 1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_several_ranks(tmp_path: Path, ranks: int) -> None:
+    out = tmp_path / "replaced.json"
+    proc = run_mpi(WORKERS / "lp_replaced.py", ranks, str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check(json.loads(out.read_text()), ranks)

@@ -1,0 +1,135 @@
+"""MPI worker: modules and parameters assigned anew after a LayerParallel was built.
+
+Run: mpiexec -n P python -m mpi4py tests/workers/lp_replaced.py OUT.json
+(also importable: `run_all(None)` for one rank in-process).  Rank 0 writes
+{case: [rank 0's result, rank 1's, ...]}; a result is {"error": text} where the case
+raised, else {"diff": the output's largest difference from serial's}.
+
+- refused by name on every rank: a block's parameter, a block's submodule, a block
+  in the ODENet's list, a plain layer's parameter replaced (after a pass, or after the
+  input checks' batches), one replaced on the last rank only, a parametrization
+  registered on a block's weight;
+- run as serial: values set in place (``copy_``, ``.data``), and modules built
+  elsewhere in the process between passes (the registration count moves, the
+  model's objects do not).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.nn.utils.parametrize as parametrize
+from torch import nn
+
+import layerpar
+from layerpar.mgrit import MGRITOptions
+from layerpar.ode import blocks
+
+CONVERGED = MGRITOptions(max_levels=2, cfactor=2, tol=0.0, max_iter=8)
+N_STEPS = 8
+#: the batches run before the change where a case says "after the checks"
+CHECKED = 3
+
+
+def _net() -> layerpar.ODENet:
+    torch.manual_seed(0)
+    return layerpar.ODENet(open=nn.Linear(3, 4),
+                           steps=lambda k: blocks.Dense(4, activation="tanh"),
+                           n_steps=N_STEPS, close=nn.Linear(4, 5)).double()
+
+
+class _Half(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 0.5 * w
+
+
+def _new_weight(net: nn.Module, name: str) -> None:
+    """`name`'s parameter replaced by a new one of half its values."""
+    owner, _, attr = name.rpartition(".")
+    mod = net.get_submodule(owner)
+    setattr(mod, attr, nn.Parameter(getattr(mod, attr).detach() * 0.5))
+
+
+def _block(net: layerpar.ODENet, n: int) -> None:
+    torch.manual_seed(9)
+    net.layers[1].blocks[n] = blocks.Dense(4, activation="tanh").double()
+
+
+def _linear(net: layerpar.ODENet, n: int) -> None:
+    torch.manual_seed(9)
+    net.layers[1].blocks[n].linear = nn.Linear(4, 4).double()
+
+
+def _halved(net: layerpar.ODENet) -> None:
+    parametrize.register_parametrization(net.layers[1].blocks[2].linear, "weight", _Half())
+
+
+def _in_place(net: layerpar.ODENet) -> None:
+    with torch.no_grad():
+        for i, p in enumerate(net.parameters()):
+            if i % 2:
+                p.mul_(0.5)
+            else:
+                p.data = p.data * 0.25
+
+
+def _elsewhere(net: layerpar.ODENet) -> None:
+    _ = nn.Sequential(nn.Linear(2, 2), nn.Tanh())  # (registrations in the process)
+
+
+def _case(comm: Any, change: Callable[[layerpar.ODENet], None], after: int = 1,
+          only_last: bool = False) -> dict[str, Any]:
+    """`change` made to the model's net (on the last rank only where `only_last`)
+    after `after` training batches, then one more pass: its output against the serial
+    net's under the same change, or the error it raised."""
+    net = _net()
+    serial = copy.deepcopy(net)
+    model = layerpar.LayerParallel(net, comm, CONVERGED, check_inputs=1)
+    x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    size = 1 if comm is None else comm.Get_size()
+    rank = 0 if comm is None else comm.Get_rank()
+    out: dict[str, Any] = {}
+    try:
+        for _ in range(after):
+            model(x).sum().backward()
+        if not only_last or rank == size - 1:
+            change(net)
+        change(serial)
+        out["diff"] = float((model(x) - serial(x)).detach().abs().max())
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    model.close()
+    return out
+
+
+def run_all(comm: Any) -> dict[str, Any]:
+    """Every case on this rank, by name."""
+    last = N_STEPS - 1
+    return {
+        "block parameter": _case(
+            comm, lambda n: _new_weight(n, "layers.1.blocks.0.linear.weight")),
+        "block submodule": _case(comm, lambda n: _linear(n, last)),
+        "block in the net's list": _case(comm, lambda n: _block(n, 3)),
+        "plain layer parameter, after the checks": _case(
+            comm, lambda n: _new_weight(n, "layers.2.weight"), after=CHECKED),
+        "last rank only": _case(
+            comm, lambda n: _new_weight(n, f"layers.1.blocks.{last}.linear.bias"),
+            only_last=True),
+        "parametrization": _case(comm, _halved),
+        "values in place": _case(comm, _in_place),
+        "modules built elsewhere": _case(comm, _elsewhere, after=CHECKED),
+    }
+
+
+if __name__ == "__main__":
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    results = run_all(world)
+    everyone = world.gather(results, root=0)
+    if world.Get_rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump({name: [r[name] for r in everyone] for name in results}, f)
