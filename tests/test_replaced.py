@@ -1,7 +1,8 @@
 """Modules and parameters assigned anew after a LayerParallel was built
 (`workers/lp_replaced.py`) at 1, 2 and 4 ranks: refused by name on every rank (the
 model computes with the objects it was built with); values set in place, and modules
-built elsewhere in the process, give serial's output."""
+built elsewhere in the process, give serial's output.  The net's own forward after a
+step at 2+ ranks is refused (its copies of the other ranks' layers are stale)."""
 from __future__ import annotations
 
 import json
@@ -37,7 +38,13 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
     if ranks > 1:
         for r in results["last rank only"]:
             assert f"(found on rank {ranks - 1})" in r["error"], r
-    for name in ("values in place", "modules built elsewhere"):
+    stale = results["net's forward, trained"]
+    if ranks > 1:
+        for r in stale:
+            assert r.get("error", "").startswith(
+                f"RuntimeError: this ODENet's layers are trained over {ranks} ranks"), r
+    for name in ("values in place", "modules built elsewhere", "net's forward, no step",
+                 "net's forward, loaded") + (() if ranks > 1 else ("net's forward, trained",)):
         for r in results[name]:
             assert "error" not in r and r["diff"] <= F64.converged, (name, r)
 

@@ -8,6 +8,7 @@ the *serial oracle* every layer-parallel result is tested against.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Callable
 
@@ -20,7 +21,21 @@ from .propagator import Propagator
 from .rng import draw_seed, layer_rng, needs_rng, plain_rng
 from .schemes import Scheme, get_scheme
 
-__all__ = ["Segment", "ODENet", "sequential_segment"]
+__all__ = ["Segment", "ODENet", "sequential_segment", "guard_serial_forward"]
+
+#: nets whose layers a model distributes over ranks, each with what says why its serial
+#: forward would not compute the trained net now (None: it would): `guard_serial_forward`
+_GUARDED: weakref.WeakKeyDictionary[nn.Module, Callable[[], str | None]] = \
+    weakref.WeakKeyDictionary()
+
+
+def guard_serial_forward(net: nn.Module, why: Callable[[], str | None]) -> None:
+    """Make `net`'s `ODENet.forward` raise `why()` where it is not None: a model that
+    trains the net's layers on several ranks leaves each rank's copies of the others'
+    layers untrained, and a serial pass over them (evaluating the net as one would a
+    DistributedDataParallel's module) would compute another net, silently.  Copies of
+    the net (`copy.deepcopy`) are not guarded."""
+    _GUARDED[net] = why
 
 
 class Segment(nn.Module):
@@ -259,7 +274,12 @@ class ODENet(nn.Module):
         return None
 
     def forward(self, x: Tensor) -> Tensor:
-        """Serial oracle: every layer in order, plain autograd."""
+        """Serial oracle: every layer in order, plain autograd (refused where a model
+        trains this net's layers on several ranks and they are stale here:
+        `guard_serial_forward`)."""
+        guard = _GUARDED.get(self)
+        if guard is not None and (why := guard()) is not None:
+            raise RuntimeError(why)
         return self.forward_seeded(x, self.forward_seed())
 
     def forward_seeded(self, x: Tensor, seed: int | None) -> Tensor:

@@ -11,7 +11,10 @@ raised, else {"diff": the output's largest difference from serial's}.
   registered on a block's weight;
 - run as serial: values set in place (``copy_``, ``.data``), and modules built
   elsewhere in the process between passes (the registration count moves, the
-  model's objects do not).
+  model's objects do not);
+- the net's own (serial) forward after an optimizer step: refused at 2+ ranks (its
+  copies of the other ranks' layers are stale), equal to the model's at one rank,
+  before a step, and after the gathered state was loaded into it.
 """
 from __future__ import annotations
 
@@ -105,6 +108,29 @@ def _case(comm: Any, change: Callable[[layerpar.ODENet], None], after: int = 1,
     return out
 
 
+def _serial_after(comm: Any, step: bool, load: bool) -> dict[str, Any]:
+    """The net's own forward after a training batch (and an optimizer step where
+    `step`; the gathered state loaded into the net where `load`): against the model's
+    output, or the error it raised."""
+    net = _net()
+    model = layerpar.LayerParallel(net, comm, CONVERGED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    out: dict[str, Any] = {}
+    try:
+        model(x).square().sum().backward()
+        if step:
+            opt.step()
+        if load:
+            net.load_state_dict(model.gather_state_dict())
+        with torch.no_grad():
+            out["diff"] = float((net(x) - model(x)).abs().max())
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    model.close()
+    return out
+
+
 def run_all(comm: Any) -> dict[str, Any]:
     """Every case on this rank, by name."""
     last = N_STEPS - 1
@@ -121,6 +147,9 @@ def run_all(comm: Any) -> dict[str, Any]:
         "parametrization": _case(comm, _halved),
         "values in place": _case(comm, _in_place),
         "modules built elsewhere": _case(comm, _elsewhere, after=CHECKED),
+        "net's forward, trained": _serial_after(comm, step=True, load=False),
+        "net's forward, no step": _serial_after(comm, step=False, load=False),
+        "net's forward, loaded": _serial_after(comm, step=True, load=True),
     }
 
 
