@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
-import json
 import sys
 import warnings
 from typing import Any, Callable, Optional
@@ -469,12 +468,10 @@ def run_all(comm: Any) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    from by_case import write_by_case
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     results = run_all(world) if len(sys.argv) < 3 else \
         {name: case() for name, case in autocast_cases(world).items()}
-    everyone = world.gather(results, root=0)
-    if world.Get_rank() == 0:
-        with open(sys.argv[1], "w") as f:
-            json.dump({name: [r[name] for r in everyone] for name in results}, f)
+    write_by_case(world, results, sys.argv[1])
