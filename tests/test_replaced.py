@@ -38,11 +38,15 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
     if ranks > 1:
         for r in results["last rank only"]:
             assert f"(found on rank {ranks - 1})" in r["error"], r
-    stale = results["net's forward, trained"]
     if ranks > 1:
-        for r in stale:
+        # (auto's candidates are models on the same net: still one guard, one hook)
+        for r in results["net's forward, trained"] + results["net's forward, auto"]:
             assert r.get("error", "").startswith(
                 f"RuntimeError: this ODENet's layers are trained over {ranks} ranks"), r
+            assert r["load_hooks"] == 1, r
+    else:
+        for r in results["net's forward, auto"]:
+            assert "error" not in r and r["diff"] <= F64.converged, r
     for name in ("values in place", "modules built elsewhere", "net's forward, no step",
                  "net's forward, loaded") + (() if ranks > 1 else ("net's forward, trained",)):
         for r in results[name]:

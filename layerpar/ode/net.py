@@ -21,7 +21,8 @@ from .propagator import Propagator
 from .rng import draw_seed, layer_rng, needs_rng, plain_rng
 from .schemes import Scheme, get_scheme
 
-__all__ = ["Segment", "ODENet", "sequential_segment", "guard_serial_forward"]
+__all__ = ["Segment", "ODENet", "sequential_segment", "guard_serial_forward",
+           "serial_forward_guard"]
 
 #: nets whose layers a model distributes over ranks, each with what says why its serial
 #: forward would not compute the trained net now (None: it would): `guard_serial_forward`
@@ -36,6 +37,11 @@ def guard_serial_forward(net: nn.Module, why: Callable[[], str | None]) -> None:
     DistributedDataParallel's module) would compute another net, silently.  Copies of
     the net (`copy.deepcopy`) are not guarded."""
     _GUARDED[net] = why
+
+
+def serial_forward_guard(net: nn.Module) -> Callable[[], str | None] | None:
+    """The guard `guard_serial_forward` set on `net`, if any."""
+    return _GUARDED.get(net)
 
 
 class Segment(nn.Module):

@@ -26,7 +26,7 @@ from ..mgrit.xbraid import (
     require_xbraid,
     xbraid_refusal,
 )
-from ..ode.net import ODENet, Segment, guard_serial_forward
+from ..ode.net import ODENet, Segment, guard_serial_forward, serial_forward_guard
 from ..ode.rng import REPLICA, draw_seed, mix_seed
 from .batched import structure, user_stacklevel
 from .scaler import scaler_agrees
@@ -204,7 +204,7 @@ def registrations() -> int:
 
 class Layout:
     """Where this rank's model holds each module and parameter object, as built: the
-    model's own module tree (this rank's blocks and plain layers, and theirs) and the
+    model's own module tree (this rank's blocks and plain layers, and their modules) and the
     whole net's lists of layers and of each segment's blocks.
 
     The model computes with the objects it was built with: a segment's parameters are
@@ -231,7 +231,7 @@ class Layout:
             add(seg.blocks._modules, f"the ODENet's layers.{k}.blocks.")
         self.sites = sites
         if model.size > 1:  # (one rank: every layer of the net is the model's own)
-            guard_serial_forward(net, StaleNet(net, list(model.parameters()), model.size))
+            StaleNet.guard(net, model._param_list, model.size)
         self.registries = [r for r, _, _, _ in sites]
         self.keys = [k for _, k, _, _ in sites]
         self.held = [o for _, _, o, _ in sites]
@@ -277,16 +277,33 @@ class StaleNet:
     def __init__(self, net: nn.Module, params: list[nn.Parameter], ranks: int) -> None:
         self.params, self.ranks = params, ranks
         self.versions = self.now()
+        #: stale already under the parameters of a model built on the net before
+        self.stale = False
         net.register_load_state_dict_post_hook(self.loaded)
+
+    @classmethod
+    def guard(cls, net: nn.Module, params: list[nn.Parameter], ranks: int) -> None:
+        """Guard `net`'s serial forward for a model over `ranks` ranks whose parameters
+        here are `params`: one guard per net, whatever the models built on it (auto's
+        candidates share the user's net: each would otherwise add a load hook)."""
+        held = serial_forward_guard(net)
+        if not isinstance(held, cls):
+            guard_serial_forward(net, cls(net, params, ranks))
+            return
+        if len(held.params) != len(params) or \
+                not all(map(operator.is_, held.params, params)):
+            held.stale = held() is not None  # (stale stays stale until a load)
+            held.params, held.versions = params, sum(map(_VERSION, params))
+        held.ranks = ranks
 
     def now(self) -> int:
         return sum(map(_VERSION, self.params))
 
     def loaded(self, module: nn.Module, keys: Any) -> None:
-        self.versions = self.now()
+        self.versions, self.stale = self.now(), False
 
     def __call__(self) -> Optional[str]:
-        if self.now() == self.versions:
+        if not self.stale and self.now() == self.versions:
             return None
         return (f"this ODENet's layers are trained over {self.ranks} ranks by a "
                 "LayerParallel, and this rank's have moved since the net was built or "

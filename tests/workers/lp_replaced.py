@@ -107,19 +107,26 @@ def _case(comm: Any, change: Callable[[layerpar.ODENet], None], after: int = 1,
     return out
 
 
-def _serial_after(comm: Any, step: bool, load: bool) -> dict[str, Any]:
-    """The net's own forward after a training batch (and an optimizer step where
-    `step`; the gathered state loaded into the net where `load`): against the model's
-    output, or the error it raised."""
+def _serial_after(comm: Any, step: bool, load: bool, options: Any = CONVERGED,
+                  batches: int = 1) -> dict[str, Any]:
+    """The net's own forward after `batches` training batches (each with an optimizer
+    step where `step`; the gathered state loaded into the net where `load`): against
+    the model's output, or the error it raised; and the load hooks on the net."""
     net = _net()
-    model = layerpar.LayerParallel(net, comm, CONVERGED)
+    model = layerpar.LayerParallel(net, comm, options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 5, (6,), generator=torch.Generator().manual_seed(4))
     out: dict[str, Any] = {}
     try:
-        model(x).square().sum().backward()
-        if step:
-            opt.step()
+        for k in range(batches):
+            opt.zero_grad()
+            if options == "auto" and k == 0:  # (its tuning builds models on the net)
+                model.tune(x, y, torch.nn.functional.cross_entropy, steps=batches)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if step:
+                opt.step()
+        out["load_hooks"] = len(net._load_state_dict_post_hooks)
         if load:
             net.load_state_dict(model.gather_state_dict())
         with torch.no_grad():
@@ -149,6 +156,8 @@ def run_all(comm: Any) -> dict[str, Any]:
         "net's forward, trained": _serial_after(comm, step=True, load=False),
         "net's forward, no step": _serial_after(comm, step=False, load=False),
         "net's forward, loaded": _serial_after(comm, step=True, load=True),
+        "net's forward, auto": _serial_after(comm, step=True, load=False, options="auto",
+                                             batches=3),
     }
 
 
