@@ -122,7 +122,7 @@ def _serial_after(comm: Any, step: bool, load: bool, options: Any = CONVERGED,
         for k in range(batches):
             opt.zero_grad()
             if options == "auto" and k == 0:  # (its tuning builds models on the net)
-                model.tune(x, y, torch.nn.functional.cross_entropy, steps=batches)
+                model.tune(x, y, torch.nn.functional.cross_entropy)
             torch.nn.functional.cross_entropy(model(x), y).backward()
             if step:
                 opt.step()
