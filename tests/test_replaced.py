@@ -2,7 +2,8 @@
 (`workers/lp_replaced.py`) at 1, 2 and 4 ranks: refused by name on every rank (the
 model computes with the objects it was built with); values set in place, and modules
 built elsewhere in the process, give serial's output.  The net's own forward after a
-step at 2+ ranks is refused (its copies of the other ranks' layers are stale)."""
+training pass at 2+ ranks is refused (its copies of the other ranks' layers are
+stale once a step follows), with any optimizer."""
 from __future__ import annotations
 
 import json
@@ -40,15 +41,19 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
             assert f"(found on rank {ranks - 1})" in r["error"], r
     if ranks > 1:
         # (auto's candidates are models on the same net: still one guard, one hook)
-        for r in results["net's forward, trained"] + results["net's forward, auto"]:
+        for r in (results["net's forward, trained"] + results["net's forward, auto"]
+                  + results["net's forward, no step"] + results["net's forward, FlatAdam"]):
             assert r.get("error", "").startswith(
                 f"RuntimeError: this ODENet's layers are trained over {ranks} ranks"), r
             assert r["load_hooks"] == 1, r
     else:
-        for r in results["net's forward, auto"]:
-            assert "error" not in r and r["diff"] <= F64.converged, r
-    for name in ("values in place", "modules built elsewhere", "net's forward, no step",
-                 "net's forward, loaded") + (() if ranks > 1 else ("net's forward, trained",)):
+        for name in ("net's forward, no step", "net's forward, FlatAdam",
+                     "net's forward, trained"):
+            for r in results[name]:
+                assert "error" not in r and r["diff"] <= F64.converged, (name, r)
+        # (auto's setting may be inexact MGRIT: the net runs, its output is serial's)
+        assert all("error" not in r for r in results["net's forward, auto"])
+    for name in ("values in place", "modules built elsewhere", "net's forward, loaded"):
         for r in results[name]:
             assert "error" not in r and r["diff"] <= F64.converged, (name, r)
 

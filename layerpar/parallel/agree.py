@@ -230,8 +230,10 @@ class Layout:
         for k, seg in net.segments:
             add(seg.blocks._modules, f"the ODENet's layers.{k}.blocks.")
         self.sites = sites
-        if model.size > 1:  # (one rank: every layer of the net is the model's own)
-            StaleNet.guard(net, model._param_list, model.size)
+        #: the whole net's serial-forward guard (None at one rank, where every layer
+        #: of the net is the model's own)
+        self.stale = StaleNet.guard(net, model._param_list, model.size) \
+            if model.size > 1 else None
         self.registries = [r for r, _, _, _ in sites]
         self.keys = [k for _, k, _, _ in sites]
         self.held = [o for _, _, o, _ in sites]
@@ -266,49 +268,56 @@ class Layout:
 
 class StaleNet:
     """Whether the whole net, on a rank of a model that distributes it, still computes
-    the trained net: the model trains this rank's layers, which are the net's own, and
-    leaves the net's copies of the other ranks' layers as they were, so once this
-    rank's parameters moved (an optimizer's step bumps their version counters) since
-    the net was built or last loaded (`load_state_dict`), a serial pass of the net
-    would run stale layers.  Called by `ODENet.forward` (`guard_serial_forward`): one
+    the trained net.  The model trains this rank's layers, which are the net's own,
+    and leaves the net's copies of the other ranks' layers as they were; so once the
+    model ran a training pass (one that records for a backward: an optimizer step may
+    follow) or this rank's parameters moved (their version counters: replicated
+    serial's passes, or values set in place) since the net was built or last loaded
+    (`load_state_dict`), a serial pass of the net would run stale layers.  (Version
+    counters alone would not do: fused Adam, and `FlatAdam`, step the parameters
+    without bumping them.)  Called by `ODENet.forward` (`guard_serial_forward`): one
     read of each of this rank's parameters' version (0.11 ms for the 2,050 tensors of
     the whole 1,024-layer dense net; a rank of two holds about half)."""
 
     def __init__(self, net: nn.Module, params: list[nn.Parameter], ranks: int) -> None:
         self.params, self.ranks = params, ranks
         self.versions = self.now()
-        #: stale already under the parameters of a model built on the net before
-        self.stale = False
+        #: a training pass ran since the last load (or a model built on the net before
+        #: left it stale)
+        self.trained = False
         net.register_load_state_dict_post_hook(self.loaded)
 
     @classmethod
-    def guard(cls, net: nn.Module, params: list[nn.Parameter], ranks: int) -> None:
-        """Guard `net`'s serial forward for a model over `ranks` ranks whose parameters
-        here are `params`: one guard per net, whatever the models built on it (auto's
-        candidates share the user's net: each would otherwise add a load hook)."""
+    def guard(cls, net: nn.Module, params: list[nn.Parameter], ranks: int) -> StaleNet:
+        """The guard of `net`'s serial forward for a model over `ranks` ranks whose
+        parameters here are `params`: one per net, whatever the models built on it
+        (auto's candidates share the user's net: each would otherwise add a load
+        hook)."""
         held = serial_forward_guard(net)
         if not isinstance(held, cls):
-            guard_serial_forward(net, cls(net, params, ranks))
-            return
+            held = cls(net, params, ranks)
+            guard_serial_forward(net, held)
+            return held
         if len(held.params) != len(params) or \
                 not all(map(operator.is_, held.params, params)):
-            held.stale = held() is not None  # (stale stays stale until a load)
+            held.trained = held() is not None  # (stale stays stale until a load)
             held.params, held.versions = params, sum(map(_VERSION, params))
         held.ranks = ranks
+        return held
 
     def now(self) -> int:
         return sum(map(_VERSION, self.params))
 
     def loaded(self, module: nn.Module, keys: Any) -> None:
-        self.versions, self.stale = self.now(), False
+        self.versions, self.trained = self.now(), False
 
     def __call__(self) -> Optional[str]:
-        if not self.stale and self.now() == self.versions:
+        if not self.trained and self.now() == self.versions:
             return None
         return (f"this ODENet's layers are trained over {self.ranks} ranks by a "
-                "LayerParallel, and this rank's have moved since the net was built or "
-                "last loaded: its copies of the other ranks' layers are stale here, so "
-                "its forward would not compute the trained net; evaluate with the model "
+                "LayerParallel, which has trained since the net was built or last "
+                "loaded: its copies of the other ranks' layers are stale here, so its "
+                "forward would not compute the trained net; evaluate with the model "
                 "(`model.eval(); model(x)` on every rank), or load the trained net first "
                 "(`net.load_state_dict(model.gather_state_dict())`, on every rank: "
                 "collective)")
@@ -365,6 +374,15 @@ FP16_SCALER = ("layerpar: float16 autocast at several ranks: a torch.amp.GradSca
 
 
 def agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
+    """`_agree_pass`, and a pass that records for a backward marked on the whole net's
+    serial-forward guard (`StaleNet`: an optimizer step may follow)."""
+    agreed = _agree_pass(model, x)
+    if agreed.record and model._layout.stale is not None:
+        model._layout.stale.trained = True
+    return agreed
+
+
+def _agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     """One collective per forward pass, before any other message: every rank has the
     same input shape, dtype, training and grad mode, and every rank takes the same
     path.  A pass records for the backward if any rank has something to

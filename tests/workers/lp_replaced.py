@@ -12,9 +12,10 @@ raised, else {"diff": the output's largest difference from serial's}.
 - run as serial: values set in place (``copy_``, ``.data``), and modules built
   elsewhere in the process between passes (the registration count moves, the
   model's objects do not);
-- the net's own (serial) forward after an optimizer step: refused at 2+ ranks (its
-  copies of the other ranks' layers are stale), equal to the model's at one rank,
-  before a step, and after the gathered state was loaded into it.
+- the net's own (serial) forward after a training pass: refused at 2+ ranks (its
+  copies of the other ranks' layers are stale once a step follows; also with
+  `FlatAdam`, which bumps no version counter), equal to the model's at one rank and
+  after the gathered state was loaded into it.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from torch import nn
 import layerpar
 from layerpar.mgrit import MGRITOptions
 from layerpar.ode import blocks
+from layerpar.parallel import FlatAdam
 
 CONVERGED = MGRITOptions(max_levels=2, cfactor=2, tol=0.0, max_iter=8)
 N_STEPS = 8
@@ -108,13 +110,15 @@ def _case(comm: Any, change: Callable[[layerpar.ODENet], None], after: int = 1,
 
 
 def _serial_after(comm: Any, step: bool, load: bool, options: Any = CONVERGED,
-                  batches: int = 1) -> dict[str, Any]:
+                  batches: int = 1, flat: bool = False) -> dict[str, Any]:
     """The net's own forward after `batches` training batches (each with an optimizer
     step where `step`; the gathered state loaded into the net where `load`): against
-    the model's output, or the error it raised; and the load hooks on the net."""
+    the model's output, or the error it raised; and the load hooks on the net.
+    `flat`: `FlatAdam`, which steps the parameters without bumping their versions."""
     net = _net()
     model = layerpar.LayerParallel(net, comm, options)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt: torch.optim.Optimizer = FlatAdam(model.parameters(), lr=0.01) if flat else \
+        torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     y = torch.randint(0, 5, (6,), generator=torch.Generator().manual_seed(4))
     out: dict[str, Any] = {}
@@ -156,6 +160,7 @@ def run_all(comm: Any) -> dict[str, Any]:
         "net's forward, trained": _serial_after(comm, step=True, load=False),
         "net's forward, no step": _serial_after(comm, step=False, load=False),
         "net's forward, loaded": _serial_after(comm, step=True, load=True),
+        "net's forward, FlatAdam": _serial_after(comm, step=True, load=False, flat=True),
         "net's forward, auto": _serial_after(comm, step=True, load=False, options="auto",
                                              batches=3),
     }
