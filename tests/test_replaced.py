@@ -46,6 +46,7 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
             assert r.get("error", "").startswith(
                 f"RuntimeError: this ODENet's layers are trained over {ranks} ranks"), r
             assert r["load_hooks"] == 1, r
+            assert r["state_dict"] == r["error"][len("RuntimeError: "):], r
     else:
         for name in ("net's forward, no step", "net's forward, FlatAdam",
                      "net's forward, trained"):
@@ -53,6 +54,8 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
                 assert "error" not in r and r["diff"] <= F64.converged, (name, r)
         # (auto's setting may be inexact MGRIT: the net runs, its output is serial's)
         assert all("error" not in r for r in results["net's forward, auto"])
+    for r in results["net's forward, loaded"]:
+        assert r["state_dict"] == "ran", r
     for name in ("values in place", "modules built elsewhere", "net's forward, loaded"):
         for r in results[name]:
             assert "error" not in r and r["diff"] <= F64.converged, (name, r)

@@ -31,7 +31,8 @@ _GUARDED: weakref.WeakKeyDictionary[nn.Module, Callable[[], str | None]] = \
 
 
 def guard_serial_forward(net: nn.Module, why: Callable[[], str | None]) -> None:
-    """Make `net`'s `ODENet.forward` raise `why()` where it is not None: a model that
+    """Make `net`'s `ODENet.forward` and `state_dict` raise `why()` where it is not
+    None: a model that
     trains the net's layers on several ranks leaves each rank's copies of the others'
     layers untrained, and a serial pass over them (evaluating the net as one would a
     DistributedDataParallel's module) would compute another net, silently.  Copies of
@@ -283,10 +284,20 @@ class ODENet(nn.Module):
         """Serial oracle: every layer in order, plain autograd (refused where a model
         trains this net's layers on several ranks and they are stale here:
         `guard_serial_forward`)."""
+        self._refuse_stale()
+        return self.forward_seeded(x, self.forward_seed())
+
+    def state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        """`nn.Module.state_dict`, refused where a model trains this net's layers on
+        several ranks and they are stale here (`guard_serial_forward`): a checkpoint
+        saved from it would hold the other ranks' untrained layers."""
+        self._refuse_stale()
+        return super().state_dict(*args, **kwargs)
+
+    def _refuse_stale(self) -> None:
         guard = _GUARDED.get(self)
         if guard is not None and (why := guard()) is not None:
             raise RuntimeError(why)
-        return self.forward_seeded(x, self.forward_seed())
 
     def forward_seeded(self, x: Tensor, seed: int | None) -> Tensor:
         """`forward` with its dropout seed given: ``forward_seed()``'s, or None where

@@ -273,9 +273,11 @@ class StaleNet:
     model ran a training pass (one that records for a backward: an optimizer step may
     follow) or this rank's parameters moved (their version counters: replicated
     serial's passes, or values set in place) since the net was built or last loaded
-    (`load_state_dict`), a serial pass of the net would run stale layers.  (Version
+    (`load_state_dict`), a serial pass of the net would run stale layers, and its
+    state dict would hold them.  (Version
     counters alone would not do: fused Adam, and `FlatAdam`, step the parameters
-    without bumping them.)  Called by `ODENet.forward` (`guard_serial_forward`): one
+    without bumping them.)  Called by `ODENet.forward` and `ODENet.state_dict`
+    (`guard_serial_forward`): one
     read of each of this rank's parameters' version (0.11 ms for the 2,050 tensors of
     the whole 1,024-layer dense net; a rank of two holds about half)."""
 
@@ -317,10 +319,10 @@ class StaleNet:
         return (f"this ODENet's layers are trained over {self.ranks} ranks by a "
                 "LayerParallel, which has trained since the net was built or last "
                 "loaded: its copies of the other ranks' layers are stale here, so its "
-                "forward would not compute the trained net; evaluate with the model "
-                "(`model.eval(); model(x)` on every rank), or load the trained net first "
-                "(`net.load_state_dict(model.gather_state_dict())`, on every rank: "
-                "collective)")
+                "forward and its state_dict would not be the trained net's; evaluate "
+                "with the model (`model.eval(); model(x)` on every rank), save "
+                "`model.gather_state_dict()` (collective), or load the trained net first "
+                "(`net.load_state_dict(model.gather_state_dict())`, on every rank)")
 
 
 _VERSION = operator.attrgetter("_version")

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..mgrit.errors import RemoteError
 from .flatadam import FlatAdam
@@ -191,7 +191,7 @@ def check_state_dict(model: _Model, mine: dict[str, Any], state_dict: Any,
     # checked first, against this rank's part or the whole net's (torch's own
     # load copies what it can before it raises)
     whole = mine if all(k in mine for k in state_dict) else \
-        model.whole_net.state_dict(keep_vars=True)
+        nn.Module.state_dict(model.whole_net, keep_vars=True)  # (its names: no guard)
     unexpected = [k for k in state_dict if k not in whole]
     errors = []
     if strict and unexpected:
@@ -251,7 +251,7 @@ def this_ranks_part(model: _Model, state_dict: Any, mine: dict[str, Any]) -> dic
     per tensor, or tied names with other values, loads as into the serial net."""
     out = {k: v for k, v in state_dict.items() if k in mine}
     names_of: dict[int, list[str]] = {}
-    for n, t in model.whole_net.state_dict(keep_vars=True).items():
+    for n, t in nn.Module.state_dict(model.whole_net, keep_vars=True).items():
         names_of.setdefault(id(t), []).append(n)
     for names in names_of.values():
         given = [n for n in names if n in state_dict]

@@ -113,7 +113,8 @@ def _serial_after(comm: Any, step: bool, load: bool, options: Any = CONVERGED,
                   batches: int = 1, flat: bool = False) -> dict[str, Any]:
     """The net's own forward after `batches` training batches (each with an optimizer
     step where `step`; the gathered state loaded into the net where `load`): against
-    the model's output, or the error it raised; and the load hooks on the net.
+    the model's output, or the error it raised; the load hooks on the net, and what
+    its `state_dict()` did.
     `flat`: `FlatAdam`, which steps the parameters without bumping their versions."""
     net = _net()
     model = layerpar.LayerParallel(net, comm, options)
@@ -133,6 +134,11 @@ def _serial_after(comm: Any, step: bool, load: bool, options: Any = CONVERGED,
         out["load_hooks"] = len(net._load_state_dict_post_hooks)
         if load:
             net.load_state_dict(model.gather_state_dict())
+        try:  # (a checkpoint of the net: refused alike)
+            net.state_dict()
+            out["state_dict"] = "ran"
+        except RuntimeError as exc:
+            out["state_dict"] = str(exc)
         with torch.no_grad():
             out["diff"] = float((net(x) - model(x)).abs().max())
     except Exception as exc:  # noqa: BLE001 - reported for the test to read
