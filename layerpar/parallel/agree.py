@@ -230,10 +230,6 @@ class Layout:
         for k, seg in net.segments:
             add(seg.blocks._modules, f"the ODENet's layers.{k}.blocks.")
         self.sites = sites
-        #: the whole net's serial-forward guard (None at one rank, where every layer
-        #: of the net is the model's own)
-        self.stale = StaleNet.guard(net, model._param_list, model.size) \
-            if model.size > 1 else None
         self.registries = [r for r, _, _, _ in sites]
         self.keys = [k for _, k, _, _ in sites]
         self.held = [o for _, _, o, _ in sites]
@@ -290,11 +286,14 @@ class StaleNet:
         net.register_load_state_dict_post_hook(self.loaded)
 
     @classmethod
-    def guard(cls, net: nn.Module, params: list[nn.Parameter], ranks: int) -> StaleNet:
+    def guard(cls, net: nn.Module, params: list[nn.Parameter], ranks: int
+              ) -> Optional[StaleNet]:
         """The guard of `net`'s serial forward for a model over `ranks` ranks whose
-        parameters here are `params`: one per net, whatever the models built on it
-        (auto's candidates share the user's net: each would otherwise add a load
-        hook)."""
+        parameters here are `params` (None at one rank, where every layer of the net is
+        the model's own): one per net, whatever the models built on it (auto's
+        candidates share the user's net: each would otherwise add a load hook)."""
+        if ranks == 1:
+            return None
         held = serial_forward_guard(net)
         if not isinstance(held, cls):
             held = cls(net, params, ranks)
@@ -379,8 +378,8 @@ def agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     """`_agree_pass`, and a pass that records for a backward marked on the whole net's
     serial-forward guard (`StaleNet`: an optimizer step may follow)."""
     agreed = _agree_pass(model, x)
-    if agreed.record and model._layout.stale is not None:
-        model._layout.stale.trained = True
+    if agreed.record and model._stale is not None:
+        model._stale.trained = True
     return agreed
 
 

@@ -33,7 +33,7 @@ from ..ode.coarsening import COARSENINGS
 from ..ode.net import ODENet, Segment
 from ..ode.rng import DROPOUT_TYPES as _DROPOUT
 from . import checkpoint
-from .agree import Agreed, Layout, agree_pass, check_xbraid, layer_key
+from .agree import Agreed, Layout, StaleNet, agree_pass, check_xbraid, layer_key
 from .grads import GradDelivery
 from .grid import ProcessGrid
 from .passes import backward_pass, forward_direct, forward_pass, refuse_after_failure
@@ -412,6 +412,7 @@ class LayerParallel(nn.Module):
         self._shared = SharedParams.build(self._layer_owners(net))
         self._param_list: list[nn.Parameter] = list(self.parameters())
         self._layout = Layout(self, net)  # (what a pass refuses to find replaced)
+        self._stale = StaleNet.guard(net, self._param_list, self.size)  # (net(x) refused)
         self._deliver = GradDelivery()
         self._closed = False
         # joins the backward on a rank with nothing of its own to differentiate

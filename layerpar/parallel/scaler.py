@@ -72,8 +72,9 @@ class GradScaler(torch.amp.GradScaler):  # type: ignore[misc]
         transport = owner.transport
         if transport.size == 1:
             return [found]
-        gather = lambda: transport.allgather_object(  # noqa: E731
-            found, "GradScaler's check for inf and NaN")
+        def gather() -> list[bool]:
+            return transport.allgather_object(found, "GradScaler's check for inf and NaN")
+
         guard = getattr(owner, "guard", None)
         return guard(gather) if guard is not None else gather()
 
