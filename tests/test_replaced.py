@@ -3,7 +3,8 @@
 model computes with the objects it was built with); values set in place, and modules
 built elsewhere in the process, give serial's output.  The net's own forward after a
 training pass at 2+ ranks is refused (its copies of the other ranks' layers are
-stale once a step follows), with any optimizer."""
+stale once a step follows), with any optimizer, and so are its state dict, pickling
+(``torch.save(net)``) and deep copies."""
 from __future__ import annotations
 
 import json
@@ -46,7 +47,8 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
             assert r.get("error", "").startswith(
                 f"RuntimeError: this ODENet's layers are trained over {ranks} ranks"), r
             assert r["load_hooks"] == 1, r
-            assert r["state_dict"] == r["error"][len("RuntimeError: "):], r
+            for what in ("state_dict", "pickle", "deepcopy"):
+                assert r[what] == r["error"][len("RuntimeError: "):], (what, r)
     else:
         for name in ("net's forward, no step", "net's forward, FlatAdam",
                      "net's forward, trained"):
@@ -55,7 +57,7 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
         # (auto's setting may be inexact MGRIT: the net runs, its output is serial's)
         assert all("error" not in r for r in results["net's forward, auto"])
     for r in results["net's forward, loaded"]:
-        assert r["state_dict"] == "ran", r
+        assert r["state_dict"] == r["pickle"] == r["deepcopy"] == "ran", r
     for name in ("values in place", "modules built elsewhere", "net's forward, loaded"):
         for r in results[name]:
             assert "error" not in r and r["diff"] <= F64.converged, (name, r)
@@ -72,3 +74,19 @@ def test_several_ranks(tmp_path: Path, ranks: int) -> None:
     proc = run_mpi(WORKERS / "lp_replaced.py", ranks, str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check(json.loads(out.read_text()), ranks)
+
+
+def test_buffers_counted_apart() -> None:
+    """A buffer set anew (a data grid sets its batch norms' averaged running statistics
+    on every pass) moves the count a data-parallel net follows, not the one the
+    layout check follows, which then stays free."""
+    from torch import nn
+
+    from layerpar.parallel.agree import registrations
+
+    bn = nn.BatchNorm1d(3)
+    every, placed = registrations(), registrations(buffers=False)
+    bn.running_mean = bn.running_mean.clone()
+    assert (registrations(), registrations(buffers=False)) == (every + 1, placed)
+    bn.weight = nn.Parameter(bn.weight.detach().clone())
+    assert (registrations(), registrations(buffers=False)) == (every + 2, placed + 1)

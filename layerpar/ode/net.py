@@ -9,8 +9,9 @@ the *serial oracle* every layer-parallel result is tested against.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from typing import Callable
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable
 
 from torch import Tensor, nn
 
@@ -22,7 +23,7 @@ from .rng import draw_seed, layer_rng, needs_rng, plain_rng
 from .schemes import Scheme, get_scheme
 
 __all__ = ["Segment", "ODENet", "sequential_segment", "guard_serial_forward",
-           "serial_forward_guard"]
+           "serial_forward_guard", "copying_stale"]
 
 #: nets whose layers a model distributes over ranks, each with what says why its serial
 #: forward would not compute the trained net now (None: it would): `guard_serial_forward`
@@ -30,14 +31,31 @@ _GUARDED: weakref.WeakKeyDictionary[nn.Module, Callable[[], str | None]] = \
     weakref.WeakKeyDictionary()
 
 
+#: `copying_stale` blocks open: a guarded net may be copied (by layerpar itself)
+_COPYING_STALE = 0
+
+
 def guard_serial_forward(net: nn.Module, why: Callable[[], str | None]) -> None:
-    """Make `net`'s `ODENet.forward` and `state_dict` raise `why()` where it is not
-    None: a model that
-    trains the net's layers on several ranks leaves each rank's copies of the others'
-    layers untrained, and a serial pass over them (evaluating the net as one would a
-    DistributedDataParallel's module) would compute another net, silently.  Copies of
-    the net (`copy.deepcopy`) are not guarded."""
+    """Make `net`'s `ODENet.forward`, `state_dict`, pickling (``torch.save(net)``) and
+    `copy.deepcopy` raise `why()` where it is not None: a model that trains the net's
+    layers on several ranks leaves each rank's copies of the others' layers
+    untrained, and a serial pass over them (evaluating the net as one would a
+    DistributedDataParallel's module), a checkpoint or a copy of them (an
+    ``AveragedModel``, a best-so-far copy) would be another net, silently.  A copy
+    made while the net was current is not guarded."""
     _GUARDED[net] = why
+
+
+@contextmanager
+def copying_stale() -> Iterator[None]:
+    """Within it, a guarded net may be copied (`copy.deepcopy`) though it is stale:
+    for layerpar's own copies, which take the trained layers from their owners."""
+    global _COPYING_STALE
+    _COPYING_STALE += 1
+    try:
+        yield
+    finally:
+        _COPYING_STALE -= 1
 
 
 def serial_forward_guard(net: nn.Module) -> Callable[[], str | None] | None:
@@ -293,6 +311,14 @@ class ODENet(nn.Module):
         saved from it would hold the other ranks' untrained layers."""
         self._refuse_stale()
         return super().state_dict(*args, **kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """`nn.Module`'s, refused where a model trains this net's layers on several
+        ranks and they are stale here (`guard_serial_forward`): ``torch.save(net)``,
+        `pickle` and `copy.deepcopy` would hold the other ranks' untrained layers."""
+        if not _COPYING_STALE:
+            self._refuse_stale()
+        return super().__getstate__()
 
     def _refuse_stale(self) -> None:
         guard = _GUARDED.get(self)

@@ -179,27 +179,34 @@ class _HookSites:
         raise RuntimeError("internal: no module holds the hook found")
 
 
-#: parameters, buffers and modules registered on any module of this process so far
+#: parameters and modules, and buffers, registered on any module of this process so far
 #: (``setattr`` of a Parameter, a buffer or a Module, ``register_*``,
 #: ``load_state_dict(..., assign=True)``), counted by global registration hooks
 #: installed at the first `registrations` call: a holder of a net walks it again only
-#: where the count moved since it last looked
-_REGISTERED = [0]
+#: where the count moved since it last looked.  Buffers apart: a data grid sets its
+#: batch norms' averaged running statistics as new buffers on every pass
+#: (`passes.average_running_stats`), which moves no parameter or module.
+_REGISTERED = {"parameters and modules": 0, "buffers": 0}
 _COUNTING: list[Any] = []
 
 
-def registrations() -> int:
-    """How many parameters, buffers and modules have been registered on modules of this
-    process since counting began (the hooks installed at the first call)."""
+def registrations(buffers: bool = True) -> int:
+    """How many parameters and modules, and, where `buffers`, buffers, have been
+    registered on modules of this process since counting began (the hooks installed
+    at the first call)."""
     if not _COUNTING:
         def count(module: nn.Module, name: str, value: Any) -> None:
-            _REGISTERED[0] += 1
+            _REGISTERED["parameters and modules"] += 1
+
+        def count_buffer(module: nn.Module, name: str, value: Any) -> None:
+            _REGISTERED["buffers"] += 1
 
         glob = torch.nn.modules.module
         _COUNTING.extend([glob.register_module_parameter_registration_hook(count),
-                          glob.register_module_buffer_registration_hook(count),
+                          glob.register_module_buffer_registration_hook(count_buffer),
                           glob.register_module_module_registration_hook(count)])
-    return _REGISTERED[0]
+    return _REGISTERED["parameters and modules"] + (_REGISTERED["buffers"] if buffers
+                                                    else 0)
 
 
 class Layout:
@@ -216,7 +223,7 @@ class Layout:
     (``p.copy_``, ``p.data = ...``, ``.to()``) keep the objects and are run."""
 
     def __init__(self, model: LayerParallel, net: ODENet) -> None:
-        self.count = registrations()
+        self.count = registrations(buffers=False)
         sites: list[tuple[dict, str, Any, str]] = []
 
         def add(registry: dict, prefix: str) -> None:
@@ -238,7 +245,7 @@ class Layout:
         """Why the model cannot run as built (a site holds another object, or none),
         or None.  Looked at only where something was registered in the process since
         the last look (`registrations`): otherwise free."""
-        now = registrations()
+        now = registrations(buffers=False)
         if now == self.count:
             return None
         try:
@@ -272,8 +279,8 @@ class StaleNet:
     (`load_state_dict`), a serial pass of the net would run stale layers, and its
     state dict would hold them.  (Version
     counters alone would not do: fused Adam, and `FlatAdam`, step the parameters
-    without bumping them.)  Called by `ODENet.forward` and `ODENet.state_dict`
-    (`guard_serial_forward`): one
+    without bumping them.)  Called by `ODENet.forward`, `ODENet.state_dict` and the
+    net's pickling and deep copy (`guard_serial_forward`): one
     read of each of this rank's parameters' version (0.11 ms for the 2,050 tensors of
     the whole 1,024-layer dense net; a rank of two holds about half)."""
 
@@ -318,7 +325,8 @@ class StaleNet:
         return (f"this ODENet's layers are trained over {self.ranks} ranks by a "
                 "LayerParallel, which has trained since the net was built or last "
                 "loaded: its copies of the other ranks' layers are stale here, so its "
-                "forward and its state_dict would not be the trained net's; evaluate "
+                "forward, its state_dict, a pickle (torch.save(net)) or a copy of it "
+                "would not be the trained net's; evaluate "
                 "with the model (`model.eval(); model(x)` on every rank), save "
                 "`model.gather_state_dict()` (collective), or load the trained net first "
                 "(`net.load_state_dict(model.gather_state_dict())`, on every rank)")

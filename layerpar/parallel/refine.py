@@ -14,7 +14,7 @@ import copy
 from typing import Any
 
 from ..mgrit.grid import Partition
-from ..ode.net import Segment
+from ..ode.net import Segment, copying_stale
 from ..ode.refine import INTERPOLATIONS, refine
 from .move import move
 
@@ -52,7 +52,8 @@ def refine_parallel(model: _Model, factor: int = 2, interpolation: str = "consta
     # this rank's copy of the whole net: `whole_net`'s modules are the model's own, so the
     # layers this rank owns (blocks and plain layers) hold the trained values; the
     # others are stale and are either received below or never used
-    net = copy.deepcopy(model.whole_net)
+    with copying_stale():
+        net = copy.deepcopy(model.whole_net)
     for sp in model.plan.segments:
         seg = net.layers[sp.position]
         if not isinstance(seg, Segment):

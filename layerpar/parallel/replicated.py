@@ -52,6 +52,7 @@ from torch.autograd.variable import Variable
 
 from ..mgrit.options import MGRITOptions
 from ..ode.flat import generation as flat_generation
+from ..ode.net import copying_stale
 from ..ode.rng import DROPOUT_TYPES, GeneratorStates
 from .grads import hooks_held
 from .move import gather_rows
@@ -521,7 +522,8 @@ class ReplicatedSerial:
         local = self._local
         # a private net: this rank's tensors are the real ones, the others' copies
         memo: dict[int, Any] = {id(named[i][1]): named[i][1] for i in local}
-        self.net: nn.Module = copy.deepcopy(net, memo)
+        with copying_stale():  # (the others' layers are refreshed from their owners)
+            self.net: nn.Module = copy.deepcopy(net, memo)
         if fn is not None:
             self.net._apply(fn)
         rep = _named_tensors(self.net)

@@ -20,6 +20,7 @@ raised, else {"diff": the output's largest difference from serial's}.
 from __future__ import annotations
 
 import copy
+import io
 import sys
 from typing import Any, Callable
 
@@ -134,11 +135,14 @@ def _serial_after(comm: Any, step: bool, load: bool, options: Any = CONVERGED,
         out["load_hooks"] = len(net._load_state_dict_post_hooks)
         if load:
             net.load_state_dict(model.gather_state_dict())
-        try:  # (a checkpoint of the net: refused alike)
-            net.state_dict()
-            out["state_dict"] = "ran"
-        except RuntimeError as exc:
-            out["state_dict"] = str(exc)
+        for what, save in (("state_dict", net.state_dict),  # (checkpoints and copies
+                           ("pickle", lambda: torch.save(net, io.BytesIO())),  # of the net:
+                           ("deepcopy", lambda: copy.deepcopy(net))):  # refused alike)
+            try:
+                save()
+                out[what] = "ran"
+            except RuntimeError as exc:
+                out[what] = str(exc)
         with torch.no_grad():
             out["diff"] = float((net(x) - model(x)).abs().max())
     except Exception as exc:  # noqa: BLE001 - reported for the test to read
