@@ -176,7 +176,8 @@ def test_a_candidate_outside_the_bound_is_timed_on_one_pass(
     monkeypatch.setattr(at, "STRUCTURES", ((2, 4), (2, 8)))
 
     def fake(model: Any, m: Any, x: Any, y: Any, loss: Any, repeats: int,
-             bound: float = math.inf, warm: bool = False) -> float:
+             bound: float = math.inf, warm: bool = False,
+             untimed_out: Optional[list[float]] = None) -> float:
         timed(model, m, x, y, loss, repeats)
         o = getattr(m, "options", None)
         if o is None or o.max_levels == 1:
@@ -1165,3 +1166,90 @@ def test_a_retuning_takes_its_checks_measurements_alike_on_every_rank(nprocs: in
     names = got["choices"].split()
     assert names[: len(names) // 2] == names[len(names) // 2:], got["choices"]
     assert got["bound"] == "True", lines[0]
+
+
+def test_frozen_heap_leaves_the_collector_as_it_found_it() -> None:
+    """`frozen_heap` freezes the objects that exist on entry and puts them back on exit;
+    inside another freeze (the caller's own `gc.freeze`, or an outer `frozen_heap`), or
+    with the collector off, it does nothing."""
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    with timing.frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with timing.frozen_heap():  # (nested: the outer one unfreezes)
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # the caller's own freeze stays
+    try:
+        with timing.frozen_heap():
+            pass
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        with timing.frozen_heap():
+            assert gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
+
+
+def test_tuning_and_choosing_run_with_the_heap_frozen() -> None:
+    """The tuning's passes and `choose_method`'s steps run inside `frozen_heap` (a full
+    collection of the net's objects would land in a timed pass), and leave nothing
+    frozen."""
+    import gc
+
+    from layerpar.parallel import choose_method
+
+    seen: list[int] = []
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen.append(gc.get_freeze_count())
+        return torch.nn.functional.cross_entropy(out, y)
+
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, "auto")
+    model.tune(x, y, loss)
+    model.close()
+    assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
+    del seen[:]
+    choose_method(net, None, x, y, loss, methods=("serial", "solo")).close()
+    assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("untimed, retimed", [(2.0, False), (1.0, True)])
+def test_a_clearly_slower_candidate_is_timed_again_only_after_a_faster_untimed_pass(
+        monkeypatch: pytest.MonkeyPatch, untimed: float, retimed: bool) -> None:
+    """An MGRIT candidate whose timed pass is clearly slower than the time to beat
+    (over `timing.SLOWER` x it) after an untimed pass as slow is timed no more, as
+    `gauged_seconds` times a candidate; after an untimed pass within that, the timed
+    one may have been disturbed: the rest of `repeats` passes are timed."""
+    timed = at._time_passes
+    calls: list[tuple[int, int, bool]] = []
+    monkeypatch.setattr(at, "STRUCTURES", ((2, 4),))
+
+    def fake(model: Any, m: Any, x: Any, y: Any, loss: Any, repeats: int,
+             bound: float = math.inf, warm: bool = False,
+             untimed_out: Optional[list[float]] = None) -> float:
+        timed(model, m, x, y, loss, repeats)
+        o = getattr(m, "options", None)
+        if o is None or o.max_levels == 1:
+            return 1.0
+        calls.append((o.max_levels, repeats, warm))
+        if untimed_out is not None and not warm:
+            untimed_out.append(untimed)
+        return 2.0  # (the time to beat: 1.0)
+
+    monkeypatch.setattr(at, "_time_passes", fake)
+    net, x, y = _stiff_batch(1.0)
+    model = LayerParallel(net, None, "auto")
+    got = model.tune(x, y, torch.nn.functional.cross_entropy)
+    assert 2.0 > timing.SLOWER * 1.0 and model.tuner.repeats > 1
+    assert calls[0] == (2, 1, False), calls
+    assert (len(calls) > 1 and calls[1] == (2, model.tuner.repeats - 1, True)) == retimed, \
+        (calls, got.lines())
+    model.close()

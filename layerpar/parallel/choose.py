@@ -82,6 +82,7 @@ from .baselines import (
 from .baselines.method import LossFn, as_net, step_seconds, thread_counts
 from .baselines.pipeline import step_refusal
 from .replicated import BATCH_NORM_WHY, RowProbe, agreed_rows, split_refusal
+from .timing import frozen_heap
 
 __all__ = ["METHOD_NAMES", "Choice", "Trial", "choose_method"]
 
@@ -656,8 +657,9 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
         # layer-parallel refuses once its tuning runs a layer-parallel pass: the
         # others are timed apart then)
         transport.close()
-        return _online(base, comm, x, y, loss_fn, layerparallel, steps_to_come,
-                       calibration_share, order, timings, t0)
+        with frozen_heap():
+            return _online(base, comm, x, y, loss_fn, layerparallel, steps_to_come,
+                           calibration_share, order, timings, t0)
     cal = _Calibration(transport, x, y, loss_fn,
                        _timed_steps(steps, steps_to_come, calibration_share, timings),
                        timer or (lambda name, s: s), steps_to_come, calibration_share)
@@ -675,8 +677,9 @@ def choose_method(net: Union[ODENet, Callable[[], ODENet]], comm: Any, x: Tensor
     # and as serial training would have them (a shuffling DataLoader's next order)
     streams = GeneratorStates([m for m in base.layers if not isinstance(m, Segment)])
     try:
-        method = _time_candidates(cal, base, order, fresh, comm, exact, solo_counts,
-                                  schedules, microbatches, layerparallel, pristine)
+        with frozen_heap():  # (the copies of the net set off full collections)
+            method = _time_candidates(cal, base, order, fresh, comm, exact, solo_counts,
+                                      schedules, microbatches, layerparallel, pristine)
     finally:
         streams.restore()
     transport.close()
