@@ -76,8 +76,9 @@ def frozen_heap() -> Iterator[None]:
     of about 4 s; and a collection that lands in a timed pass of 43 ms makes it
     several times slower than it is.  Frozen, they took 0.02-0.03 s each, and the
     choice 3.1-3.5 s against 4.0-4.4 s (median 3.5 against 4.2, four runs each).
-    Nothing is done where objects are frozen already (the caller's own `gc.freeze`,
-    or an outer `frozen_heap`) or the collector is off."""
+    Nothing is done where objects are frozen already (the caller's own `gc.freeze`:
+    ``layerpar train`` freezes what exists before it tunes, and again after its first
+    step; or an outer `frozen_heap`) or the collector is off."""
     if gc.get_freeze_count() or not gc.isenabled():
         yield
         return
