@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -166,14 +166,16 @@ def test_more_iterations_timed_on_one_structure_predict_the_others(
     model.close()
 
 
-def test_a_candidate_outside_the_bound_is_timed_on_one_pass(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A new MGRIT candidate faster than the best found is checked after one timed
-    pass; outside the bound it is timed no more, within it the rest of `repeats`
-    passes are timed (warm) and its time is the fewest."""
+def _mgrit_passes(monkeypatch: pytest.MonkeyPatch, structures: tuple[tuple[int, int], ...],
+                  seconds: Callable[[bool], float], untimed: Optional[float] = None
+                  ) -> list[tuple[int, int, bool]]:
+    """`_time_passes` over `structures`, running the passes as usual but reporting 1.0
+    s for an exact setting and `seconds(warm)` for an MGRIT candidate (its untimed
+    pass `untimed`, where given); returns (levels, repeats, warm) of each MGRIT
+    timing, filled as they run."""
     timed = at._time_passes
-    calls: list[tuple[int, int, bool]] = []  # (levels, repeats, warm) of MGRIT timings
-    monkeypatch.setattr(at, "STRUCTURES", ((2, 4), (2, 8)))
+    calls: list[tuple[int, int, bool]] = []
+    monkeypatch.setattr(at, "STRUCTURES", structures)
 
     def fake(model: Any, m: Any, x: Any, y: Any, loss: Any, repeats: int,
              bound: float = math.inf, warm: bool = False,
@@ -183,9 +185,21 @@ def test_a_candidate_outside_the_bound_is_timed_on_one_pass(
         if o is None or o.max_levels == 1:
             return 1.0
         calls.append((o.max_levels, repeats, warm))
-        return 0.2 if warm else 0.3  # (the later passes faster: the fewest is theirs)
+        if untimed is not None and untimed_out is not None and not warm:
+            untimed_out.append(untimed)
+        return seconds(warm)
 
     monkeypatch.setattr(at, "_time_passes", fake)
+    return calls
+
+
+def test_a_candidate_outside_the_bound_is_timed_on_one_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new MGRIT candidate faster than the best found is checked after one timed
+    pass; outside the bound it is timed no more, within it the rest of `repeats`
+    passes are timed (warm) and its time is the fewest."""
+    # (the later passes faster: the fewest is theirs)
+    calls = _mgrit_passes(monkeypatch, ((2, 4), (2, 8)), lambda warm: 0.2 if warm else 0.3)
     net, x, y = _stiff_batch(1.0)
     loss = torch.nn.functional.cross_entropy
     for bound, within in ((1e-12, False), (0.9, True)):
@@ -1228,23 +1242,7 @@ def test_a_clearly_slower_candidate_is_timed_again_only_after_a_faster_untimed_p
     (over `timing.SLOWER` x it) after an untimed pass as slow is timed no more, as
     `gauged_seconds` times a candidate; after an untimed pass within that, the timed
     one may have been disturbed: the rest of `repeats` passes are timed."""
-    timed = at._time_passes
-    calls: list[tuple[int, int, bool]] = []
-    monkeypatch.setattr(at, "STRUCTURES", ((2, 4),))
-
-    def fake(model: Any, m: Any, x: Any, y: Any, loss: Any, repeats: int,
-             bound: float = math.inf, warm: bool = False,
-             untimed_out: Optional[list[float]] = None) -> float:
-        timed(model, m, x, y, loss, repeats)
-        o = getattr(m, "options", None)
-        if o is None or o.max_levels == 1:
-            return 1.0
-        calls.append((o.max_levels, repeats, warm))
-        if untimed_out is not None and not warm:
-            untimed_out.append(untimed)
-        return 2.0  # (the time to beat: 1.0)
-
-    monkeypatch.setattr(at, "_time_passes", fake)
+    calls = _mgrit_passes(monkeypatch, ((2, 4),), lambda warm: 2.0, untimed)  # (beat: 1.0)
     net, x, y = _stiff_batch(1.0)
     model = LayerParallel(net, None, "auto")
     got = model.tune(x, y, torch.nn.functional.cross_entropy)
