@@ -1,6 +1,6 @@
 """Passes that behave like PyTorch's: several forwards before one backward, a no_grad
 forward in between, backwards in any order, dropped outputs freeing their records,
-micro-batch accumulation.  Against the serial ODENet oracle, float64, converged MGRIT,
+micro-batch accumulation, the output changed in place.  Against the serial ODENet oracle, float64, converged MGRIT,
 batched and per-step cycles, at 1 rank in-process and at 2 and 3 ranks under MPI."""
 from __future__ import annotations
 
@@ -38,6 +38,11 @@ def test_a_parameter_no_block_uses_keeps_no_gradient_as_in_serial() -> None:
     assert lp_passes.unused_parameters(None) <= F64.converged
 
 
+def test_the_output_changed_in_place_as_in_serial() -> None:
+    # (a segment's last state was returned as a view, which autograd refused to change)
+    assert lp_passes.segment_last_in_place(None) <= F64.converged
+
+
 def test_dropped_outputs_hold_no_memory() -> None:
     # 90 more forwards whose outputs are dropped leave no more live tensors behind
     assert lp_passes.dropped_outputs_growth(None) <= 0
@@ -52,6 +57,9 @@ def test_passes_match_serial_mpi(nprocs: int, tmp_path: Path) -> None:
     errs = json.loads(out.read_text())
     assert errs.pop("tensor growth") <= 0
     assert errs.pop("unused parameters") <= F64.converged
+    # (on the ranks receiving the output, it viewed the message's bytes: autograd
+    # refused the in-place change there, and the holder went on to wait)
+    assert errs.pop("segment last, output changed in place") <= F64.converged
     # batched="auto" decides alike on every rank, and either path gives the same result
     assert errs.pop("auto choices agree") is True
     assert errs.pop("auto vs per-step") <= F64.roundoff

@@ -171,6 +171,11 @@ def forward_pass(model: LayerParallel, ctx: PassRecord, x: Tensor, record: bool,
         model._shape_cache[key] = metas
     ctx.out_holder = holder
     y = broadcast(model, h, holder, shape, dtype, x.device)
+    if y._is_view():
+        # a tensor of its own on every rank: autograd refuses an in-place change to a
+        # view that a Function returns, and a rank whose output viewed a buffer (the
+        # segment's last state) would raise where the others went on
+        y = y.clone()
     if model.check_finite and not bool(torch.isfinite(y).all()):
         raise DivergenceError("the layer-parallel forward pass produced non-finite "
                               "outputs (NaN or inf)")

@@ -74,11 +74,19 @@ def _full_batch(m: torch.nn.Module, xs: list) -> None:
     ce(m(x), y).backward()
 
 
+def _output_in_place(m: torch.nn.Module, xs: list) -> None:
+    (x, y), _ = xs
+    out = m(x)
+    out.mul_(2.0)  # (autograd refuses this on a view a Function returns)
+    ce(out, y).backward()
+
+
 CASES = {"two forwards, one backward": (_two_forwards, _two_forwards),
          "no_grad forward between": (_no_grad_between, _no_grad_between),
          "later backward first": (_later_backward_first, _later_backward_first),
          # k micro-batches accumulated == one batch of k times the size (exact mode)
-         "4 micro-batches == one batch": (_micro_batches, _full_batch)}
+         "4 micro-batches == one batch": (_micro_batches, _full_batch),
+         "output changed in place": (_output_in_place, _output_in_place)}
 
 
 def run_cases(comm) -> dict[str, float]:
@@ -141,6 +149,24 @@ def unused_parameters(comm) -> float:
     return worst
 
 
+def segment_last_in_place(comm) -> float:
+    """The worst relative gradient error against serial's of a net whose last layer is a
+    segment (the output its last state, on the last rank, which the others receive),
+    its output changed in place before the loss: as serial autograd allows."""
+    torch.manual_seed(6)
+    ref = layerpar.ODENet(layers=[
+        torch.nn.Linear(3, 5),
+        layerpar.ode.Segment(lambda k: blocks.Dense(5, activation="tanh"), 16, 1.0)]).double()
+    model = layerpar.LayerParallel(copy.deepcopy(ref), comm, CONVERGED, CONVERGED)
+    xs = [_data(8, 4), _data(6, 5)]
+    for m in (ref, model):
+        _output_in_place(m, xs)
+    refp = dict(ref.named_parameters())
+    worst = max(rel(p.grad, refp[n].grad) for n, p in model.named_parameters())
+    model.close()
+    return worst
+
+
 def tensors_alive() -> int:
     gc.collect()
     with warnings.catch_warnings():  # is_tensor on deprecated torch objects warns
@@ -194,6 +220,7 @@ def main() -> None:
     errs = run_cases(comm)
     errs["tensor growth"] = float(dropped_outputs_growth(comm))
     errs["unused parameters"] = unused_parameters(comm)
+    errs["segment last, output changed in place"] = segment_last_in_place(comm)
     choice, errs["auto vs per-step"] = auto_choice(comm)
     got = comm.gather((errs, choice), root=0)
     if comm.rank == 0:
