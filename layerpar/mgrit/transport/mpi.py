@@ -265,13 +265,12 @@ class MPITransport(Transport):
         mine = need_tensor(t, what) if self.group_rank == root else None
         # received into a tensor of its own (not a view of a byte buffer: the output
         # of a pass, which autograd would refuse to modify in place on this rank only)
-        got = None if mine is not None else torch.empty(tuple(shape), dtype=dtype)
-        buf = pack(mine) if mine is not None else pack(got)
+        got = mine if mine is not None else torch.empty(tuple(shape), dtype=dtype)
+        buf = pack(got)
         self._wait_request(self.comm.Ibcast([buf, self._MPI.BYTE], root=root), what, root,
                            keep=buf)
-        if got is None:
-            return mine
-        return got if torch.device(device).type == "cpu" else got.to(device)
+        return got if mine is not None or torch.device(device).type == "cpu" else \
+            got.to(device)
 
     def _bcast_bytes(self, data: Optional[bytes], root: int, what: str) -> bytes:
         n = np.array([len(data) if data is not None else 0], dtype=np.int64)
