@@ -1,7 +1,8 @@
 """Passes that behave like PyTorch's: several forwards before one backward, a no_grad
 forward in between, backwards in any order, dropped outputs freeing their records,
-micro-batch accumulation, the output changed in place.  Against the serial ODENet oracle, float64, converged MGRIT,
-batched and per-step cycles, at 1 rank in-process and at 2 and 3 ranks under MPI."""
+micro-batch accumulation, the output changed in place.  Against the serial ODENet
+oracle, float64, converged MGRIT, batched and per-step cycles, at 1 rank in-process and
+at 2 and 3 ranks under MPI."""
 from __future__ import annotations
 
 import json
