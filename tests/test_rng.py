@@ -86,9 +86,10 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
         assert "error" not in r, r
         assert r["output"] <= F64.converged and r["grads"] <= F64.converged, r
         assert r["blocks compiled"], r
-    for r in results["dropout modules in eval"]:  # no seed drawn, as serial draws none
-        assert r["same as serial"] and r["generator as serial's"], r
-        assert r["params"] <= F64.converged, r
+    for name in ("dropout modules in eval", "dropout switched by its owner"):
+        for r in results[name]:  # no seed drawn, as serial draws none
+            assert r["same as serial"] and r["generator as serial's"], (name, r)
+            assert r["params"] <= F64.converged, (name, r)
     for name in ("hooked parameter", "hooked parameter, per-step"):
         for r in results[name]:  # each hook once per backward, as in serial autograd
             assert r["post hooks per parameter"] == 1.0, (name, r)

@@ -403,8 +403,12 @@ def _agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     p_rg = any(p.requires_grad for p in model._param_list)
     # drawn on every rank (rank 0's is used): each rank's global generator then
     # advances as serial `ODENet.forward` advances it, and the ranks' generators
-    # stay in step (a DataLoader shuffling from them gives every rank the same batches)
-    seed = draw_seed() if model.needs_seed else None
+    # stay in step (a DataLoader shuffling from them gives every rank the same batches);
+    # put back after the agreement where no rank's own dropout trains (`draws_seed`)
+    draw = model.training and model._has_dropout
+    before = torch.get_rng_state() if draw else None
+    seed = draw_seed() if draw else None
+    own = draw and any(m.training for m in model._dropouts)
     dev = x.device.type
     cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     key = (tuple(x.shape), str(x.dtype), model.training, grad_mode, str(cast))
@@ -418,16 +422,16 @@ def _agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     # and a finding travels in the agreement's message
     hooks = hook_refusal(model) or model._layout.moved()
     if model._agreements is not None:
-        return agree_on_grid(model, x, key, x_rg, p_rg, seed, hooks)
+        return agree_on_grid(model, x, key, x_rg, p_rg, (seed, own, before), hooks)
     if model.size == 1:
         if hooks is not None:
             raise ValueError(hooks)
-        return Agreed(grad_mode and (x_rg or p_rg), x_rg, seed)
+        return seeded(grad_mode and (x_rg or p_rg), x_rg, seed, own, before)
     probe = values_fingerprint(x) if model._batch <= model.check_inputs else None
     shared = model._shared
     flags = None if shared is None else shared.flags(model.rank)
     got = model.guard(lambda: model.transport.allgather_object(
-        (key, x_rg, p_rg, seed, probe, flags, hooks),
+        (key, x_rg, p_rg, (seed, own), probe, flags, hooks),
         "the forward pass's agreement on the input"))
     _refuse_hooks([g[6] for g in got])
     keys = [g[0] for g in got]
@@ -439,7 +443,23 @@ def _agree_pass(model: LayerParallel, x: Tensor) -> Agreed:
     if flags is not None:
         shared.check_flags([g[5] for g in got])
     any_x = any(g[1] for g in got)
-    return Agreed(grad_mode and (any_x or any(g[2] for g in got)), any_x, got[0][3])
+    return seeded(grad_mode and (any_x or any(g[2] for g in got)), any_x, got[0][3][0],
+                  any(g[3][1] for g in got), before)
+
+
+def seeded(record: bool, x_requires_grad: bool, seed: Optional[int], any_own: bool,
+           before: Optional[Tensor]) -> Agreed:
+    """What the ranks agreed, with the dropout seed where some rank's own dropout
+    module trains (`any_own`: each rank sent whether one of its own does), else none
+    and the seed's draw undone (the global generator put back to `before`).  Serial
+    `ODENet.forward` draws where any dropout module of the net trains, and only a
+    layer's owner sees its dropout module switched by itself (``m.eval()`` over
+    ``model.modules()``): read from this rank's copies of the others' layers, which
+    keep their modes, every rank drew a seed serial did not, and every later random
+    number differed from serial's."""
+    if before is not None and not any_own:
+        torch.set_rng_state(before)
+    return Agreed(record, x_requires_grad, seed if any_own else None)
 
 
 def _refuse_hooks(found: list[Optional[str]]) -> None:
@@ -451,7 +471,8 @@ def _refuse_hooks(found: list[Optional[str]]) -> None:
 
 
 def agree_on_grid(model: LayerParallel, x: Tensor, key: tuple, x_rg: bool, p_rg: bool,
-                  seed: Optional[int], hooks: Optional[str] = None) -> Agreed:
+                  drawn: tuple[Optional[int], bool, Optional[Tensor]],
+                  hooks: Optional[str] = None) -> Agreed:
     """`_agree` on a grid with replicas: one collective over the whole grid, each
     process checking every group from it, so a mismatch raises alike everywhere.
     Replicas hold other samples of the same shapes, and take the same kind of pass
@@ -468,7 +489,7 @@ def agree_on_grid(model: LayerParallel, x: Tensor, key: tuple, x_rg: bool, p_rg:
     model._agreements.set_context(f"batch {model._batch}, forward pass")
     flags = None if model._shared is None else model._shared.flags(model.rank)
     got = model.guard(lambda: model._agreements.allgather_object(
-        (key, model._exact_pass, x_rg, p_rg, seed, probe, flags, hooks),
+        (key, model._exact_pass, x_rg, p_rg, drawn[:2], probe, flags, hooks),
         "the forward pass's agreement on the input (whole grid)"))
     _refuse_hooks([g[7] for g in got])
     layers = model.grid.layers
@@ -511,7 +532,8 @@ def agree_on_grid(model: LayerParallel, x: Tensor, key: tuple, x_rg: bool, p_rg:
     # each replica's masks its own (its rows are other samples): the seed mixed with
     # the replica's index, so the replicas' dropout noise is independent, as a serial
     # net's over the global batch (not the same masks row for row)
-    seed = mine[0][4]
+    seed = mine[0][4][0]
     if seed is not None:
         seed = mix_seed(seed, REPLICA, model.grid.data_rank)
-    return Agreed(record, any(g[2] for g in mine), seed)
+    return seeded(record, any(g[2] for g in mine), seed, any(g[4][1] for g in got),
+                  drawn[2])

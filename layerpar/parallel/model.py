@@ -431,10 +431,10 @@ class LayerParallel(nn.Module):
                              "engine": engine,
                              "check_finite": check_finite, "timeout": timeout,
                              "check_inputs": check_inputs}
-        # the net's dropout modules, every rank's (a pass draws a seed where serial
-        # `ODENet.forward` would: in training mode, some dropout module training)
-        self._dropouts = [m for m in net.modules() if isinstance(m, _DROPOUT)]
-        self._has_dropout = bool(self._dropouts)
+        # this rank's own dropout modules (a pass draws a seed where serial
+        # `ODENet.forward` would: in training mode, some owner's dropout training)
+        self._has_dropout = any(isinstance(m, _DROPOUT) for m in net.modules())
+        self._dropouts = [m for m in self.modules() if isinstance(m, _DROPOUT)]
         #: per segment, what the last forward / backward pass's solves reached
         self.last_forward: list[MGRITResult] = []
         self.last_backward: list[MGRITResult] = []
@@ -485,17 +485,9 @@ class LayerParallel(nn.Module):
     def batch(self, value: int) -> None:
         self._batch = value
 
-    @property
-    def needs_seed(self) -> bool:
-        """Whether this pass draws a dropout seed: as serial `ODENet.forward_seed`
-        decides, in training mode with some dropout module of the net in training
-        mode (one switched off by its own ``eval()`` draws nothing)."""
-        return self.training and any(m.training for m in self._dropouts)
-
     def train(self, mode: bool = True) -> LayerParallel:
         """`nn.Module.train`, on the whole net too: its other ranks' layers are not this
-        model's submodules, and every rank reads their dropout modules' modes alike
-        (`needs_seed`)."""
+        model's submodules, and their modes follow (`agree.draws_seed`)."""
         super().train(mode)
         self._whole.net.train(mode)
         return self

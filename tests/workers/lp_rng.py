@@ -96,9 +96,11 @@ def _dropout_net() -> layerpar.ODENet:
         close=nn.Sequential(nn.Dropout(0.3), nn.Linear(4, 5))).double()
 
 
-def _epochs(model: nn.Module) -> tuple[list[list[int]], torch.Tensor]:
+def _epochs(model: nn.Module, switch: bool = False) -> tuple[list[list[int]], torch.Tensor]:
     """Three epochs of SGD over a shuffled loader from the global seed 7: the sample
-    indices of every batch, and the global generator's state after."""
+    indices of every batch, and the global generator's state after.  `switch`: the
+    dropout modules among ``model.modules()`` in eval mode for the first two batches
+    (a warm-up without dropout), then training."""
     g = torch.Generator().manual_seed(0)
     n = 24
     data = TensorDataset(torch.arange(n), torch.randn(n, 3, generator=g, dtype=torch.float64),
@@ -109,6 +111,10 @@ def _epochs(model: nn.Module) -> tuple[list[list[int]], torch.Tensor]:
     seen = []
     for _ in range(3):
         for i, x, y in loader:
+            if switch:
+                for m in model.modules():
+                    if isinstance(m, nn.Dropout):
+                        m.train(len(seen) >= 2)
             seen.append(i.tolist())
             opt.zero_grad()
             ce(model(x), y).backward()
@@ -373,6 +379,23 @@ def dropout_modules_in_eval(comm: Any) -> dict[str, Any]:
             "params": max(rel(full[k], ref[k]) for k in ref)}
 
 
+def dropout_switched_by_owner(comm: Any) -> dict[str, Any]:
+    """Dropout switched off for two batches through ``model.modules()``, which at 2+
+    ranks holds this rank's own layers only, then on again: serial draws no seed while
+    it is off, and neither may layerpar (it drew one where this rank's copies of the
+    others' dropout modules still trained, and every later random number differed)."""
+    serial = _dropout_net()
+    model = layerpar.LayerParallel(copy.deepcopy(serial), comm, CONVERGED, check_inputs=2)
+    want, want_state = _epochs(serial, switch=True)
+    got, got_state = _epochs(model, switch=True)
+    full = model.gather_state_dict()
+    ref = serial.state_dict()
+    model.close()
+    return {"same as serial": got == want,
+            "generator as serial's": bool(torch.equal(got_state, want_state)),
+            "params": max(rel(full[k], ref[k]) for k in ref)}
+
+
 class _FunctionalDropout(nn.Module):
     """An opening layer drawing its own randomness (`F.dropout`, no dropout module)."""
 
@@ -457,6 +480,7 @@ def run_all(comm: Any) -> dict[str, Any]:
         "inference mode": lambda: inference_mode(comm, CONVERGED),
         "inference mode, auto": lambda: inference_mode(comm, "auto"),
         "dropout modules in eval": lambda: dropout_modules_in_eval(comm),
+        "dropout switched by its owner": lambda: dropout_switched_by_owner(comm),
         "hooked parameter": lambda: hooked_parameter(comm),
         "hooked parameter, per-step": lambda: hooked_parameter(
             comm, MGRITOptions(max_levels=1)),
