@@ -4,7 +4,8 @@ model computes with the objects it was built with); values set in place, and mod
 built elsewhere in the process, give serial's output.  The net's own forward after a
 training pass at 2+ ranks is refused (its copies of the other ranks' layers are
 stale once a step follows), with any optimizer, and so are its state dict, pickling
-(``torch.save(net)``) and deep copies."""
+(``torch.save(net)``) and deep copies.  ``model.apply(init)`` initialises as
+``serial.apply(init)`` does."""
 from __future__ import annotations
 
 import json
@@ -61,6 +62,9 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
     for name in ("values in place", "modules built elsewhere", "net's forward, loaded"):
         for r in results[name]:
             assert "error" not in r and r["diff"] <= F64.converged, (name, r)
+    for r in results["initialised by model.apply"]:  # (the draws in serial's order)
+        assert r["diff"] <= F64.converged and r["params"] == 0.0, r
+        assert r["generator as serial's"], r
 
 
 def test_one_rank() -> None:

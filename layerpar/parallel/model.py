@@ -485,6 +485,13 @@ class LayerParallel(nn.Module):
     def batch(self, value: int) -> None:
         self._batch = value
 
+    def apply(self, fn: Callable[[nn.Module], None]) -> LayerParallel:  # type: ignore[override]
+        """`fn` over the whole net's modules in serial `ODENet.apply`'s order, on every
+        rank: an initialisation drawing random numbers gives every layer serial's values
+        (over this rank's layers alone, the draws would start where the net's first does)."""
+        self._whole.net.apply(fn)
+        return self
+
     def train(self, mode: bool = True) -> LayerParallel:
         """`nn.Module.train`, on the whole net too: its other ranks' layers are not this
         model's submodules, and their modes follow (`agree.draws_seed`)."""

@@ -110,6 +110,36 @@ def _case(comm: Any, change: Callable[[layerpar.ODENet], None], after: int = 1,
     return out
 
 
+def _initialised(comm: Any) -> dict[str, Any]:
+    """``model.apply(init)`` with an initialisation drawing random numbers, against
+    ``serial.apply(init)`` from the same seed: the output, this rank's parameters and
+    the global generator after it (each rank drew for its own layers alone, from where
+    the net's first layer starts)."""
+    net = _net()
+    serial = copy.deepcopy(net)
+    model = layerpar.LayerParallel(net, comm, CONVERGED)
+
+    def init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
+            nn.init.normal_(m.bias)
+
+    after = []
+    for m in (model, serial):
+        torch.manual_seed(5)
+        m.apply(init)
+        after.append(torch.get_rng_state())
+    x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    ref = dict(serial.named_parameters())
+    with torch.no_grad():
+        out = {"diff": float((model(x) - serial(x)).abs().max()),
+               "params": max(float((p - ref[n]).abs().max())
+                             for n, p in model.named_parameters()),
+               "generator as serial's": bool(torch.equal(*after))}
+    model.close()
+    return out
+
+
 def _serial_after(comm: Any, step: bool, load: bool, options: Any = CONVERGED,
                   batches: int = 1, flat: bool = False) -> dict[str, Any]:
     """The net's own forward after `batches` training batches (each with an optimizer
@@ -167,6 +197,7 @@ def run_all(comm: Any) -> dict[str, Any]:
         "parametrization": _case(comm, _halved),
         "values in place": _case(comm, _in_place),
         "modules built elsewhere": _case(comm, _elsewhere, after=CHECKED),
+        "initialised by model.apply": _initialised(comm),
         "net's forward, trained": _serial_after(comm, step=True, load=False),
         "net's forward, no step": _serial_after(comm, step=False, load=False),
         "net's forward, loaded": _serial_after(comm, step=True, load=True),
