@@ -5,7 +5,9 @@ built elsewhere in the process, give serial's output.  The net's own forward aft
 training pass at 2+ ranks is refused (its copies of the other ranks' layers are
 stale once a step follows), with any optimizer, and so are its state dict, pickling
 (``torch.save(net)``) and deep copies.  ``model.apply(init)`` initialises as
-``serial.apply(init)`` does."""
+``serial.apply(init)`` does.  An optimizer state loaded from another rank's
+``optimizer.state_dict()``, and LBFGS (dot products over every parameter), are refused
+at 2+ ranks."""
 from __future__ import annotations
 
 import json
@@ -62,6 +64,22 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
     for name in ("values in place", "modules built elsewhere", "net's forward, loaded"):
         for r in results[name]:
             assert "error" not in r and r["diff"] <= F64.converged, (name, r)
+    for r in results["optimizer state gathered"]:  # (each rank's groups keep its rank)
+        assert "error" not in r and r["params"] <= F64.converged, r
+    if ranks > 1:
+        # rank 0's own state runs its step; the others refuse theirs, and rank 0
+        # hears of it at its next message
+        for r in results["optimizer state of rank 0"]:
+            assert f"was loaded from the optimizer of rank 0 of {ranks}" in \
+                r.get("error", ""), r
+        for r in results["LBFGS"]:
+            assert r.get("error", "").startswith(
+                "ValueError: torch.optim.LBFGS over a LayerParallel model's "
+                "parameters"), r
+    else:
+        for name in ("optimizer state of rank 0", "LBFGS"):
+            for r in results[name]:
+                assert "error" not in r and r["params"] <= F64.converged, (name, r)
     for r in results["initialised by model.apply"]:  # (the draws in serial's order)
         assert r["diff"] <= F64.converged and r["params"] == 0.0, r
         assert r["generator as serial's"], r

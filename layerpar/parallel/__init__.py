@@ -41,6 +41,8 @@ sync.py       how replicas stay in step: all-reduce, DASO, Lion Cub; bytes; slow
 lion.py       the Lion optimizer
 flatadam.py   FlatAdam: Adam stepping each run of a segment's parameter rows as one tensor
 scaler.py     GradScaler: torch's loss scaler with its overflow check agreed between ranks
+optimizers.py what a user's optimizer over a rank's part cannot do, refused at its step
+              (another rank's loaded state, LBFGS)
 """
 # The first `torch.autograd.grad` with tensor `grad_outputs` in a process imports this
 # module (and sympy: ~0.3-0.5 s); every layer-parallel backward makes such calls, so it

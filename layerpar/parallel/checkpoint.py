@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from ..mgrit.errors import RemoteError
 from .flatadam import FlatAdam
+from .optimizers import OWNER
 
 #: a `LayerParallel` (the model): not imported, as the model imports this module
 _Model = Any
@@ -71,7 +72,8 @@ def gather_optimizer_state(model: _Model,
         state = {n: {k: (v.detach().cpu() if isinstance(v, Tensor) else v)
                      for k, v in st.items()}
                  for i, st in sd["state"].items() for n in names[id(order[i])]}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+        groups = [{k: v for k, v in g.items() if k not in ("params", OWNER)}
+                  for g in sd["param_groups"]]
         group_of = {n: gi for gi, g in enumerate(optimizer.param_groups)
                     for p in g["params"] for n in names[id(p)]}
         part = (state, groups, group_of, type(optimizer).__name__)
@@ -128,7 +130,9 @@ def load_optimizer_state(model: _Model, optimizer: torch.optim.Optimizer,
                             for k, v in st.items()}
     groups = []
     for g_local, g_saved in zip(local["param_groups"], state["param_groups"]):
-        groups.append({**g_saved, "params": g_local["params"]})
+        # (the rank whose layers the group steps stays this rank's: `optimizers.OWNER`)
+        mine = {k: g_local[k] for k in ("params", OWNER) if k in g_local}
+        groups.append({**{k: v for k, v in g_saved.items() if k != OWNER}, **mine})
     optimizer.load_state_dict({"state": new_state, "param_groups": groups})
 
 

@@ -32,7 +32,7 @@ from ..mgrit.xbraid import check_engine
 from ..ode.coarsening import COARSENINGS
 from ..ode.net import ODENet, Segment
 from ..ode.rng import DROPOUT_TYPES as _DROPOUT
-from . import checkpoint
+from . import checkpoint, optimizers
 from .agree import Agreed, Layout, StaleNet, agree_pass, check_xbraid, layer_key
 from .grads import GradDelivery
 from .grid import ProcessGrid
@@ -413,6 +413,7 @@ class LayerParallel(nn.Module):
         self._param_list: list[nn.Parameter] = list(self.parameters())
         self._layout = Layout(self, net)  # (what a pass refuses to find replaced)
         self._stale = StaleNet.guard(net, self._param_list, self.size)  # (net(x) refused)
+        optimizers.watch(self, self._param_list)  # (another rank's optimizer state, LBFGS)
         self._deliver = GradDelivery()
         self._closed = False
         # joins the backward on a rank with nothing of its own to differentiate

@@ -140,6 +140,83 @@ def _initialised(comm: Any) -> dict[str, Any]:
     return out
 
 
+def _optimizer_state(comm: Any, gathered: bool) -> dict[str, Any]:
+    """Two Adam steps, the optimizer's state saved and loaded into a new Adam on every
+    rank, one more step and a pass: rank 0's ``optimizer.state_dict()`` (the
+    DistributedDataParallel habit; each rank's optimizer holds its own layers), or,
+    where `gathered`, ``model.gather_optimizer_state``.  What the last step and pass
+    raised, and the parameters against serial's (the same steps, its own state).  The
+    net is blocks alone, four a rank at most: every rank's parameters have the same
+    shapes, so torch's `load_state_dict` takes another rank's state without a word."""
+    torch.manual_seed(0)
+    net = layerpar.ODENet(layers=[layerpar.ode.Segment(
+        lambda k: blocks.Dense(4, activation="tanh"), N_STEPS, 1.0)]).double()
+    serial = copy.deepcopy(net)
+    model = layerpar.LayerParallel(net, comm, CONVERGED)
+    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 4, (6,), generator=torch.Generator().manual_seed(4))
+    out: dict[str, Any] = {}
+    try:
+        opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (model, serial)]
+        for _ in range(2):
+            for m, opt in zip((model, serial), opts):
+                opt.zero_grad()
+                nn.functional.cross_entropy(m(x), y).backward()
+                opt.step()
+        if gathered:
+            state = model.gather_optimizer_state(opts[0])
+        else:
+            state = opts[0].state_dict() if comm is None else \
+                comm.bcast(opts[0].state_dict() if comm.Get_rank() == 0 else None, root=0)
+        again = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (model, serial)]
+        if gathered:
+            model.load_optimizer_state(again[0], state)
+        else:
+            again[0].load_state_dict(state)
+        again[1].load_state_dict(opts[1].state_dict())
+        for m, opt in zip((model, serial), again):
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+        model(x)
+        ref = dict(serial.named_parameters())
+        out["params"] = max(float((p - ref[n]).abs().max())
+                            for n, p in model.named_parameters())
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    model.close()
+    return out
+
+
+def _lbfgs(comm: Any) -> dict[str, Any]:
+    """Two LBFGS steps (a closure): the parameters against serial's, or the error."""
+    net = _net()
+    serial = copy.deepcopy(net)
+    model = layerpar.LayerParallel(net, comm, CONVERGED)
+    x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 5, (6,), generator=torch.Generator().manual_seed(4))
+    out: dict[str, Any] = {}
+    try:
+        for m in (model, serial):
+            opt = torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=5)
+
+            def closure(m: nn.Module = m, opt: torch.optim.Optimizer = opt) -> torch.Tensor:
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(m(x), y)
+                loss.backward()
+                return loss
+
+            for _ in range(2):
+                opt.step(closure)
+        ref = dict(serial.named_parameters())
+        out["params"] = max(float((p - ref[n]).abs().max())
+                            for n, p in model.named_parameters())
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    model.close()
+    return out
+
+
 def _serial_after(comm: Any, step: bool, load: bool, options: Any = CONVERGED,
                   batches: int = 1, flat: bool = False) -> dict[str, Any]:
     """The net's own forward after `batches` training batches (each with an optimizer
@@ -198,6 +275,9 @@ def run_all(comm: Any) -> dict[str, Any]:
         "values in place": _case(comm, _in_place),
         "modules built elsewhere": _case(comm, _elsewhere, after=CHECKED),
         "initialised by model.apply": _initialised(comm),
+        "optimizer state of rank 0": _optimizer_state(comm, gathered=False),
+        "optimizer state gathered": _optimizer_state(comm, gathered=True),
+        "LBFGS": _lbfgs(comm),
         "net's forward, trained": _serial_after(comm, step=True, load=False),
         "net's forward, no step": _serial_after(comm, step=False, load=False),
         "net's forward, loaded": _serial_after(comm, step=True, load=True),

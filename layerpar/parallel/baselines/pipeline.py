@@ -57,6 +57,7 @@ from ...mgrit.grid import Partition
 from ...mgrit.transport import DEFAULT_TIMEOUT, check_timeout, make_transport
 from ...ode.net import ODENet, Segment
 from ...ode.rng import GeneratorStates, StepStreams
+from .. import optimizers
 from ..agree import layer_key
 from ..batched import buffer_versions
 from ..checkpoint import _name_order, clip_over_ranks
@@ -355,6 +356,7 @@ class PipelineNet(TrainingMethod):
         self.transport.timeout = timeout
         self.net = net
         self._streams = StepStreams(net, self.rank)
+        optimizers.watch(self, [t for mod in self._local.values() for t in mod.parameters()])
         local = {id(t) for mod in self._local.values() for t in mod.parameters()}
         # the net's parameters this rank does not train: a loss reaching them (a penalty
         # on the whole net's weights) would move stale copies, not their owners' (a hook
