@@ -420,6 +420,15 @@ def test_clipping_the_gradient_norm_trains_as_serial(ranks: int) -> None:
 
 
 @pytest.mark.mpi
+def test_another_ranks_optimizer_state_is_refused_for_a_pipeline() -> None:
+    """Rank 0's ``optimizer.state_dict()`` loaded on every rank: right for the batch
+    split (every rank holds the whole net), refused for a pipeline on every rank (each
+    rank's optimizer holds its stages' parameters)."""
+    got = _user_cases("optstate")
+    assert got == {"optstate/data": "RAN", "optstate/pipeline": "REFUSED"}, got
+
+
+@pytest.mark.mpi
 def test_data_parallel_batch_norm_evaluates_alike_on_every_rank() -> None:
     """Each rank's batch norm updates its running statistics from its own share; after
     each step every rank takes rank 0's, so the state dicts and the evaluation after

@@ -231,6 +231,41 @@ def case_clip():
             net(), group(), schedule=schedule, microbatches=2), serial=ref, clip=0.05)
 
 
+def case_optstate():
+    """Two SGD-momentum steps, rank 0's ``optimizer.state_dict()`` loaded into a new
+    optimizer on every rank (the DistributedDataParallel habit), one more step: right
+    for data parallelism (every rank holds the whole net), refused for a pipeline
+    (each rank holds its stages), on every rank."""
+    def run(m):
+        batches = data()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        for x, y in batches[:2]:
+            opt.zero_grad()
+            m.train_step(x, y, CE)
+            opt.step()
+        state = comm.bcast(opt.state_dict() if rank == 0 else None, root=0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        opt.load_state_dict(state)
+        opt.zero_grad()
+        m.train_step(*batches[2], CE)
+        opt.step()
+        m.train_step(*batches[3], CE)  # (a rank that refused tells the others)
+
+    for name, build in (("data", lambda: DataParallelNet(net(), comm)),
+                        ("pipeline", lambda: PipelineNet(net(), group(), schedule="gpipe",
+                                                         microbatches=2))):
+        m = build()
+        try:
+            run(m)
+            say("optstate", name, "RAN")
+        except Exception as exc:  # noqa: BLE001
+            said = "REFUSED" if "was loaded from the optimizer of rank 0 of" in str(exc) \
+                else f"RAISED {type(exc).__name__}: {str(exc)[:160]}"
+            say("optstate", name, said)
+        finally:
+            m.close()
+
+
 def case_bn():
     def bn_net():
         torch.manual_seed(0)
@@ -562,7 +597,8 @@ def closed(m):
 
 if __name__ == "__main__":
     {"tied": case_tied, "reload": case_reload, "losses": case_losses, "clip": case_clip,
-     "bn": case_bn, "ragged": case_ragged, "streams": case_streams, "stages": case_stages,
+     "optstate": case_optstate, "bn": case_bn, "ragged": case_ragged,
+     "streams": case_streams, "stages": case_stages,
      "penalty": case_penalty, "usage": case_usage, "failure": case_failure,
      "late": case_late, "stall": case_stall}[sys.argv[1]]()
     print(f"RANK {rank} DONE", flush=True)
