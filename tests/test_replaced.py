@@ -64,6 +64,10 @@ def check(results: dict[str, list[Any]], ranks: int) -> None:
     for name in ("values in place", "modules built elsewhere", "net's forward, loaded"):
         for r in results[name]:
             assert "error" not in r and r["diff"] <= F64.converged, (name, r)
+    for r in results["torch.func.functional_call"]:  # (refused on every rank)
+        assert r.get("error", "").startswith(
+            "ValueError: parameter `layers.") and "torch.func.functional_call" in \
+            r["error"], r
     for r in results["optimizer state gathered"]:  # (each rank's groups keep its rank)
         assert "error" not in r and r["params"] <= F64.converged, r
     if ranks > 1:

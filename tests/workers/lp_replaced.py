@@ -188,6 +188,24 @@ def _optimizer_state(comm: Any, gathered: bool) -> dict[str, Any]:
     return out
 
 
+def _functional_call(comm: Any) -> dict[str, Any]:
+    """``torch.func.functional_call(model, params, (x,))`` with this rank's parameters
+    doubled: what it raised (the swapped-in tensors would get no gradient)."""
+    from torch.func import functional_call
+
+    model = layerpar.LayerParallel(_net(), comm, CONVERGED)
+    x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    params = {n: (2 * p.detach()).requires_grad_() for n, p in model.named_parameters()}
+    out: dict[str, Any] = {}
+    try:
+        functional_call(model, params, (x,)).sum().backward()
+        out["grads"] = sum(p.grad is not None for p in params.values())
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    model.close()
+    return out
+
+
 def _lbfgs(comm: Any) -> dict[str, Any]:
     """Two LBFGS steps (a closure): the parameters against serial's, or the error."""
     net = _net()
@@ -278,6 +296,7 @@ def run_all(comm: Any) -> dict[str, Any]:
         "optimizer state of rank 0": _optimizer_state(comm, gathered=False),
         "optimizer state gathered": _optimizer_state(comm, gathered=True),
         "LBFGS": _lbfgs(comm),
+        "torch.func.functional_call": _functional_call(comm),
         "net's forward, trained": _serial_after(comm, step=True, load=False),
         "net's forward, no step": _serial_after(comm, step=False, load=False),
         "net's forward, loaded": _serial_after(comm, step=True, load=True),
