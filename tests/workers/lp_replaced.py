@@ -140,6 +140,22 @@ def _initialised(comm: Any) -> dict[str, Any]:
     return out
 
 
+def _against_serial(model: layerpar.LayerParallel, serial: nn.Module,
+                    run: Callable[[], None]) -> dict[str, Any]:
+    """`run()`, then this rank's parameters against serial's (their largest difference),
+    or the error it raised; the model closed."""
+    out: dict[str, Any] = {}
+    try:
+        run()
+        ref = dict(serial.named_parameters())
+        out["params"] = max(float((p - ref[n]).abs().max())
+                            for n, p in model.named_parameters())
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    model.close()
+    return out
+
+
 def _optimizer_state(comm: Any, gathered: bool) -> dict[str, Any]:
     """Two Adam steps, the optimizer's state saved and loaded into a new Adam on every
     rank, one more step and a pass: rank 0's ``optimizer.state_dict()`` (the
@@ -155,14 +171,17 @@ def _optimizer_state(comm: Any, gathered: bool) -> dict[str, Any]:
     model = layerpar.LayerParallel(net, comm, CONVERGED)
     x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     y = torch.randint(0, 4, (6,), generator=torch.Generator().manual_seed(4))
-    out: dict[str, Any] = {}
-    try:
+
+    def steps(opts: list[torch.optim.Optimizer]) -> None:
+        for m, opt in zip((model, serial), opts):
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+
+    def run() -> None:
         opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (model, serial)]
-        for _ in range(2):
-            for m, opt in zip((model, serial), opts):
-                opt.zero_grad()
-                nn.functional.cross_entropy(m(x), y).backward()
-                opt.step()
+        steps(opts)
+        steps(opts)
         if gathered:
             state = model.gather_optimizer_state(opts[0])
         else:
@@ -174,18 +193,10 @@ def _optimizer_state(comm: Any, gathered: bool) -> dict[str, Any]:
         else:
             again[0].load_state_dict(state)
         again[1].load_state_dict(opts[1].state_dict())
-        for m, opt in zip((model, serial), again):
-            opt.zero_grad()
-            nn.functional.cross_entropy(m(x), y).backward()
-            opt.step()
-        model(x)
-        ref = dict(serial.named_parameters())
-        out["params"] = max(float((p - ref[n]).abs().max())
-                            for n, p in model.named_parameters())
-    except Exception as exc:  # noqa: BLE001 - reported for the test to read
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    model.close()
-    return out
+        steps(again)
+        model(x)  # (a rank that refused its step tells the others)
+
+    return _against_serial(model, serial, run)
 
 
 def _functional_call(comm: Any) -> dict[str, Any]:
@@ -213,8 +224,8 @@ def _lbfgs(comm: Any) -> dict[str, Any]:
     model = layerpar.LayerParallel(net, comm, CONVERGED)
     x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     y = torch.randint(0, 5, (6,), generator=torch.Generator().manual_seed(4))
-    out: dict[str, Any] = {}
-    try:
+
+    def run() -> None:
         for m in (model, serial):
             opt = torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=5)
 
@@ -226,13 +237,8 @@ def _lbfgs(comm: Any) -> dict[str, Any]:
 
             for _ in range(2):
                 opt.step(closure)
-        ref = dict(serial.named_parameters())
-        out["params"] = max(float((p - ref[n]).abs().max())
-                            for n, p in model.named_parameters())
-    except Exception as exc:  # noqa: BLE001 - reported for the test to read
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    model.close()
-    return out
+
+    return _against_serial(model, serial, run)
 
 
 def _serial_after(comm: Any, step: bool, load: bool, options: Any = CONVERGED,

@@ -122,17 +122,23 @@ def _epochs(model: nn.Module, switch: bool = False) -> tuple[list[list[int]], to
     return seen, torch.get_rng_state()
 
 
-def shuffled_epochs(comm: Any) -> dict[str, Any]:
-    serial = _dropout_net()
+def _epochs_against_serial(comm: Any, serial: nn.Module, switch: bool = False
+                           ) -> dict[str, Any]:
+    """`_epochs` of `serial` and of a LayerParallel of a copy: the batches the model saw,
+    whether they and the generator after are serial's, and the parameters' error."""
     model = layerpar.LayerParallel(copy.deepcopy(serial), comm, CONVERGED, check_inputs=2)
-    want, want_state = _epochs(serial)
-    got, got_state = _epochs(model)
+    want, want_state = _epochs(serial, switch)
+    got, got_state = _epochs(model, switch)
     full = model.gather_state_dict()
     ref = serial.state_dict()
     model.close()
     return {"seen": got, "same as serial": got == want,
             "generator as serial's": bool(torch.equal(got_state, want_state)),
             "params": max(rel(full[k], ref[k]) for k in ref)}
+
+
+def shuffled_epochs(comm: Any) -> dict[str, Any]:
+    return _epochs_against_serial(comm, _dropout_net())
 
 
 # --- a block that draws random numbers outside a dropout module ---------------------------
@@ -368,15 +374,7 @@ def dropout_modules_in_eval(comm: Any) -> dict[str, Any]:
     for m in serial.modules():
         if isinstance(m, nn.Dropout):
             m.eval()
-    model = layerpar.LayerParallel(copy.deepcopy(serial), comm, CONVERGED, check_inputs=2)
-    want, want_state = _epochs(serial)
-    got, got_state = _epochs(model)
-    full = model.gather_state_dict()
-    ref = serial.state_dict()
-    model.close()
-    return {"same as serial": got == want,
-            "generator as serial's": bool(torch.equal(got_state, want_state)),
-            "params": max(rel(full[k], ref[k]) for k in ref)}
+    return _epochs_against_serial(comm, serial)
 
 
 def dropout_switched_by_owner(comm: Any) -> dict[str, Any]:
@@ -384,16 +382,7 @@ def dropout_switched_by_owner(comm: Any) -> dict[str, Any]:
     ranks holds this rank's own layers only, then on again: serial draws no seed while
     it is off, and neither may layerpar (it drew one where this rank's copies of the
     others' dropout modules still trained, and every later random number differed)."""
-    serial = _dropout_net()
-    model = layerpar.LayerParallel(copy.deepcopy(serial), comm, CONVERGED, check_inputs=2)
-    want, want_state = _epochs(serial, switch=True)
-    got, got_state = _epochs(model, switch=True)
-    full = model.gather_state_dict()
-    ref = serial.state_dict()
-    model.close()
-    return {"same as serial": got == want,
-            "generator as serial's": bool(torch.equal(got_state, want_state)),
-            "params": max(rel(full[k], ref[k]) for k in ref)}
+    return _epochs_against_serial(comm, _dropout_net(), switch=True)
 
 
 class _FunctionalDropout(nn.Module):
