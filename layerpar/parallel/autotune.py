@@ -824,7 +824,7 @@ class _Tuning:
                         t > SLOWER * beat and untimed and untimed[0] > SLOWER * beat):
                     # perhaps a disturbed pass: as many as usual (as `gauged_seconds`
                     # times them, a pass clearly slower after an untimed one as slow
-                    # is not timed again: on the conv ResNet the structures 1.4x the
+                    # is not timed again: on the conv ResNet the structures 1.3-1.4x the
                     # batch split's pass were timed a second time, 0.2 s each)
                     t = min(t, _time_passes(model, twin, x, y, loss_fn, more, beat,
                                             warm=True))

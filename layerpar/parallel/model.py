@@ -495,7 +495,7 @@ class LayerParallel(nn.Module):
 
     def train(self, mode: bool = True) -> LayerParallel:
         """`nn.Module.train`, on the whole net too: its other ranks' layers are not this
-        model's submodules, and their modes follow (`agree.draws_seed`)."""
+        model's submodules, and their modes follow (`agree.seeded`)."""
         super().train(mode)
         self._whole.net.train(mode)
         return self

@@ -74,8 +74,8 @@ def frozen_heap() -> Iterator[None]:
     Choosing and tuning build copies of the net, which sets off full collections: on
     the 1,024-layer dense net at 2 ranks, three per rank, 0.13 s each, during a choice
     of about 4 s; and a collection that lands in a timed pass of 43 ms makes it
-    several times slower than it is.  Frozen, they took 0.02-0.03 s each, and the
-    choice 3.1-3.5 s against 4.0-4.4 s (median 3.5 against 4.2, four runs each).
+    several times slower than it is.  Frozen, they took 0.03-0.04 s each, and the
+    choice 3.2-3.5 s (three runs) against 4.0-4.4 s (four runs).
     Nothing is done where objects are frozen already (the caller's own `gc.freeze`:
     ``layerpar train`` freezes what exists before it tunes, and again after its first
     step; or an outer `frozen_heap`) or the collector is off."""

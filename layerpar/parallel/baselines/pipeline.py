@@ -356,8 +356,9 @@ class PipelineNet(TrainingMethod):
         self.transport.timeout = timeout
         self.net = net
         self._streams = StepStreams(net, self.rank)
-        optimizers.watch(self, [t for mod in self._local.values() for t in mod.parameters()])
-        local = {id(t) for mod in self._local.values() for t in mod.parameters()}
+        mine = [t for mod in self._local.values() for t in mod.parameters()]
+        optimizers.watch(self, mine)  # (another rank's optimizer state, LBFGS: refused)
+        local = set(map(id, mine))
         # the net's parameters this rank does not train: a loss reaching them (a penalty
         # on the whole net's weights) would move stale copies, not their owners' (a hook
         # notes them: nothing to walk per step)
